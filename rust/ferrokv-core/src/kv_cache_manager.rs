@@ -1,0 +1,589 @@
+//! Per-sequence block tables over the physical pools: allocation, copy-on-write, prefix
+//! caching, swapping to the CPU pool.
+//!
+//! Invariants (checked by `check`):
+//! - Every reference count equals the number of block tables that hold the block. Only this
+//!   module changes reference counts; the scheduler sees block tables read-only.
+//! - A block about to be written (positions `num_computed..num_computed+num_new`) has exactly
+//!   one reference: a shared block is copied first and a `(src, dst)` copy op is queued.
+//! - Only full blocks whose KV has been computed are registered in the prefix cache, and a
+//!   cached block that is reused for other tokens is evicted from the cache first.
+//! - Capacity checks (`blocks_needed`) never under-count, so an allocation that passed its
+//!   check cannot fail halfway.
+//!
+//! Costs: allocation is O(new blocks); a decode step that stays inside its last block costs
+//! one ref-count read. Prefix lookups cost one hash per full block of the prompt.
+
+use crate::block_pool::{BlockId, BlockPool};
+use crate::prefix_cache::{hash_block, BlockHash, ParentLink, PrefixCache};
+use std::collections::HashMap;
+
+/// One sequence's logical → physical block mapping. Fields are private to this module.
+#[derive(Debug, Clone, Default)]
+pub struct BlockTable {
+    blocks: Vec<BlockId>,
+    /// Chain hashes of the sequence's leading full blocks known so far (valid while the
+    /// tokens only grow, so they survive preemption).
+    hashes: Vec<BlockHash>,
+    /// Leading blocks already registered in (or found in) the prefix cache.
+    num_registered: usize,
+    /// Cache link of the last registered block: the parent of the next one.
+    last_link: Option<ParentLink>,
+    /// Blocks in the CPU pool while the sequence is swapped out.
+    cpu_blocks: Vec<BlockId>,
+}
+
+impl BlockTable {
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+    pub fn is_swapped(&self) -> bool {
+        !self.cpu_blocks.is_empty()
+    }
+    pub fn cpu_blocks(&self) -> &[BlockId] {
+        &self.cpu_blocks
+    }
+}
+
+/// Block-copy operations the model runner must perform before this step's forward pass,
+/// in this order: swap out, swap in, copy.
+#[derive(Debug, Default, Clone)]
+pub struct BlockOps {
+    /// (gpu_block, cpu_block)
+    pub swap_out: Vec<(u32, u32)>,
+    /// (cpu_block, gpu_block)
+    pub swap_in: Vec<(u32, u32)>,
+    /// (src_gpu_block, dst_gpu_block), copy-on-write.
+    pub copy: Vec<(u32, u32)>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct KvStats {
+    pub cow_copies: u64,
+    pub blocks_swapped_out: u64,
+    pub blocks_swapped_in: u64,
+    pub prefix_evictions: u64,
+}
+
+pub struct KvCacheManager {
+    block_size: usize,
+    gpu: BlockPool,
+    cpu: BlockPool,
+    cache: Option<PrefixCache>,
+    ops: BlockOps,
+    stats: KvStats,
+}
+
+impl KvCacheManager {
+    pub fn new(num_blocks: usize, block_size: usize, num_cpu_blocks: usize, enable_prefix_caching: bool) -> Self {
+        KvCacheManager {
+            block_size,
+            gpu: BlockPool::new(num_blocks, true),
+            cpu: BlockPool::new(num_cpu_blocks, false),
+            cache: enable_prefix_caching.then(|| PrefixCache::new(num_blocks, block_size)),
+            ops: BlockOps::default(),
+            stats: KvStats::default(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn num_free_blocks(&self) -> usize {
+        self.gpu.num_free()
+    }
+    pub fn num_usable_blocks(&self) -> usize {
+        self.gpu.num_usable()
+    }
+    pub fn num_free_cpu_blocks(&self) -> usize {
+        self.cpu.num_free()
+    }
+    pub fn num_cached_blocks(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.len())
+    }
+    pub fn prefix_caching(&self) -> bool {
+        self.cache.is_some()
+    }
+    pub fn ref_count(&self, b: BlockId) -> u32 {
+        self.gpu.ref_count(b)
+    }
+    pub fn stats(&self) -> KvStats {
+        self.stats
+    }
+    pub fn free_list(&self) -> Vec<BlockId> {
+        self.gpu.free_list()
+    }
+
+    /// Moves out the block ops queued since the last call.
+    pub fn take_ops(&mut self) -> BlockOps {
+        std::mem::take(&mut self.ops)
+    }
+
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size)
+    }
+
+    /// Cached prefix of `tokens` for an empty table, capped so that at least the last token is
+    /// recomputed (its logits are needed). The chain hashes are remembered in the table.
+    pub fn find_cached_prefix(&self, table: &mut BlockTable, tokens: &[u32], salt: Option<&str>) -> Vec<BlockId> {
+        debug_assert!(table.blocks.is_empty());
+        match &self.cache {
+            Some(cache) if !tokens.is_empty() => {
+                let max_blocks = (tokens.len() - 1) / self.block_size;
+                cache.lookup(tokens, salt, max_blocks, &mut table.hashes)
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Free blocks that `allocate_slots` with the same arguments would consume. Shared blocks
+    /// in the written range count as one copy each, which may over-count by one when siblings
+    /// that share a block both write this step; it never under-counts.
+    pub fn blocks_needed(&self, table: &BlockTable, num_computed: usize, num_new: usize, hits: &[BlockId]) -> usize {
+        let revived = hits.iter().filter(|&&b| self.gpu.ref_count(b) == 0).count();
+        if num_new == 0 {
+            return revived;
+        }
+        let have = table.blocks.len() + hits.len();
+        let fresh = self.blocks_for(num_computed + num_new).saturating_sub(have);
+        let first_written = num_computed / self.block_size;
+        let cow = table.blocks.get(first_written..).map_or(0, |w| {
+            w.iter().filter(|&&b| self.gpu.ref_count(b) > 1).count()
+        });
+        fresh + cow + revived
+    }
+
+    /// `blocks_needed` for several sequences of one request that are allocated together: cache
+    /// hits they share are revived once, and a shared block written by all of its holders is
+    /// copied by all but the last writer, which then owns it.
+    pub fn blocks_needed_together(&self, items: &[(&BlockTable, usize, usize, &[BlockId])]) -> usize {
+        let bs = self.block_size;
+        let mut fresh = 0;
+        let mut revived: Vec<u32> = Vec::new();
+        let mut written_shared: Vec<u32> = Vec::new();
+        for &(table, num_computed, num_new, hits) in items {
+            revived.extend(hits.iter().filter(|b| self.gpu.ref_count(**b) == 0).map(|b| b.0));
+            if num_new == 0 {
+                continue;
+            }
+            let have = table.blocks.len() + hits.len();
+            fresh += self.blocks_for(num_computed + num_new).saturating_sub(have);
+            if let Some(w) = table.blocks.get(num_computed / bs..) {
+                written_shared.extend(w.iter().filter(|b| self.gpu.ref_count(**b) > 1).map(|b| b.0));
+            }
+        }
+        revived.sort_unstable();
+        revived.dedup();
+        written_shared.sort_unstable();
+        let mut cow = 0;
+        for run in written_shared.chunk_by(|a, b| a == b) {
+            let writers = run.len();
+            let refs = self.gpu.ref_count(BlockId(run[0])) as usize;
+            cow += if refs > writers { writers } else { writers - 1 };
+        }
+        fresh + revived.len() + cow
+    }
+
+    /// Makes room for `num_new` tokens after `num_computed`, taking the cache `hits` first (only
+    /// for an empty table), copying shared blocks that will be written and appending fresh ones.
+    /// Returns false, changing nothing, when fewer than `needed + watermark` blocks are free.
+    pub fn allocate_slots(
+        &mut self,
+        table: &mut BlockTable,
+        num_computed: usize,
+        num_new: usize,
+        hits: &[BlockId],
+        watermark: usize,
+    ) -> bool {
+        let needed = self.blocks_needed(table, num_computed, num_new, hits);
+        if self.gpu.num_free() < needed + watermark {
+            return false;
+        }
+        if !hits.is_empty() {
+            debug_assert!(table.blocks.is_empty() && num_computed == hits.len() * self.block_size);
+            for &b in hits {
+                self.gpu.incref(b);
+                table.blocks.push(b);
+            }
+            table.num_registered = hits.len();
+            table.last_link = self.cache.as_ref().map(|c| c.link_to(*hits.last().unwrap()));
+        }
+        if num_new == 0 {
+            return true;
+        }
+        let first_written = num_computed / self.block_size;
+        for i in first_written..table.blocks.len() {
+            let src = table.blocks[i];
+            if self.gpu.ref_count(src) > 1 {
+                let dst = self.pop_block().expect("capacity was checked");
+                self.gpu.decref(src, false); // still referenced by a sibling: never freed here
+                self.ops.copy.push((src.0, dst.0));
+                self.stats.cow_copies += 1;
+                table.blocks[i] = dst;
+            }
+        }
+        let target = self.blocks_for(num_computed + num_new);
+        while table.blocks.len() < target {
+            let b = self.pop_block().expect("capacity was checked");
+            table.blocks.push(b);
+        }
+        true
+    }
+
+    fn pop_block(&mut self) -> Option<BlockId> {
+        let b = self.gpu.allocate()?;
+        if let Some(cache) = &mut self.cache {
+            if cache.evict(b) {
+                self.stats.prefix_evictions += 1;
+            }
+        }
+        Some(b)
+    }
+
+    /// Registers the table's full blocks whose KV is computed (the first `num_computed` tokens)
+    /// in the prefix cache. `tokens` are the sequence's tokens; `salt` only affects block 0.
+    pub fn register_computed(&mut self, table: &mut BlockTable, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
+        let Some(cache) = &mut self.cache else { return };
+        let bs = self.block_size;
+        let full = (num_computed / bs).min(table.blocks.len()).min(tokens.len() / bs);
+        while table.num_registered < full {
+            let i = table.num_registered;
+            let chunk = &tokens[i * bs..(i + 1) * bs];
+            if table.hashes.len() == i {
+                let prev = if i == 0 { None } else { Some(table.hashes[i - 1]) };
+                table.hashes.push(hash_block(prev, chunk, salt));
+            }
+            let parent = if i == 0 { None } else { table.last_link };
+            if i > 0 && parent.is_none() {
+                break; // the chain is broken (a collision upstream): stop registering
+            }
+            let b = table.blocks[i];
+            let canonical = if cache.insert(b, table.hashes[i], parent, chunk, salt) {
+                Some(b)
+            } else {
+                // Already cached: as this very block (a sibling registered it), or as an
+                // identical block another request computed. Chain on from the cached copy.
+                let mut probe = table.hashes[..i].to_vec();
+                probe.push(table.hashes[i]);
+                cache.lookup(&tokens[..(i + 1) * bs], salt, i + 1, &mut probe).get(i).copied()
+            };
+            match canonical {
+                Some(c) => {
+                    table.last_link = Some(cache.link_to(c));
+                    table.num_registered += 1;
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// Shares every block of `table` with a new table (copy-on-write on the next write).
+    pub fn fork(&mut self, table: &BlockTable) -> BlockTable {
+        debug_assert!(!table.is_swapped());
+        for &b in &table.blocks {
+            self.gpu.incref(b);
+        }
+        BlockTable {
+            blocks: table.blocks.clone(),
+            hashes: table.hashes.clone(),
+            num_registered: table.num_registered,
+            last_link: table.last_link,
+            cpu_blocks: Vec::new(),
+        }
+    }
+
+    /// Releases every block of the table (GPU and CPU). Tail blocks are released first, so
+    /// among cached blocks a sequence's tail is evicted before its (more shareable) head.
+    pub fn free(&mut self, table: &mut BlockTable) {
+        for &b in table.blocks.iter().rev() {
+            let keep = self.cache.as_ref().is_some_and(|c| c.is_cached(b));
+            self.gpu.decref(b, keep);
+        }
+        table.blocks.clear();
+        for &b in table.cpu_blocks.iter().rev() {
+            self.cpu.decref(b, false);
+        }
+        table.cpu_blocks.clear();
+        table.num_registered = 0;
+        table.last_link = None;
+    }
+
+    /// Moves all blocks of the given tables (one request's sequences) to the CPU pool. Blocks
+    /// shared between the tables move once. Returns false, changing nothing, if the CPU pool
+    /// is too small.
+    pub fn swap_out(&mut self, tables: &mut [&mut BlockTable]) -> bool {
+        let mut map: HashMap<u32, BlockId> = HashMap::new();
+        let unique = {
+            let mut seen = std::collections::HashSet::new();
+            tables.iter().flat_map(|t| t.blocks.iter()).filter(|b| seen.insert(b.0)).count()
+        };
+        if self.cpu.num_free() < unique {
+            return false;
+        }
+        for t in tables.iter_mut() {
+            debug_assert!(!t.is_swapped());
+            for &g in &t.blocks {
+                let c = match map.get(&g.0) {
+                    Some(&c) => {
+                        self.cpu.incref(c);
+                        c
+                    }
+                    None => {
+                        let c = self.cpu.allocate().expect("capacity was checked");
+                        map.insert(g.0, c);
+                        self.ops.swap_out.push((g.0, c.0));
+                        self.stats.blocks_swapped_out += 1;
+                        c
+                    }
+                };
+                t.cpu_blocks.push(c);
+            }
+            let mut gpu_blocks = std::mem::take(&mut t.blocks);
+            for &g in gpu_blocks.iter().rev() {
+                let keep = self.cache.as_ref().is_some_and(|c| c.is_cached(g));
+                self.gpu.decref(g, keep);
+            }
+            gpu_blocks.clear();
+            t.blocks = gpu_blocks;
+            t.num_registered = 0;
+            t.last_link = None;
+        }
+        true
+    }
+
+    /// Brings swapped tables back into fresh GPU blocks, keeping `watermark` blocks free.
+    /// Returns false, changing nothing, if they do not fit.
+    pub fn swap_in(&mut self, tables: &mut [&mut BlockTable], watermark: usize) -> bool {
+        let mut map: HashMap<u32, BlockId> = HashMap::new();
+        let unique = {
+            let mut seen = std::collections::HashSet::new();
+            tables.iter().flat_map(|t| t.cpu_blocks.iter()).filter(|b| seen.insert(b.0)).count()
+        };
+        if self.gpu.num_free() < unique + watermark {
+            return false;
+        }
+        for t in tables.iter_mut() {
+            debug_assert!(t.blocks.is_empty());
+            for &c in &t.cpu_blocks {
+                let g = match map.get(&c.0) {
+                    Some(&g) => {
+                        self.gpu.incref(g);
+                        g
+                    }
+                    None => {
+                        let g = self.pop_block().expect("capacity was checked");
+                        map.insert(c.0, g);
+                        self.ops.swap_in.push((c.0, g.0));
+                        self.stats.blocks_swapped_in += 1;
+                        g
+                    }
+                };
+                t.blocks.push(g);
+            }
+            for &c in t.cpu_blocks.iter().rev() {
+                self.cpu.decref(c, false);
+            }
+            t.cpu_blocks.clear();
+        }
+        true
+    }
+
+    /// True when every block covering token positions `from..to` has exactly one reference.
+    pub fn writes_are_exclusive(&self, table: &BlockTable, from: usize, to: usize) -> bool {
+        if from >= to {
+            return true;
+        }
+        let (a, b) = (from / self.block_size, (to - 1) / self.block_size);
+        table.blocks.get(a..=b).is_some_and(|w| w.iter().all(|&x| self.gpu.ref_count(x) == 1))
+    }
+
+    /// Drops every cached prefix that no sequence uses (e.g. after the runner failed a step).
+    pub fn reset_prefix_cache(&mut self) {
+        if let Some(c) = &mut self.cache {
+            c.clear();
+        }
+    }
+
+    /// Checks ref counts against the given tables, the free lists and the cache.
+    pub fn check<'a>(&self, tables: impl Iterator<Item = &'a BlockTable>) -> Result<(), String> {
+        let mut gpu_refs = vec![0u32; self.gpu.num_blocks()];
+        let mut cpu_refs = vec![0u32; self.cpu.num_blocks()];
+        for t in tables {
+            for b in &t.blocks {
+                gpu_refs[b.0 as usize] += 1;
+            }
+            for b in &t.cpu_blocks {
+                cpu_refs[b.0 as usize] += 1;
+            }
+            if !t.blocks.is_empty() && !t.cpu_blocks.is_empty() {
+                return Err("a table holds GPU and CPU blocks at once".into());
+            }
+        }
+        self.gpu.check(&gpu_refs).map_err(|e| format!("gpu pool: {e}"))?;
+        self.cpu.check(&cpu_refs).map_err(|e| format!("cpu pool: {e}"))?;
+        if let Some(c) = &self.cache {
+            c.check()?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(t: &BlockTable) -> Vec<u32> {
+        t.blocks().iter().map(|b| b.0).collect()
+    }
+
+    #[test]
+    fn allocation_grows_by_whole_blocks_with_exact_ids() {
+        let mut m = KvCacheManager::new(8, 4, 0, false);
+        let mut t = BlockTable::default();
+        assert!(m.allocate_slots(&mut t, 0, 5, &[], 0));
+        assert_eq!(ids(&t), vec![1, 2]);
+        assert!(m.allocate_slots(&mut t, 5, 3, &[], 0)); // fills block 2 exactly
+        assert_eq!(ids(&t), vec![1, 2]);
+        assert!(m.allocate_slots(&mut t, 8, 1, &[], 0));
+        assert_eq!(ids(&t), vec![1, 2, 3]);
+        assert_eq!(m.num_free_blocks(), 4);
+        // The watermark keeps blocks back.
+        let mut u = BlockTable::default();
+        assert!(!m.allocate_slots(&mut u, 0, 16, &[], 1));
+        assert!(u.is_empty());
+        assert!(m.allocate_slots(&mut u, 0, 16, &[], 0));
+        assert_eq!(ids(&u), vec![4, 5, 6, 7]);
+        m.check([&t, &u].into_iter()).unwrap();
+        m.free(&mut t);
+        m.free(&mut u);
+        assert_eq!(m.num_free_blocks(), 7);
+        m.check(std::iter::empty()).unwrap();
+    }
+
+    #[test]
+    fn fork_shares_and_the_first_write_copies_on_write() {
+        let mut m = KvCacheManager::new(8, 4, 0, false);
+        let mut a = BlockTable::default();
+        assert!(m.allocate_slots(&mut a, 0, 6, &[], 0)); // blocks 1 (full), 2 (2 of 4)
+        let mut b = m.fork(&a);
+        assert_eq!(m.ref_count(BlockId(1)), 2);
+        assert_eq!(m.ref_count(BlockId(2)), 2);
+        // b writes position 6, inside shared block 2: it gets a private copy (block 3).
+        assert_eq!(m.blocks_needed(&b, 6, 1, &[]), 1);
+        assert!(m.allocate_slots(&mut b, 6, 1, &[], 0));
+        assert_eq!(ids(&b), vec![1, 3]);
+        assert_eq!(m.take_ops().copy, vec![(2, 3)]);
+        assert_eq!(m.ref_count(BlockId(2)), 1);
+        // a now owns block 2 alone and writes in place.
+        assert!(m.allocate_slots(&mut a, 6, 1, &[], 0));
+        assert_eq!(ids(&a), vec![1, 2]);
+        assert!(m.take_ops().copy.is_empty());
+        assert!(m.writes_are_exclusive(&a, 6, 7) && m.writes_are_exclusive(&b, 6, 7));
+        assert!(!m.writes_are_exclusive(&a, 0, 4));
+        m.check([&a, &b].into_iter()).unwrap();
+        m.free(&mut b);
+        assert_eq!(m.ref_count(BlockId(1)), 1);
+        m.free(&mut a);
+        m.check(std::iter::empty()).unwrap();
+    }
+
+    #[test]
+    fn prefix_hits_reuse_cached_blocks_and_leave_the_last_token_to_compute() {
+        let mut m = KvCacheManager::new(8, 2, 0, true);
+        let toks: Vec<u32> = vec![10, 11, 12, 13, 14];
+        let mut a = BlockTable::default();
+        assert!(m.allocate_slots(&mut a, 0, 5, &[], 0));
+        assert_eq!(ids(&a), vec![1, 2, 3]);
+        m.register_computed(&mut a, &toks, 5, None);
+        assert_eq!(m.num_cached_blocks(), 2);
+        // Same prompt: blocks 1 and 2 hit; the fifth token is computed.
+        let mut b = BlockTable::default();
+        let hits = m.find_cached_prefix(&mut b, &toks, None);
+        assert_eq!(hits, vec![BlockId(1), BlockId(2)]);
+        assert!(m.allocate_slots(&mut b, 4, 1, &hits, 0));
+        assert_eq!(ids(&b), vec![1, 2, 4]);
+        // A prompt that is exactly the two cached blocks hits only one: the last token must
+        // be recomputed to produce logits.
+        let mut c = BlockTable::default();
+        assert_eq!(m.find_cached_prefix(&mut c, &toks[..4], None), vec![BlockId(1)]);
+        // A salted request shares nothing.
+        let mut d = BlockTable::default();
+        assert!(m.find_cached_prefix(&mut d, &toks, Some("x")).is_empty());
+        m.free(&mut a);
+        m.free(&mut b);
+        // Freed in reverse: uncached tails at the head (b freed last, so 4 first), cached
+        // blocks at the tail with the sequence's tail block (2) before its head block (1).
+        assert_eq!(m.free_list().iter().map(|b| b.0).collect::<Vec<_>>(), vec![4, 3, 5, 6, 7, 2, 1]);
+        m.check(std::iter::empty()).unwrap();
+    }
+
+    #[test]
+    fn reusing_a_cached_block_evicts_it() {
+        let mut m = KvCacheManager::new(3, 2, 0, true); // usable blocks: 1, 2
+        let toks = vec![1, 2, 3, 4];
+        let mut a = BlockTable::default();
+        assert!(m.allocate_slots(&mut a, 0, 4, &[], 0));
+        m.register_computed(&mut a, &toks, 4, None);
+        m.free(&mut a);
+        assert_eq!(m.num_cached_blocks(), 2);
+        let mut b = BlockTable::default();
+        assert!(m.allocate_slots(&mut b, 0, 1, &[], 0));
+        assert_eq!(ids(&b), vec![2]); // the tail block is evicted first
+        assert_eq!(m.num_cached_blocks(), 1);
+        let mut c = BlockTable::default();
+        assert_eq!(m.find_cached_prefix(&mut c, &[1, 2, 3, 4, 5], None), vec![BlockId(1)]);
+        assert_eq!(m.stats().prefix_evictions, 1);
+    }
+
+    #[test]
+    fn concurrent_duplicates_chain_through_the_canonical_block() {
+        let mut m = KvCacheManager::new(10, 2, 0, true);
+        let a_toks = vec![1, 2, 3, 4];
+        let b_toks = vec![1, 2, 3, 4, 7, 8, 9];
+        let (mut a, mut b) = (BlockTable::default(), BlockTable::default());
+        assert!(m.allocate_slots(&mut a, 0, 4, &[], 0));
+        assert!(m.allocate_slots(&mut b, 0, 7, &[], 0));
+        m.register_computed(&mut a, &a_toks, 4, None);
+        m.register_computed(&mut b, &b_toks, 7, None);
+        // b's third block chains from a's copy of the shared prefix.
+        let mut c = BlockTable::default();
+        let hits = m.find_cached_prefix(&mut c, &[1, 2, 3, 4, 7, 8, 0], None);
+        assert_eq!(hits, vec![BlockId(1), BlockId(2), BlockId(5)]);
+    }
+
+    #[test]
+    fn swap_out_and_in_move_shared_blocks_once() {
+        let mut m = KvCacheManager::new(8, 2, 4, false);
+        let mut a = BlockTable::default();
+        assert!(m.allocate_slots(&mut a, 0, 3, &[], 0)); // 1, 2
+        let mut b = m.fork(&a);
+        assert!(m.allocate_slots(&mut b, 3, 1, &[], 0)); // COW 2 -> 3
+        m.take_ops();
+        assert!(m.swap_out(&mut [&mut a, &mut b]));
+        let ops = m.take_ops();
+        assert_eq!(ops.swap_out, vec![(1, 0), (2, 1), (3, 2)]);
+        assert_eq!(m.num_free_blocks(), 7);
+        assert_eq!(a.cpu_blocks().iter().map(|b| b.0).collect::<Vec<_>>(), vec![0, 1]);
+        m.check([&a, &b].into_iter()).unwrap();
+        assert!(!m.swap_in(&mut [&mut a, &mut b], 5));
+        assert!(m.swap_in(&mut [&mut a, &mut b], 0));
+        let ops = m.take_ops();
+        // Freed uncached blocks went to the head of the free list, so they come back first.
+        assert_eq!(ops.swap_in, vec![(0, 1), (1, 3), (2, 2)]);
+        assert_eq!(ids(&a), vec![1, 3]);
+        assert_eq!(ids(&b), vec![1, 2]);
+        assert_eq!(m.ref_count(BlockId(1)), 2);
+        m.check([&a, &b].into_iter()).unwrap();
+        let mut c = BlockTable::default();
+        assert!(m.allocate_slots(&mut c, 0, 4, &[], 0));
+        assert!(m.swap_out(&mut [&mut c]));
+        assert!(!m.swap_out(&mut [&mut a, &mut b])); // needs 3 CPU blocks, 2 are left
+        assert!(!a.is_swapped());
+    }
+}

@@ -1,0 +1,74 @@
+//! What one scheduling step hands the model runner, and what `update` reports back.
+//!
+//! Layout (S scheduled sequences, T tokens, R sampling rows, M = max blocks in the batch):
+//! - per sequence: `req_ids[S]`, `seq_ids[S]`, `query_start_loc[S+1]`, `seq_lens[S]` (context
+//!   length after this step), `block_tables[S*M]` row-major, padded with the null block 0;
+//! - per token: `input_ids[T]`, `positions[T]`, `slot_mapping[T]` (block * block_size + offset;
+//!   the core never pads, -1 is reserved for padding a runner adds);
+//! - per sampling row: `logits_indices[R]` (a token index; one row may be sampled several
+//!   times, once per sample of an `n > 1` request), `row_req_ids[R]`, `row_seq_ids[R]`,
+//!   `row_sample_index[R]`;
+//! - block ops to run before the forward pass, in order swap-out, swap-in, copy, as flat pairs.
+//!
+//! Every buffer is a plain `Vec` so the bindings can hand it to numpy without copying.
+
+use crate::request::FinishReason;
+
+#[derive(Debug, Default, Clone)]
+pub struct SchedulerOutput {
+    pub step_id: u64,
+    pub block_size: usize,
+    pub req_ids: Vec<i64>,
+    pub seq_ids: Vec<i64>,
+    pub query_start_loc: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    pub block_tables: Vec<i32>,
+    pub max_blocks: usize,
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    pub slot_mapping: Vec<i64>,
+    pub logits_indices: Vec<i64>,
+    pub row_req_ids: Vec<i64>,
+    pub row_seq_ids: Vec<i64>,
+    pub row_sample_index: Vec<i32>,
+    /// Flattened (src, dst) pairs.
+    pub copy_ops: Vec<i32>,
+    /// Flattened (gpu_block, cpu_block) pairs.
+    pub swap_out: Vec<i32>,
+    /// Flattened (cpu_block, gpu_block) pairs.
+    pub swap_in: Vec<i32>,
+    /// Requests that ended (finished, aborted) since the previous step.
+    pub finished_req_ids: Vec<i64>,
+    /// Requests preempted in this step.
+    pub preempted_req_ids: Vec<i64>,
+    pub num_prefill_tokens: usize,
+    pub num_decode_tokens: usize,
+}
+
+impl SchedulerOutput {
+    pub fn num_seqs(&self) -> usize {
+        self.seq_ids.len()
+    }
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+    pub fn num_rows(&self) -> usize {
+        self.logits_indices.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.input_ids.is_empty()
+    }
+}
+
+/// A sequence that ended, as reported by `update` (and by forks that ended at once).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishedSeq {
+    pub request_id: u64,
+    pub seq_id: u64,
+    pub sample_index: u32,
+    pub reason: FinishReason,
+    /// The stop token id when a `stop_token_ids` entry ended the sequence.
+    pub stop_token: Option<u32>,
+    /// True for the last sequence of its request: the request is gone from the scheduler.
+    pub request_finished: bool,
+}

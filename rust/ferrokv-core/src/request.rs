@@ -1,0 +1,129 @@
+//! Requests, their sequences, and the stop conditions decided in Rust.
+//!
+//! A request owns one sequence until its prompt is prefilled; with `n > 1` it then fans out
+//! into `n` sequences that share the prompt's blocks, and beam search may fork and drop
+//! sequences at will. Every sequence holds its full token list (prompt + output), so a
+//! recomputed or forked sequence needs nothing else.
+//!
+//! Invariants: `num_computed <= tokens.len()`; a sequence's block table covers exactly
+//! `ceil(num_computed / block_size)` blocks while its request is running.
+
+use crate::kv_cache_manager::BlockTable;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token id.
+    Stop,
+    /// `max_tokens` or `max_model_len` reached.
+    Length,
+    /// Aborted, dropped, or impossible to schedule.
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct StopParams {
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    pub eos_token_id: Option<u32>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+impl StopParams {
+    /// Why a sequence stops after appending `token` (its output now has `output_len` tokens
+    /// and the whole sequence `total_len`), if it does. EOS is checked before length, as in vLLM.
+    pub fn check(&self, token: u32, output_len: usize, total_len: usize, max_model_len: usize) -> Option<(FinishReason, Option<u32>)> {
+        if output_len >= self.min_tokens {
+            if !self.ignore_eos && self.eos_token_id == Some(token) {
+                return Some((FinishReason::Stop, None));
+            }
+            if self.stop_token_ids.contains(&token) {
+                return Some((FinishReason::Stop, Some(token)));
+            }
+        }
+        if output_len >= self.max_tokens || total_len >= max_model_len {
+            return Some((FinishReason::Length, None));
+        }
+        None
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub seq_id: u64,
+    /// 0..n for parallel samples; fork order for beam candidates.
+    pub sample_index: u32,
+    pub tokens: Vec<u32>,
+    pub num_computed: usize,
+    pub table: BlockTable,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestState {
+    Waiting,
+    Running,
+    /// Preempted by swapping: its sequences' blocks live in the CPU pool.
+    Swapped,
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub request_id: u64,
+    pub arrival: u64,
+    pub priority: i32,
+    pub n: u32,
+    pub prompt_len: usize,
+    pub stop: StopParams,
+    pub cache_salt: Option<Box<str>>,
+    pub seqs: Vec<Sequence>,
+    pub state: RequestState,
+    /// Set once the `n` samples have been forked off the prefilled prompt.
+    pub fanned_out: bool,
+    pub next_sample_index: u32,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub num_cached_tokens: Option<usize>,
+}
+
+impl Request {
+    /// Sequence slots the request occupies once running (its `n` samples count before they exist).
+    pub fn seq_slots(&self) -> usize {
+        if self.fanned_out { self.seqs.len() } else { self.seqs.len().max(self.n as usize) }
+    }
+
+    /// Scheduling order: lower priority value first, then earlier arrival.
+    pub fn order_key(&self) -> (i64, u64) {
+        (self.priority as i64, self.arrival)
+    }
+
+    pub fn seq_pos(&self, seq_id: u64) -> Option<usize> {
+        self.seqs.iter().position(|s| s.seq_id == seq_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_conditions_follow_vllm_order_and_min_tokens() {
+        let p = StopParams { max_tokens: 5, min_tokens: 2, eos_token_id: Some(0), stop_token_ids: vec![7], ignore_eos: false };
+        assert_eq!(p.check(0, 1, 10, 100), None); // EOS before min_tokens is ignored
+        assert_eq!(p.check(0, 2, 10, 100), Some((FinishReason::Stop, None)));
+        assert_eq!(p.check(7, 3, 10, 100), Some((FinishReason::Stop, Some(7))));
+        assert_eq!(p.check(3, 5, 10, 100), Some((FinishReason::Length, None)));
+        assert_eq!(p.check(3, 3, 100, 100), Some((FinishReason::Length, None)));
+        assert_eq!(p.check(3, 3, 10, 100), None);
+        let q = StopParams { ignore_eos: true, ..p };
+        assert_eq!(q.check(0, 3, 10, 100), None);
+    }
+}

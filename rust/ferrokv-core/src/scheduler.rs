@@ -1,0 +1,1377 @@
+//! Iteration-level scheduler with a token budget (vLLM V1 style).
+//!
+//! Each `schedule()`:
+//! 1. walks the running requests in order (priority, then arrival) and gives every sequence
+//!    what it still needs (one decode token, or the next prefill chunk), within
+//!    `max_num_batched_tokens`. A request whose blocks cannot be found preempts the
+//!    lowest-priority, latest-arrived running request (the back of the list), possibly itself.
+//! 2. if nothing was preempted, admits waiting requests in order while their next chunk fits
+//!    in the budget, in `max_num_seqs`, and in the free blocks minus a small watermark kept for
+//!    running sequences to grow. The head of the queue blocks the rest (no starvation).
+//! 3. flattens the batch into the arrays of `SchedulerOutput`.
+//! `update()` then appends one sampled token per logits row, decides stop conditions, frees
+//! finished sequences at once and registers newly computed full blocks in the prefix cache.
+//!
+//! Invariants: the scheduler never touches reference counts (the KV-cache manager does); a
+//! request that could never fit is rejected when added, so no step spins on it; every running
+//! sequence's table covers exactly its computed tokens.
+//!
+//! Costs: a step is O(scheduled sequences + scheduled tokens + their block-table widths); the
+//! number of waiting or finished requests never enters it. Preemption scans nothing: the
+//! victim is the back of the sorted running list.
+
+use crate::block_pool::BlockId;
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache_manager::{BlockTable, KvCacheManager, KvStats};
+use crate::output::{FinishedSeq, SchedulerOutput};
+use crate::request::{FinishReason, Request, RequestState, Sequence, StopParams};
+use std::collections::{BTreeSet, HashMap};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptionMode {
+    Recompute,
+    Swap,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    Fcfs,
+    Priority,
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub enable_prefix_caching: bool,
+    pub preemption_mode: PreemptionMode,
+    pub num_cpu_blocks: usize,
+    pub policy: Policy,
+    /// Fraction of blocks admission keeps free for running sequences to grow into.
+    pub watermark: f64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            num_blocks: 1024,
+            block_size: 16,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 8192,
+            enable_prefix_caching: true,
+            preemption_mode: PreemptionMode::Recompute,
+            num_cpu_blocks: 0,
+            policy: Policy::Fcfs,
+            watermark: 0.01,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> CoreResult<()> {
+        if self.num_blocks < 2 {
+            return Err(CoreError::invalid("num_blocks", self.num_blocks, "must be >= 2 (block 0 is the null block)"));
+        }
+        if self.num_blocks >= u32::MAX as usize || self.num_cpu_blocks >= u32::MAX as usize {
+            return Err(CoreError::invalid("num_blocks", self.num_blocks, "must fit in 32 bits"));
+        }
+        if self.block_size == 0 {
+            return Err(CoreError::invalid("block_size", self.block_size, "must be >= 1"));
+        }
+        if self.max_num_seqs == 0 {
+            return Err(CoreError::invalid("max_num_seqs", self.max_num_seqs, "must be >= 1"));
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(CoreError::invalid(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                format!("must be >= max_num_seqs ({}) so every running sequence can decode", self.max_num_seqs),
+            ));
+        }
+        if self.max_model_len == 0 {
+            return Err(CoreError::invalid("max_model_len", self.max_model_len, "must be >= 1"));
+        }
+        if !(0.0..1.0).contains(&self.watermark) {
+            return Err(CoreError::invalid("watermark", self.watermark, "must be in [0, 1)"));
+        }
+        Ok(())
+    }
+}
+
+/// A request as the caller submits it.
+#[derive(Debug, Clone, Default)]
+pub struct NewRequest {
+    pub request_id: u64,
+    pub prompt_token_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub n: u32,
+    pub priority: i32,
+    pub eos_token_id: Option<u32>,
+    pub stop_token_ids: Vec<u32>,
+    pub min_tokens: usize,
+    pub ignore_eos: bool,
+    pub cache_salt: Option<String>,
+}
+
+impl NewRequest {
+    pub fn new(request_id: u64, prompt_token_ids: Vec<u32>, max_tokens: usize) -> Self {
+        NewRequest { request_id, prompt_token_ids, max_tokens, n: 1, ..Default::default() }
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SchedulerStats {
+    pub steps: u64,
+    pub requests_added: u64,
+    pub requests_finished: u64,
+    pub requests_aborted: u64,
+    /// Requests ended because they could not fit even alone (only beam forks can cause it).
+    pub capacity_aborts: u64,
+    pub preemptions: u64,
+    pub swap_preemptions: u64,
+    pub recompute_preemptions: u64,
+    /// Sum of prompt lengths of added requests.
+    pub prompt_tokens: u64,
+    /// Prompt positions computed, recomputation included.
+    pub prompt_tokens_computed: u64,
+    /// Output positions computed again after a recompute preemption.
+    pub output_tokens_recomputed: u64,
+    /// Prompt positions served from the prefix cache, over all admissions.
+    pub cached_prompt_tokens: u64,
+    /// Prompt positions served from the prefix cache at each request's first admission.
+    pub first_admission_cached_tokens: u64,
+    pub decode_tokens: u64,
+    pub generated_tokens: u64,
+    pub max_running_seqs: u64,
+    pub max_step_tokens: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct KvUsage {
+    pub num_blocks: usize,
+    pub num_free_blocks: usize,
+    pub num_used_blocks: usize,
+    pub num_cached_blocks: usize,
+    /// Blocks referenced by more than one block table.
+    pub num_shared_blocks: usize,
+    /// Sum over block tables of their lengths (what the blocks would be without sharing).
+    pub num_block_refs: usize,
+    /// Token slots holding computed KV in used blocks (shared blocks counted once).
+    pub num_used_token_slots: usize,
+    pub block_size: usize,
+}
+
+enum Attempt {
+    Scheduled { tokens: usize, full: bool },
+    NoBudget,
+    NoSpace,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Scheduled {
+    slot: u32,
+    seq_id: u64,
+    pos: usize,
+    before: usize,
+    after: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    slot: u32,
+    seq_id: u64,
+    /// For the samples of an `n > 1` request: the prompt sequence to fork at `update`.
+    fork_from: Option<u64>,
+}
+
+struct InFlight {
+    step_id: u64,
+    scheduled: Vec<Scheduled>,
+    rows: Vec<Row>,
+    /// A fork since `schedule` legitimately shares blocks this step wrote.
+    forked: bool,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: Vec<Option<Request>>,
+    free_slots: Vec<u32>,
+    by_id: HashMap<u64, u32>,
+    seq_owner: HashMap<u64, u32>,
+    waiting: BTreeSet<(i64, u64, u32)>,
+    running: Vec<u32>,
+    num_running_seqs: usize,
+    watermark_blocks: usize,
+    next_arrival: u64,
+    next_seq_id: u64,
+    step_id: u64,
+    in_flight: Option<InFlight>,
+    pending_finished: Vec<FinishedSeq>,
+    ended_ids: Vec<i64>,
+    ending: Vec<bool>,
+    plan: Vec<(usize, usize)>,
+    hits: Vec<Vec<BlockId>>,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> CoreResult<Self> {
+        cfg.validate()?;
+        let kv = KvCacheManager::new(cfg.num_blocks, cfg.block_size, cfg.num_cpu_blocks, cfg.enable_prefix_caching);
+        let watermark_blocks = ((cfg.num_blocks - 1) as f64 * cfg.watermark) as usize;
+        Ok(Scheduler {
+            cfg,
+            kv,
+            requests: Vec::new(),
+            free_slots: Vec::new(),
+            by_id: HashMap::new(),
+            seq_owner: HashMap::new(),
+            waiting: BTreeSet::new(),
+            running: Vec::new(),
+            num_running_seqs: 0,
+            watermark_blocks,
+            next_arrival: 0,
+            next_seq_id: 0,
+            step_id: 0,
+            in_flight: None,
+            pending_finished: Vec::new(),
+            ended_ids: Vec::new(),
+            ending: Vec::new(),
+            plan: Vec::new(),
+            hits: Vec::new(),
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+    pub fn num_free_blocks(&self) -> usize {
+        self.kv.num_free_blocks()
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn num_running_seqs(&self) -> usize {
+        self.num_running_seqs
+    }
+    pub fn num_unfinished(&self) -> usize {
+        self.by_id.len()
+    }
+    pub fn has_unfinished(&self) -> bool {
+        !self.by_id.is_empty()
+    }
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+    pub fn kv_stats(&self) -> KvStats {
+        self.kv.stats()
+    }
+    pub fn watermark_blocks(&self) -> usize {
+        self.watermark_blocks
+    }
+
+    /// Blocks a request may need in the worst case: the prompt's full blocks are shared by
+    /// its samples, everything after them is private to each sample.
+    fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, n: usize) -> usize {
+        let bs = self.cfg.block_size;
+        let total = (prompt_len + max_tokens).min(self.cfg.max_model_len).max(prompt_len);
+        let shared = if n > 1 { prompt_len / bs } else { 0 };
+        shared + n * (total.div_ceil(bs) - shared)
+    }
+
+    pub fn add_request(&mut self, r: NewRequest) -> CoreResult<()> {
+        if self.by_id.contains_key(&r.request_id) {
+            return Err(CoreError::DuplicateRequest { request_id: r.request_id });
+        }
+        let p = r.prompt_token_ids.len();
+        if p == 0 {
+            return Err(CoreError::invalid("prompt_token_ids", "[]", "must contain at least one token"));
+        }
+        if p > self.cfg.max_model_len {
+            return Err(CoreError::PromptTooLong { len: p, max_model_len: self.cfg.max_model_len });
+        }
+        if r.max_tokens == 0 {
+            return Err(CoreError::invalid("max_tokens", r.max_tokens, "must be >= 1"));
+        }
+        if r.n == 0 {
+            return Err(CoreError::invalid("n", r.n, "must be >= 1"));
+        }
+        if r.n as usize > self.cfg.max_num_seqs {
+            return Err(CoreError::invalid("n", r.n, format!("must be <= max_num_seqs ({})", self.cfg.max_num_seqs)));
+        }
+        if r.min_tokens > r.max_tokens {
+            return Err(CoreError::invalid("min_tokens", r.min_tokens, format!("must be <= max_tokens ({})", r.max_tokens)));
+        }
+        let usable = self.kv.num_usable_blocks();
+        let needed = self.worst_case_blocks(p, r.max_tokens, r.n as usize);
+        if needed > usable {
+            return Err(CoreError::ExceedsCacheCapacity { request_id: r.request_id, blocks_needed: needed, blocks_available: usable });
+        }
+        let seq_id = self.new_seq_id();
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        let priority = if self.cfg.policy == Policy::Priority { r.priority } else { 0 };
+        let req = Request {
+            request_id: r.request_id,
+            arrival,
+            priority,
+            n: r.n,
+            prompt_len: p,
+            stop: StopParams {
+                max_tokens: r.max_tokens,
+                min_tokens: r.min_tokens,
+                eos_token_id: r.eos_token_id,
+                stop_token_ids: r.stop_token_ids,
+                ignore_eos: r.ignore_eos,
+            },
+            cache_salt: r.cache_salt.map(String::into_boxed_str),
+            seqs: vec![Sequence { seq_id, sample_index: 0, tokens: r.prompt_token_ids, num_computed: 0, table: BlockTable::default() }],
+            state: RequestState::Waiting,
+            fanned_out: false,
+            next_sample_index: 1,
+            num_cached_tokens: None,
+        };
+        let key = req.order_key();
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.requests[s as usize] = Some(req);
+                s
+            }
+            None => {
+                self.requests.push(Some(req));
+                self.ending.push(false);
+                (self.requests.len() - 1) as u32
+            }
+        };
+        self.by_id.insert(r.request_id, slot);
+        self.seq_owner.insert(seq_id, slot);
+        self.waiting.insert((key.0, key.1, slot));
+        self.stats.requests_added += 1;
+        self.stats.prompt_tokens += p as u64;
+        Ok(())
+    }
+
+    fn new_seq_id(&mut self) -> u64 {
+        let id = self.next_seq_id;
+        self.next_seq_id += 1;
+        id
+    }
+
+    fn req(&self, slot: u32) -> &Request {
+        self.requests[slot as usize].as_ref().expect("live slot")
+    }
+
+    /// Plans and allocates the next chunk of every sequence of one request. All sequences
+    /// finish this step together (they then get logits rows) or each stops one token short,
+    /// so the samples of a request always step in lockstep.
+    fn try_schedule(&mut self, slot: u32, budget: usize, watermark: usize) -> Attempt {
+        let bs = self.cfg.block_size;
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let kv = &mut self.kv;
+        let n = req.seqs.len();
+        if self.hits.len() < n {
+            self.hits.resize_with(n, Vec::new);
+        }
+        self.plan.clear();
+        let mut total = 0;
+        for (i, s) in req.seqs.iter_mut().enumerate() {
+            self.hits[i].clear();
+            if s.num_computed == 0 && s.table.is_empty() && !s.table.is_swapped() {
+                self.hits[i] = kv.find_cached_prefix(&mut s.table, &s.tokens, req.cache_salt.as_deref());
+            }
+            let start = s.num_computed.max(self.hits[i].len() * bs);
+            total += s.tokens.len() - start;
+            self.plan.push((start, 0));
+        }
+        let full = total <= budget;
+        let mut left = budget;
+        let mut sum = 0;
+        for (i, s) in req.seqs.iter().enumerate() {
+            let start = self.plan[i].0;
+            let remaining = s.tokens.len() - start;
+            let chunk = if full { remaining } else { remaining.saturating_sub(1).min(left) };
+            left -= chunk;
+            sum += chunk;
+            self.plan[i].1 = chunk;
+        }
+        let needed = if n == 1 {
+            kv.blocks_needed(&req.seqs[0].table, self.plan[0].0, self.plan[0].1, &self.hits[0])
+        } else {
+            let items: Vec<_> = req.seqs.iter().enumerate()
+                .map(|(i, s)| (&s.table, self.plan[i].0, self.plan[i].1, &self.hits[i][..]))
+                .collect();
+            kv.blocks_needed_together(&items)
+        };
+        if sum == 0 {
+            return Attempt::NoBudget;
+        }
+        if kv.num_free_blocks() < needed + watermark {
+            return Attempt::NoSpace;
+        }
+        // Take every sibling's cache hits before any fresh block is popped: a hit may sit in
+        // the free list, and popping it for a sibling would evict it.
+        for (i, s) in req.seqs.iter_mut().enumerate() {
+            if !self.hits[i].is_empty() {
+                let ok = kv.allocate_slots(&mut s.table, self.plan[i].0, 0, &self.hits[i], 0);
+                debug_assert!(ok, "capacity was checked for the whole request");
+            }
+        }
+        for (i, s) in req.seqs.iter_mut().enumerate() {
+            let (start, chunk) = self.plan[i];
+            let ok = kv.allocate_slots(&mut s.table, start, chunk, &[], 0);
+            debug_assert!(ok, "capacity was checked for the whole request");
+            if !self.hits[i].is_empty() {
+                let cached = (self.hits[i].len() * bs).min(req.prompt_len) as u64;
+                self.stats.cached_prompt_tokens += cached;
+                if i == 0 && req.num_cached_tokens.is_none() {
+                    self.stats.first_admission_cached_tokens += cached;
+                }
+            }
+            if i == 0 && req.num_cached_tokens.is_none() {
+                req.num_cached_tokens = Some(self.hits[0].len() * bs);
+            }
+            s.num_computed = start + chunk;
+        }
+        Attempt::Scheduled { tokens: sum, full }
+    }
+
+    /// Records the plan just allocated for `slot` as scheduled sequences and logits rows.
+    fn record(&mut self, slot: u32, full: bool, sched: &mut Vec<Scheduled>, rows: &mut Vec<(Row, usize)>, num_tokens: &mut usize) {
+        let mut fan_out: Option<(u64, usize, u32)> = None;
+        {
+            let req = self.requests[slot as usize].as_ref().expect("live slot");
+            let p = req.prompt_len;
+            for (pos, s) in req.seqs.iter().enumerate() {
+                let (before, chunk) = self.plan[pos];
+                let after = before + chunk;
+                if chunk > 0 {
+                    sched.push(Scheduled { slot, seq_id: s.seq_id, pos, before, after });
+                    *num_tokens += chunk;
+                    let len = s.tokens.len();
+                    self.stats.prompt_tokens_computed += (after.min(p).saturating_sub(before.min(p))) as u64;
+                    self.stats.output_tokens_recomputed += (after.min(len - 1).saturating_sub(before.max(p))) as u64;
+                    if after == len && len > p {
+                        self.stats.decode_tokens += 1;
+                    }
+                }
+                if full {
+                    let logits_index = *num_tokens - 1;
+                    rows.push((Row { slot, seq_id: s.seq_id, fork_from: None }, logits_index));
+                    if req.n > 1 && !req.fanned_out && req.seqs.len() == 1 {
+                        fan_out = Some((s.seq_id, logits_index, req.n));
+                    }
+                }
+            }
+        }
+        if let Some((parent, logits_index, n)) = fan_out {
+            for _ in 1..n {
+                let child = self.new_seq_id();
+                rows.push((Row { slot, seq_id: child, fork_from: Some(parent) }, logits_index));
+            }
+        }
+    }
+
+    pub fn schedule(&mut self) -> CoreResult<SchedulerOutput> {
+        if self.in_flight.is_some() {
+            return Err(CoreError::InvalidState {
+                message: "schedule() called while a step is in flight: call update(output, sampled_token_ids) first".into(),
+            });
+        }
+        self.step_id += 1;
+        self.stats.steps += 1;
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut sched: Vec<Scheduled> = Vec::with_capacity(self.num_running_seqs + 4);
+        let mut rows: Vec<(Row, usize)> = Vec::with_capacity(self.num_running_seqs + 4);
+        let mut num_tokens = 0usize;
+        let mut preempted: Vec<i64> = Vec::new();
+
+        let mut i = 0;
+        while i < self.running.len() {
+            let slot = self.running[i];
+            match self.try_schedule(slot, budget, 0) {
+                Attempt::Scheduled { tokens, full } => {
+                    self.record(slot, full, &mut sched, &mut rows, &mut num_tokens);
+                    budget -= tokens;
+                    i += 1;
+                }
+                Attempt::NoBudget => break,
+                Attempt::NoSpace => {
+                    if self.running.len() > i + 1 {
+                        let victim = self.running.pop().expect("non-empty");
+                        preempted.push(self.req(victim).request_id as i64);
+                        self.preempt(victim);
+                    } else if i == 0 {
+                        // Alone and still out of blocks: it can never fit. End it rather than spin.
+                        self.end_request(slot, FinishReason::Abort, true);
+                        self.stats.capacity_aborts += 1;
+                    } else {
+                        self.running.pop();
+                        preempted.push(self.req(slot).request_id as i64);
+                        self.preempt(slot);
+                        break;
+                    }
+                }
+            }
+        }
+
+        if preempted.is_empty() {
+            while let Some(&(p, a, slot)) = self.waiting.first() {
+                if budget == 0 || self.num_running_seqs + self.req(slot).seq_slots() > self.cfg.max_num_seqs {
+                    break;
+                }
+                let watermark = if self.running.is_empty() { 0 } else { self.watermark_blocks };
+                if self.req(slot).state == RequestState::Swapped {
+                    let alone = self.running.is_empty();
+                    let req = self.requests[slot as usize].as_mut().expect("live slot");
+                    // Room to grow by a block per sequence, unless nothing else could use it.
+                    let extra = if alone { 0 } else { watermark + req.seqs.len() };
+                    let mut tables: Vec<&mut BlockTable> = req.seqs.iter_mut().map(|s| &mut s.table).collect();
+                    if !self.kv.swap_in(&mut tables, extra) {
+                        if alone {
+                            self.end_request(slot, FinishReason::Abort, true);
+                            self.stats.capacity_aborts += 1;
+                            continue;
+                        }
+                        break;
+                    }
+                    self.admit(slot, (p, a, slot));
+                    if let Attempt::Scheduled { tokens, full } = self.try_schedule(slot, budget, 0) {
+                        self.record(slot, full, &mut sched, &mut rows, &mut num_tokens);
+                        budget -= tokens;
+                    }
+                    continue;
+                }
+                match self.try_schedule(slot, budget, watermark) {
+                    Attempt::Scheduled { tokens, full } => {
+                        self.admit(slot, (p, a, slot));
+                        self.record(slot, full, &mut sched, &mut rows, &mut num_tokens);
+                        budget -= tokens;
+                    }
+                    Attempt::NoSpace if self.running.is_empty() => {
+                        // Nothing else holds a block, yet its next chunk does not fit: it never
+                        // will (beam forks grew it past the cache). End it rather than spin.
+                        self.end_request(slot, FinishReason::Abort, true);
+                        self.stats.capacity_aborts += 1;
+                    }
+                    Attempt::NoBudget | Attempt::NoSpace => break,
+                }
+            }
+        }
+
+        self.stats.max_running_seqs = self.stats.max_running_seqs.max(self.num_running_seqs as u64);
+        self.stats.max_step_tokens = self.stats.max_step_tokens.max(num_tokens as u64);
+        let out = self.build_output(&sched, &rows, num_tokens, preempted);
+        self.in_flight = Some(InFlight {
+            step_id: self.step_id,
+            scheduled: sched,
+            rows: rows.into_iter().map(|(r, _)| r).collect(),
+            forked: false,
+        });
+        Ok(out)
+    }
+
+    fn admit(&mut self, slot: u32, key: (i64, u64, u32)) {
+        self.waiting.remove(&key);
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        req.state = RequestState::Running;
+        self.num_running_seqs += req.seq_slots();
+        let k = req.order_key();
+        let requests = &self.requests;
+        let pos = self.running.partition_point(|&s| requests[s as usize].as_ref().expect("live").order_key() <= k);
+        self.running.insert(pos, slot);
+    }
+
+    /// Takes a running request's blocks away: to the CPU pool in swap mode (when it fits),
+    /// else freed for recomputation. It goes back to the waiting queue at its original place.
+    fn preempt(&mut self, slot: u32) {
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        self.num_running_seqs -= req.seq_slots();
+        let swapped = self.cfg.preemption_mode == PreemptionMode::Swap && {
+            let mut tables: Vec<&mut BlockTable> = req.seqs.iter_mut().map(|s| &mut s.table).collect();
+            self.kv.swap_out(&mut tables)
+        };
+        if swapped {
+            req.state = RequestState::Swapped;
+            self.stats.swap_preemptions += 1;
+        } else {
+            for s in req.seqs.iter_mut() {
+                self.kv.free(&mut s.table);
+                s.num_computed = 0;
+            }
+            req.state = RequestState::Waiting;
+            self.stats.recompute_preemptions += 1;
+        }
+        self.stats.preemptions += 1;
+        let k = req.order_key();
+        self.waiting.insert((k.0, k.1, slot));
+    }
+
+    fn build_output(&mut self, sched: &[Scheduled], rows: &[(Row, usize)], num_tokens: usize, preempted: Vec<i64>) -> SchedulerOutput {
+        let bs = self.cfg.block_size;
+        let s_count = sched.len();
+        let mut max_blocks = 0;
+        for sc in sched {
+            max_blocks = max_blocks.max(sc.after.div_ceil(bs));
+        }
+        let mut o = SchedulerOutput {
+            step_id: self.step_id,
+            block_size: bs,
+            req_ids: Vec::with_capacity(s_count),
+            seq_ids: Vec::with_capacity(s_count),
+            query_start_loc: Vec::with_capacity(s_count + 1),
+            seq_lens: Vec::with_capacity(s_count),
+            block_tables: vec![0i32; s_count * max_blocks],
+            max_blocks,
+            input_ids: Vec::with_capacity(num_tokens),
+            positions: Vec::with_capacity(num_tokens),
+            slot_mapping: Vec::with_capacity(num_tokens),
+            logits_indices: Vec::with_capacity(rows.len()),
+            row_req_ids: Vec::with_capacity(rows.len()),
+            row_seq_ids: Vec::with_capacity(rows.len()),
+            row_sample_index: Vec::with_capacity(rows.len()),
+            finished_req_ids: std::mem::take(&mut self.ended_ids),
+            preempted_req_ids: preempted,
+            ..Default::default()
+        };
+        o.query_start_loc.push(0);
+        for (k, sc) in sched.iter().enumerate() {
+            let req = self.requests[sc.slot as usize].as_ref().expect("scheduled requests are live");
+            let s = &req.seqs[sc.pos];
+            o.req_ids.push(req.request_id as i64);
+            o.seq_ids.push(s.seq_id as i64);
+            o.seq_lens.push(sc.after as i32);
+            o.input_ids.extend(s.tokens[sc.before..sc.after].iter().map(|&t| t as i64));
+            o.positions.extend((sc.before..sc.after).map(|p| p as i64));
+            let blocks = s.table.blocks();
+            o.slot_mapping.extend((sc.before..sc.after).map(|p| (blocks[p / bs].0 as usize * bs + p % bs) as i64));
+            o.query_start_loc.push(o.input_ids.len() as i32);
+            let row = &mut o.block_tables[k * max_blocks..k * max_blocks + blocks.len()];
+            for (dst, b) in row.iter_mut().zip(blocks) {
+                *dst = b.0 as i32;
+            }
+        }
+        for (r, idx) in rows {
+            let req = self.requests[r.slot as usize].as_ref().expect("live");
+            o.logits_indices.push(*idx as i64);
+            o.row_req_ids.push(req.request_id as i64);
+            o.row_seq_ids.push(r.seq_id as i64);
+            let sample_index = match req.seq_pos(r.seq_id) {
+                Some(pos) => req.seqs[pos].sample_index,
+                None => 0, // set below for fan-out children
+            };
+            o.row_sample_index.push(sample_index as i32);
+        }
+        // Fan-out children are numbered 1..n in row order after their parent's row.
+        let mut last_parent_row_sample = 0;
+        for (k, (r, _)) in rows.iter().enumerate() {
+            if r.fork_from.is_some() {
+                last_parent_row_sample += 1;
+                o.row_sample_index[k] = last_parent_row_sample;
+            } else {
+                last_parent_row_sample = o.row_sample_index[k];
+            }
+        }
+        o.num_decode_tokens = sched.iter().filter(|sc| {
+            let req = self.req(sc.slot);
+            let len = req.seqs[sc.pos].tokens.len();
+            sc.after == len && sc.after - sc.before == 1 && len > req.prompt_len
+        }).count();
+        o.num_prefill_tokens = num_tokens - o.num_decode_tokens;
+        let ops = self.kv.take_ops();
+        o.copy_ops = ops.copy.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
+        o.swap_out = ops.swap_out.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
+        o.swap_in = ops.swap_in.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
+        o
+    }
+
+    /// Appends one sampled token per logits row of step `step_id`, decides stops, frees what
+    /// finished and registers computed blocks in the prefix cache.
+    pub fn update(&mut self, step_id: u64, sampled: &[i64]) -> CoreResult<Vec<FinishedSeq>> {
+        let fl = match self.in_flight.take() {
+            None => {
+                return Err(CoreError::InvalidState { message: "update() called with no step in flight: call schedule() first".into() })
+            }
+            Some(fl) => fl,
+        };
+        if fl.step_id != step_id {
+            let msg = format!("update() got the output of step {step_id}, but step {} is in flight", fl.step_id);
+            self.in_flight = Some(fl);
+            return Err(CoreError::InvalidState { message: msg });
+        }
+        if sampled.len() != fl.rows.len() {
+            let n = fl.rows.len();
+            self.in_flight = Some(fl);
+            return Err(CoreError::invalid(
+                "sampled_token_ids",
+                format!("<{} tokens>", sampled.len()),
+                format!("expected one token per logits row ({n})"),
+            ));
+        }
+        if let Some(&bad) = sampled.iter().find(|&&t| !(0..=u32::MAX as i64).contains(&t)) {
+            self.in_flight = Some(fl);
+            return Err(CoreError::invalid("sampled_token_ids", bad, "token ids must be in [0, 2^32)"));
+        }
+        // 1. The step's KV is computed now: its full blocks become findable.
+        for sc in &fl.scheduled {
+            if let Some(req) = self.requests[sc.slot as usize].as_mut() {
+                if let Some(pos) = req.seq_pos(sc.seq_id) {
+                    let s = &mut req.seqs[pos];
+                    let upto = sc.after.min(s.num_computed);
+                    self.kv.register_computed(&mut s.table, &s.tokens, upto, req.cache_salt.as_deref());
+                }
+            }
+        }
+        // 2. Fork the samples of n > 1 requests off their prefilled prompt.
+        for r in fl.rows.iter() {
+            let Some(parent) = r.fork_from else { continue };
+            let Some(req) = self.requests[r.slot as usize].as_mut() else { continue };
+            let Some(pos) = req.seq_pos(parent) else { continue };
+            let table = self.kv.fork(&req.seqs[pos].table);
+            let p = &req.seqs[pos];
+            let child = Sequence {
+                seq_id: r.seq_id,
+                sample_index: req.next_sample_index,
+                tokens: p.tokens.clone(),
+                num_computed: p.num_computed,
+                table,
+            };
+            req.next_sample_index += 1;
+            let before = req.seq_slots();
+            req.seqs.push(child);
+            req.fanned_out = true;
+            // Usually no change: the n slots were counted at admission.
+            self.num_running_seqs = self.num_running_seqs + req.seq_slots() - before;
+            self.seq_owner.insert(r.seq_id, r.slot);
+        }
+        // 3. Append the sampled tokens.
+        let mut finished = std::mem::take(&mut self.pending_finished);
+        let mut ended_slots: Vec<u32> = Vec::new();
+        for (r, &tok) in fl.rows.iter().zip(sampled) {
+            let Some(req) = self.requests[r.slot as usize].as_mut() else { continue };
+            let Some(pos) = req.seq_pos(r.seq_id) else { continue }; // aborted or dropped
+            let s = &mut req.seqs[pos];
+            s.tokens.push(tok as u32);
+            self.stats.generated_tokens += 1;
+            let out_len = s.tokens.len() - req.prompt_len;
+            if let Some((reason, stop_token)) = req.stop.check(tok as u32, out_len, s.tokens.len(), self.cfg.max_model_len) {
+                if self.finish_seq(r.slot, pos, reason, stop_token, &mut finished) {
+                    ended_slots.push(r.slot);
+                }
+            }
+        }
+        if !ended_slots.is_empty() {
+            for &s in &ended_slots {
+                self.ending[s as usize] = true;
+            }
+            let ending = &self.ending;
+            self.running.retain(|&s| !ending[s as usize]);
+            for &s in &ended_slots {
+                self.ending[s as usize] = false;
+                self.release_slot(s);
+            }
+        }
+        Ok(finished)
+    }
+
+    /// Ends one sequence; returns true when it was its request's last (the caller then takes
+    /// the request out of `running` and releases the slot).
+    fn finish_seq(&mut self, slot: u32, pos: usize, reason: FinishReason, stop_token: Option<u32>, out: &mut Vec<FinishedSeq>) -> bool {
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let before = req.seq_slots();
+        let mut s = req.seqs.remove(pos);
+        self.kv.free(&mut s.table);
+        self.seq_owner.remove(&s.seq_id);
+        let last = req.seqs.is_empty();
+        if req.state == RequestState::Running {
+            self.num_running_seqs -= before - if last { 0 } else { req.seq_slots() };
+        }
+        out.push(FinishedSeq {
+            request_id: req.request_id,
+            seq_id: s.seq_id,
+            sample_index: s.sample_index,
+            reason,
+            stop_token,
+            request_finished: last,
+        });
+        if last {
+            self.by_id.remove(&req.request_id);
+            self.ended_ids.push(req.request_id as i64);
+            self.stats.requests_finished += 1;
+        }
+        last
+    }
+
+    fn release_slot(&mut self, slot: u32) {
+        self.requests[slot as usize] = None;
+        self.free_slots.push(slot);
+    }
+
+    /// Removes a request wherever it is, freeing all of its blocks. With `report`, its
+    /// sequences are reported as finished by the next `update`.
+    fn end_request(&mut self, slot: u32, reason: FinishReason, report: bool) {
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        match req.state {
+            RequestState::Running => {
+                self.num_running_seqs -= req.seq_slots();
+                if let Some(i) = self.running.iter().position(|&s| s == slot) {
+                    self.running.remove(i);
+                }
+            }
+            RequestState::Waiting | RequestState::Swapped => {
+                let k = req.order_key();
+                self.waiting.remove(&(k.0, k.1, slot));
+            }
+        }
+        let n = req.seqs.len();
+        for (i, s) in req.seqs.iter_mut().enumerate() {
+            self.kv.free(&mut s.table);
+            self.seq_owner.remove(&s.seq_id);
+            if report {
+                self.pending_finished.push(FinishedSeq {
+                    request_id: req.request_id,
+                    seq_id: s.seq_id,
+                    sample_index: s.sample_index,
+                    reason,
+                    stop_token: None,
+                    request_finished: i + 1 == n,
+                });
+            }
+        }
+        self.by_id.remove(&req.request_id);
+        self.ended_ids.push(req.request_id as i64);
+        self.release_slot(slot);
+    }
+
+    /// Ends a request at any time (waiting, running, swapped, or with a step in flight; the
+    /// in-flight rows of an aborted request are ignored by `update`). Frees its blocks at once.
+    pub fn abort(&mut self, request_id: u64) -> CoreResult<()> {
+        let slot = *self.by_id.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        self.end_request(slot, FinishReason::Abort, false);
+        self.stats.requests_aborted += 1;
+        Ok(())
+    }
+
+    fn locate_seq(&self, seq_id: u64) -> CoreResult<(u32, usize)> {
+        let slot = *self.seq_owner.get(&seq_id).ok_or(CoreError::UnknownSequence { seq_id })?;
+        let pos = self.req(slot).seq_pos(seq_id).ok_or(CoreError::UnknownSequence { seq_id })?;
+        Ok((slot, pos))
+    }
+
+    /// Forks a running sequence into a new one of the same request that shares all its blocks
+    /// (copy-on-write). If the sequence has a step in flight, `next_token` is the child's
+    /// sampled token for that step (the parent gets its own through `update`); otherwise it
+    /// must be `None`. A child that stops at once is reported by the next `update`.
+    pub fn fork_sequence(&mut self, seq_id: u64, next_token: Option<u32>) -> CoreResult<u64> {
+        let (slot, pos) = self.locate_seq(seq_id)?;
+        if self.req(slot).state != RequestState::Running {
+            return Err(CoreError::InvalidState {
+                message: format!("fork_sequence(seq_id={seq_id}): its request is not running (waiting or swapped out)"),
+            });
+        }
+        if self.req(slot).seq_slots() >= self.cfg.max_num_seqs {
+            // All samples of a request step together, so they must fit in one batch.
+            return Err(CoreError::invalid(
+                "seq_id",
+                seq_id,
+                format!("its request already has max_num_seqs={} sequences", self.cfg.max_num_seqs),
+            ));
+        }
+        let in_flight = self.in_flight.as_ref().is_some_and(|f| f.rows.iter().any(|r| r.seq_id == seq_id));
+        match (in_flight, next_token) {
+            (true, None) => {
+                return Err(CoreError::invalid("next_token", "None", format!("seq_id={seq_id} has a step in flight: pass the child's sampled token")))
+            }
+            (false, Some(t)) => {
+                return Err(CoreError::invalid("next_token", t, format!("seq_id={seq_id} has no step in flight")))
+            }
+            _ => {}
+        }
+        let child_id = self.new_seq_id();
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let parent = &req.seqs[pos];
+        let table = self.kv.fork(&parent.table);
+        let mut tokens = parent.tokens.clone();
+        let num_computed = parent.num_computed;
+        if let Some(t) = next_token {
+            tokens.push(t);
+        }
+        let before = req.seq_slots();
+        req.seqs.push(Sequence { seq_id: child_id, sample_index: req.next_sample_index, tokens, num_computed, table });
+        req.next_sample_index += 1;
+        self.num_running_seqs += req.seq_slots() - before;
+        self.seq_owner.insert(child_id, slot);
+        if let Some(f) = self.in_flight.as_mut() {
+            f.forked = true;
+        }
+        if let Some(t) = next_token {
+            let req = self.req(slot);
+            let s = req.seqs.last().expect("just pushed");
+            if let Some((reason, st)) = req.stop.check(t, s.tokens.len() - req.prompt_len, s.tokens.len(), self.cfg.max_model_len) {
+                let mut out = std::mem::take(&mut self.pending_finished);
+                let pos = self.req(slot).seqs.len() - 1;
+                if self.finish_seq(slot, pos, reason, st, &mut out) {
+                    unreachable!("the parent is still live");
+                }
+                self.pending_finished = out;
+            }
+        }
+        Ok(child_id)
+    }
+
+    /// Ends one sequence and frees its blocks. Returns true if it was its request's last, in
+    /// which case the request is gone too.
+    pub fn drop_sequence(&mut self, seq_id: u64) -> CoreResult<bool> {
+        let (slot, pos) = self.locate_seq(seq_id)?;
+        if self.req(slot).seqs.len() == 1 {
+            self.end_request(slot, FinishReason::Abort, false);
+            return Ok(true);
+        }
+        let mut sink = Vec::new();
+        let last = self.finish_seq(slot, pos, FinishReason::Abort, None, &mut sink);
+        debug_assert!(!last);
+        Ok(false)
+    }
+
+    /// Forgets all cached prefixes not in use (e.g. after a failed model step whose KV is
+    /// suspect). In-use blocks keep serving their own sequences.
+    pub fn reset_prefix_cache(&mut self) {
+        self.kv.reset_prefix_cache();
+    }
+
+    pub fn request_seq_ids(&self, request_id: u64) -> CoreResult<Vec<u64>> {
+        let slot = *self.by_id.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        Ok(self.req(slot).seqs.iter().map(|s| s.seq_id).collect())
+    }
+
+    pub fn num_cached_tokens(&self, request_id: u64) -> CoreResult<usize> {
+        let slot = *self.by_id.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        Ok(self.req(slot).num_cached_tokens.unwrap_or(0))
+    }
+
+    pub fn seq_block_table(&self, seq_id: u64) -> CoreResult<Vec<u32>> {
+        let (slot, pos) = self.locate_seq(seq_id)?;
+        Ok(self.req(slot).seqs[pos].table.blocks().iter().map(|b| b.0).collect())
+    }
+
+    pub fn seq_tokens(&self, seq_id: u64) -> CoreResult<&[u32]> {
+        let (slot, pos) = self.locate_seq(seq_id)?;
+        Ok(&self.req(slot).seqs[pos].tokens)
+    }
+
+    pub fn kv_usage(&self) -> KvUsage {
+        let bs = self.cfg.block_size;
+        let mut seen = vec![false; self.cfg.num_blocks];
+        let (mut refs, mut slots) = (0, 0);
+        for &slot in &self.running {
+            for s in &self.req(slot).seqs {
+                refs += s.table.len();
+                for (i, b) in s.table.blocks().iter().enumerate() {
+                    if !std::mem::replace(&mut seen[b.0 as usize], true) {
+                        slots += s.num_computed.saturating_sub(i * bs).min(bs);
+                    }
+                }
+            }
+        }
+        let free = self.kv.num_free_blocks();
+        let used = self.kv.num_usable_blocks() - free;
+        KvUsage {
+            num_blocks: self.cfg.num_blocks,
+            num_free_blocks: free,
+            num_used_blocks: used,
+            num_cached_blocks: self.kv.num_cached_blocks(),
+            num_shared_blocks: (1..self.cfg.num_blocks).filter(|&b| self.kv.ref_count(BlockId(b as u32)) > 1).count(),
+            num_block_refs: refs,
+            num_used_token_slots: slots,
+            block_size: bs,
+        }
+    }
+
+    /// Checks every structural invariant; for tests and debugging (O(everything)).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let bs = self.cfg.block_size;
+        let live = || self.requests.iter().flatten();
+        self.kv.check(live().flat_map(|r| r.seqs.iter().map(|s| &s.table)))?;
+        let mut running_seqs = 0;
+        for r in live() {
+            for s in &r.seqs {
+                if s.num_computed > s.tokens.len() {
+                    return Err(format!("seq {} computed {} of {} tokens", s.seq_id, s.num_computed, s.tokens.len()));
+                }
+                let want = s.num_computed.div_ceil(bs);
+                let (have, what) = match r.state {
+                    RequestState::Swapped => (s.table.cpu_blocks().len(), "cpu"),
+                    _ => (s.table.len(), "gpu"),
+                };
+                if have != want {
+                    return Err(format!("seq {}: {have} {what} blocks for {} computed tokens", s.seq_id, s.num_computed));
+                }
+                if self.seq_owner.get(&s.seq_id) != self.by_id.get(&r.request_id) {
+                    return Err(format!("seq {} owner map is stale", s.seq_id));
+                }
+            }
+            match r.state {
+                RequestState::Running => running_seqs += r.seq_slots(),
+                RequestState::Waiting if r.seqs.iter().any(|s| s.num_computed != 0) => {
+                    return Err(format!("waiting request {} holds computed tokens", r.request_id));
+                }
+                _ => {}
+            }
+        }
+        if running_seqs != self.num_running_seqs {
+            return Err(format!("num_running_seqs={} but running requests hold {running_seqs}", self.num_running_seqs));
+        }
+        if self.waiting.len() + self.running.len() != self.by_id.len() {
+            return Err("waiting + running != live requests".into());
+        }
+        for w in self.running.windows(2) {
+            if self.req(w[0]).order_key() > self.req(w[1]).order_key() {
+                return Err("running list is not in (priority, arrival) order".into());
+            }
+        }
+        if let Some(f) = &self.in_flight {
+            if !f.forked {
+                for sc in &f.scheduled {
+                    let Some(req) = self.requests[sc.slot as usize].as_ref() else { continue };
+                    let Some(pos) = req.seq_pos(sc.seq_id) else { continue };
+                    if !self.kv.writes_are_exclusive(&req.seqs[pos].table, sc.before, sc.after) {
+                        let t = req.seqs[pos].table.blocks();
+                        let refs: Vec<u32> = t.iter().map(|&b| self.kv.ref_count(b)).collect();
+                        return Err(format!(
+                            "seq {} writes positions {}..{} into a shared block (table {:?}, refs {:?})",
+                            sc.seq_id, sc.before, sc.after, t, refs
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            num_blocks,
+            block_size,
+            max_num_seqs: budget.min(8),
+            max_num_batched_tokens: budget,
+            max_model_len: 1024,
+            watermark: 0.0,
+            ..Default::default()
+        }
+    }
+
+    fn req(id: u64, prompt_len: usize, max_tokens: usize) -> NewRequest {
+        NewRequest::new(id, (0..prompt_len as u32).map(|t| 100 + t + id as u32 * 1000).collect(), max_tokens)
+    }
+
+    /// One step with every row sampling `tok`; returns the output and what finished.
+    fn step(s: &mut Scheduler, tok: i64) -> (SchedulerOutput, Vec<FinishedSeq>) {
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        let done = s.update(out.step_id, &vec![tok; out.num_rows()]).unwrap();
+        s.check_invariants().unwrap();
+        (out, done)
+    }
+
+    #[test]
+    fn chunked_prefill_then_decode_with_exact_slots_and_tables() {
+        let mut s = Scheduler::new(cfg(16, 4, 8)).unwrap();
+        s.add_request(req(1, 10, 3)).unwrap();
+        let (o, _) = step(&mut s, 7);
+        assert_eq!(o.num_tokens(), 8);
+        assert_eq!(o.num_rows(), 0); // partial prefill: no logits
+        assert_eq!(o.block_tables, vec![1, 2]);
+        assert_eq!(o.slot_mapping, (4..12).collect::<Vec<i64>>());
+        assert_eq!(o.positions, (0..8).collect::<Vec<i64>>());
+        let (o, _) = step(&mut s, 7);
+        assert_eq!((o.num_tokens(), o.num_rows()), (2, 1));
+        assert_eq!(o.positions, vec![8, 9]);
+        assert_eq!(o.seq_lens, vec![10]);
+        assert_eq!(o.block_tables, vec![1, 2, 3]);
+        assert_eq!(o.slot_mapping, vec![12, 13]);
+        assert_eq!(o.logits_indices, vec![1]);
+        let (o, _) = step(&mut s, 7);
+        assert_eq!(o.input_ids, vec![7]);
+        assert_eq!(o.positions, vec![10]);
+        assert_eq!(o.num_decode_tokens, 1);
+        let (_, done) = step(&mut s, 7);
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].reason, FinishReason::Length);
+        assert!(done[0].request_finished);
+        assert_eq!(s.num_free_blocks(), 15);
+        let st = s.stats();
+        assert_eq!((st.prompt_tokens_computed, st.decode_tokens, st.generated_tokens), (10, 2, 3));
+        let (o, _) = step(&mut s, 7);
+        assert_eq!(o.finished_req_ids, vec![1]);
+        assert!(o.is_empty());
+    }
+
+    #[test]
+    fn decode_goes_first_and_prefill_fills_the_rest_of_the_budget() {
+        let mut s = Scheduler::new(cfg(32, 4, 6)).unwrap();
+        s.add_request(req(1, 3, 10)).unwrap();
+        step(&mut s, 5);
+        s.add_request(req(2, 9, 10)).unwrap();
+        let (o, _) = step(&mut s, 5);
+        assert_eq!(o.req_ids, vec![1, 2]);
+        assert_eq!(o.query_start_loc, vec![0, 1, 6]); // 1 decode + 5 prefill tokens
+        assert_eq!(o.num_prefill_tokens, 5);
+        assert_eq!(o.logits_indices, vec![0]);
+    }
+
+    #[test]
+    fn out_of_blocks_preempts_the_latest_arrival_for_recompute() {
+        // 6 usable blocks of 2 tokens.
+        let mut s = Scheduler::new(cfg(7, 2, 16)).unwrap();
+        s.add_request(req(1, 4, 8)).unwrap();
+        s.add_request(req(2, 4, 8)).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.block_tables, vec![1, 2, 3, 4]);
+        step(&mut s, 1); // both at 5 tokens: blocks 5, 6
+        assert_eq!(s.num_free_blocks(), 0);
+        step(&mut s, 1); // positions 5 fit in the 3rd blocks
+        let (o, _) = step(&mut s, 1); // request 1 needs a block: request 2 is preempted
+        assert_eq!(o.preempted_req_ids, vec![2]);
+        assert_eq!(o.req_ids, vec![1]);
+        assert_eq!(s.num_waiting(), 1);
+        assert_eq!(s.stats().recompute_preemptions, 1);
+        // Request 2 comes back once request 1 is done and recomputes prompt + output.
+        let mut seen_2 = false;
+        for _ in 0..20 {
+            let (o, _) = step(&mut s, 1);
+            if o.req_ids.contains(&2) && !seen_2 {
+                seen_2 = true;
+                assert_eq!(o.positions.len(), 7); // 4 prompt + 3 generated tokens recomputed
+            }
+            if !s.has_unfinished() {
+                break;
+            }
+        }
+        assert!(seen_2 && !s.has_unfinished());
+        assert_eq!(s.num_free_blocks(), 6);
+        assert_eq!(s.stats().output_tokens_recomputed, 2);
+    }
+
+    #[test]
+    fn swap_mode_emits_swap_pairs_and_resumes_without_recompute() {
+        let mut c = cfg(7, 2, 16);
+        c.preemption_mode = PreemptionMode::Swap;
+        c.num_cpu_blocks = 8;
+        let mut s = Scheduler::new(c).unwrap();
+        s.add_request(req(1, 4, 8)).unwrap();
+        s.add_request(req(2, 4, 8)).unwrap();
+        for _ in 0..3 {
+            step(&mut s, 1);
+        }
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.preempted_req_ids, vec![2]);
+        assert_eq!(o.swap_out, vec![3, 0, 4, 1, 6, 2]); // request 2's blocks 3, 4, 6
+        assert_eq!(s.stats().swap_preemptions, 1);
+        let mut swapped_in = false;
+        for _ in 0..20 {
+            let (o, _) = step(&mut s, 1);
+            if !o.swap_in.is_empty() {
+                swapped_in = true;
+                assert_eq!(o.swap_in.len(), 6);
+                assert_eq!(o.positions.len(), 1, "a swapped request resumes with one decode token");
+            }
+            if !s.has_unfinished() {
+                break;
+            }
+        }
+        assert!(swapped_in);
+        assert_eq!(s.stats().output_tokens_recomputed, 0);
+        assert_eq!(s.num_free_blocks(), 6);
+    }
+
+    #[test]
+    fn parallel_samples_share_the_prompt_and_copy_on_write() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        let mut r = req(1, 6, 3);
+        r.n = 3;
+        s.add_request(r).unwrap();
+        let (o, _) = step(&mut s, 9);
+        assert_eq!(o.logits_indices, vec![5, 5, 5]); // the last prompt row, sampled 3 times
+        assert_eq!(o.row_sample_index, vec![0, 1, 2]);
+        assert_eq!(o.block_tables, vec![1, 2]);
+        let ids = s.request_seq_ids(1).unwrap();
+        assert_eq!(ids.len(), 3);
+        let u = s.kv_usage();
+        assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs), (2, 2, 6));
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        // Each sample writes position 6 in shared block 2: the first two copy, the last owns it.
+        assert_eq!(out.copy_ops, vec![2, 3, 2, 4]);
+        assert_eq!(out.block_tables, vec![1, 3, 1, 4, 1, 2]);
+        assert_eq!(out.num_rows(), 3);
+        s.update(out.step_id, &[1, 2, 3]).unwrap();
+        let toks: Vec<_> = ids.iter().map(|&i| s.seq_tokens(i).unwrap()[6..].to_vec()).collect();
+        assert_eq!(toks, vec![vec![9, 1], vec![9, 2], vec![9, 3]]);
+        let (_, done) = step(&mut s, 0);
+        assert_eq!(done.len(), 3);
+        assert_eq!(done.iter().filter(|d| d.request_finished).count(), 1);
+        assert_eq!(s.num_free_blocks(), 15);
+    }
+
+    #[test]
+    fn beam_style_fork_and_drop() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        s.add_request(req(1, 5, 10)).unwrap();
+        let out = s.schedule().unwrap();
+        let parent = out.row_seq_ids[0] as u64;
+        assert!(s.fork_sequence(parent, None).is_err()); // in flight: a token is required
+        let child = s.fork_sequence(parent, Some(42)).unwrap();
+        s.update(out.step_id, &[41]).unwrap();
+        assert_eq!(s.seq_tokens(parent).unwrap()[5..], [41]);
+        assert_eq!(s.seq_tokens(child).unwrap()[5..], [42]);
+        assert_eq!(s.seq_block_table(child).unwrap(), s.seq_block_table(parent).unwrap());
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.copy_ops, vec![2, 3]);
+        assert_eq!(o.num_rows(), 2);
+        assert!(!s.drop_sequence(parent).unwrap());
+        assert_eq!(s.seq_block_table(child).unwrap(), vec![1, 2]);
+        assert!(s.drop_sequence(child).unwrap());
+        assert!(!s.has_unfinished());
+        assert_eq!(s.num_free_blocks(), 15);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn stop_tokens_eos_and_abort_free_blocks_at_once() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        let mut a = req(1, 3, 10);
+        a.eos_token_id = Some(2);
+        let mut b = req(2, 3, 10);
+        b.stop_token_ids = vec![5];
+        s.add_request(a).unwrap();
+        s.add_request(b).unwrap();
+        s.add_request(req(3, 3, 10)).unwrap();
+        let out = s.schedule().unwrap();
+        let done = s.update(out.step_id, &[2, 5, 2]).unwrap();
+        assert_eq!(done.len(), 2);
+        assert_eq!((done[0].request_id, done[0].reason, done[0].stop_token), (1, FinishReason::Stop, None));
+        assert_eq!((done[1].request_id, done[1].stop_token), (2, Some(5)));
+        assert_eq!(s.num_free_blocks(), 14);
+        s.abort(3).unwrap();
+        assert_eq!(s.num_free_blocks(), 15);
+        assert_eq!(s.abort(3), Err(CoreError::UnknownRequest { request_id: 3 }));
+        let o = s.schedule().unwrap();
+        assert_eq!(o.finished_req_ids, vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn abort_between_schedule_and_update_is_safe() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        s.add_request(req(1, 5, 4)).unwrap();
+        s.add_request(req(2, 5, 4)).unwrap();
+        let out = s.schedule().unwrap();
+        s.abort(1).unwrap();
+        let done = s.update(out.step_id, &[3, 3]).unwrap();
+        assert!(done.is_empty());
+        assert_eq!(s.seq_tokens(s.request_seq_ids(2).unwrap()[0]).unwrap().len(), 6);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn prefix_cache_hits_across_requests_and_after_preemption() {
+        let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
+        let prompt: Vec<u32> = (0..13).collect();
+        s.add_request(NewRequest::new(1, prompt.clone(), 2)).unwrap();
+        step(&mut s, 1);
+        step(&mut s, 1);
+        assert!(!s.has_unfinished());
+        s.add_request(NewRequest::new(2, prompt.clone(), 2)).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.positions, vec![12]); // 3 blocks hit, the last token is recomputed
+        assert_eq!(o.block_tables, vec![1, 2, 3, 4]); // block 4 was partial, uncached: reused first
+        assert_eq!(s.num_cached_tokens(2).unwrap(), 12);
+        assert_eq!(s.stats().first_admission_cached_tokens, 12);
+        // A different salt shares nothing.
+        let mut r = NewRequest::new(3, prompt.clone(), 2);
+        r.cache_salt = Some("tenant".into());
+        s.add_request(r).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.req_ids, vec![2, 3]);
+        assert_eq!(o.num_tokens(), 1 + 13);
+    }
+
+    #[test]
+    fn priority_policy_orders_admission_and_picks_victims() {
+        let mut c = cfg(7, 2, 16);
+        c.policy = Policy::Priority;
+        let mut s = Scheduler::new(c).unwrap();
+        let mut low = req(1, 4, 8);
+        low.priority = 5;
+        let mut high = req(2, 4, 8);
+        high.priority = -1;
+        s.add_request(low).unwrap();
+        s.add_request(high).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.req_ids, vec![2, 1]);
+        let mut preempted = vec![];
+        for _ in 0..4 {
+            let (o, _) = step(&mut s, 1);
+            preempted.extend(o.preempted_req_ids);
+        }
+        assert_eq!(preempted, vec![1]);
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error_naming_the_field() {
+        let mut s = Scheduler::new(cfg(8, 4, 16)).unwrap();
+        s.add_request(req(1, 3, 2)).unwrap();
+        assert_eq!(s.add_request(req(1, 3, 2)), Err(CoreError::DuplicateRequest { request_id: 1 }));
+        let e = s.add_request(NewRequest::new(2, vec![], 2)).unwrap_err();
+        assert!(e.to_string().contains("prompt_token_ids"), "{e}");
+        let e = s.add_request(req(3, 3, 0)).unwrap_err();
+        assert!(e.to_string().contains("max_tokens=0"), "{e}");
+        let e = s.add_request(req(4, 2000, 2)).unwrap_err();
+        assert_eq!(e, CoreError::PromptTooLong { len: 2000, max_model_len: 1024 });
+        let e = s.add_request(req(5, 20, 20)).unwrap_err();
+        assert!(matches!(e, CoreError::ExceedsCacheCapacity { blocks_needed: 10, blocks_available: 7, .. }), "{e}");
+        assert!(s.update(1, &[]).is_err());
+        let o = s.schedule().unwrap();
+        assert!(matches!(s.schedule(), Err(CoreError::InvalidState { .. })));
+        assert!(s.update(o.step_id, &[1, 2]).is_err());
+        assert!(s.update(o.step_id, &[-1]).is_err());
+        s.update(o.step_id, &[1]).unwrap();
+        assert!(Scheduler::new(SchedulerConfig { max_num_batched_tokens: 4, max_num_seqs: 8, ..cfg(8, 4, 16) }).is_err());
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_request_that_outgrows_the_cache_alone_is_aborted_not_spun_on() {
+        let mut s = Scheduler::new(cfg(5, 2, 16)).unwrap(); // 4 usable blocks
+        s.add_request(req(1, 3, 5)).unwrap(); // worst case 4 blocks: accepted
+        let out = s.schedule().unwrap();
+        let p = out.row_seq_ids[0] as u64;
+        s.fork_sequence(p, Some(1)).unwrap(); // two beams of 8 tokens cannot fit in 4 blocks
+        s.update(out.step_id, &[1]).unwrap();
+        let mut aborted = false;
+        for _ in 0..10 {
+            let out = s.schedule().unwrap();
+            let done = s.update(out.step_id, &vec![1; out.num_rows()]).unwrap();
+            s.check_invariants().unwrap();
+            if done.iter().any(|d| d.reason == FinishReason::Abort && d.request_finished) {
+                aborted = true;
+                break;
+            }
+        }
+        assert!(aborted);
+        assert_eq!(s.stats().capacity_aborts, 1);
+        assert_eq!(s.num_free_blocks(), 4);
+    }
+}
