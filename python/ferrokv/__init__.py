@@ -1,0 +1,65 @@
+"""ferrokv: an LLM inference engine with a paged KV cache, copy-on-write prefix sharing and a
+Rust iteration-level scheduler.
+
+The core (``Scheduler``) and the error classes import without torch; the model-facing API
+(``LLM``, ``LLMEngine``) is imported on first use so that ``import ferrokv`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ferrokv._core import (
+    CacheCapacityError,
+    DuplicateRequestError,
+    FerrokvError,
+    FinishedSequence,
+    InvalidArgumentError,
+    PromptTooLongError,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStateError,
+    UnknownRequestError,
+    UnknownSequenceError,
+    __version__,
+)
+from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput
+from ferrokv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrokv.engine import EngineArgs, LLMEngine
+    from ferrokv.llm import LLM
+
+_LAZY = {"LLM": "ferrokv.llm", "LLMEngine": "ferrokv.engine", "EngineArgs": "ferrokv.engine"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ferrokv' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "CacheCapacityError",
+    "CompletionOutput",
+    "DuplicateRequestError",
+    "EngineArgs",
+    "FerrokvError",
+    "FinishedSequence",
+    "InvalidArgumentError",
+    "LLM",
+    "LLMEngine",
+    "Logprob",
+    "PromptTooLongError",
+    "RequestOutput",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStateError",
+    "UnknownRequestError",
+    "UnknownSequenceError",
+    "__version__",
+]

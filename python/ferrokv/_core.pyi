@@ -1,0 +1,162 @@
+"""Type stubs for ``ferrokv._core``, the Rust scheduler over a paged KV cache.
+
+Conventions
+-----------
+* Block 0 is the null block: block tables are padded with it and it is never allocated.
+* ``slot = block_id * block_size + offset``; the core never pads tokens, -1 in a slot mapping is
+  reserved for padding a runner adds.
+* Sampling rows: one per sequence that completes its pending tokens this step. For a request
+  with ``n > 1`` the last prompt row is sampled ``n`` times: ``logits_indices`` repeats that token
+  index, and ``row_seq_ids`` names the ``n`` sequences (samples 1..n-1 are forked off the prompt
+  sequence by ``update``, sharing its blocks copy-on-write). ``row_sample_index`` is 0..n-1.
+* Block ops run before the forward pass in the order swap_out, swap_in, copy_ops.
+* All arrays are numpy arrays that own Rust memory (``flags.owndata`` is False: numpy does not
+  own it; the Rust buffer is freed when the array is collected). They are created on first
+  access.
+"""
+
+from typing import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+class FerrokvError(Exception):
+    """Base class of every ferrokv error."""
+
+class InvalidArgumentError(FerrokvError, ValueError):
+    """A field has a bad value; the message names the field and the value."""
+
+class DuplicateRequestError(InvalidArgumentError): ...
+class UnknownRequestError(InvalidArgumentError): ...
+class UnknownSequenceError(InvalidArgumentError): ...
+class PromptTooLongError(InvalidArgumentError): ...
+
+class CacheCapacityError(InvalidArgumentError):
+    """The request could never fit in the KV cache, even alone (worst case over max_tokens and n)."""
+
+class SchedulerStateError(FerrokvError, RuntimeError):
+    """Calls made out of order, e.g. ``schedule()`` twice without ``update()``."""
+
+TokenIds = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64]
+
+class SchedulerOutput:
+    """One scheduling step. S = num_seqs, T = num_tokens, R = num_rows, M = max blocks."""
+
+    step_id: int
+    num_seqs: int
+    num_tokens: int
+    num_rows: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    block_size: int
+    @property
+    def req_ids(self) -> npt.NDArray[np.int64]: ...  # [S]
+    @property
+    def seq_ids(self) -> npt.NDArray[np.int64]: ...  # [S]
+    @property
+    def query_start_loc(self) -> npt.NDArray[np.int32]: ...  # [S+1], cu_seqlens of new tokens
+    @property
+    def seq_lens(self) -> npt.NDArray[np.int32]: ...  # [S], context length after this step
+    @property
+    def block_tables(self) -> npt.NDArray[np.int32]: ...  # [S, M], padded with block 0
+    @property
+    def input_ids(self) -> npt.NDArray[np.int64]: ...  # [T]
+    @property
+    def positions(self) -> npt.NDArray[np.int64]: ...  # [T]
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]: ...  # [T]
+    @property
+    def logits_indices(self) -> npt.NDArray[np.int64]: ...  # [R], token index (may repeat)
+    @property
+    def row_req_ids(self) -> npt.NDArray[np.int64]: ...  # [R]
+    @property
+    def row_seq_ids(self) -> npt.NDArray[np.int64]: ...  # [R]
+    @property
+    def row_sample_index(self) -> npt.NDArray[np.int32]: ...  # [R]
+    @property
+    def copy_ops(self) -> npt.NDArray[np.int32]: ...  # [K, 2] (src, dst) copy-on-write
+    @property
+    def swap_out(self) -> npt.NDArray[np.int32]: ...  # [K, 2] (gpu_block, cpu_block)
+    @property
+    def swap_in(self) -> npt.NDArray[np.int32]: ...  # [K, 2] (cpu_block, gpu_block)
+    @property
+    def finished_req_ids(self) -> npt.NDArray[np.int64]: ...  # ended since the previous step
+    @property
+    def preempted_req_ids(self) -> npt.NDArray[np.int64]: ...  # preempted in this step
+
+class FinishedSequence:
+    request_id: int
+    seq_id: int
+    sample_index: int
+    reason: str  # "stop" | "length" | "abort"
+    stop_token_id: int | None  # set when a stop_token_ids entry ended it
+    request_finished: bool  # the request's last sequence: the request is gone
+
+class Scheduler:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int = 8192,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",  # "recompute" | "swap"
+        num_cpu_blocks: int = 0,
+        policy: str = "fcfs",  # "fcfs" | "priority" (lower value first)
+        watermark: float = 0.01,  # fraction of blocks admission keeps free
+    ) -> None: ...
+    def add_request(
+        self,
+        request_id: int,
+        prompt_token_ids: TokenIds,
+        max_tokens: int,
+        *,
+        n: int = 1,
+        priority: int = 0,
+        eos_token_id: int | None = None,
+        stop_token_ids: TokenIds | None = None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        cache_salt: str | None = None,
+    ) -> None: ...
+    def schedule(self) -> SchedulerOutput:
+        """The next batch; runs with the GIL released."""
+    def update(self, output: SchedulerOutput, sampled_token_ids: TokenIds) -> list[FinishedSequence]:
+        """One token per logits row of ``output``; runs with the GIL released. Rows of aborted or
+        dropped sequences are ignored. Returns the sequences that ended (incl. forks that ended at
+        once and requests aborted because they outgrew the cache)."""
+    def abort(self, request_id: int) -> None: ...
+    def fork_sequence(self, seq_id: int, next_token: int | None = None) -> int:
+        """A new sequence sharing all blocks of ``seq_id`` (copy-on-write). While a step is in flight
+        for ``seq_id``, ``next_token`` is the child's sampled token for that step; otherwise None."""
+    def drop_sequence(self, seq_id: int) -> bool:
+        """Ends a sequence and frees its blocks; True if it was its request's last."""
+    def reset_prefix_cache(self) -> None: ...
+    def request_seq_ids(self, request_id: int) -> list[int]: ...
+    def num_cached_tokens(self, request_id: int) -> int: ...
+    def seq_block_table(self, seq_id: int) -> list[int]: ...
+    def seq_tokens(self, seq_id: int) -> list[int]: ...
+    def has_unfinished(self) -> bool: ...
+    def check_invariants(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_running_seqs(self) -> int: ...
+    @property
+    def num_unfinished(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
