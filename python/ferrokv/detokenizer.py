@@ -1,0 +1,285 @@
+"""Incremental detokenization of one generated sequence, with stop-string detection.
+
+Decoding token by token is not ``decode(token)`` per token: byte-level BPE tokens may hold part of
+a UTF-8 character (an emoji is often 2-4 tokens), and SentencePiece-style decoders change a token's
+text depending on what precedes it. So, like vLLM, we keep a small window of token strings with two
+offsets: ``prefix`` (context already emitted) and ``read`` (end of what has been emitted). For a new
+token we decode ``window[prefix:read]`` and ``window[prefix:]``; the new text is the difference,
+held back while it ends in U+FFFD (an incomplete character), after which the window slides.
+
+Invariants:
+
+* The concatenation of every delta returned by :meth:`IncrementalDetokenizer.append` plus
+  :meth:`~IncrementalDetokenizer.flush` equals :attr:`~IncrementalDetokenizer.text`; for a
+  byte-level tokenizer and no stop strings this equals
+  ``tokenizer.decode(ids, skip_special_tokens=...)`` of all appended ids.
+* No U+FFFD is emitted for a character split across tokens; at most ``_MAX_PENDING`` tokens are
+  held for that (beyond that the bytes are genuinely invalid and are emitted as U+FFFD, which keeps
+  the window, and so the cost, bounded).
+* Stop strings: once the text contains one (searched only after more than ``min_tokens`` tokens, as
+  in vLLM), :attr:`stop_reason` is that string, :attr:`text` is cut just before it (or just after
+  it with ``include_stop_str_in_output``) and the detokenizer refuses further tokens. When several
+  stop strings occur, the one starting earliest wins (ties: the shortest). A stop string may span
+  any number of tokens.
+* Emitted text is final: without ``include_stop_str_in_output`` the last ``max_stop_len - 1``
+  characters are held back from deltas (a partial stop string must not be streamed and then
+  retracted); :meth:`flush` releases them when the sequence ends for another reason.
+
+Costs per token: two decoder calls over a window of at most ~``_MAX_PENDING + 5`` tokens, plus a
+search over ``len(new text) + max_stop_len`` characters per stop string -- independent of how
+long the output already is. :attr:`text` joins the emitted pieces (cached until the next append).
+
+The engine should not append the token that stopped the sequence by EOS / ``stop_token_ids``
+(vLLM leaves it out of the text too), and should call :meth:`flush` when a sequence finishes for
+any reason other than a stop string.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ferrokv.sampling_params import SamplingParams
+
+__all__ = ["IncrementalDetokenizer", "decode_token", "special_token_ids"]
+
+# Prompt tokens used as decoding context for the first output tokens (vLLM uses 5): enough for
+# SentencePiece's leading-space handling, small enough to be free.
+_PROMPT_CONTEXT = 5
+# A UTF-8 character is at most 4 bytes, so a legitimately incomplete character never needs more
+# than 3 pending tokens; past this many the bytes are garbage and are emitted as-is.
+_MAX_PENDING = 8
+_REPLACEMENT = "\ufffd"
+
+_special_cache: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """``tokenizer.all_special_ids`` as a frozenset, cached per tokenizer (the property is slow)."""
+    try:
+        return _special_cache[tokenizer]
+    except (KeyError, TypeError):
+        ids = frozenset(int(i) for i in tokenizer.all_special_ids if i is not None)
+        try:
+            _special_cache[tokenizer] = ids
+        except TypeError:  # not weak-referenceable: just don't cache
+            pass
+        return ids
+
+
+def decode_token(tokenizer: Any, token_id: int) -> str:
+    """Text of one token in isolation (as vLLM reports ``decoded_token``); '' for unknown ids."""
+    tok = tokenizer.convert_ids_to_tokens(int(token_id))
+    return "" if tok is None else tokenizer.convert_tokens_to_string([tok])
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's generated token ids into text deltas (see module docstring)."""
+
+    __slots__ = (
+        "_tokenizer",
+        "_skip_ids",
+        "_stop",
+        "_include_stop",
+        "_min_tokens",
+        "_holdback",
+        "_tail_len",
+        "_window",
+        "_prefix",
+        "_read",
+        "_prefix_text",
+        "_tail",
+        "_held",
+        "_pieces",
+        "_text_cache",
+        "num_tokens",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        skip_special_tokens: bool = True,
+        stop: Iterable[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_ids = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._stop: tuple[str, ...] = tuple(s for s in stop if s)
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        max_stop = max((len(s) for s in self._stop), default=0)
+        # Characters withheld from deltas: a stop string that is not yet complete is at most
+        # max_stop - 1 characters long. With include_stop_str_in_output nothing is ever cut.
+        self._tail_len = max(max_stop - 1, 0)
+        self._holdback = 0 if include_stop_str_in_output else self._tail_len
+        self._window: list[str] = []
+        self._prefix = 0
+        self._read = 0
+        self._prefix_text: str | None = ""
+        # Search context for stop strings spanning deltas: the last max_stop - 1 decoded chars.
+        self._tail = ""
+        self._held = ""  # decoded but not yet emitted (suffix of _tail)
+        self._pieces: list[str] = []
+        self._text_cache: str | None = ""
+        self.num_tokens = 0
+        self.stop_reason: str | None = None
+        if prompt_token_ids is not None and len(prompt_token_ids) > 0:  # may be a numpy array
+            self._init_prompt_context(prompt_token_ids)
+
+    @classmethod
+    def from_params(
+        cls,
+        tokenizer: Any,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> IncrementalDetokenizer:
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop or (),
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
+
+    def _init_prompt_context(self, prompt_token_ids: Sequence[int]) -> None:
+        # A few extra ids in case some are skipped specials.
+        ctx = self._to_tokens(prompt_token_ids[-(_PROMPT_CONTEXT + 2):])[-_PROMPT_CONTEXT:]
+        text = self._tokenizer.convert_tokens_to_string(ctx) if ctx else ""
+        if text.endswith(_REPLACEMENT):
+            # The prompt ends mid-character: its completion would be misattributed, so decode
+            # the output without context instead.
+            return
+        self._window = ctx
+        self._prefix, self._read = 0, len(ctx)
+        self._prefix_text = text
+
+    def _to_tokens(self, ids: Iterable[int]) -> list[str]:
+        out = []
+        convert = self._tokenizer.convert_ids_to_tokens
+        for i in ids:
+            i = int(i)
+            if i in self._skip_ids:
+                continue
+            tok = convert(i)
+            if tok is not None:  # ids past the tokenizer's vocab (padded embeddings) decode to ''
+                out.append(tok)
+        return out
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string was found; no more tokens may be appended."""
+        return self.stop_reason is not None
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (after :meth:`flush`: the complete output text)."""
+        if self._text_cache is None:
+            self._text_cache = "".join(self._pieces)
+        return self._text_cache
+
+    def _decode_step(self, token_id: int) -> str:
+        """Adds one token to the window; returns newly completed text (maybe '')."""
+        new = self._to_tokens((token_id,))
+        if not new:
+            return ""
+        self._window.extend(new)
+        convert = self._tokenizer.convert_tokens_to_string
+        if self._prefix_text is None:
+            self._prefix_text = convert(self._window[self._prefix : self._read])
+        prefix_text = self._prefix_text
+        new_text = convert(self._window[self._prefix :])
+        pending = len(self._window) - self._read
+        if len(new_text) <= len(prefix_text) or (
+            new_text.endswith(_REPLACEMENT) and pending < _MAX_PENDING
+        ):
+            return ""  # incomplete character (or nothing visible yet): wait for more tokens
+        delta = new_text[len(prefix_text) :]
+        # Slide: emitted tokens become the context; drop older ones so the window stays small.
+        del self._window[: self._read]
+        self._prefix, self._read = 0, len(self._window)
+        self._prefix_text = None  # recomputed lazily, only if another token arrives
+        return delta
+
+    def append(self, token_id: int) -> str:
+        """Appends one generated token; returns the text that became final (maybe '')."""
+        if self.stop_reason is not None:
+            raise RuntimeError(f"sequence already stopped on {self.stop_reason!r}")
+        self.num_tokens += 1
+        delta = self._decode_step(token_id)
+        if not delta:
+            return ""
+        return self._emit(delta)
+
+    def extend(self, token_ids: Iterable[int]) -> str:
+        """Appends several tokens (stopping early at a stop string); returns the joined deltas."""
+        out = []
+        for t in token_ids:
+            out.append(self.append(t))
+            if self.stop_reason is not None:
+                break
+        return "".join(out)
+
+    def _emit(self, delta: str) -> str:
+        if not self._stop:
+            self._push(delta)
+            return delta
+        s = self._tail + delta
+        base = len(self._tail)  # s[:base] was already searched
+        if self.num_tokens > self._min_tokens:
+            best: tuple[int, int, str] | None = None
+            for stop in self._stop:
+                # Only matches that end inside the new delta are new.
+                i = s.find(stop, max(0, base - len(stop) + 1))
+                if i != -1 and (best is None or (i, len(stop)) < best[:2]):
+                    best = (i, len(stop), stop)
+            if best is not None:
+                i, n, stop = best
+                cut = i + n if self._include_stop else i
+                # s[base - len(held):] is what has not been emitted yet. Holdback guarantees the
+                # cut never falls inside already-emitted text.
+                out = s[base - len(self._held) : cut]
+                self._held = self._tail = ""
+                self.stop_reason = stop
+                self._push(out)
+                return out
+        keep = self._holdback
+        self._tail = s[-self._tail_len :] if self._tail_len else ""
+        pending = self._held + delta
+        if keep and len(pending) > keep:
+            out, self._held = pending[:-keep], pending[-keep:]
+        elif keep:
+            out, self._held = "", pending
+        else:
+            out, self._held = pending, ""
+        self._push(out)
+        return out
+
+    def _push(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self._text_cache = None
+
+    def flush(self) -> str:
+        """Releases held-back text at the end of the sequence; returns it (maybe '').
+
+        Tokens still waiting to complete a character are decoded as they are (U+FFFD), matching
+        what a one-shot ``decode`` of the whole sequence gives for such bytes.
+        """
+        out = self._held
+        self._held = self._tail = ""
+        if self.stop_reason is None and len(self._window) > self._read:
+            convert = self._tokenizer.convert_tokens_to_string
+            prefix_text = self._prefix_text
+            if prefix_text is None:
+                prefix_text = convert(self._window[self._prefix : self._read])
+            out += convert(self._window[self._prefix :])[len(prefix_text) :]
+            del self._window[: self._read]
+            self._prefix, self._read, self._prefix_text = 0, len(self._window), None
+        self._push(out)
+        return out

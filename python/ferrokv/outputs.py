@@ -1,0 +1,132 @@
+"""What the engine hands back to users: vLLM-shaped request and completion outputs.
+
+Invariants:
+
+* ``CompletionOutput.finish_reason`` is ``None`` while the sequence runs, else one of ``"stop"``
+  (EOS, a stop token id or a stop string), ``"length"`` (max_tokens / max_model_len) or
+  ``"abort"``. ``stop_reason`` is the matched stop string (``str``) or stop token id (``int``);
+  ``None`` for EOS, length and abort -- as in vLLM.
+* ``logprobs``, when requested, holds one ``dict[token_id, Logprob]`` per generated token, the
+  sampled token first, then the top alternatives by rank (the sampled token appears once even if
+  it is also among the top). ``cumulative_logprob`` is the sum of the sampled tokens' logprobs,
+  ``None`` when logprobs were not computed.
+* ``RequestOutput.request_id`` is a ``str``; ``finished`` is True once every completion has a
+  ``finish_reason``.
+
+Costs: plain containers; ``__repr__`` is O(1) in the sequence length (long lists are elided).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "CompletionOutput",
+    "FinishReason",
+    "Logprob",
+    "PromptLogprobs",
+    "RequestOutput",
+    "SampleLogprobs",
+    "make_logprobs_entry",
+]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+# Long lists in reprs are cut to this many items: a 4k-token completion should still print as a line.
+_REPR_ITEMS = 8
+
+
+def _short(seq: Sequence[object] | None) -> str:
+    if seq is None:
+        return "None"
+    if len(seq) <= _REPR_ITEMS:
+        return repr(list(seq))
+    head = ", ".join(repr(x) for x in seq[:_REPR_ITEMS])
+    return f"[{head}, ... ({len(seq)} total)]"
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log probability of one token; ``rank`` 1 = most likely; ``decoded_token`` its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # first prompt token has no logprob -> None
+
+
+def make_logprobs_entry(
+    token_id: int,
+    logprob: float,
+    rank: int,
+    top_ids: Sequence[int] = (),
+    top_logprobs: Sequence[float] = (),
+    decode: Callable[[int], str] | None = None,
+) -> dict[int, Logprob]:
+    """Builds one position's ``{token_id: Logprob}`` dict: sampled token first, then top-k.
+
+    Feed it one row of :class:`ferrokv.sampler.LogprobsResult` (sliced to ``num_top``); ``decode``
+    (e.g. :func:`ferrokv.detokenizer.decode_token` bound to a tokenizer) fills ``decoded_token``.
+    """
+    token_id = int(token_id)
+    entry = {
+        token_id: Logprob(float(logprob), int(rank), decode(token_id) if decode else None)
+    }
+    for i, (tid, lp) in enumerate(zip(top_ids, top_logprobs)):
+        tid = int(tid)
+        if tid not in entry:
+            entry[tid] = Logprob(float(lp), i + 1, decode(tid) if decode else None)
+    return entry
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the ``n`` completions of a request (cumulative: text/token_ids so far)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        lp = "None" if self.logprobs is None else f"<{len(self.logprobs)} positions>"
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={_short(self.token_ids)}, cumulative_logprob={self.cumulative_logprob}, "
+            f"logprobs={lp}, finish_reason={self.finish_reason!r}, "
+            f"stop_reason={self.stop_reason!r})"
+        )
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Everything produced so far for one request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
+
+    def __repr__(self) -> str:
+        plp = "None" if self.prompt_logprobs is None else f"<{len(self.prompt_logprobs)} positions>"
+        outs = ", ".join(repr(o) for o in self.outputs)
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={_short(self.prompt_token_ids)}, outputs=[{outs}], "
+            f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens}, "
+            f"prompt_logprobs={plp})"
+        )

@@ -1,0 +1,168 @@
+"""Per-request sampling parameters, with vLLM's field names, defaults and semantics.
+
+Invariants (established by ``__post_init__``; every violation raises ``ValueError`` whose message
+names the field and the offending value, e.g. ``temperature must be >= 0, got -1.0``):
+
+* ``n >= 1``; ``temperature >= 0`` and finite; ``0 < top_p <= 1``; ``0 <= min_p <= 1``;
+  ``-2 <= presence_penalty, frequency_penalty <= 2``; ``repetition_penalty > 0`` and finite.
+* ``top_k`` is ``0`` when disabled: ``-1`` (vLLM's older spelling) is accepted and normalised to 0;
+  any other value must be ``>= 1``.
+* ``max_tokens`` is ``None`` ("up to max_model_len", resolved by the engine) or ``>= 1``;
+  ``0 <= min_tokens`` and ``min_tokens <= max_tokens`` when ``max_tokens`` is set.
+* ``stop`` is always a ``list[str]`` of non-empty strings afterwards (a single ``str`` or ``None``
+  are accepted on construction); ``stop_token_ids`` is always a ``list[int]`` of ids ``>= 0``.
+* ``logprobs`` is ``None`` or ``>= 0`` (how many top alternatives to return *in addition to* the
+  sampled token's own logprob).
+* Greedy means ``temperature < GREEDY_EPS``; for greedy requests top_p/top_k/min_p are reset to
+  their neutral values (as vLLM does) because they cannot change an argmax.
+
+Costs: construction is O(len(stop) + len(stop_token_ids)); nothing here touches torch, so building
+params is cheap enough to do per request on the API thread.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+__all__ = ["GREEDY_EPS", "SamplingParams"]
+
+# Below this temperature a request is treated as greedy: dividing logits by ~0 would overflow, and
+# vLLM uses the same threshold, so requests behave the same on both engines.
+GREEDY_EPS: float = 1e-5
+
+
+def _is_int(x: object) -> bool:
+    # bool is an Integral subclass, but n=True is almost certainly a bug, not "1".
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample the completion(s) of one request (see the module docstring for invariants)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
+    # window; kept in sync by __post_init__.
+    _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # --- integers -------------------------------------------------------------------------
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0  # one spelling for "disabled" downstream
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            )
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+
+        # --- floats: written as `not (lo <= x <= hi)` so NaN fails every check ----------------
+        self._check_real("temperature")
+        if not (0.0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        self._check_real("top_p")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        self._check_real("min_p")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        self._check_real("presence_penalty")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        self._check_real("frequency_penalty")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"
+            )
+        self._check_real("repetition_penalty")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(
+                f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty!r}"
+            )
+
+        # --- stop conditions ------------------------------------------------------------------
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            stop = list(self.stop)
+            for s in stop:
+                if not isinstance(s, str):
+                    raise ValueError(f"stop must contain only strings, got {s!r}")
+            self.stop = stop
+        for s in self.stop:
+            if s == "":
+                raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+
+        ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
+        self.stop_token_ids = [int(t) for t in ids]
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+        if self.is_greedy:
+            # These cannot change an argmax; neutralising them lets the sampler take fast paths.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_real(self, name: str) -> None:
+        value = getattr(self, name)
+        if not _is_real(value):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        setattr(self, name, float(value))
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request samples by argmax (temperature below ``GREEDY_EPS``)."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length in characters of the longest stop string (0 when there are none)."""
+        return self._max_stop_len
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of presence / frequency / repetition penalty is not neutral."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

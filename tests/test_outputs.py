@@ -1,0 +1,24 @@
+"""Output classes: vLLM field names, logprob entries, readable reprs."""
+
+from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput, make_logprobs_entry
+
+
+def test_logprobs_entry_sampled_first_then_top_by_rank():
+    entry = make_logprobs_entry(7, -1.5, 3, [4, 9, 7], [-0.2, -0.9, -1.5], decode=lambda t: f"<{t}>")
+    assert list(entry) == [7, 4, 9]  # the sampled token once, first
+    assert entry[7] == Logprob(-1.5, 3, "<7>")
+    assert entry[4] == Logprob(-0.2, 1, "<4>") and entry[9].rank == 2
+    assert make_logprobs_entry(1, -0.1, 1) == {1: Logprob(-0.1, 1, None)}
+
+
+def test_completion_and_request_output():
+    c = CompletionOutput(index=0, text="Paris", token_ids=list(range(100)))
+    assert not c.finished() and c.finish_reason is None and c.stop_reason is None
+    c.finish_reason, c.stop_reason = "stop", "\n"
+    assert c.finished()
+    r = RequestOutput("req-1", "Capital?", [1, 2, 3], [c], finished=True, num_cached_tokens=2)
+    text = repr(r)
+    assert text.startswith("RequestOutput(request_id='req-1', prompt='Capital?'")
+    assert "text='Paris'" in text and "(100 total)" in text and "finish_reason='stop'" in text
+    assert len(text) < 400  # long token lists are elided
+    assert r.prompt_logprobs is None
