@@ -1,0 +1,578 @@
+"""LLMEngine: requests in, ``RequestOutput``s out, one scheduler step at a time.
+
+One ``step()``: the Rust scheduler picks the batch, the model runner computes logits for the
+rows that sample, the sampler (or the beam-search logic) picks tokens, the scheduler appends
+them and decides stops, and this module detokenizes and builds the outputs.
+
+Invariants: every request is validated in full before the scheduler sees it, so bad input
+raises ``ValueError`` naming the field and leaves the engine as it was; a request ended in
+Python (stop string, abort, finished beam search) is ended in the scheduler at once, so its
+KV blocks are freed.
+Costs per step: the model forward, plus O(rows) Python work for sampling metadata and
+detokenization; nothing that scales with the number of waiting or finished requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrokv._core import Scheduler, UnknownRequestError
+from ferrokv.beam_search import BeamSearchState
+from ferrokv.detokenizer import IncrementalDetokenizer, decode_token
+from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
+from ferrokv.model_runner import ModelRunner
+from ferrokv.outputs import CompletionOutput, RequestOutput, make_logprobs_entry
+from ferrokv.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs, make_generator
+from ferrokv.sampling_params import SamplingParams
+
+logger = logging.getLogger("ferrokv")
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16}
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Every engine setting; the names match the CLI flags (``--max-num-seqs`` ...)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+
+    def validate(self) -> None:
+        def positive(name: str, allow_none: bool = True) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("block_size", "max_num_seqs"):
+            positive(name, allow_none=False)
+        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
+            positive(name)
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if isinstance(self.num_cpu_blocks, bool) or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+@dataclass(slots=True)
+class _Seq:
+    seq_id: int
+    index: int
+    token_ids: list[int]
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    logprobs: list[dict] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    core_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: dict[int, _Seq] = field(default_factory=dict)
+    done_seqs: list[_Seq] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    beam: BeamSearchState | None = None
+    finished: bool = False
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but no CUDA device is available")
+    return dev
+
+
+def _resolve_dtype(name: str, config: Mapping[str, Any], device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half precision matmuls are slow (and bf16 is inexact) on CPUs
+    cfg = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").replace("torch.", "")
+    return _DTYPES.get(cfg, torch.bfloat16) if cfg in ("float16", "bfloat16") else torch.bfloat16
+
+
+class LLMEngine:
+    """Owns the tokenizer, the model runner, the KV cache and the Rust scheduler."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        from transformers import AutoTokenizer
+
+        from ferrokv.model_loader import load_config, load_model, resolve_model_path
+
+        args.validate()
+        self.args = args
+        t0 = time.perf_counter()
+        self.model_path: Path = resolve_model_path(args.model)
+        config = load_config(self.model_path)
+        self.device = _resolve_device(args.device)
+        self.dtype = _resolve_dtype(args.dtype, config, self.device)
+        backend = args.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.model = load_model(self.model_path, dtype=self.dtype, device=self.device, attn_backend=backend)
+        self.model_config = self.model.config
+        self.tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or self.model_path))
+        self.vocab_size = int(self.model_config.vocab_size)
+        self.eos_token_ids = self._eos_ids(config)
+
+        max_len = args.max_model_len or int(self.model_config.max_position_embeddings)
+        self.max_model_len = max_len
+        spec = KVCacheSpec(
+            num_layers=self.model_config.num_hidden_layers,
+            num_kv_heads=self.model_config.num_key_value_heads,
+            head_dim=self.model_config.head_dim,
+            block_size=args.block_size,
+            dtype=self.dtype,
+        )
+        num_blocks = self._num_blocks(spec)
+        self.kv_cache = PagedKVCache(spec, num_blocks, args.num_cpu_blocks, self.device)
+        budget = args.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
+        budget = max(budget, args.max_num_seqs)
+        self.scheduler = Scheduler(
+            num_blocks,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_len,
+            enable_prefix_caching=args.enable_prefix_caching,
+            preemption_mode=args.preemption_mode,
+            num_cpu_blocks=args.num_cpu_blocks,
+            policy=args.scheduling_policy,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.sampler = Sampler(seed=args.seed)
+        self._requests: dict[int, _Request] = {}
+        self._by_name: dict[str, int] = {}
+        self._next_core_id = itertools.count()
+        self._beams_done: list[_Request] = []
+        self.peak_used_blocks = 0
+        tokens_capacity = (num_blocks - 1) * args.block_size
+        logger.info(
+            "ferrokv: model %s (%s, %s, %s) loaded in %.1fs; KV cache: %d blocks x %d tokens, "
+            "%.1f KiB per block (M_KV = 2 * %d layers * %d kv heads * %d head_dim * %d tokens * %d bytes), "
+            "%d tokens in all, max concurrency %.1f at max_model_len=%d",
+            self.model_path.name, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
+            self.device, time.perf_counter() - t0, num_blocks, args.block_size, spec.bytes_per_block / 1024,
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, args.block_size,
+            torch.empty((), dtype=self.dtype).element_size(), tokens_capacity, tokens_capacity / max_len, max_len,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    def _eos_ids(self, config: Mapping[str, Any]) -> tuple[int, ...]:
+        ids: list[int] = []
+        for v in (self.tokenizer.eos_token_id, config.get("eos_token_id")):
+            for x in v if isinstance(v, list) else [v]:
+                if isinstance(x, int) and x not in ids and 0 <= x < self.vocab_size:
+                    ids.append(x)
+        gen = self.model_path / "generation_config.json"
+        if gen.is_file():
+            import json
+
+            v = json.loads(gen.read_text()).get("eos_token_id")
+            for x in v if isinstance(v, list) else [v]:
+                if isinstance(x, int) and x not in ids and 0 <= x < self.vocab_size:
+                    ids.append(x)
+        return tuple(ids)
+
+    def _num_blocks(self, spec: KVCacheSpec) -> int:
+        a = self.args
+        per_block = spec.bytes_per_block
+        if a.num_kv_blocks is not None:
+            return a.num_kv_blocks
+        if a.kv_cache_memory is not None:
+            budget = a.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * a.gpu_memory_utilization) - used
+        else:
+            budget = _CPU_DEFAULT_KV_BYTES
+        n = budget // per_block
+        if self.device.type == "cpu" and a.kv_cache_memory is None:
+            # No point in reserving more than every sequence at full length could use.
+            n = min(n, a.max_num_seqs * math.ceil(self.max_model_len / a.block_size) + 1)
+        if n < 2:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes hold {n} KV blocks of {per_block} bytes; at least 2 are needed"
+            )
+        return int(n)
+
+    # ------------------------------------------------------------------------------------------
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+                    raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+                out = []
+                for i, t in enumerate(ids):
+                    if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                        raise ValueError(f"prompt_token_ids[{i}] must be an int, got {t!r}")
+                    out.append(int(t))
+                return prompt.get("prompt"), out
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
+        raise ValueError(
+            f"prompt must be a str or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}"
+        )
+
+    def _validate_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt_token_ids: the prompt is empty (at least one token is needed)")
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queues a request; raises ValueError (naming the field) and changes nothing on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(request_id)
+        if request_id in self._by_name:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        self._validate_ids(ids)
+        if params.n > self.args.max_num_seqs:
+            raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
+        room = self.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        self._submit(request_id, text, ids, params, max_tokens, priority, cache_salt, beam=None)
+
+    def _submit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                max_tokens: int, priority: int, cache_salt: str | None, beam: BeamSearchState | None) -> None:
+        core_id = next(self._next_core_id)
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids += [e for e in self.eos_token_ids[1:] if e not in stop_ids]
+        self.scheduler.add_request(
+            core_id, np.asarray(ids, dtype=np.int64), max_tokens,
+            n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
+            min_tokens=params.min_tokens, ignore_eos=params.ignore_eos or beam is not None, cache_salt=cache_salt,
+        )
+        req = _Request(request_id, core_id, text, ids, params, beam=beam)
+        seq_id = self.scheduler.request_seq_ids(core_id)[0]
+        req.seqs[seq_id] = self._new_seq(req, seq_id, 0)
+        self._requests[core_id] = req
+        self._by_name[request_id] = core_id
+
+    def _new_seq(self, req: _Request, seq_id: int, index: int, tokens: list[int] | None = None) -> _Seq:
+        p = req.params
+        gen = make_generator(p.seed, index) if p.seed is not None and not p.is_greedy else None
+        want_lp = p.logprobs is not None
+        detok = IncrementalDetokenizer.from_params(self.tokenizer, p, req.prompt_token_ids)
+        seq = _Seq(seq_id, index, [], detok, gen, [] if want_lp else None, 0.0 if want_lp else None)
+        for t in tokens or []:
+            seq.token_ids.append(t)
+            seq.detok.append(t)
+        return seq
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            core_id = self._by_name.pop(str(rid), None)
+            if core_id is None:
+                continue
+            req = self._requests.pop(core_id)
+            try:
+                self.scheduler.abort(core_id)
+            except UnknownRequestError:
+                pass
+            req.finished = True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> dict[str, int]:
+        return self.scheduler.stats()
+
+    # ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns outputs of the requests that progressed or finished."""
+        out = self.scheduler.schedule()
+        self.peak_used_blocks = max(self.peak_used_blocks, self.scheduler.num_blocks - 1 - self.scheduler.num_free_blocks)
+        try:
+            logits = self.runner.execute(out)
+        except Exception:
+            # The batch's requests cannot go on: end them (freeing their blocks), close the step
+            # (their rows are then ignored) and forget cached prefixes, whose KV is suspect.
+            for cid in set(out.req_ids.tolist()):
+                req = self._requests.get(cid)
+                if req is not None:
+                    self.abort_request(req.request_id)
+            self.scheduler.update(out, np.zeros(out.num_rows, dtype=np.int32))
+            self.scheduler.reset_prefix_cache()
+            raise
+        touched: dict[int, _Request] = {}
+        sampled = np.zeros(out.num_rows, dtype=np.int32)
+        row_lp = None
+        if out.num_rows:
+            row_req = out.row_req_ids.tolist()
+            row_seq = out.row_seq_ids.tolist()
+            row_idx = out.row_sample_index.tolist()
+            sample_rows: list[int] = []
+            beam_rows: dict[int, list[int]] = {}
+            for r, (cid, sid, idx) in enumerate(zip(row_req, row_seq, row_idx)):
+                req = self._requests.get(cid)
+                if req is None:
+                    continue
+                if req.beam is not None:
+                    beam_rows.setdefault(cid, []).append(r)
+                    continue
+                if sid not in req.seqs:  # a sample of an n > 1 request, forked at update
+                    req.seqs[sid] = self._new_seq(req, sid, idx)
+                sample_rows.append(r)
+            if sample_rows:
+                rows = [self._sampling_row(self._requests[row_req[r]], row_seq[r]) for r in sample_rows]
+                md = SamplingMetadata.build(rows, self.vocab_size, self.eos_token_ids, device=logits.device)
+                sel = logits if len(sample_rows) == out.num_rows else logits[torch.tensor(sample_rows, device=logits.device)]
+                so = self.sampler(sel, md)
+                sampled[np.asarray(sample_rows)] = so.token_ids
+                row_lp = (sample_rows, so.logprobs)
+            for cid, rs in beam_rows.items():
+                self._beam_step(self._requests[cid], rs, row_seq, logits, sampled)
+        finished = self.scheduler.update(out, sampled)
+        ended = {f.seq_id: f for f in finished}
+
+        if out.num_rows:
+            lp_by_row = {}
+            if row_lp is not None and row_lp[1] is not None:
+                rows, lpr = row_lp
+                for j, br in enumerate(lpr.rows.tolist()):
+                    lp_by_row[rows[br]] = (lpr, j)
+            for r, (cid, sid) in enumerate(zip(row_req, row_seq)):
+                req = self._requests.get(cid)
+                if req is None or req.beam is not None:
+                    continue
+                seq = req.seqs.get(sid)
+                if seq is None:
+                    continue
+                tok = int(sampled[r])
+                seq.token_ids.append(tok)
+                if r in lp_by_row:
+                    lpr, j = lp_by_row[r]
+                    n = int(lpr.num_top[j])
+                    seq.logprobs.append(make_logprobs_entry(
+                        tok, float(lpr.sampled_logprobs[j]), int(lpr.sampled_ranks[j]),
+                        lpr.top_ids[j, :n], lpr.top_logprobs[j, :n],
+                        decode=lambda t: decode_token(self.tokenizer, t)))
+                    seq.cumulative_logprob += float(lpr.sampled_logprobs[j])
+                f = ended.get(seq.seq_id)
+                # The stopping EOS / stop token id stays out of the text (vLLM semantics).
+                if not (f is not None and f.reason == "stop"):
+                    seq.detok.append(tok)
+                touched[cid] = req
+                if f is None and seq.detok.stopped:
+                    seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
+                    self._end_seq(req, seq)
+        for f in finished:
+            req = self._requests.get(f.request_id)
+            if req is None or req.beam is not None:
+                continue
+            seq = req.seqs.get(f.seq_id)
+            if seq is None:
+                if f.reason == "abort" and f.seq_id not in {s.seq_id for s in req.done_seqs}:
+                    # Aborted by the scheduler before this engine saw the sequence (capacity).
+                    req.done_seqs.append(self._aborted_seq(req, f.seq_id, f.sample_index))
+                    touched[f.request_id] = req
+                continue
+            seq.finish_reason = f.reason
+            seq.stop_reason = f.stop_token_id
+            if f.reason != "stop":
+                seq.detok.flush()
+            req.seqs.pop(seq.seq_id)
+            req.done_seqs.append(seq)
+            touched[f.request_id] = req
+            if f.request_finished and not req.seqs:
+                self._finish(req)
+        for req in self._beams_done:
+            touched[req.core_id] = req
+        self._beams_done = []
+        outputs = []
+        for req in touched.values():
+            if req.beam is None and not req.seqs and not req.finished:
+                self._finish(req)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _aborted_seq(self, req: _Request, seq_id: int, index: int) -> _Seq:
+        s = self._new_seq(req, seq_id, index)
+        s.finish_reason = "abort"
+        return s
+
+    def _sampling_row(self, req: _Request, seq_id: int) -> SamplingRow:
+        seq = req.seqs[seq_id]
+        return SamplingRow(req.params, seq.token_ids, req.prompt_token_ids, seq.generator)
+
+    def _end_seq(self, req: _Request, seq: _Seq) -> None:
+        """Ends a sequence decided in Python (stop string) in the scheduler too."""
+        req.seqs.pop(seq.seq_id, None)
+        req.done_seqs.append(seq)
+        try:
+            self.scheduler.drop_sequence(seq.seq_id)
+        except ValueError:
+            pass  # already gone
+        if not req.seqs:
+            self._finish(req)
+
+    def _finish(self, req: _Request) -> None:
+        req.finished = True
+        self._requests.pop(req.core_id, None)
+        self._by_name.pop(req.request_id, None)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        if req.beam is not None:
+            return self._beam_output(req)
+        comps = []
+        for s in sorted([*req.done_seqs, *req.seqs.values()], key=lambda s: s.index):
+            comps.append(CompletionOutput(
+                index=s.index, text=s.detok.text, token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            ))
+        if req.num_cached_tokens == 0:
+            try:
+                req.num_cached_tokens = self.scheduler.num_cached_tokens(req.core_id)
+            except ValueError:
+                pass
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+            outputs=comps, finished=req.finished, num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Beam search
+    def add_beam_request(self, request_id: str, prompt: Any, beam_width: int, max_tokens: int,
+                         length_penalty: float = 1.0, ignore_eos: bool = False) -> None:
+        for name, v in (("beam_width", beam_width), ("max_tokens", max_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if beam_width > self.args.max_num_seqs:
+            raise ValueError(f"beam_width={beam_width} is larger than max_num_seqs={self.args.max_num_seqs}")
+        request_id = str(request_id)
+        if request_id in self._by_name:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        self._validate_ids(ids)
+        max_tokens = min(max_tokens, self.max_model_len - len(ids)) if len(ids) < self.max_model_len else 1
+        eos = () if ignore_eos else self.eos_token_ids
+        state = BeamSearchState(beam_width, max_tokens, float(length_penalty), tuple(eos))
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self._submit(request_id, text, ids, params, max_tokens, 0, None, beam=state)
+
+    def _beam_step(self, req: _Request, rows: list[int], row_seq: list[int], logits: torch.Tensor,
+                   sampled: np.ndarray) -> None:
+        st = req.beam
+        seq_ids = [row_seq[r] for r in rows]
+        lp = compute_logprobs(logits[torch.tensor(rows, device=logits.device)]).cpu()
+        res = st.step(seq_ids, lp)
+        if res.done:
+            self.scheduler.abort(req.core_id)
+            self._finish(req)
+            self._beams_done.append(req)
+            return
+        used: set[int] = set()
+        new_beams: dict[int, tuple[float, list[int]]] = {}
+        for parent_row, tok, cum in res.next_beams:
+            parent = seq_ids[parent_row]
+            _, toks = st.beams.get(parent, (0.0, []))
+            if parent not in used:
+                used.add(parent)
+                sampled[rows[parent_row]] = tok
+                new_beams[parent] = (cum, toks + [tok])
+            else:
+                child = self.scheduler.fork_sequence(parent, tok)
+                new_beams[child] = (cum, toks + [tok])
+        for sid in seq_ids:
+            if sid not in used:
+                self.scheduler.drop_sequence(sid)
+        st.beams = new_beams
+
+    def _beam_output(self, req: _Request) -> RequestOutput:
+        comps = []
+        eos = set(req.beam.eos_token_ids)
+        for i, h in enumerate(req.beam.hypotheses() if req.finished else []):
+            comps.append(CompletionOutput(
+                index=i, text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob, logprobs=None,
+                finish_reason="stop" if h.token_ids and h.token_ids[-1] in eos else "length", stop_reason=None,
+            ))
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+            outputs=comps, finished=req.finished, num_cached_tokens=req.num_cached_tokens,
+        )

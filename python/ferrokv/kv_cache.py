@@ -1,0 +1,103 @@
+"""The paged KV cache tensors: sizing, allocation, and the block ops the scheduler emits.
+
+Layout: per layer, ``k`` and ``v`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+block 0 is the null block (padding only). A CPU pool of the same layout backs swap preemption.
+
+Sizing follows the seeds' formula for the bytes one block holds,
+``M_KV(block) = 2 (K and V) * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes``,
+so ``num_blocks = budget_bytes // M_KV(block)``.
+
+Invariants: the ops of one step run before its forward pass, in the order swap-out, swap-in,
+copy-on-write (a block swapped in may be copied in the same step, never the reverse).
+Costs: memory is allocated once at startup; each op is one gather/scatter per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+logger = logging.getLogger("ferrokv")
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """M_KV of one block: K and V of every layer for ``block_size`` tokens."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * elem
+
+
+def kv_bytes_per_sequence(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int, dtype: torch.dtype) -> int:
+    """The seeds' M_KV for one sequence of ``seq_len`` tokens stored contiguously."""
+    return kv_bytes_per_block(num_layers, num_kv_heads, head_dim, seq_len, dtype)
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+
+
+class PagedKVCache:
+    """Per-layer paged K/V tensors on the model's device plus an optional CPU swap pool."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.device = device
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # Zeroed so that never-written slots hold finite values.
+        self.layers: list[tuple[Tensor, Tensor]] = [
+            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        self.cpu_layers: list[tuple[Tensor, Tensor]] = [
+            (
+                torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin),
+                torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin),
+            )
+            for _ in range(spec.num_layers if num_cpu_blocks else 0)
+        ]
+
+    def apply_block_ops(self, swap_out: np.ndarray, swap_in: np.ndarray, copy_ops: np.ndarray) -> None:
+        """Runs one step's ops ([K, 2] int32 pairs each) in the required order."""
+        if swap_out.size:
+            self._swap(swap_out, self.layers, self.cpu_layers)
+        if swap_in.size:
+            self._swap(swap_in, self.cpu_layers, self.layers)
+        if copy_ops.size:
+            self._copy(copy_ops)
+
+    def _swap(self, pairs: np.ndarray, src: list[tuple[Tensor, Tensor]], dst: list[tuple[Tensor, Tensor]]) -> None:
+        s = torch.from_numpy(pairs[:, 0].astype(np.int64))
+        d = torch.from_numpy(pairs[:, 1].astype(np.int64))
+        s_dev, d_dev = s.to(src[0][0].device), d.to(dst[0][0].device)
+        for (sk, sv), (dk, dv) in zip(src, dst):
+            dk.index_copy_(0, d_dev, sk.index_select(0, s_dev).to(dk.device, non_blocking=True))
+            dv.index_copy_(0, d_dev, sv.index_select(0, s_dev).to(dv.device, non_blocking=True))
+
+    def _copy(self, pairs: np.ndarray) -> None:
+        if self.device.type == "cuda":
+            from ferrokv.kernels.copy_blocks import copy_blocks
+
+            mapping = torch.from_numpy(pairs.astype(np.int64)).to(self.device)
+            copy_blocks([k for k, _ in self.layers], [v for _, v in self.layers], mapping)
+            return
+        s = torch.from_numpy(pairs[:, 0].astype(np.int64))
+        d = torch.from_numpy(pairs[:, 1].astype(np.int64))
+        for k, v in self.layers:
+            k.index_copy_(0, d, k.index_select(0, s))
+            v.index_copy_(0, d, v.index_select(0, s))

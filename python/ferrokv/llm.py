@@ -1,0 +1,151 @@
+"""``LLM``: the offline generation API, with vLLM's names and semantics.
+
+``LLM(model=None, ...)`` loads a local Hugging Face folder (or a ``.gguf`` file, converted once
+and cached); ``model=None`` is the embedded SmolLM2-135M-Instruct. Every engine argument is a
+keyword with the CLI flag's name; an unknown keyword is a ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ferrokv.engine import EngineArgs, LLMEngine
+from ferrokv.outputs import RequestOutput
+from ferrokv.sampling_params import SamplingParams
+
+logger = logging.getLogger("ferrokv")
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One finished beam: generated ``tokens`` (EOS included), their ``text`` and score."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The best ``beam_width`` hypotheses of one prompt, best first."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
+                 device: str = "auto", block_size: int = 16, seed: int = 0, **engine_kwargs: Any) -> None:
+        unknown = sorted(set(engine_kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise TypeError(
+                f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                f"engine arguments are: {', '.join(EngineArgs.field_names())}"
+            )
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
+                          seed=seed, **engine_kwargs)
+        self.llm_engine = LLMEngine(args)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return str(self._counter)
+
+    def _run(self, prompts: Sequence[Any], params: Sequence[SamplingParams] | None, use_tqdm: bool,
+             beam: dict[str, Any] | None = None) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = self._next_id()
+                if beam is not None:
+                    engine.add_beam_request(rid, p, **beam)
+                else:
+                    engine.add_request(rid, p, params[i])
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)  # nothing half-submitted is left behind
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        t0, generated = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished and o.request_id in order:
+                        results[order[o.request_id]] = o
+                        generated += sum(len(c.token_ids) for c in o.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix_str(f"{generated / (time.perf_counter() - t0):.1f} tok/s")
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt (a str, ``{"prompt_token_ids": [...]}``, or a list of them);
+        returns one finished ``RequestOutput`` per prompt, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params)} for {len(prompts)} prompts (give one, or one per prompt)"
+                )
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation (or a list of them)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("messages: the tokenizer has no chat template")
+        prompts = []
+        for conv in convs:
+            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Any, beam_width: int, max_tokens: int, length_penalty: float = 1.0,
+                    ignore_eos: bool = False, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search built on the core's fork and copy-on-write (transformers' semantics)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        beam = dict(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
+                    ignore_eos=ignore_eos)
+        outs = self._run(list(prompts), None, use_tqdm, beam=beam)
+        return [
+            BeamSearchOutput(o.prompt, o.prompt_token_ids,
+                             [BeamSearchSequence(c.token_ids, c.text, c.cumulative_logprob, c.finish_reason)
+                              for c in o.outputs])
+            for o in outs
+        ]
