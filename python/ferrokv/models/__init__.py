@@ -1,0 +1,41 @@
+"""Model registry: Hugging Face ``architectures[0]`` name -> our implementation class.
+
+Invariant: every class here implements ``forward(input_ids, positions, kv_caches, meta)`` and
+``compute_logits(hidden)`` on a paged KV cache, and loads Hugging Face weight names.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+from .mistral import MistralForCausalLM
+from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    cls.architecture: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)
+}
+
+__all__ = [
+    "MODEL_REGISTRY",
+    "ModelConfig",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "resolve_model_class",
+]
+
+
+def resolve_model_class(config: dict[str, Any]) -> type[LlamaForCausalLM]:
+    """Class for a config.json dict, from ``architectures[0]``; ValueError lists the supported ones."""
+    archs = config.get("architectures") or []
+    name = archs[0] if archs else None
+    cls = MODEL_REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(
+            f"unsupported model: config field 'architectures' is {archs!r}; "
+            f"supported architectures: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    return cls

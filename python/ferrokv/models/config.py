@@ -1,0 +1,163 @@
+"""Model hyper-parameters parsed from a Hugging Face ``config.json`` dict (no transformers objects).
+
+Invariants: every field the model needs is resolved here once (per-architecture defaults, both the
+transformers 4.x layout ``rope_theta`` + ``rope_scaling`` and the 5.x layout ``rope_parameters``),
+so model code never looks at the raw dict. Per-layer sliding windows are explicit (None = full
+attention). Unsupported settings raise ``ValueError`` naming the field instead of silently
+computing something else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass(slots=True, frozen=True)
+class RopeConfig:
+    rope_type: str  # one of SUPPORTED_ROPE_TYPES
+    theta: float
+    head_dim: int  # rotary dimension (= head_dim; partial rotary is not supported)
+    max_position_embeddings: int
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int | None = None  # llama3
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_windows: tuple[int | None, ...]  # per layer
+    rope: RopeConfig
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+def _req(d: dict[str, Any], key: str) -> Any:
+    if d.get(key) is None:
+        raise ValueError(f"config.json: required field {key!r} is missing")
+    return d[key]
+
+
+def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
+    """Read RoPE settings from either layout: 5.x ``rope_parameters`` (holds rope_theta too) or 4.x
+    ``rope_theta`` + ``rope_scaling`` (``type`` or ``rope_type`` key)."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json: rope_parameters/rope_scaling must be a dict, got {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("config.json: per-layer-type rope_parameters are not supported")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"config.json: rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    prf = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        raise ValueError(f"config.json: partial_rotary_factor={prf} is not supported")
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    max_pos = int(d.get("max_position_embeddings", 2048))
+    factor = float(params.get("factor", 1.0))
+    if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
+        raise ValueError(f"config.json: rope_type {rope_type!r} needs a 'factor'")
+    orig = params.get("original_max_position_embeddings")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise ValueError(f"config.json: rope_type 'llama3' needs {key!r}")
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=float(theta),
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        factor=factor,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(orig) if orig is not None else None,
+    )
+
+
+def parse_common(
+    d: dict[str, Any],
+    *,
+    architecture: str,
+    qkv_bias: bool,
+    o_bias: bool,
+    qk_norm: bool,
+    sliding_windows: tuple[int | None, ...] | None = None,
+    default_head_dim: int | None = None,
+) -> ModelConfig:
+    hidden = int(_req(d, "hidden_size"))
+    heads = int(_req(d, "num_attention_heads"))
+    layers = int(_req(d, "num_hidden_layers"))
+    # Absent means multi-head attention here; some transformers classes default differently (Qwen2: 32,
+    # Mistral: 8), but every real checkpoint's config.json states it.
+    kv_heads = int(d.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise ValueError(f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    head_dim = int(d.get("head_dim") or default_head_dim or hidden // heads)
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported")
+    if sliding_windows is None:
+        sliding_windows = (None,) * layers
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=int(_req(d, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(_req(d, "intermediate_size")),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        hidden_act=act,
+        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        qk_norm=qk_norm,
+        sliding_windows=tuple(sliding_windows),
+        rope=parse_rope(d, head_dim),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id"),
+    )
+
+
+def qwen_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
+    """Qwen2/Qwen3: a window applies only when ``use_sliding_window`` is true, and then only on the
+    layers ``layer_types`` marks ``sliding_attention`` (default: layers >= ``max_window_layers``),
+    exactly as transformers resolves it."""
+    layers = int(_req(d, "num_hidden_layers"))
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    if window is None:
+        return (None,) * layers
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        first = int(d.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if len(layer_types) != layers:
+        raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for {layers} layers")
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

@@ -1,0 +1,151 @@
+"""Llama for causal LM on a paged KV cache (base class of the Qwen2/Qwen3/Mistral variants).
+
+Interface used by the model runner:
+    forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]
+    compute_logits(hidden [R, hidden]) -> fp32 logits [R, vocab]
+where T is the flattened ragged batch and ``kv_caches[i] = (k_cache, v_cache)`` of layer i, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+Invariants: parameter names are the Hugging Face ones; with ``tie_word_embeddings`` the LM head *is*
+the embedding parameter. RoPE cos/sin are computed once per forward; attention metadata plans are
+cached in ``meta`` so per-layer work does not grow with the number of sequences (except one SDPA per
+prefill sequence in the torch backend). Subclasses override ``parse_config`` only.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import AttentionBackend, get_attention_backend
+from ..attention.metadata import AttentionMetadata
+from .config import ModelConfig, parse_common
+from .layers import DecoderLayer, RMSNorm
+from .rope import RotaryEmbedding
+
+# Buffers some older checkpoints carry; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    architecture = "LlamaForCausalLM"
+
+    @classmethod
+    def parse_config(cls, d: dict[str, Any]) -> ModelConfig:
+        bias = bool(d.get("attention_bias", False))
+        return parse_common(d, architecture=cls.architecture, qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    def __init__(self, config: ModelConfig | dict[str, Any], attn_backend: str | AttentionBackend = "auto") -> None:
+        super().__init__()
+        if isinstance(config, dict):
+            config = self.parse_config(config)
+        self.config = config
+        self.model = _Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config.rope)
+        self._backend_spec = attn_backend
+        self._backend: AttentionBackend | None = None if isinstance(attn_backend, str) else attn_backend
+
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def attn_backend(self) -> AttentionBackend | None:
+        return self._backend
+
+    def set_attn_backend(self, backend: str | AttentionBackend) -> None:
+        self._backend_spec = backend
+        self._backend = None if isinstance(backend, str) else backend
+
+    def _resolve_backend(self, device: torch.device) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = get_attention_backend(self._backend_spec, device)
+        return self._backend
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+
+    def allocate_kv_caches(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """One zeroed (k, v) pair per layer; dtype/device default to the model's."""
+        p = self.model.embed_tokens.weight
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        dtype = dtype or p.dtype
+        device = device or p.device
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    # ---------------------------------------------------------------------------------------------
+    @torch.no_grad()  # not inference_mode: caches written here must stay usable outside it
+    def forward(
+        self,
+        input_ids: Tensor,  # int64 [T]
+        positions: Tensor,  # int64 [T]
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+    ) -> Tensor:
+        if len(kv_caches) != self.config.num_hidden_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.config.num_hidden_layers}")
+        backend = self._resolve_backend(input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, meta)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta, backend)
+        return self.model.norm(x)
+
+    @torch.no_grad()  # not inference_mode: caches written here must stay usable outside it
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    # ---------------------------------------------------------------------------------------------
+    def expected_weight_names(self) -> list[str]:
+        names = [n for n, _ in self.named_parameters(remove_duplicate=False)]
+        if self.config.tie_word_embeddings:
+            names = [n for n in names if n != "lm_head.weight"]
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy checkpoint tensors in by Hugging Face name (casting to the parameter dtype/device).
+
+        Raises ValueError naming missing weights or mismatched shapes; unknown names only warn.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected = set(self.expected_weight_names())
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            p = params.get(name)
+            if p is None:
+                unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(p.shape)}")
+            p.copy_(tensor)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing weight(s): {shown}")
+        if unexpected:
+            warnings.warn(f"ignored {len(unexpected)} unexpected checkpoint tensor(s), e.g. {unexpected[:4]}", stacklevel=2)

