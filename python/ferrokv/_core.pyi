@@ -107,6 +107,7 @@ class Scheduler:
         num_cpu_blocks: int = 0,
         policy: str = "fcfs",  # "fcfs" | "priority" (lower value first)
         watermark: float = 0.01,  # fraction of blocks admission keeps free
+        admission_headroom: float = 0.5,  # and this many more per running sequence (anti-thrash)
     ) -> None: ...
     def add_request(
         self,
@@ -121,6 +122,7 @@ class Scheduler:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         cache_salt: str | None = None,
+        reserve_seqs: int = 0,  # batch slots held for life, e.g. a beam width (0 = n)
     ) -> None: ...
     def schedule(self) -> SchedulerOutput:
         """The next batch; runs with the GIL released."""

@@ -321,6 +321,7 @@ class LLMEngine:
             core_id, np.asarray(ids, dtype=np.int64), max_tokens,
             n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos or beam is not None, cache_salt=cache_salt,
+            reserve_seqs=beam.beam_width if beam is not None else 0,
         )
         req = _Request(request_id, core_id, text, ids, params, beam=beam)
         seq_id = self.scheduler.request_seq_ids(core_id)[0]

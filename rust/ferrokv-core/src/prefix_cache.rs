@@ -11,8 +11,8 @@
 //!   the wrong KV, even after the parent was evicted and its slot re-cached with other tokens.
 //!
 //! Costs: one xxh3 over `block_size` tokens per full block, one map probe per looked-up block,
-//! one boxed token copy per cached block. The map's keys are already hashes, so the map itself
-//! uses an identity hasher.
+//! one token copy per cached block into a preallocated arena (no allocation after startup
+//! beyond map growth). The map's keys are already hashes, so it uses an identity hasher.
 
 use crate::block_pool::BlockId;
 use std::collections::HashMap;
@@ -71,7 +71,6 @@ pub struct ParentLink {
 struct CachedBlock {
     hash: BlockHash,
     parent: Option<ParentLink>,
-    tokens: Box<[u32]>,
     salt: Option<Box<str>>,
 }
 
@@ -80,6 +79,8 @@ pub struct PrefixCache {
     map: IdentityMap,
     meta: Vec<Option<CachedBlock>>,
     generation: Vec<u32>,
+    /// `block_size` tokens per block: what each cached block holds, for the hit re-check.
+    tokens: Vec<u32>,
 }
 
 impl PrefixCache {
@@ -89,6 +90,7 @@ impl PrefixCache {
             map: IdentityMap::default(),
             meta: vec![None; num_blocks],
             generation: vec![0; num_blocks],
+            tokens: vec![0; num_blocks * block_size],
         }
     }
 
@@ -129,7 +131,7 @@ impl PrefixCache {
             let Some(&b) = self.map.get(&hashes[i].0) else { break };
             let m = self.meta[b.0 as usize].as_ref().expect("map and meta agree");
             let same = m.parent == parent
-                && *m.tokens == *chunk
+                && self.block_tokens(b) == chunk
                 && (i > 0 || m.salt.as_deref() == salt);
             if !same {
                 break; // a hash collision: never serve it
@@ -159,10 +161,16 @@ impl PrefixCache {
         self.meta[b.0 as usize] = Some(CachedBlock {
             hash,
             parent,
-            tokens: tokens.into(),
             salt: if parent.is_none() { salt.map(Into::into) } else { None },
         });
+        let at = b.0 as usize * self.block_size;
+        self.tokens[at..at + self.block_size].copy_from_slice(tokens);
         true
+    }
+
+    fn block_tokens(&self, b: BlockId) -> &[u32] {
+        let at = b.0 as usize * self.block_size;
+        &self.tokens[at..at + self.block_size]
     }
 
     /// Forgets whatever prefix block `b` held (it is being reused for other tokens).

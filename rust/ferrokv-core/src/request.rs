@@ -89,6 +89,8 @@ pub struct Request {
     pub state: RequestState,
     /// Set once the `n` samples have been forked off the prefilled prompt.
     pub fanned_out: bool,
+    /// Sequence slots held in the batch whatever the live count (beam search reserves its width).
+    pub reserved_seqs: u32,
     pub next_sample_index: u32,
     /// Prompt tokens served from the prefix cache at first admission.
     pub num_cached_tokens: Option<usize>,
@@ -97,7 +99,8 @@ pub struct Request {
 impl Request {
     /// Sequence slots the request occupies once running (its `n` samples count before they exist).
     pub fn seq_slots(&self) -> usize {
-        if self.fanned_out { self.seqs.len() } else { self.seqs.len().max(self.n as usize) }
+        let held = if self.fanned_out { self.seqs.len() } else { self.seqs.len().max(self.n as usize) };
+        held.max(self.reserved_seqs as usize)
     }
 
     /// Scheduling order: lower priority value first, then earlier arrival.

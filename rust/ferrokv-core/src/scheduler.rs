@@ -52,6 +52,9 @@ pub struct SchedulerConfig {
     pub policy: Policy,
     /// Fraction of blocks admission keeps free for running sequences to grow into.
     pub watermark: f64,
+    /// Extra free blocks admission keeps back per running sequence, so that the batch can grow
+    /// for a while before anyone must be preempted (the cure for admit-then-preempt thrash).
+    pub admission_headroom: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -67,6 +70,7 @@ impl Default for SchedulerConfig {
             num_cpu_blocks: 0,
             policy: Policy::Fcfs,
             watermark: 0.01,
+            admission_headroom: 0.5,
         }
     }
 }
@@ -98,6 +102,9 @@ impl SchedulerConfig {
         if !(0.0..1.0).contains(&self.watermark) {
             return Err(CoreError::invalid("watermark", self.watermark, "must be in [0, 1)"));
         }
+        if !(0.0..=16.0).contains(&self.admission_headroom) {
+            return Err(CoreError::invalid("admission_headroom", self.admission_headroom, "must be in [0, 16]"));
+        }
         Ok(())
     }
 }
@@ -115,6 +122,8 @@ pub struct NewRequest {
     pub min_tokens: usize,
     pub ignore_eos: bool,
     pub cache_salt: Option<String>,
+    /// Sequence slots to hold for the request's whole life (e.g. a beam width), 0 = `n`.
+    pub reserve_seqs: u32,
 }
 
 impl NewRequest {
@@ -224,6 +233,10 @@ impl Scheduler {
         cfg.validate()?;
         let kv = KvCacheManager::new(cfg.num_blocks, cfg.block_size, cfg.num_cpu_blocks, cfg.enable_prefix_caching);
         let watermark_blocks = ((cfg.num_blocks - 1) as f64 * cfg.watermark) as usize;
+        // Step ids are unique across scheduler instances, so update() can reject another
+        // scheduler's output.
+        static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let instance = INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Scheduler {
             cfg,
             kv,
@@ -237,7 +250,7 @@ impl Scheduler {
             watermark_blocks,
             next_arrival: 0,
             next_seq_id: 0,
-            step_id: 0,
+            step_id: instance << 32,
             in_flight: None,
             pending_finished: Vec::new(),
             ended_ids: Vec::new(),
@@ -308,11 +321,18 @@ impl Scheduler {
         if r.n as usize > self.cfg.max_num_seqs {
             return Err(CoreError::invalid("n", r.n, format!("must be <= max_num_seqs ({})", self.cfg.max_num_seqs)));
         }
+        if r.reserve_seqs as usize > self.cfg.max_num_seqs {
+            return Err(CoreError::invalid(
+                "reserve_seqs",
+                r.reserve_seqs,
+                format!("must be <= max_num_seqs ({})", self.cfg.max_num_seqs),
+            ));
+        }
         if r.min_tokens > r.max_tokens {
             return Err(CoreError::invalid("min_tokens", r.min_tokens, format!("must be <= max_tokens ({})", r.max_tokens)));
         }
         let usable = self.kv.num_usable_blocks();
-        let needed = self.worst_case_blocks(p, r.max_tokens, r.n as usize);
+        let needed = self.worst_case_blocks(p, r.max_tokens, r.n.max(r.reserve_seqs) as usize);
         if needed > usable {
             return Err(CoreError::ExceedsCacheCapacity { request_id: r.request_id, blocks_needed: needed, blocks_available: usable });
         }
@@ -337,6 +357,7 @@ impl Scheduler {
             seqs: vec![Sequence { seq_id, sample_index: 0, tokens: r.prompt_token_ids, num_computed: 0, table: BlockTable::default() }],
             state: RequestState::Waiting,
             fanned_out: false,
+            reserved_seqs: r.reserve_seqs,
             next_sample_index: 1,
             num_cached_tokens: None,
         };
@@ -378,6 +399,18 @@ impl Scheduler {
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let kv = &mut self.kv;
         let n = req.seqs.len();
+        // Fast path, the common decode step: one sequence writing one token inside its own
+        // last block needs no block accounting at all.
+        if n == 1 && budget > 0 {
+            let s = &mut req.seqs[0];
+            let c = s.num_computed;
+            if c + 1 == s.tokens.len() && c % bs != 0 && kv.ref_count(s.table.blocks()[c / bs]) == 1 {
+                self.plan.clear();
+                self.plan.push((c, 1));
+                s.num_computed = c + 1;
+                return Attempt::Scheduled { tokens: 1, full: true };
+            }
+        }
         if self.hits.len() < n {
             self.hits.resize_with(n, Vec::new);
         }
@@ -403,6 +436,9 @@ impl Scheduler {
             sum += chunk;
             self.plan[i].1 = chunk;
         }
+        if sum == 0 {
+            return Attempt::NoBudget;
+        }
         let needed = if n == 1 {
             kv.blocks_needed(&req.seqs[0].table, self.plan[0].0, self.plan[0].1, &self.hits[0])
         } else {
@@ -411,9 +447,6 @@ impl Scheduler {
                 .collect();
             kv.blocks_needed_together(&items)
         };
-        if sum == 0 {
-            return Attempt::NoBudget;
-        }
         if kv.num_free_blocks() < needed + watermark {
             return Attempt::NoSpace;
         }
@@ -528,7 +561,11 @@ impl Scheduler {
                 if budget == 0 || self.num_running_seqs + self.req(slot).seq_slots() > self.cfg.max_num_seqs {
                     break;
                 }
-                let watermark = if self.running.is_empty() { 0 } else { self.watermark_blocks };
+                let watermark = if self.running.is_empty() {
+                    0
+                } else {
+                    self.watermark_blocks + (self.num_running_seqs as f64 * self.cfg.admission_headroom).ceil() as usize
+                };
                 if self.req(slot).state == RequestState::Swapped {
                     let alone = self.running.is_empty();
                     let req = self.requests[slot as usize].as_mut().expect("live slot");
@@ -629,7 +666,7 @@ impl Scheduler {
             seq_ids: Vec::with_capacity(s_count),
             query_start_loc: Vec::with_capacity(s_count + 1),
             seq_lens: Vec::with_capacity(s_count),
-            block_tables: vec![0i32; s_count * max_blocks],
+            block_tables: Vec::with_capacity(s_count * max_blocks),
             max_blocks,
             input_ids: Vec::with_capacity(num_tokens),
             positions: Vec::with_capacity(num_tokens),
@@ -654,10 +691,9 @@ impl Scheduler {
             let blocks = s.table.blocks();
             o.slot_mapping.extend((sc.before..sc.after).map(|p| (blocks[p / bs].0 as usize * bs + p % bs) as i64));
             o.query_start_loc.push(o.input_ids.len() as i32);
-            let row = &mut o.block_tables[k * max_blocks..k * max_blocks + blocks.len()];
-            for (dst, b) in row.iter_mut().zip(blocks) {
-                *dst = b.0 as i32;
-            }
+            // Written once: the row's blocks, then null-block padding.
+            o.block_tables.extend(blocks.iter().map(|b| b.0 as i32));
+            o.block_tables.resize((k + 1) * max_blocks, 0);
         }
         for (r, idx) in rows {
             let req = self.requests[r.slot as usize].as_ref().expect("live");
@@ -877,12 +913,19 @@ impl Scheduler {
                 message: format!("fork_sequence(seq_id={seq_id}): its request is not running (waiting or swapped out)"),
             });
         }
-        if self.req(slot).seq_slots() >= self.cfg.max_num_seqs {
-            // All samples of a request step together, so they must fit in one batch.
+        let req = self.req(slot);
+        if req.n > 1 && !req.fanned_out {
+            return Err(CoreError::InvalidState {
+                message: format!("fork_sequence(seq_id={seq_id}): the request's n={} samples do not exist yet", req.n),
+            });
+        }
+        let grow = (req.seqs.len() + 1).max(req.reserved_seqs as usize).saturating_sub(req.seq_slots());
+        if self.num_running_seqs + grow > self.cfg.max_num_seqs {
+            // A batch never holds more than max_num_seqs sequences (runners size buffers by it).
             return Err(CoreError::invalid(
                 "seq_id",
                 seq_id,
-                format!("its request already has max_num_seqs={} sequences", self.cfg.max_num_seqs),
+                format!("forking it would exceed max_num_seqs={} running sequences", self.cfg.max_num_seqs),
             ));
         }
         let in_flight = self.in_flight.as_ref().is_some_and(|f| f.rows.iter().any(|r| r.seq_id == seq_id));
@@ -1069,6 +1112,7 @@ mod tests {
             max_num_batched_tokens: budget,
             max_model_len: 1024,
             watermark: 0.0,
+            admission_headroom: 0.0,
             ..Default::default()
         }
     }

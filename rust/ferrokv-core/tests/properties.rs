@@ -39,6 +39,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             num_cpu_blocks: cpu,
             policy: if priority { Policy::Priority } else { Policy::Fcfs },
             watermark: 0.05,
+            admission_headroom: 0.5,
         })
 }
 

@@ -348,7 +348,7 @@ impl PyScheduler {
     #[new]
     #[pyo3(signature = (num_blocks, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
                         max_model_len=8192, enable_prefix_caching=true, preemption_mode="recompute",
-                        num_cpu_blocks=0, policy="fcfs", watermark=0.01))]
+                        num_cpu_blocks=0, policy="fcfs", watermark=0.01, admission_headroom=0.5))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -361,6 +361,7 @@ impl PyScheduler {
         num_cpu_blocks: i64,
         policy: &str,
         watermark: f64,
+        admission_headroom: f64,
     ) -> PyResult<Self> {
         let preemption_mode = match preemption_mode {
             "recompute" => PreemptionMode::Recompute,
@@ -383,12 +384,13 @@ impl PyScheduler {
             num_cpu_blocks: non_negative("num_cpu_blocks", num_cpu_blocks)? as usize,
             policy,
             watermark,
+            admission_headroom,
         };
         Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py_err)? })
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, *, n=1, priority=0, eos_token_id=None,
-                        stop_token_ids=None, min_tokens=0, ignore_eos=false, cache_salt=None))]
+                        stop_token_ids=None, min_tokens=0, ignore_eos=false, cache_salt=None, reserve_seqs=0))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -403,6 +405,7 @@ impl PyScheduler {
         min_tokens: i64,
         ignore_eos: bool,
         cache_salt: Option<String>,
+        reserve_seqs: i64,
     ) -> PyResult<()> {
         let request_id = non_negative("request_id", request_id)?;
         let prompt = token_ids("prompt_token_ids", prompt_token_ids)?
@@ -433,6 +436,7 @@ impl PyScheduler {
             min_tokens: non_negative("min_tokens", min_tokens)? as usize,
             ignore_eos,
             cache_salt,
+            reserve_seqs: u32::try_from(reserve_seqs).map_err(|_| invalid("reserve_seqs", reserve_seqs, "must be >= 0"))?,
         };
         let inner = &mut self.inner;
         py.detach(|| inner.add_request(req)).map_err(to_py_err)

@@ -1,0 +1,1029 @@
+"""Tests of the ``ferrokv._core`` bindings: array layout, zero-copy hand-off, the scheduler's
+semantics as seen from Python, typed errors, GIL release, and a randomized op sequence.
+
+The pure-Rust behaviour is covered by ``rust/ferrokv-core`` unit and property tests; the exact
+block ids expected here mirror those tests (fresh pools hand out blocks 1, 2, 3, ... in order).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ferrokv
+from ferrokv import (
+    CacheCapacityError,
+    DuplicateRequestError,
+    FerrokvError,
+    FinishedSequence,
+    InvalidArgumentError,
+    PromptTooLongError,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStateError,
+    UnknownRequestError,
+    UnknownSequenceError,
+)
+
+# name -> (dtype, shape in terms of S seqs, T tokens, R rows, M max blocks, K pairs, F/P ids)
+ARRAYS = {
+    "req_ids": (np.int64, "S"),
+    "seq_ids": (np.int64, "S"),
+    "query_start_loc": (np.int32, "S+1"),
+    "seq_lens": (np.int32, "S"),
+    "block_tables": (np.int32, "S,M"),
+    "input_ids": (np.int64, "T"),
+    "positions": (np.int64, "T"),
+    "slot_mapping": (np.int64, "T"),
+    "logits_indices": (np.int64, "R"),
+    "row_req_ids": (np.int64, "R"),
+    "row_seq_ids": (np.int64, "R"),
+    "row_sample_index": (np.int32, "R"),
+    "copy_ops": (np.int32, "K,2"),
+    "swap_out": (np.int32, "K,2"),
+    "swap_in": (np.int32, "K,2"),
+    "finished_req_ids": (np.int64, "F"),
+    "preempted_req_ids": (np.int64, "P"),
+}
+
+STATS_KEYS = {
+    "steps", "requests_added", "requests_finished", "requests_aborted", "capacity_aborts",
+    "preemptions", "swap_preemptions", "recompute_preemptions", "prompt_tokens",
+    "prompt_tokens_computed", "output_tokens_recomputed", "cached_prompt_tokens",
+    "first_admission_cached_tokens", "decode_tokens", "generated_tokens", "max_running_seqs",
+    "max_step_tokens", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "prefix_evictions",
+    "num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_shared_blocks",
+    "num_block_refs", "num_used_token_slots", "block_size", "num_waiting", "num_running",
+    "num_running_seqs",
+}  # fmt: skip
+
+
+def make(num_blocks=16, block_size=4, budget=16, **kw) -> Scheduler:
+    """Small scheduler like the Rust unit tests' ``cfg(num_blocks, block_size, budget)``."""
+    kw.setdefault("max_num_seqs", min(budget, 8))
+    kw.setdefault("max_model_len", 1024)
+    kw.setdefault("watermark", 0.0)
+    return Scheduler(num_blocks, block_size=block_size, max_num_batched_tokens=budget, **kw)
+
+
+def toks(rid: int, n: int) -> list[int]:
+    """The Rust tests' prompt for request ``rid``: distinct per request."""
+    return [100 + t + rid * 1000 for t in range(n)]
+
+
+def check_output(out: SchedulerOutput, s: Scheduler | None = None) -> dict[str, np.ndarray]:
+    """Dtypes, shapes and the exact relations between the arrays of one step.
+
+    With ``s`` (called right after ``schedule()``), input_ids are also checked against each
+    sequence's tokens.
+    """
+    assert isinstance(out, SchedulerOutput)
+    a = {name: getattr(out, name) for name in ARRAYS}
+    S, T, R, bs = out.num_seqs, out.num_tokens, out.num_rows, out.block_size
+    M = a["block_tables"].shape[1]
+    dims = {"S": (S,), "S+1": (S + 1,), "T": (T,), "R": (R,), "S,M": (S, M)}
+    for name, (dtype, shape) in ARRAYS.items():
+        arr = a[name]
+        assert arr.dtype == dtype, (name, arr.dtype)
+        assert arr.flags.c_contiguous, name
+        if shape in dims:
+            assert arr.shape == dims[shape], (name, arr.shape, shape)
+        elif shape == "K,2":
+            assert arr.ndim == 2 and arr.shape[1] == 2, (name, arr.shape)
+        else:
+            assert arr.ndim == 1, (name, arr.shape)
+    assert out.num_prefill_tokens + out.num_decode_tokens == T
+    assert 0 <= out.num_decode_tokens <= S
+
+    qsl, lens, bt = a["query_start_loc"], a["seq_lens"], a["block_tables"]
+    pos, slots = a["positions"], a["slot_mapping"]
+    assert qsl[0] == 0 and qsl[-1] == T
+    assert np.all(np.diff(qsl) >= 1), "every scheduled sequence gets at least one token"
+    expect_m = int(max((-(-int(n) // bs) for n in lens), default=0))
+    assert M == expect_m, (M, expect_m)
+    assert len(set(a["seq_ids"].tolist())) == S
+    for i in range(S):
+        lo, hi = int(qsl[i]), int(qsl[i + 1])
+        n = int(lens[i])
+        # Positions: contiguous, ending at seq_lens - 1.
+        assert pos[lo:hi].tolist() == list(range(n - (hi - lo), n)), (i, pos[lo:hi], n)
+        nb = -(-n // bs)
+        assert np.all(bt[i, :nb] > 0), ("block 0 is never allocated", bt[i])
+        assert np.all(bt[i, nb:] == 0), ("padded with the null block", bt[i])
+        assert len(set(bt[i, :nb].tolist())) == nb
+        p = pos[lo:hi]
+        np.testing.assert_array_equal(slots[lo:hi], bt[i, p // bs].astype(np.int64) * bs + p % bs)
+        if s is not None:
+            seq_tokens = s.seq_tokens(int(a["seq_ids"][i]))
+            assert a["input_ids"][lo:hi].tolist() == [seq_tokens[int(q)] for q in p]
+            assert s.seq_block_table(int(a["seq_ids"][i])) == bt[i, :nb].tolist()
+    # Every token writes its own slot.
+    assert len(set(slots.tolist())) == T
+    # Rows: each samples the last token of a sequence that completes its tokens this step.
+    last_token = {int(qsl[i + 1]) - 1: i for i in range(S)}
+    for r in range(R):
+        li = int(a["logits_indices"][r])
+        assert li in last_token, (r, li)
+        i = last_token[li]
+        assert a["row_req_ids"][r] == a["req_ids"][i]
+        if a["row_seq_ids"][r] != a["seq_ids"][i]:
+            # A sample of an n > 1 request forked off this prompt row by update().
+            assert a["row_sample_index"][r] > 0
+    assert len(set(a["row_seq_ids"].tolist())) == R
+    for name in ("copy_ops", "swap_out", "swap_in"):
+        assert np.all(a[name] >= 0)
+    if len(a["copy_ops"]):
+        assert np.all(a["copy_ops"] > 0) and len(set(a["copy_ops"][:, 1].tolist())) == len(a["copy_ops"])
+    return a
+
+
+def step(s: Scheduler, tok: int = 7, check: bool = True):
+    """One schedule/update with every row sampling ``tok``; returns (output, finished)."""
+    out = s.schedule()
+    if check:
+        check_output(out, s)
+        s.check_invariants()
+    done = s.update(out, np.full(out.num_rows, tok, np.int64))
+    if check:
+        s.check_invariants()
+    return out, done
+
+
+def drain(s: Scheduler, tok: int = 7, max_steps: int = 10_000) -> list[FinishedSequence]:
+    done: list[FinishedSequence] = []
+    for _ in range(max_steps):
+        if not s.has_unfinished():
+            return done
+        done += step(s, tok)[1]
+    raise AssertionError("scheduler did not drain")
+
+
+def assert_all_free(s: Scheduler) -> None:
+    s.check_invariants()
+    assert not s.has_unfinished()
+    assert s.num_free_blocks == s.num_blocks - 1
+    st = s.stats()
+    assert st["num_used_blocks"] == 0 and st["num_free_blocks"] == s.num_blocks - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout of each kind of step
+
+
+def test_mixed_prefill_and_decode_step():
+    s = make(32, 4, 6)
+    s.add_request(1, toks(1, 3), 10)
+    first, _ = step(s, 5)
+    s.add_request(2, toks(2, 9), 10)
+    out = s.schedule()
+    a = check_output(out, s)
+    assert (out.num_seqs, out.num_tokens, out.num_rows) == (2, 6, 1)
+    assert (out.num_decode_tokens, out.num_prefill_tokens, out.block_size) == (1, 5, 4)
+    assert a["req_ids"].tolist() == [1, 2]
+    assert a["query_start_loc"].tolist() == [0, 1, 6]  # 1 decode + 5 prefill tokens
+    assert a["seq_lens"].tolist() == [4, 5]
+    assert a["input_ids"].tolist() == [5] + toks(2, 5)
+    assert a["positions"].tolist() == [3, 0, 1, 2, 3, 4]
+    assert a["block_tables"].tolist() == [[1, 0], [2, 3]]
+    assert a["slot_mapping"].tolist() == [7, 8, 9, 10, 11, 12]
+    assert a["logits_indices"].tolist() == [0]  # request 2's chunk is partial: no row
+    assert a["row_req_ids"].tolist() == [1] and a["row_sample_index"].tolist() == [0]
+    assert a["row_seq_ids"].tolist() == [a["seq_ids"][0]]
+    # Step ids are opaque (unique across schedulers) but consecutive within one.
+    assert out.step_id == first.step_id + 1 and "num_seqs=2" in repr(out)
+    s.update(out, [5])
+    # With the budget to finish the prompt, both sequences get a row.
+    out = s.schedule()
+    a = check_output(out, s)
+    assert a["query_start_loc"].tolist() == [0, 1, 5]
+    assert a["logits_indices"].tolist() == [0, 4]
+    s.update(out, np.array([1, 2], np.int32))
+    drain(s)
+    assert_all_free(s)
+
+
+def test_chunked_prefill_step():
+    s = make(16, 4, 8)
+    s.add_request(1, toks(1, 10), 3)
+    out = s.schedule()
+    a = check_output(out, s)
+    assert (out.num_tokens, out.num_rows, out.num_prefill_tokens) == (8, 0, 8)
+    assert a["logits_indices"].shape == (0,) and a["row_seq_ids"].shape == (0,)
+    assert a["block_tables"].tolist() == [[1, 2]]
+    assert a["slot_mapping"].tolist() == list(range(4, 12))
+    assert a["positions"].tolist() == list(range(8))
+    assert s.update(out, []) == []
+    out = s.schedule()
+    a = check_output(out, s)
+    assert (out.num_tokens, out.num_rows) == (2, 1)
+    assert a["positions"].tolist() == [8, 9] and a["seq_lens"].tolist() == [10]
+    assert a["block_tables"].tolist() == [[1, 2, 3]]
+    assert a["slot_mapping"].tolist() == [12, 13]
+    assert a["logits_indices"].tolist() == [1]
+    s.update(out, [7])
+    out, _ = step(s)
+    assert out.input_ids.tolist() == [7] and out.positions.tolist() == [10]
+    assert out.num_decode_tokens == 1
+    _, done = step(s)
+    assert [(d.request_id, d.reason, d.request_finished) for d in done] == [(1, "length", True)]
+    st = s.stats()
+    assert (st["prompt_tokens_computed"], st["decode_tokens"], st["generated_tokens"]) == (10, 2, 3)
+    out, _ = step(s)
+    assert out.finished_req_ids.tolist() == [1] and out.num_tokens == 0
+    assert_all_free(s)
+
+
+def test_parallel_samples_repeat_logits_indices_then_copy_on_write():
+    s = make(16, 4, 16)
+    s.add_request(1, toks(1, 6), 3, n=3)
+    out = s.schedule()
+    a = check_output(out, s)
+    assert out.num_seqs == 1 and out.num_rows == 3
+    assert a["logits_indices"].tolist() == [5, 5, 5]  # the last prompt row, sampled 3 times
+    assert a["row_sample_index"].tolist() == [0, 1, 2]
+    assert a["row_req_ids"].tolist() == [1, 1, 1]
+    assert a["row_seq_ids"][0] == a["seq_ids"][0] and len(set(a["row_seq_ids"].tolist())) == 3
+    assert a["block_tables"].tolist() == [[1, 2]]
+    s.update(out, [9, 9, 9])
+    ids = s.request_seq_ids(1)
+    assert ids == a["row_seq_ids"].tolist()
+    assert s.stats()["num_shared_blocks"] == 2 and s.stats()["num_block_refs"] == 6
+    # Each sample writes position 6 in shared block 2: the first two copy, the last owns it.
+    out = s.schedule()
+    a = check_output(out, s)
+    assert a["copy_ops"].tolist() == [[2, 3], [2, 4]]
+    assert a["block_tables"].tolist() == [[1, 3], [1, 4], [1, 2]]
+    assert a["slot_mapping"].tolist() == [14, 18, 10]
+    s.update(out, [1, 2, 3])
+    assert [s.seq_tokens(i)[6:] for i in ids] == [[9, 1], [9, 2], [9, 3]]
+    assert s.stats()["cow_copies"] == 2
+    _, done = step(s, 0)
+    assert sorted(d.sample_index for d in done) == [0, 1, 2]
+    assert sum(d.request_finished for d in done) == 1 and done[-1].request_finished
+    assert_all_free(s)
+
+
+def test_swap_out_then_swap_in():
+    # 6 usable blocks of 2 tokens; a swap preemption moves request 2 to the CPU pool.
+    s = make(7, 2, 16, preemption_mode="swap", num_cpu_blocks=8)
+    s.add_request(1, toks(1, 4), 8)
+    s.add_request(2, toks(2, 4), 8)
+    for _ in range(3):
+        step(s, 1)
+    out = s.schedule()
+    a = check_output(out, s)
+    assert a["preempted_req_ids"].tolist() == [2]
+    assert a["swap_out"].tolist() == [[3, 0], [4, 1], [6, 2]]  # request 2's blocks 3, 4, 6
+    assert a["swap_in"].shape == (0, 2) and a["copy_ops"].shape == (0, 2)
+    assert a["req_ids"].tolist() == [1]
+    s.update(out, [1])
+    assert s.stats()["swap_preemptions"] == 1 and s.num_waiting == 1
+    swapped_in = None
+    for _ in range(20):
+        out, _ = step(s, 1)
+        if len(out.swap_in) and swapped_in is None:
+            swapped_in = out.swap_in.copy()
+            assert out.swap_in.shape == (3, 2)
+            assert sorted(out.swap_in[:, 0].tolist()) == [0, 1, 2]  # CPU blocks
+            assert out.num_tokens == 1, "a swapped request resumes with one decode token"
+        if not s.has_unfinished():
+            break
+    assert swapped_in is not None
+    st = s.stats()
+    assert st["output_tokens_recomputed"] == 0 and st["blocks_swapped_in"] == 3
+    assert_all_free(s)
+
+
+def test_empty_step():
+    s = make()
+    out = s.schedule()
+    a = check_output(out)
+    assert (out.num_seqs, out.num_tokens, out.num_rows, out.num_prefill_tokens, out.num_decode_tokens) == (0,) * 5
+    assert a["query_start_loc"].tolist() == [0]
+    assert a["block_tables"].shape == (0, 0)
+    for name in ARRAYS:
+        if name not in ("query_start_loc", "block_tables"):
+            assert a[name].size == 0, name
+    assert s.update(out, []) == []
+    assert s.stats()["steps"] == 1
+    # An empty step still reports what ended since the previous one.
+    s.add_request(4, [1, 2, 3], 1)
+    step(s)
+    out, _ = step(s)
+    assert out.num_tokens == 0 and out.finished_req_ids.tolist() == [4]
+    assert_all_free(s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero-copy hand-off
+
+
+def test_arrays_are_views_of_rust_memory_created_once():
+    s = make(16, 4, 16)
+    s.add_request(1, toks(1, 6), 3, n=2)
+    out = s.schedule()
+    for name in ARRAYS:
+        arr = getattr(out, name)
+        assert isinstance(arr, np.ndarray)
+        assert not arr.flags.owndata, f"{name}: numpy owns the buffer (a copy)"
+        assert arr.base is not None, name
+        assert not isinstance(arr.base, np.ndarray), f"{name}: a view of a numpy-owned copy"
+        again = getattr(out, name)
+        assert again is arr, f"{name}: a new object on each access"
+        assert again.__array_interface__["data"][0] == arr.__array_interface__["data"][0]
+    s.update(out, [1, 2])
+
+
+def test_arrays_stay_valid_after_scheduler_and_output_are_gone():
+    s = make(64, 4, 64)
+    for r in range(4):
+        s.add_request(r, toks(r, 5 + r), 4)
+    step(s)
+    out = s.schedule()
+    arrays = {name: getattr(out, name) for name in ARRAYS}
+    expected = {name: arr.copy() for name, arr in arrays.items()}
+    s.update(out, np.full(out.num_rows, 3))
+    del s, out
+    gc.collect()
+    # Churn the allocator so freed memory would be reused.
+    for k in range(20):
+        t = make(64, 4, 64)
+        t.add_request(k, list(range(50)), 5)
+        drain(t)
+        junk = [np.full(1000, -1, np.int64) for _ in range(10)]
+        del t, junk
+    gc.collect()
+    for name, arr in arrays.items():
+        np.testing.assert_array_equal(arr, expected[name], err_msg=name)
+    assert arrays["input_ids"].sum() == expected["input_ids"].sum()
+
+
+def test_arrays_read_after_update_are_the_step_that_was_scheduled():
+    # Arrays are created lazily; reading them only after update() still gives that step's
+    # data (the buffers belong to the output object, not to the scheduler).
+    s = make(16, 4, 16)
+    s.add_request(1, toks(1, 5), 4)
+    out = s.schedule()
+    s.update(out, [42])
+    nxt = s.schedule()
+    assert out.input_ids.tolist() == toks(1, 5)
+    assert out.positions.tolist() == list(range(5))
+    assert nxt.input_ids.tolist() == [42]
+    s.update(nxt, [1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantics mirrored from the Rust core
+
+
+def test_slot_mapping_and_positions_hold_over_a_busy_run_with_preemption():
+    rng = random.Random(7)
+    s = make(24, 4, 20, max_num_seqs=6, max_model_len=128)
+    for r in range(30):
+        s.add_request(r, [rng.randrange(40) for _ in range(rng.randint(1, 30))], rng.randint(1, 20))
+    steps = 0
+    while s.has_unfinished():
+        step(s, rng.randrange(40))  # check_output(out, s) on every step
+        steps += 1
+        assert steps < 2000
+    st = s.stats()
+    assert st["preemptions"] > 0 and st["requests_finished"] == 30
+    assert_all_free(s)
+
+
+def test_prefix_cache_serves_an_identical_prompt_but_not_another_salt():
+    s = make(32, 4, 64)
+    prompt = list(range(13))
+    s.add_request(1, prompt, 2)
+    drain(s)
+    s.add_request(2, prompt, 2)
+    out, _ = step(s)
+    assert out.positions.tolist() == [12]  # 3 blocks hit, the last token is recomputed
+    assert out.block_tables.tolist() == [[1, 2, 3, 4]]
+    assert s.num_cached_tokens(2) == 12
+    st = s.stats()
+    assert st["cached_prompt_tokens"] == 12 and st["first_admission_cached_tokens"] == 12
+    assert st["prompt_tokens_computed"] == 13 + 1
+    s.add_request(3, prompt, 2, cache_salt="tenant")
+    out, _ = step(s)
+    assert out.req_ids.tolist() == [2, 3]
+    assert out.num_tokens == 1 + 13  # nothing shared across salts
+    assert s.num_cached_tokens(3) == 0
+    drain(s)
+    # The same salt does share.
+    s.add_request(4, prompt, 2, cache_salt="tenant")
+    step(s)
+    assert s.num_cached_tokens(4) == 12
+    assert s.stats()["cached_prompt_tokens"] == 24
+    drain(s)
+    # reset_prefix_cache forgets unused cached blocks.
+    s.reset_prefix_cache()
+    assert s.stats()["num_cached_blocks"] == 0
+    s.add_request(5, prompt, 2)
+    step(s)
+    assert s.num_cached_tokens(5) == 0
+    drain(s)
+    assert_all_free(s)
+
+
+def test_prefix_caching_disabled_shares_nothing():
+    s = make(32, 4, 64, enable_prefix_caching=False)
+    s.add_request(1, list(range(13)), 1)
+    drain(s)
+    s.add_request(2, list(range(13)), 1)
+    out, _ = step(s)
+    assert out.num_tokens == 13 and s.stats()["cached_prompt_tokens"] == 0
+    assert_all_free(s)
+
+
+def _finish(s: Scheduler, rid: int, tokens: list[int]):
+    """Feeds ``tokens`` to request ``rid`` (the only one) until it finishes; returns (n, fin)."""
+    for i, t in enumerate(tokens):
+        out = s.schedule()
+        check_output(out, s)
+        assert out.row_req_ids.tolist() == [rid]
+        done = s.update(out, [t])
+        s.check_invariants()
+        if done:
+            assert len(done) == 1 and done[0].request_id == rid and done[0].request_finished
+            return i + 1, done[0]
+    raise AssertionError("did not finish")
+
+
+@pytest.mark.parametrize(
+    "kwargs, tokens, n, reason, stop_token",
+    [
+        (dict(eos_token_id=2), [1, 1, 2, 1], 3, "stop", None),
+        (dict(stop_token_ids=[5, 6]), [1, 6, 1], 2, "stop", 6),
+        (dict(stop_token_ids=np.array([5], np.int32)), [5], 1, "stop", 5),
+        (dict(), [1] * 10, 4, "length", None),  # max_tokens=4
+        (dict(eos_token_id=2, min_tokens=3), [2, 2, 2, 1], 3, "stop", None),
+        (dict(stop_token_ids=[5], min_tokens=2), [5, 5], 2, "stop", 5),
+        (dict(eos_token_id=2, ignore_eos=True), [2, 2, 2, 2], 4, "length", None),
+        (dict(eos_token_id=2, ignore_eos=True, stop_token_ids=[2]), [2], 1, "stop", 2),
+    ],
+    ids=["eos", "stop_token", "stop_token_np", "max_tokens", "min_tokens_eos", "min_tokens_stop", "ignore_eos", "ignore_eos_not_stop_ids"],
+)
+def test_stop_conditions(kwargs, tokens, n, reason, stop_token):
+    s = make(32, 4, 16)
+    s.add_request(1, toks(1, 3), 4, **kwargs)
+    count, fin = _finish(s, 1, tokens)
+    assert (count, fin.reason, fin.stop_token_id) == (n, reason, stop_token)
+    assert fin.sample_index == 0 and "request_finished=True" in repr(fin)
+    assert s.stats()["generated_tokens"] == n
+    assert_all_free(s)
+
+
+def test_max_model_len_ends_with_length():
+    s = make(32, 4, 16, max_model_len=8)
+    s.add_request(1, toks(1, 6), 100)
+    count, fin = _finish(s, 1, [1] * 10)
+    assert (count, fin.reason) == (2, "length")
+    assert_all_free(s)
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    s = make(32, 4, 16, max_num_seqs=2)
+    for r in (1, 2, 3):
+        s.add_request(r, toks(r, 6), 10)
+    step(s)
+    assert s.num_running == 2 and s.num_waiting == 1
+    s.abort(3)  # waiting
+    s.abort(1)  # running
+    assert s.num_free_blocks == s.num_blocks - 1 - len(s.seq_block_table(s.request_seq_ids(2)[0]))
+    out = s.schedule()
+    assert out.finished_req_ids.tolist() == [3, 1]  # ended since the previous step, in order
+    assert out.req_ids.tolist() == [2]
+    s.abort(2)  # with a step in flight: its rows are ignored by update()
+    assert s.num_free_blocks == s.num_blocks - 1
+    assert s.update(out, np.full(out.num_rows, 1)) == []
+    out, _ = step(s)
+    assert out.finished_req_ids.tolist() == [2] and out.num_tokens == 0
+    assert s.stats()["requests_aborted"] == 3
+    with pytest.raises(UnknownRequestError, match="request_id=2"):
+        s.abort(2)
+    assert_all_free(s)
+
+
+def test_fork_and_drop_beam_style():
+    s = make(16, 4, 16)
+    s.add_request(1, toks(1, 5), 10)
+    out = s.schedule()
+    parent = int(out.row_seq_ids[0])
+    with pytest.raises(InvalidArgumentError, match="next_token"):
+        s.fork_sequence(parent)  # in flight: the child's token is required
+    child = s.fork_sequence(parent, 42)
+    assert child != parent and sorted(s.request_seq_ids(1)) == sorted([parent, child])
+    s.update(out, [41])
+    assert s.seq_tokens(parent)[5:] == [41] and s.seq_tokens(child)[5:] == [42]
+    assert s.seq_block_table(child) == s.seq_block_table(parent) == [1, 2]
+    assert s.num_running_seqs == 2
+    out, _ = step(s, 1)
+    assert out.copy_ops.tolist() == [[2, 3]]  # the first writer of shared block 2 copies it
+    assert out.num_rows == 2 and sorted(out.row_seq_ids.tolist()) == sorted([parent, child])
+    assert s.drop_sequence(parent) is False
+    assert s.seq_block_table(child) == [1, 2]
+    with pytest.raises(UnknownSequenceError, match=f"seq_id={parent}"):
+        s.seq_tokens(parent)
+    # A fork between steps takes no token; the next step copies the shared last block.
+    grandchild = s.fork_sequence(child)
+    assert s.seq_tokens(grandchild) == s.seq_tokens(child)
+    out, _ = step(s, 1)
+    assert len(out.copy_ops) == 1 and out.num_rows == 2
+    assert s.drop_sequence(child) is False
+    assert s.drop_sequence(grandchild) is True
+    assert not s.has_unfinished()
+    assert_all_free(s)
+
+
+def test_a_fork_that_stops_at_once_is_reported_by_the_next_update():
+    s = make(16, 4, 16)
+    s.add_request(1, toks(1, 5), 10, eos_token_id=0)
+    out = s.schedule()
+    parent = int(out.row_seq_ids[0])
+    child = s.fork_sequence(parent, 0)  # EOS: ends immediately
+    assert s.request_seq_ids(1) == [parent]
+    done = s.update(out, [3])
+    assert [(d.seq_id, d.reason, d.request_finished) for d in done] == [(child, "stop", False)]
+    drain(s)
+    assert_all_free(s)
+
+
+def test_priority_policy_admits_lower_values_first():
+    s = make(7, 2, 16, policy="priority")
+    s.add_request(1, toks(1, 4), 8, priority=5)
+    s.add_request(2, toks(2, 4), 8, priority=-1)
+    out, _ = step(s, 1)
+    assert out.req_ids.tolist() == [2, 1]
+    preempted = []
+    for _ in range(4):
+        out, _ = step(s, 1)
+        preempted += out.preempted_req_ids.tolist()
+    assert preempted == [1]
+    drain(s)
+    assert_all_free(s)
+
+
+@pytest.mark.parametrize(
+    "make_ids",
+    [
+        list,
+        tuple,
+        lambda v: range(v[0], v[-1] + 1),
+        lambda v: np.array(v, np.int64),
+        lambda v: np.array(v, np.int32),
+        lambda v: np.array(v, np.uint16),
+        lambda v: np.repeat(np.array(v, np.int64), 2)[::2],  # not contiguous
+    ],
+    ids=["list", "tuple", "range", "int64", "int32", "uint16", "strided"],
+)
+def test_token_id_inputs_of_every_kind(make_ids):
+    s = make(16, 4, 16)
+    s.add_request(1, make_ids([10, 11, 12, 13, 14]), 3, stop_token_ids=make_ids([20, 21]))
+    assert s.seq_tokens(s.request_seq_ids(1)[0]) == [10, 11, 12, 13, 14]
+    out = s.schedule()
+    assert s.update(out, make_ids([30])) == []
+    out = s.schedule()
+    (fin,) = s.update(out, make_ids([21]))
+    assert (fin.reason, fin.stop_token_id, fin.request_finished) == ("stop", 21, True)
+    assert_all_free(s)
+
+
+def test_stats_and_properties():
+    s = Scheduler(64, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=100)
+    assert set(s.stats()) == STATS_KEYS
+    assert all(isinstance(v, int) for v in s.stats().values())
+    assert (s.num_blocks, s.block_size, s.max_num_seqs, s.max_model_len) == (64, 8, 4, 100)
+    assert (s.num_free_blocks, s.num_waiting, s.num_running, s.num_running_seqs, s.num_unfinished) == (63, 0, 0, 0, 0)
+    s.add_request(1, list(range(20)), 3)
+    assert s.num_waiting == 1 and s.num_unfinished == 1 and s.has_unfinished()
+    step(s)
+    st = s.stats()
+    assert (st["num_running"], st["num_running_seqs"], st["num_used_blocks"]) == (1, 1, 3)
+    assert st["num_used_token_slots"] == 20 and st["max_step_tokens"] == 20
+    assert st["requests_added"] == 1 and st["prompt_tokens"] == 20
+    assert "running=1" in repr(s)
+    drain(s)
+    assert s.stats()["requests_finished"] == 1
+
+
+def test_forks_never_grow_a_batch_past_max_num_seqs():
+    s = make(64, 4, 16, max_num_seqs=2)
+    s.add_request(1, toks(1, 3), 10)
+    s.add_request(2, toks(2, 3), 10)
+    step(s)
+    try:
+        s.fork_sequence(s.request_seq_ids(1)[0])
+    except FerrokvError:
+        pass  # refusing the fork would be one fix; preempting another request another
+    assert s.num_running_seqs <= s.max_num_seqs
+    out, _ = step(s)
+    assert out.num_seqs <= s.max_num_seqs
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+BAD_INPUT_CLASSES = [
+    InvalidArgumentError,
+    DuplicateRequestError,
+    UnknownRequestError,
+    UnknownSequenceError,
+    PromptTooLongError,
+    CacheCapacityError,
+]
+
+
+def test_error_hierarchy():
+    for cls in BAD_INPUT_CLASSES:
+        assert issubclass(cls, FerrokvError) and issubclass(cls, ValueError), cls
+        assert issubclass(cls, InvalidArgumentError)
+        assert not issubclass(cls, RuntimeError)
+        assert cls.__module__ == "ferrokv"
+        assert getattr(ferrokv._core, cls.__name__) is cls
+    assert issubclass(SchedulerStateError, FerrokvError) and issubclass(SchedulerStateError, RuntimeError)
+    assert not issubclass(SchedulerStateError, ValueError)
+    assert issubclass(FerrokvError, Exception) and not issubclass(FerrokvError, ValueError)
+
+
+def _sched_with_a_running_request() -> Scheduler:
+    s = Scheduler(64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, watermark=0.0)
+    s.add_request(1, toks(1, 10), 4)
+    step(s)
+    return s
+
+
+@pytest.mark.parametrize(
+    "call, exc, fragments",
+    [
+        (lambda s: s.add_request(1, [1, 2, 3], 4), DuplicateRequestError, ["request_id=1"]),
+        (lambda s: s.add_request(2, [], 4), InvalidArgumentError, ["prompt_token_ids"]),
+        (lambda s: s.add_request(2, np.array([], np.int64), 4), InvalidArgumentError, ["prompt_token_ids"]),
+        (lambda s: s.add_request(2, [1], 0), InvalidArgumentError, ["max_tokens=0"]),
+        (lambda s: s.add_request(2, [1], -3), InvalidArgumentError, ["max_tokens=-3"]),
+        (lambda s: s.add_request(2, list(range(300)), 4), PromptTooLongError, ["300", "max_model_len=256"]),
+        (lambda s: s.add_request(2, [1, -5], 4), InvalidArgumentError, ["prompt_token_ids=-5"]),
+        (lambda s: s.add_request(2, np.array([1, -5], np.int32), 4), InvalidArgumentError, ["prompt_token_ids=-5"]),
+        (lambda s: s.add_request(2, [2**32], 4), InvalidArgumentError, ["prompt_token_ids=4294967296"]),
+        (lambda s: s.add_request(-2, [1], 4), InvalidArgumentError, ["request_id=-2"]),
+        (lambda s: s.add_request(2, "hello world", 4), InvalidArgumentError, ["prompt_token_ids", "string"]),
+        (lambda s: s.add_request(2, [1.5, 2.0], 4), InvalidArgumentError, ["prompt_token_ids"]),
+        (lambda s: s.add_request(2, [1], 4, n=0), InvalidArgumentError, ["n=0"]),
+        (lambda s: s.add_request(2, [1], 4, n=9), InvalidArgumentError, ["n=9", "max_num_seqs"]),
+        (lambda s: s.add_request(2, [1], 4, min_tokens=5), InvalidArgumentError, ["min_tokens=5"]),
+        (lambda s: s.add_request(2, [1], 4, min_tokens=-1), InvalidArgumentError, ["min_tokens=-1"]),
+        (lambda s: s.add_request(2, [1], 4, eos_token_id=-1), InvalidArgumentError, ["eos_token_id=-1"]),
+        (lambda s: s.add_request(2, [1], 4, stop_token_ids=[3, -2]), InvalidArgumentError, ["stop_token_ids=-2"]),
+        (lambda s: s.add_request(2, [1], 4, stop_token_ids="ab"), InvalidArgumentError, ["stop_token_ids"]),
+        (lambda s: s.add_request(2, list(range(200)), 56), CacheCapacityError, ["request_id=2", "64", "63"]),
+        (lambda s: s.abort(99), UnknownRequestError, ["request_id=99"]),
+        (lambda s: s.abort(-1), InvalidArgumentError, ["request_id=-1"]),
+        (lambda s: s.num_cached_tokens(99), UnknownRequestError, ["request_id=99"]),
+        (lambda s: s.request_seq_ids(99), UnknownRequestError, ["request_id=99"]),
+        (lambda s: s.fork_sequence(999), UnknownSequenceError, ["seq_id=999"]),
+        (lambda s: s.fork_sequence(-1), InvalidArgumentError, ["seq_id=-1"]),
+        (lambda s: s.fork_sequence(0, 5), InvalidArgumentError, ["next_token=5", "no step in flight"]),
+        (lambda s: s.fork_sequence(0, -5), InvalidArgumentError, ["next_token=-5"]),
+        (lambda s: s.drop_sequence(999), UnknownSequenceError, ["seq_id=999"]),
+        (lambda s: s.seq_tokens(999), UnknownSequenceError, ["seq_id=999"]),
+        (lambda s: s.seq_block_table(999), UnknownSequenceError, ["seq_id=999"]),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else None,
+)
+def test_bad_input_raises_a_typed_error_and_changes_nothing(call, exc, fragments):
+    s = _sched_with_a_running_request()
+    before = s.stats()
+    with pytest.raises(exc) as info:
+        call(s)
+    assert type(info.value) is exc
+    assert isinstance(info.value, FerrokvError) and isinstance(info.value, ValueError)
+    for frag in fragments:
+        assert frag in str(info.value), (frag, str(info.value))
+    # Nothing changed; the scheduler keeps working and leaks nothing.
+    s.check_invariants()
+    after = s.stats()
+    assert after == before
+    assert s.num_unfinished == 1
+    s.add_request(2, toks(2, 7), 3)
+    done = drain(s)
+    assert sorted(d.request_id for d in done if d.request_finished) == [1, 2]
+    assert_all_free(s)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(preemption_mode="lifo"), 'preemption_mode="lifo"'),
+        (dict(policy="lru"), 'policy="lru"'),
+        (dict(num_blocks=1), "num_blocks=1"),
+        (dict(num_blocks=-4), "num_blocks=-4"),
+        (dict(block_size=0), "block_size=0"),
+        (dict(max_num_seqs=0), "max_num_seqs=0"),
+        (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens=32"),
+        (dict(max_model_len=0), "max_model_len=0"),
+        (dict(num_cpu_blocks=-1), "num_cpu_blocks=-1"),
+        (dict(watermark=1.0), "watermark=1"),
+        (dict(watermark=-0.1), "watermark=-0.1"),
+    ],
+)
+def test_bad_config_raises_invalid_argument(kwargs, field):
+    args = dict(num_blocks=16) | kwargs
+    with pytest.raises(InvalidArgumentError) as info:
+        Scheduler(**args)
+    assert field in str(info.value), str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_out_of_order_calls_raise_scheduler_state_error_and_recover():
+    s = _sched_with_a_running_request()
+    stale = s.schedule()
+    s.update(stale, [1])
+    with pytest.raises(SchedulerStateError, match="no step in flight"):
+        s.update(stale, [1])  # nothing in flight
+    out = s.schedule()
+    with pytest.raises(SchedulerStateError, match="in flight") as info:
+        s.schedule()  # twice without update
+    assert isinstance(info.value, RuntimeError) and not isinstance(info.value, ValueError)
+    with pytest.raises(SchedulerStateError, match=f"step {stale.step_id}.*step {out.step_id}"):
+        s.update(stale, [1])  # the output of another step
+    # A bad token list is bad input (ValueError), and the step stays in flight.
+    with pytest.raises(InvalidArgumentError, match=r"sampled_token_ids=<2 tokens>.*\(1\)"):
+        s.update(out, [1, 2])
+    with pytest.raises(InvalidArgumentError, match="sampled_token_ids=-1"):
+        s.update(out, [-1])
+    with pytest.raises(InvalidArgumentError, match="sampled_token_ids"):
+        s.update(out, "a")
+    with pytest.raises(InvalidArgumentError, match="sampled_token_ids"):
+        s.update(out, np.array([1.5]))
+    s.check_invariants()
+    assert s.update(out, np.array([1], np.int32)) == []
+    s.add_request(2, toks(2, 3), 2)
+    drain(s)
+    assert_all_free(s)
+
+
+def test_fork_of_a_waiting_request_is_a_state_error():
+    s = make(32, 4, 16, max_num_seqs=1)
+    s.add_request(1, toks(1, 4), 5)
+    s.add_request(2, toks(2, 4), 5)
+    step(s)
+    waiting_seq = s.request_seq_ids(2)[0]
+    with pytest.raises(SchedulerStateError, match="not running"):
+        s.fork_sequence(waiting_seq)
+    running_seq = s.request_seq_ids(1)[0]
+    with pytest.raises(InvalidArgumentError, match="max_num_seqs=1"):
+        s.fork_sequence(running_seq)
+    drain(s)
+    assert_all_free(s)
+
+
+# ---------------------------------------------------------------------------------------------
+# GIL
+
+
+def _big_scheduler(num_requests: int = 2048, prompt_len: int = 512) -> Scheduler:
+    """One schedule() admits ~1M prompt tokens: tens of ms in schedule() and in update()."""
+    s = Scheduler(
+        num_blocks=1 + num_requests * (prompt_len // 16 + 2),
+        block_size=16,
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=2_000_000,
+        max_model_len=4096,
+    )
+    base = np.arange(prompt_len, dtype=np.int64)
+    for r in range(num_requests):
+        s.add_request(r, base + r * prompt_len, 2)
+    return s
+
+
+def _busy_python(seconds: float) -> None:
+    """Holds the GIL (pure bytecode; a forced switch needs a 0.5 s wait, see below)."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        pass
+
+
+def test_schedule_and_update_release_the_gil():
+    # A ticker thread stamps perf_counter() and sleeps 0.2 ms (sleeping releases the GIL). With
+    # the switch interval at 0.5 s, a thread waiting for the GIL only forces the holder to drop
+    # it after waiting 0.5 s, so if schedule()/update() (each well under 0.5 s) held the GIL,
+    # no stamp could fall strictly inside [t0, t1]: the main thread holds the GIL from just
+    # before t0 (it reacquires it after its own short sleep) until it next sleeps, after t1.
+    # The control (a GIL-holding pure-Python busy loop of similar length, measured the same
+    # way) must show no stamp at all, which proves that the measurement can fail.
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.0002)
+
+    windows: dict[str, list[tuple[float, float]]] = {"schedule": [], "update": [], "control": []}
+
+    def timed(name: str, fn):
+        time.sleep(0.002)
+        t0 = time.perf_counter()
+        result = fn()
+        t1 = time.perf_counter()
+        windows[name].append((t0, t1))
+        return result
+
+    old = sys.getswitchinterval()
+    thread = threading.Thread(target=ticker, daemon=True)
+    sys.setswitchinterval(0.5)
+    thread.start()
+    try:
+        for _ in range(3):
+            s = _big_scheduler()
+            out = timed("schedule", s.schedule)
+            sampled = np.zeros(out.num_rows, np.int64)
+            timed("update", lambda: s.update(out, sampled))
+            timed("control", lambda: _busy_python(0.02))
+            assert out.num_tokens == 2048 * 512 and out.num_rows == 2048
+            del s, out
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    inside = {name: [sum(1 for x in stamps if t0 < x < t1) for t0, t1 in ws] for name, ws in windows.items()}
+    durations = {name: [round(t1 - t0, 4) for t0, t1 in ws] for name, ws in windows.items()}
+    assert len(stamps) > 10, "the ticker thread did not run"
+    for name in windows:
+        assert max(durations[name]) < 0.4, f"{name} too slow for the argument above: {durations}"
+    assert inside["control"] == [0, 0, 0], f"the measurement cannot see a held GIL: {inside}, {durations}"
+    for name in ("schedule", "update"):
+        assert max(inside[name]) >= 1, f"no progress of another thread during {name}(): {inside}, {durations}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Randomized ops from Python
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_randomized_ops_keep_invariants(mode):
+    rng = random.Random(0xF3770 + (mode == "swap"))
+    s = Scheduler(
+        40,
+        block_size=4,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        max_model_len=96,
+        preemption_mode=mode,
+        num_cpu_blocks=48 if mode == "swap" else 0,
+        policy=rng.choice(["fcfs", "priority"]),
+        watermark=0.05,
+    )
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(4, 16))] for _ in range(4)]
+    live: set[int] = set()
+    removed_since_schedule: set[int] = set()
+    expect_abort_report: set[int] = set()
+    next_id = 0
+    out: SchedulerOutput | None = None
+    counts = dict.fromkeys(["add", "schedule", "update", "abort", "fork", "drop", "rejected"], 0)
+
+    def end(rid: int) -> None:
+        live.discard(rid)
+        removed_since_schedule.add(rid)
+
+    def do_update() -> None:
+        nonlocal out
+        assert out is not None
+        done = s.update(out, [rng.randrange(8) for _ in range(out.num_rows)])
+        counts["update"] += 1
+        out = None
+        ended = {d.request_id for d in done if d.request_finished}
+        for d in done:
+            assert d.reason in ("stop", "length", "abort")
+            if d.stop_token_id is not None:
+                assert d.reason == "stop" and d.stop_token_id == 5
+        # Requests the scheduler ended inside schedule() (could never fit) are reported now.
+        reported = {d.request_id for d in done if d.reason == "abort" and d.request_finished}
+        assert expect_abort_report <= reported, (expect_abort_report, reported)
+        for rid in ended - expect_abort_report:
+            end(rid)
+        expect_abort_report.clear()
+
+    for _ in range(4000):
+        op = rng.random()
+        if op < 0.22:
+            prompt = rng.choice(prefixes)[: rng.randint(1, 16)] + [rng.randrange(50) for _ in range(rng.randint(0, 30))]
+            kwargs = dict(
+                n=rng.choice([1, 1, 1, 2, 3]),
+                priority=rng.randint(0, 3),
+                eos_token_id=rng.choice([None, 3]),
+                stop_token_ids=rng.choice([None, [5]]),
+                ignore_eos=rng.random() < 0.2,
+                cache_salt=rng.choice([None, None, "a"]),
+            )
+            max_tokens = rng.randint(1, 40)
+            kwargs["min_tokens"] = rng.randint(0, max_tokens)
+            try:
+                s.add_request(next_id, prompt, max_tokens, **kwargs)
+                live.add(next_id)
+                counts["add"] += 1
+            except CacheCapacityError:
+                counts["rejected"] += 1
+            next_id += 1
+        elif op < 0.8:
+            if out is None:
+                out = s.schedule()
+                counts["schedule"] += 1
+                check_output(out, s)
+                fin = set(out.finished_req_ids.tolist())
+                assert removed_since_schedule <= fin, (removed_since_schedule, fin)
+                for rid in fin - removed_since_schedule:
+                    assert rid in live  # ended inside schedule(): reported by the next update
+                    expect_abort_report.add(rid)
+                    live.discard(rid)
+                removed_since_schedule.clear()
+                assert set(out.preempted_req_ids.tolist()) <= live
+            else:
+                do_update()
+        elif op < 0.85:
+            if live and rng.random() < 0.9:
+                rid = rng.choice(sorted(live))
+                s.abort(rid)
+                end(rid)
+                counts["abort"] += 1
+            else:
+                with pytest.raises(UnknownRequestError):
+                    s.abort(next_id + 1000)
+        elif op < 0.94:
+            if live:
+                rid = rng.choice(sorted(live))
+                seq = rng.choice(s.request_seq_ids(rid))
+                rows = set(out.row_seq_ids.tolist()) if out is not None else set()
+                token = rng.randrange(8) if seq in rows else None
+                try:
+                    child = s.fork_sequence(seq, token)
+                    counts["fork"] += 1
+                    if token is None or child in s.request_seq_ids(rid):
+                        assert s.seq_tokens(child)[: len(s.seq_tokens(seq))] == s.seq_tokens(seq)
+                except SchedulerStateError as e:
+                    assert "not running" in str(e) or "samples do not exist yet" in str(e)
+                except InvalidArgumentError as e:
+                    assert "max_num_seqs" in str(e)
+        else:
+            if live:
+                rid = rng.choice(sorted(live))
+                seq = rng.choice(s.request_seq_ids(rid))
+                if s.drop_sequence(seq):
+                    end(rid)
+                counts["drop"] += 1
+        s.check_invariants()
+        assert s.num_unfinished == len(live), (s.num_unfinished, live)
+
+    if out is not None:
+        do_update()
+    for _ in range(5000):
+        if not s.has_unfinished():
+            break
+        out = s.schedule()
+        check_output(out, s)
+        do_update()
+        s.check_invariants()
+    assert not live
+    assert_all_free(s)
+    st = s.stats()
+    assert st["preemptions"] > 0 and st["cow_copies"] > 0 and st["cached_prompt_tokens"] > 0
+    if mode == "swap":
+        assert st["swap_preemptions"] > 0
+    assert min(v for k, v in counts.items() if k != "rejected") > 0, counts
+
+
+def test_update_rejects_another_schedulers_output():
+    a, b = make(16, 4, 16), make(16, 4, 16)
+    a.add_request(1, toks(1, 3), 4)
+    b.add_request(1, toks(1, 3), 4)
+    out_a, out_b = a.schedule(), b.schedule()
+    with pytest.raises(SchedulerStateError):
+        a.update(out_b, np.array([1], np.int32))
+    a.update(out_a, np.array([1], np.int32))
+    b.update(out_b, np.array([1], np.int32))
+    a.check_invariants()
+
+
+def test_reserved_sequence_slots_let_beams_fork_in_a_full_batch():
+    s = make(64, 4, 16, max_num_seqs=4)
+    s.add_request(1, toks(1, 3), 10, reserve_seqs=3)  # a beam of width 3
+    s.add_request(2, toks(2, 3), 10)
+    out = s.schedule()
+    assert s.num_running_seqs == 4
+    parent = s.request_seq_ids(1)[0]
+    s.fork_sequence(parent, 5)
+    s.fork_sequence(parent, 6)  # within the reservation: the batch stays at 4
+    with pytest.raises(InvalidArgumentError, match="max_num_seqs"):
+        s.fork_sequence(parent, 7)
+    s.update(out, np.full(out.num_rows, 1, np.int32))
+    assert s.num_running_seqs == 4
+    s.check_invariants()
+    with pytest.raises(InvalidArgumentError, match="reserve_seqs"):
+        s.add_request(3, toks(3, 3), 4, reserve_seqs=5)
