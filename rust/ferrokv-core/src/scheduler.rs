@@ -757,7 +757,11 @@ impl Scheduler {
             return Err(CoreError::invalid("sampled_token_ids", bad, "token ids must be in [0, 2^32)"));
         }
         // 1. The step's KV is computed now: its full blocks become findable.
+        let bs = self.cfg.block_size;
         for sc in &fl.scheduled {
+            if !self.kv.prefix_caching() || (sc.after / bs == sc.before / bs && sc.before != 0) {
+                continue; // no block was completed this step (the common decode step)
+            }
             if let Some(req) = self.requests[sc.slot as usize].as_mut() {
                 if let Some(pos) = req.seq_pos(sc.seq_id) {
                     let s = &mut req.seqs[pos];

@@ -1,0 +1,49 @@
+//! Profiling aid: steady decode steps at a fixed batch (schedule and update timed apart).
+use ferrokv_core::*;
+use std::time::Instant;
+fn main() {
+    let size: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(1024);
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 1 + size * 300,
+        block_size: 16,
+        max_num_seqs: size,
+        max_num_batched_tokens: 8192,
+        max_model_len: 4096,
+        ..Default::default()
+    })
+    .unwrap();
+    for r in 0..size {
+        let base = (r * 4096) as u32;
+        let mut q = NewRequest::new(r as u64, (base..base + 160).collect(), 4000);
+        q.ignore_eos = true;
+        s.add_request(q).unwrap();
+    }
+    loop {
+        let out = s.schedule().unwrap();
+        s.update(out.step_id, &vec![7; out.num_rows()]).unwrap();
+        if out.num_prefill_tokens == 0 && s.num_waiting() == 0 {
+            break;
+        }
+    }
+    let sampled = vec![7i64; size];
+    let (mut a, mut b) = (vec![], vec![]);
+    for _ in 0..600 {
+        let t = Instant::now();
+        let out = s.schedule().unwrap();
+        std::hint::black_box(&out);
+        let t2 = Instant::now();
+        s.update(out.step_id, &sampled).unwrap();
+        drop(out);
+        a.push((t2 - t).as_secs_f64() * 1e6);
+        b.push(t2.elapsed().as_secs_f64() * 1e6);
+    }
+    a.sort_by(|x, y| x.partial_cmp(y).unwrap());
+    b.sort_by(|x, y| x.partial_cmp(y).unwrap());
+    println!(
+        "S={size}: schedule p50 {:.1} us, update p50 {:.1} us",
+        a[300], b[300]
+    );
+}
