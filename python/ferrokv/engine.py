@@ -317,17 +317,26 @@ class LLMEngine:
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids += [e for e in self.eos_token_ids[1:] if e not in stop_ids]
+        try:
+            self._add_to_scheduler(core_id, ids, params, max_tokens, priority, cache_salt, beam, eos, stop_ids)
+        except ValueError as e:
+            # The core names its own integer id; name the caller's instead.
+            raise type(e)(str(e).replace(f"request_id={core_id}", f"request_id={request_id!r}")) from None
+        req = _Request(request_id, core_id, text, ids, params, beam=beam)
+        seq_id = self.scheduler.request_seq_ids(core_id)[0]
+        req.seqs[seq_id] = self._new_seq(req, seq_id, 0)
+        self._requests[core_id] = req
+        self._by_name[request_id] = core_id
+
+    def _add_to_scheduler(self, core_id: int, ids: list[int], params: SamplingParams, max_tokens: int,
+                          priority: int, cache_salt: str | None, beam: BeamSearchState | None,
+                          eos: int | None, stop_ids: list[int]) -> None:
         self.scheduler.add_request(
             core_id, np.asarray(ids, dtype=np.int64), max_tokens,
             n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos or beam is not None, cache_salt=cache_salt,
             reserve_seqs=beam.beam_width if beam is not None else 0,
         )
-        req = _Request(request_id, core_id, text, ids, params, beam=beam)
-        seq_id = self.scheduler.request_seq_ids(core_id)[0]
-        req.seqs[seq_id] = self._new_seq(req, seq_id, 0)
-        self._requests[core_id] = req
-        self._by_name[request_id] = core_id
 
     def _new_seq(self, req: _Request, seq_id: int, index: int, tokens: list[int] | None = None) -> _Seq:
         p = req.params

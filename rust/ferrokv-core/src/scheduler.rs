@@ -293,11 +293,14 @@ impl Scheduler {
     }
 
     /// Blocks a request may need in the worst case: the prompt's full blocks are shared by
-    /// its samples, everything after them is private to each sample.
+    /// its samples, everything after them is private to each sample. After a recompute
+    /// preemption every sample is recomputed on its own and sharing is not guaranteed (it
+    /// comes back only through prefix-cache hits), so in recompute mode nothing is shared.
     fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, n: usize) -> usize {
         let bs = self.cfg.block_size;
         let total = (prompt_len + max_tokens).min(self.cfg.max_model_len).max(prompt_len);
-        let shared = if n > 1 { prompt_len / bs } else { 0 };
+        let shares = n > 1 && self.cfg.preemption_mode == PreemptionMode::Swap;
+        let shared = if shares { prompt_len / bs } else { 0 };
         shared + n * (total.div_ceil(bs) - shared)
     }
 

@@ -1,0 +1,499 @@
+"""End-to-end correctness of ``LLMEngine`` (and ``LLM.generate``) on tiny random checkpoints.
+
+Reference: transformers' ``generate(do_sample=False)`` of each prompt alone (no padding), EOS
+disabled on both sides so every continuation has a fixed length. Every architecture is checked in
+every engine configuration that changes *how* the KV cache is filled -- prefix caching on/off,
+chunked prefill in small chunks, and a cache so small that sequences are preempted (recompute and
+swap) -- and the tests assert via the scheduler's stats that the mechanism really ran.
+All on CPU in fp32; each engine is a few hundred KiB, so building one per test is cheap.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ferrokv import LLM, SamplingParams
+from ferrokv.engine import EngineArgs, LLMEngine
+from helpers.tiny_models import TINY_VOCAB
+
+MAX_NEW = 12
+MAX_MODEL_LEN = 128
+
+# name -> (arch, save_tiny_model kwargs)
+MODELS = {
+    "llama": ("llama", {}),
+    "llama-gqa4": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, seed=1)),
+    "llama-headdim32": ("llama", dict(head_dim=32, tie_word_embeddings=True, seed=2)),
+    "qwen2": ("qwen2", dict(seed=3)),
+    "qwen3": ("qwen3", dict(seed=4)),
+    "mistral-sw8": ("mistral", dict(sliding_window=8, seed=5)),
+}
+
+# name -> engine kwargs. Every configuration runs the same ragged batch.
+CONFIGS = {
+    "prefix-cache": dict(enable_prefix_caching=True),
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    "chunked-16": dict(max_num_batched_tokens=16, max_num_seqs=4),
+    "preempt-recompute": dict(block_size=4, num_kv_blocks=30, preemption_mode="recompute"),
+    "preempt-swap": dict(block_size=8, num_kv_blocks=16, preemption_mode="swap", num_cpu_blocks=64),
+}
+
+
+def ragged_prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts of 3..60 tokens; two of them share a 24-token prefix (prefix-cache hits)."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(3, TINY_VOCAB) for _ in range(n)]  # noqa: E731 - no special tokens
+    shared = ids(24)
+    return [ids(3), ids(60), ids(9), shared + ids(5), ids(17), shared + ids(20), ids(33), ids(1)]
+
+
+def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def assert_no_leak(engine: LLMEngine) -> None:
+    sch = engine.scheduler
+    assert not engine.has_unfinished_requests()
+    assert sch.num_unfinished == 0 and sch.num_running_seqs == 0
+    # Cached prefix blocks count as free (evictable); only the null block is never free.
+    assert sch.num_free_blocks == sch.num_blocks - 1, engine.stats()
+    sch.check_invariants()
+
+
+def run_engine(engine: LLMEngine, steps: int | None = None) -> dict[str, object]:
+    """Steps until done (or ``steps`` times); returns the last output of each request."""
+    last: dict[str, object] = {}
+    n = 0
+    while engine.has_unfinished_requests() and (steps is None or n < steps):
+        for o in engine.step():
+            last[o.request_id] = o
+        n += 1
+    return last
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Greedy == transformers, every architecture x every cache configuration
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_greedy_matches_transformers(model, config, tiny_model_dir, hf_greedy):
+    arch, kw = MODELS[model]
+    path = tiny_model_dir(model, arch, **kw)
+    prompts = ragged_prompts()
+    refs = [hf_greedy(path, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, **CONFIGS[config])
+    engine = llm.llm_engine
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for i, (o, ref) in enumerate(zip(outs, refs)):
+        assert o.finished and o.outputs[0].finish_reason == "length"
+        assert o.outputs[0].token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens)"
+    st = engine.stats()
+    if config.startswith("preempt"):
+        assert st["preemptions"] > 0, st
+        if config == "preempt-swap":
+            assert st["swap_preemptions"] > 0 and st["blocks_swapped_out"] > 0 and st["blocks_swapped_in"] > 0, st
+        else:
+            assert st["recompute_preemptions"] > 0 and st["swap_preemptions"] == 0, st
+    else:
+        assert st["preemptions"] == 0, st
+    if config == "chunked-16":
+        assert 0 < st["max_step_tokens"] <= 16 and st["max_running_seqs"] <= 4, st
+    assert_no_leak(engine)
+
+    if config in ("prefix-cache", "no-prefix-cache"):
+        # Same batch again: with prefix caching the prompts' KV now comes from the cache.
+        before = st["cached_prompt_tokens"]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == refs
+        after = engine.stats()["cached_prompt_tokens"]
+        if config == "prefix-cache":
+            assert after > before
+            assert any(o.num_cached_tokens > 0 for o in outs)
+        else:
+            assert after == before == 0
+        assert_no_leak(engine)
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine-level behaviour on the tiny llama
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_path(tiny_model_dir):
+    arch, kw = MODELS["llama"]
+    return tiny_model_dir("llama", arch, **kw)
+
+
+def make_engine(path, **kw) -> LLMEngine:
+    args = dict(model=str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=4,
+                num_kv_blocks=128)
+    args.update(kw)
+    return LLMEngine(EngineArgs(**args))
+
+
+def tokens_of(out) -> list[list[int]]:
+    return [c.token_ids for c in out.outputs]
+
+
+# --- 4. n > 1: shared prompt blocks, copy-on-write, distinct samples, seeded reproducibility ----
+def test_n_samples_share_prompt_blocks_and_reproduce(llama_path):
+    prompt = ragged_prompts(1)[4][:10]  # 10 tokens: 2 full blocks + a partial one that must be COWed
+    params = SamplingParams(n=4, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    engine = make_engine(llama_path)
+    engine.add_request("n4", {"prompt_token_ids": prompt}, params)
+    engine.step()  # prefill; the 4 samples are forked off the prompt sequence at update
+    st = engine.scheduler.stats()
+    assert st["num_running_seqs"] == 4
+    assert st["num_shared_blocks"] > 0, st
+    # All four sequences start on the same prompt blocks.
+    seq_ids = engine.scheduler.request_seq_ids(engine._by_name["n4"])
+    tables = [engine.scheduler.seq_block_table(s) for s in seq_ids]
+    assert len({tuple(t[:2]) for t in tables}) == 1
+    out = run_engine(engine)["n4"]
+    st = engine.scheduler.stats()
+    assert st["cow_copies"] > 0, st
+    samples = tokens_of(out)
+    assert len(samples) == 4 and all(len(s) == 8 for s in samples)
+    assert len({tuple(s) for s in samples}) == 4, samples  # the samples differ
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert_no_leak(engine)
+
+    # Same seed, same engine: the same four samples.
+    engine.add_request("again", {"prompt_token_ids": prompt}, params)
+    assert tokens_of(run_engine(engine)["again"]) == samples
+
+    # Same seed in a fresh engine, sharing the batch with other (seeded and unseeded) requests.
+    engine = make_engine(llama_path, seed=99)
+    others = ragged_prompts(2)
+    engine.add_request("o0", {"prompt_token_ids": others[1]}, SamplingParams(temperature=0.7, max_tokens=12))
+    engine.add_request("o1", {"prompt_token_ids": others[2]},
+                       SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=5))
+    run_engine(engine, steps=2)
+    engine.add_request("late", {"prompt_token_ids": prompt}, params)
+    engine.add_request("o2", {"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=9))
+    outs = run_engine(engine)
+    assert tokens_of(outs["late"]) == samples
+    assert tokens_of(outs["o2"]) != samples[:3]
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize(
+    "mode, prefix_caching",
+    [("recompute", True), ("recompute", False), ("swap", True), ("swap", False)],
+)
+def test_n_samples_survive_preemption(llama_path, mode, prefix_caching):
+    """Seeded n > 1 requests give the same samples with a cache so small that they are preempted."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (10, 30, 45, 20, 7)]
+
+    def run(**kw):
+        engine = make_engine(llama_path, enable_prefix_caching=prefix_caching, **kw)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p},
+                               SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=16, ignore_eos=True))
+        outs = run_engine(engine)
+        assert_no_leak(engine)
+        return {k: [(c.token_ids, c.finish_reason) for c in o.outputs] for k, o in outs.items()}, engine.stats()
+
+    ample, st = run()
+    assert st["preemptions"] == 0
+    # Recompute mode cannot count on the samples sharing their prompt after a preemption, so a
+    # request is admitted only if its samples fit unshared: 3 x ceil(61 / 4) = 48 blocks.
+    blocks = 50 if mode == "recompute" else 30
+    small, st = run(num_kv_blocks=blocks, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    assert st["preemptions"] > 0 and st["capacity_aborts"] == 0, st
+    assert small == ample
+
+
+def test_seeded_request_independent_of_batch(llama_path):
+    """A seeded request samples the same tokens alone, in a big batch, and at another position."""
+    prompt = ragged_prompts(3)[1][:21]
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=42, max_tokens=10, ignore_eos=True)
+    engine = make_engine(llama_path)
+    engine.add_request("alone", {"prompt_token_ids": prompt}, p)
+    alone = tokens_of(run_engine(engine)["alone"])
+
+    engine = make_engine(llama_path)
+    for i, q in enumerate(ragged_prompts(4)[:5]):
+        engine.add_request(f"x{i}", {"prompt_token_ids": q}, SamplingParams(temperature=1.0, max_tokens=6 + i))
+    run_engine(engine, steps=3)
+    engine.add_request("batched", {"prompt_token_ids": prompt}, p)
+    engine.add_request("twin", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.9, seed=43, max_tokens=10))
+    outs = run_engine(engine)
+    assert tokens_of(outs["batched"]) == alone
+    assert tokens_of(outs["twin"]) != alone  # another seed: another sample (sanity: seeds matter)
+    assert_no_leak(engine)
+
+
+# --- 5. bad input: ValueError naming the field, in-flight requests unaffected, no block leak -----
+def bad_requests(engine: LLMEngine):
+    """(prompt, params, text the ValueError must contain)."""
+    good = {"prompt_token_ids": [5, 6, 7]}
+    return [
+        ({"prompt_token_ids": list(range(3, 3 + MAX_MODEL_LEN + 1))}, None, "max_model_len"),
+        ({"prompt_token_ids": []}, None, "prompt"),
+        ("", None, "prompt"),
+        ({"prompt_token_ids": [5, TINY_VOCAB]}, None, "prompt_token_ids"),
+        ({"prompt_token_ids": [-1, 5]}, None, "prompt_token_ids"),
+        ({"prompt_token_ids": [5, "x"]}, None, "prompt_token_ids"),
+        (12345, None, "prompt"),
+        (good, {"temperature": 0.0}, "sampling_params"),
+        (good, SamplingParams(n=engine.args.max_num_seqs + 1), "n="),
+        # Fits max_model_len but could never fit the KV cache (8 samples of 103 tokens).
+        (good, SamplingParams(n=8, max_tokens=100), "max_tokens"),
+    ]
+
+
+def test_bad_requests_rejected_while_others_complete(llama_path, hf_greedy):
+    prompts = ragged_prompts(5)[:4]
+    refs = [hf_greedy(llama_path, p, MAX_NEW) for p in prompts]
+    engine = make_engine(llama_path, num_kv_blocks=40, max_num_seqs=8)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"good{i}", {"prompt_token_ids": p}, greedy())
+    last = run_engine(engine, steps=3)
+    free_before = engine.scheduler.num_free_blocks
+    stats_before = engine.stats()
+    for prompt, params, field in bad_requests(engine):
+        with pytest.raises(ValueError, match=field):
+            engine.add_request("bad", prompt, params)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("good0", {"prompt_token_ids": [5, 6]}, greedy())
+    # Nothing of the bad requests reached the scheduler.
+    assert engine.scheduler.num_free_blocks == free_before
+    assert engine.stats()["requests_added"] == stats_before["requests_added"]
+    assert engine.get_num_unfinished_requests() == 4
+    last.update(run_engine(engine))
+    for i, ref in enumerate(refs):
+        assert last[f"good{i}"].finished and last[f"good{i}"].outputs[0].token_ids == ref
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(n=0), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[-3]), "stop_token_ids"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(seed="7"), "seed"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(num_kv_blocks=1), "num_kv_blocks"),
+        (dict(max_model_len=-5), "max_model_len"),
+        (dict(preemption_mode="discard"), "preemption_mode"),
+        (dict(num_cpu_blocks=-1), "num_cpu_blocks"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(device="tpu"), "device"),
+    ],
+)
+def test_invalid_engine_args(llama_path, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make_engine(llama_path, **kwargs)
+
+
+# --- 6. stops, min_tokens, logprobs, abort ----------------------------------------------------------
+def test_stop_string_ends_early_and_frees_blocks(llama_path, hf_greedy):
+    engine = make_engine(llama_path)
+    tok = engine.tokenizer
+    prompt, other = ragged_prompts(6)[1], ragged_prompts(6)[4]
+    full = hf_greedy(llama_path, prompt, MAX_NEW)
+    full_text = tok.decode(full)
+    # A stop string that first appears inside the text of generated tokens 5..7.
+    prefix_len = len(tok.decode(full[:5]))
+    stop = full_text[prefix_len:prefix_len + 2]
+    assert stop.strip() and stop in full_text
+    cut = full_text.index(stop)
+
+    engine.add_request("s", {"prompt_token_ids": prompt}, greedy(stop=[stop, "never-generated-XYZ"]))
+    engine.add_request("long", {"prompt_token_ids": other}, greedy(max_tokens=40))
+    s_out = None
+    while s_out is None:
+        for o in engine.step():
+            if o.request_id == "s" and o.finished:
+                s_out = o
+    c = s_out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == full_text[:cut]
+    assert len(c.token_ids) < MAX_NEW and c.token_ids == full[:len(c.token_ids)]
+    # "s" is gone from the scheduler at once; only "long" holds blocks now.
+    sch = engine.scheduler
+    assert sch.num_unfinished == 1 and sch.num_running_seqs == 1
+    (long_seq,) = sch.request_seq_ids(engine._by_name["long"])
+    assert sch.stats()["num_used_blocks"] == len(sch.seq_block_table(long_seq))
+    run_engine(engine)
+    assert_no_leak(engine)
+
+    # include_stop_str_in_output keeps the stop string.
+    engine.add_request("s2", {"prompt_token_ids": prompt}, greedy(stop=stop, include_stop_str_in_output=True))
+    c2 = run_engine(engine)["s2"].outputs[0]
+    assert c2.text == full_text[:cut + len(stop)] and c2.finish_reason == "stop"
+    assert_no_leak(engine)
+
+
+def test_stop_token_ids_and_min_tokens(llama_path, hf_greedy):
+    prompt = ragged_prompts(7)[2]
+    full = hf_greedy(llama_path, prompt, MAX_NEW)
+    engine = make_engine(llama_path)
+    stop_tok = full[3]
+    first = full.index(stop_tok)
+    engine.add_request("st", {"prompt_token_ids": prompt}, greedy(stop_token_ids=[stop_tok]))
+    c = run_engine(engine)["st"].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_tok
+    assert c.token_ids == full[:first + 1]  # the stop token is returned in token_ids ...
+    assert c.text == engine.tokenizer.decode(full[:first])  # ... but not in the text
+
+    # min_tokens: the stop token cannot end the sequence (nor be sampled) before min_tokens tokens.
+    k = first + 3
+    engine.add_request("mt", {"prompt_token_ids": prompt}, greedy(stop_token_ids=[stop_tok], min_tokens=k))
+    c = run_engine(engine)["mt"].outputs[0]
+    assert len(c.token_ids) >= k and stop_tok not in c.token_ids[:k]
+    assert c.token_ids[:first] == full[:first]
+    assert (c.finish_reason, c.stop_reason) in (("stop", stop_tok), ("length", None))
+    if c.finish_reason == "stop":
+        assert c.token_ids[-1] == stop_tok and stop_tok not in c.token_ids[:-1]
+
+    assert_no_leak(engine)
+
+
+def test_eos_ends_sequence_and_min_tokens_suppresses_it(eos_model_dir, hf_greedy, hf_model):
+    """EOS (the tokenizer's, id 0) ends a sequence like transformers' generate with that EOS."""
+    path, prompt = eos_model_dir
+    full = hf_greedy(path, prompt, MAX_NEW)  # EOS disabled: what comes after EOS too
+    at = full.index(0)
+    hf = hf_model(path)
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=0,
+                        pad_token_id=0)[0, len(prompt):].tolist()
+    assert g[:at + 1] == full[:at + 1] and len(g) == at + 1  # transformers stops at EOS
+
+    engine = make_engine(path)
+    engine.add_request("eos", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    engine.add_request("ign", {"prompt_token_ids": prompt}, greedy())
+    engine.add_request("min", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=at + 2))
+    outs = run_engine(engine)
+    c = outs["eos"].outputs[0]
+    assert c.token_ids == g and c.finish_reason == "stop" and c.stop_reason is None
+    assert c.text == engine.tokenizer.decode(g[:-1])  # EOS is not part of the text
+    c = outs["ign"].outputs[0]
+    assert c.token_ids == full and c.finish_reason == "length"
+    c = outs["min"].outputs[0]
+    assert c.token_ids[:at] == full[:at] and 0 not in c.token_ids[:at + 2] and len(c.token_ids) >= at + 2
+    assert_no_leak(engine)
+
+
+def test_logprobs_match_transformers(llama_path, hf_model):
+    prompt = ragged_prompts(9)[1][:30]
+    engine = make_engine(llama_path)
+    engine.add_request("lp", {"prompt_token_ids": prompt}, greedy(max_tokens=6, logprobs=3))
+    c = run_engine(engine)["lp"].outputs[0]
+    assert len(c.logprobs) == 6
+    hf = hf_model(llama_path)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    total = 0.0
+    for pos, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        ids = list(entry)
+        assert ids[0] == tok and entry[tok].rank == 1  # greedy: the sampled token is the top one
+        top3 = torch.topk(ref[pos], 3).indices.tolist()
+        assert set(ids) == set(top3)
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(float(ref[pos, t]), abs=1e-4)
+            assert lp.decoded_token == engine.tokenizer.decode([t])
+        total += entry[tok].logprob
+    assert c.cumulative_logprob == pytest.approx(total, abs=1e-6)
+    assert_no_leak(engine)
+
+
+def test_abort_mid_generation_frees_blocks(llama_path, hf_greedy):
+    prompts = ragged_prompts(10)[:3]
+    engine = make_engine(llama_path, enable_prefix_caching=False)
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, greedy())
+    engine.add_request("b", {"prompt_token_ids": prompts[1]}, greedy(max_tokens=20))
+    engine.add_request("c", {"prompt_token_ids": prompts[2]},
+                       SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20))
+    run_engine(engine, steps=4)
+    sch = engine.scheduler
+    used = sch.stats()["num_used_blocks"]
+    (b_seq,) = sch.request_seq_ids(engine._by_name["b"])
+    b_blocks = len(sch.seq_block_table(b_seq))
+    engine.abort_request("b")
+    assert sch.stats()["num_used_blocks"] == used - b_blocks
+    engine.abort_request(["c", "no-such-request"])  # unknown ids are ignored
+    assert sch.num_running_seqs == 1 and engine.get_num_unfinished_requests() == 1
+    last = run_engine(engine)
+    assert "b" not in last and "c" not in last  # aborted requests produce no more outputs
+    assert last["a"].outputs[0].token_ids == hf_greedy(llama_path, prompts[0], MAX_NEW)
+    assert engine.stats()["requests_aborted"] == 2
+    assert_no_leak(engine)
+    engine.abort_request("a")  # finished: a no-op
+    assert_no_leak(engine)
+
+
+def test_repetition_penalty_matches_transformers(llama_path, hf_model):
+    """Greedy with a repetition penalty (HF semantics, over prompt + output) equals transformers'."""
+    hf = hf_model(llama_path)
+    prompts = [ragged_prompts(12)[k] for k in (1, 4, 6)]
+    engine = make_engine(llama_path, max_num_batched_tokens=16, max_num_seqs=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, greedy(repetition_penalty=1.8))
+    outs = run_engine(engine)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW, repetition_penalty=1.8,
+                              pad_token_id=0)[0, len(p):].tolist()
+        assert outs[str(i)].outputs[0].token_ids == ref
+    assert_no_leak(engine)
+
+
+def test_streaming_outputs_are_cumulative(llama_path, hf_greedy):
+    """step() returns growing outputs; ``finished`` only on the last; stop strings per sample."""
+    prompt = ragged_prompts(13)[1]
+    ref = hf_greedy(llama_path, prompt, MAX_NEW)
+    engine = make_engine(llama_path)
+    engine.add_request("g", {"prompt_token_ids": prompt}, greedy())
+    engine.add_request("n", {"prompt_token_ids": prompt},
+                       SamplingParams(n=4, temperature=1.5, seed=8, max_tokens=30, stop=["e", "a"]))
+    seen, n_out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == "g":
+                seen.append((list(o.outputs[0].token_ids), o.finished, o.outputs[0].text))
+            else:
+                n_out = o
+    assert [len(t) for t, _, _ in seen] == list(range(1, MAX_NEW + 1))
+    assert [f for _, f, _ in seen] == [False] * (MAX_NEW - 1) + [True]
+    assert seen[-1][0] == ref and all(t == ref[:len(t)] for t, _, _ in seen)
+    assert seen[-1][2] == engine.tokenizer.decode(ref)
+    assert n_out.finished and len(n_out.outputs) == 4
+    for c in n_out.outputs:
+        if c.finish_reason == "stop":
+            assert c.stop_reason in ("e", "a") and "e" not in c.text and "a" not in c.text
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 30
+    assert sum(c.finish_reason == "stop" for c in n_out.outputs) >= 2
+    assert_no_leak(engine)

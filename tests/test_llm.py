@@ -1,0 +1,245 @@
+"""End-to-end tests of the ``LLM`` API: the embedded SmolLM2 against transformers, beam search
+against transformers' beam search, bad input, and ``chat``. CPU, fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from ferrokv import LLM, SamplingParams
+from helpers.tiny_models import TINY_VOCAB
+
+
+def tiny_llm(path, **kw) -> LLM:
+    args = dict(device="cpu", dtype="float32", max_model_len=128, block_size=4, num_kv_blocks=128)
+    args.update(kw)
+    return LLM(str(path), **args)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    engine = llm.llm_engine
+    sch = engine.scheduler
+    assert not engine.has_unfinished_requests()
+    assert sch.num_unfinished == 0 and sch.num_free_blocks == sch.num_blocks - 1, engine.stats()
+    sch.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_model_dir):
+    return tiny_model_dir("llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def llama_llm(llama_path):
+    return tiny_llm(llama_path)
+
+
+def rand_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, TINY_VOCAB) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. The embedded SmolLM2-135M-Instruct, greedy, token for token against transformers
+# ------------------------------------------------------------------------------------------------
+SMOL_NEW = 10
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers(smollm2_llm, hf_greedy):
+    llm = smollm2_llm
+    tok = llm.get_tokenizer()
+    path = llm.llm_engine.model_path
+    chat = [{"role": "system", "content": "You are a concise assistant."},
+            {"role": "user",
+             "content": "Explain in two sentences why the sky is blue during the day and red at sunset."}]
+    chat_ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+    texts = [
+        "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+        "combined movable metal type, oil-based ink and a wooden screw press. Within fifty years",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively.\"\"\"\n"
+        "    a, b = 0, 1\n    for _ in range(n):\n",
+    ]
+    prompts = [{"prompt_token_ids": chat_ids}] + texts
+    prompt_ids = [chat_ids] + [tok.encode(t) for t in texts]
+    assert all(len(p) >= 32 for p in prompt_ids), [len(p) for p in prompt_ids]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=SMOL_NEW, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(prompt_ids, outs):
+        assert o.prompt_token_ids == p
+        assert o.outputs[0].token_ids == hf_greedy(path, p, SMOL_NEW), tok.decode(p)
+    assert_no_leak(llm)
+
+
+@pytest.mark.slow
+def test_smollm2_chat_answers(smollm2_llm):
+    out = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Beam search == transformers' beam search
+# ------------------------------------------------------------------------------------------------
+BEAM_NEW = 8
+
+
+def hf_beams(model, prompt, k, eos):
+    with torch.no_grad():
+        g = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            num_beams=k, num_return_sequences=k, do_sample=False, max_new_tokens=BEAM_NEW,
+            early_stopping=False, length_penalty=1.0, eos_token_id=eos, pad_token_id=0,
+            output_scores=True, return_dict_in_generate=True,
+        )
+    seqs = []
+    for row in g.sequences[:, len(prompt):].tolist():
+        if eos is not None and eos in row:
+            row = row[:row.index(eos) + 1]  # transformers pads finished beams (pad = 0)
+        seqs.append(row)
+    return seqs, g.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("with_eos", [False, True], ids=["no-eos", "eos"])
+def test_beam_search_matches_transformers(k, with_eos, llama_path, eos_model_dir, hf_model):
+    if with_eos:
+        path, eos_prompt = eos_model_dir
+        prompts = [eos_prompt, eos_prompt[:9], rand_prompt(23, 1)]
+    else:
+        path = llama_path
+        prompts = [rand_prompt(5, 2), rand_prompt(19, 3), rand_prompt(40, 4)]
+    llm = tiny_llm(path)
+    hf = hf_model(path)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], beam_width=k, max_tokens=BEAM_NEW,
+                           ignore_eos=not with_eos)
+    assert len(outs) == len(prompts)
+    saw_eos = False
+    for p, o in zip(prompts, outs):
+        ref_seqs, ref_scores = hf_beams(hf, p, k, 0 if with_eos else None)
+        assert o.prompt_token_ids == p
+        assert len(o.sequences) == k
+        assert o.sequences[0].tokens == ref_seqs[0]  # the best hypothesis
+        assert [s.tokens for s in o.sequences] == ref_seqs
+        for s, ref in zip(o.sequences, ref_scores):
+            assert s.cum_logprob / len(s.tokens) == pytest.approx(ref, abs=1e-4)
+            ended = with_eos and s.tokens[-1] == 0
+            saw_eos |= ended
+            assert s.finish_reason == ("stop" if ended else "length")
+            if not ended:
+                assert len(s.tokens) == BEAM_NEW
+    assert saw_eos == with_eos  # with EOS active, some hypotheses really ended on it
+    assert_no_leak(llm)
+    st = llm.llm_engine.stats()
+    assert st["cow_copies"] > 0  # beams fork off shared blocks
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Bad input
+# ------------------------------------------------------------------------------------------------
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match=r"model.*/nonexistent"):
+        LLM(model="/nonexistent")
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=TINY_VOCAB, n_positions=64)).save_pretrained(
+        tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as e:
+        LLM(str(tmp_path), device="cpu")
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        assert name in str(e.value)
+
+
+def test_unknown_keyword_is_type_error(llama_path):
+    with pytest.raises(TypeError, match="max_num_seq_s"):
+        LLM(str(llama_path), max_num_seq_s=4)
+
+
+def test_generate_with_a_bad_prompt_raises_and_llm_still_works(llama_llm, hf_greedy, llama_path):
+    llm = llama_llm
+    good = [rand_prompt(n, 10 + n) for n in (4, 13, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    bad_cases = [
+        ({"prompt_token_ids": [3, TINY_VOCAB + 7]}, "prompt_token_ids"),
+        ({"prompt_token_ids": []}, "prompt"),
+        ({"prompt_token_ids": rand_prompt(129, 0)}, "max_model_len"),
+    ]
+    for bad, field in bad_cases:
+        with pytest.raises(ValueError, match=field):
+            llm.generate([{"prompt_token_ids": p} for p in good] + [bad], params, use_tqdm=False)
+        assert_no_leak(llm)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([{"prompt_token_ids": p} for p in good], [params, params], use_tqdm=False)
+    with pytest.raises(ValueError, match="beam_width"):
+        llm.beam_search([{"prompt_token_ids": good[0]}], beam_width=0, max_tokens=4)
+    assert_no_leak(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in good], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_path, p, 6) for p in good]
+    assert_no_leak(llm)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. Text prompts, per-prompt params, chat
+# ------------------------------------------------------------------------------------------------
+def test_text_prompts_and_per_prompt_params(llama_llm, hf_greedy, llama_path):
+    llm = llama_llm
+    tok = llm.get_tokenizer()
+    texts = ["The cat reads a long story today.", "My friend likes fresh bread in Paris."]
+    # The first prompt finishes last: results still come back in prompt order.
+    params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
+    outs = llm.generate(texts, params, use_tqdm=False)
+    for t, p, o in zip(texts, params, outs):
+        ids = tok.encode(t)
+        assert o.prompt == t and o.prompt_token_ids == ids
+        ref = hf_greedy(llama_path, ids, p.max_tokens)
+        assert o.outputs[0].token_ids == ref
+        assert o.outputs[0].text == tok.decode(ref)
+    single = llm.generate(texts[0], params[0], use_tqdm=False)  # a bare str is one prompt
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert_no_leak(llm)
+
+
+def test_chat_uses_the_chat_template(llama_llm):
+    llm = llama_llm
+    tok = llm.get_tokenizer()
+    conv1 = [{"role": "user", "content": "Hello, who are you?"}]
+    conv2 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    one = llm.chat(conv1, params, use_tqdm=False)
+    both = llm.chat([conv1, conv2], params, use_tqdm=False)
+    assert len(one) == 1 and len(both) == 2
+    for conv, o in zip([conv1, conv2], both):
+        ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        assert o.prompt_token_ids == ids
+        assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+        direct = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        assert o.outputs[0].token_ids == direct.outputs[0].token_ids
+    assert one[0].outputs[0].token_ids == both[0].outputs[0].token_ids
+    assert_no_leak(llm)
+
+
+def test_chat_without_template_is_value_error(tmp_path, llama_path):
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(llama_path, path)
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    for f in path.glob("chat_template.*"):
+        f.unlink()
+    llm = tiny_llm(path)
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
