@@ -107,7 +107,7 @@ class Scheduler:
         num_cpu_blocks: int = 0,
         policy: str = "fcfs",  # "fcfs" | "priority" (lower value first)
         watermark: float = 0.01,  # fraction of blocks admission keeps free
-        admission_headroom: float = 0.5,  # and this many more per running sequence (anti-thrash)
+        admission_headroom: float = 1.0,  # and this many blocks more per running sequence (anti-thrash)
     ) -> None: ...
     def add_request(
         self,

@@ -70,7 +70,7 @@ impl Default for SchedulerConfig {
             num_cpu_blocks: 0,
             policy: Policy::Fcfs,
             watermark: 0.01,
-            admission_headroom: 0.5,
+            admission_headroom: 1.0,
         }
     }
 }

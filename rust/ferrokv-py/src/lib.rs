@@ -348,7 +348,7 @@ impl PyScheduler {
     #[new]
     #[pyo3(signature = (num_blocks, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
                         max_model_len=8192, enable_prefix_caching=true, preemption_mode="recompute",
-                        num_cpu_blocks=0, policy="fcfs", watermark=0.01, admission_headroom=0.5))]
+                        num_cpu_blocks=0, policy="fcfs", watermark=0.01, admission_headroom=1.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
