@@ -209,7 +209,9 @@ def main() -> None:
         oreqs = with_arrivals(reqs, rate, args.seed)
         on = run_ferrokv(engine, oreqs, online=True)
         report(on)
-        base_on = [run_static(hf, pad, oreqs, b, online=True) for b in batches]
+        # Online, the baseline runs at the batch size that was best offline.
+        best_b = int(best_off["engine"].rsplit("-b", 1)[1])
+        base_on = [run_static(hf, pad, oreqs, best_b, online=True)]
         for r in base_on:
             report(r)
         best_on = max(base_on, key=lambda r: r["tokens_per_s"])
