@@ -39,11 +39,12 @@ class Req:
     arrival: float = 0.0
 
 
-def workload(n: int, seed: int, vocab_lo: int, vocab_hi: int, mean: float = 128.0, sigma: float = 1.0) -> list[Req]:
+def workload(n: int, seed: int, vocab_lo: int, vocab_hi: int, mean: float = 128.0, sigma: float = 1.0,
+             max_len: int = 512) -> list[Req]:
     rng = np.random.default_rng(seed)
     mu = math.log(mean) - sigma**2 / 2  # lognormal with this mean
-    p = np.clip(rng.lognormal(mu, sigma, n), 8, 512).astype(int)
-    o = np.clip(rng.lognormal(mu, sigma, n), 8, 512).astype(int)
+    p = np.clip(rng.lognormal(mu, sigma, n), 8, max_len).astype(int)
+    o = np.clip(rng.lognormal(mu, sigma, n), 8, max_len).astype(int)
     return [Req(rng.integers(vocab_lo, vocab_hi, int(pl)).tolist(), int(ol)) for pl, ol in zip(p, o)]
 
 
@@ -159,9 +160,40 @@ def run_static(model, pad_id: int, reqs: list[Req], batch: int, online: bool) ->
     }
 
 
+def plot(data: dict, path: Path) -> None:
+    """Bars of output tokens/s per engine and scenario, and TTFT / TPOT percentiles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = data["results"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    labels = [f"{r['scenario']}\n{r['engine'].replace('transformers-static', 'HF static')}" for r in res]
+    colors = ["tab:orange" if r["engine"] == "ferrokv" else "tab:gray" for r in res]
+    axes[0].bar(range(len(res)), [r["tokens_per_s"] for r in res], color=colors)
+    axes[0].set_xticks(range(len(res)), labels, fontsize=8)
+    axes[0].set_ylabel("output tokens / s")
+    axes[0].set_title("Throughput (SmolLM2-135M, CPU, fp32)")
+    for ax, key, title in ((axes[1], "ttft_s", "Time to first token"), (axes[2], "tpot_s", "Time per output token")):
+        for i, r in enumerate(res):
+            d = r.get(key) or {}
+            if d:
+                ax.errorbar([i], [d["p50"]], yerr=[[0.0], [d["p99"] - d["p50"]]], fmt="o",
+                            color=colors[i], capsize=4)
+        ax.set_xticks(range(len(res)), labels, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("seconds (p50, bar to p99)")
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="32 requests, baseline batch 16 only")
+    ap.add_argument("--quick", action="store_true",
+                    help="32 requests with lengths clipped to 8..128, baseline batch 16 only (a few minutes)")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--batch-sizes", default="16,32,64")
     ap.add_argument("--rate", type=float, default=None, help="online arrivals per second (default: from offline run)")
@@ -171,9 +203,14 @@ def main() -> None:
     ap.add_argument("--skip-online", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile one ferrokv decode step")
     ap.add_argument("--out", default=str(RESULTS / "throughput.json"))
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out's JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+        return
+    max_len = 512
     if args.quick:
-        args.requests, args.batch_sizes = 32, "16"
+        args.requests, args.batch_sizes, max_len = 32, "16", 128
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     from transformers import AutoModelForCausalLM
@@ -182,7 +219,7 @@ def main() -> None:
 
     engine = LLMEngine(EngineArgs(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=1024))
     vocab = engine.vocab_size
-    reqs = workload(args.requests, args.seed, 100, min(vocab, 40000))
+    reqs = workload(args.requests, args.seed, 100, min(vocab, 40000), max_len=max_len)
     results = []
 
     def report(r: dict) -> None:
@@ -219,8 +256,10 @@ def main() -> None:
                         "online_baseline": best_on["engine"], "baseline_waste_online": best_on["waste_factor"]})
     print(json.dumps(summary))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": [
-        {k: v for k, v in r.items() if k != "profile"} for r in results], "summary": summary}, indent=1))
+    data = {"args": vars(args), "results": [{k: v for k, v in r.items() if k != "profile"} for r in results],
+            "summary": summary}
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    plot(data, Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":
