@@ -286,6 +286,15 @@ class LLMEngine:
                 f"prompt_token_ids: the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
             )
 
+    def _checked_prompt(self, request_id: Any, prompt: Any) -> tuple[str, str | None, list[int]]:
+        """The request id (unused) and the prompt's text and validated token ids."""
+        request_id = str(request_id)
+        if request_id in self._by_name:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        self._validate_ids(ids)
+        return request_id, text, ids
+
     def add_request(
         self,
         request_id: str,
@@ -299,11 +308,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        request_id = str(request_id)
-        if request_id in self._by_name:
-            raise ValueError(f"request_id={request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        self._validate_ids(ids)
+        request_id, text, ids = self._checked_prompt(request_id, prompt)
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
         room = self.max_model_len - len(ids)
@@ -534,11 +539,7 @@ class LLMEngine:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if beam_width > self.args.max_num_seqs:
             raise ValueError(f"beam_width={beam_width} is larger than max_num_seqs={self.args.max_num_seqs}")
-        request_id = str(request_id)
-        if request_id in self._by_name:
-            raise ValueError(f"request_id={request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        self._validate_ids(ids)
+        request_id, text, ids = self._checked_prompt(request_id, prompt)
         max_tokens = min(max_tokens, self.max_model_len - len(ids)) if len(ids) < self.max_model_len else 1
         eos = () if ignore_eos else self.eos_token_ids
         state = BeamSearchState(beam_width, max_tokens, float(length_penalty), tuple(eos))
