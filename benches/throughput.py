@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--skip-online", action="store_true")
+    ap.add_argument("--online-only", type=int, default=None, metavar="BATCH",
+                    help="only the online scenario (needs --rate), baseline at this static batch size")
     ap.add_argument("--profile", action="store_true", help="cProfile one ferrokv decode step")
     ap.add_argument("--out", default=str(RESULTS / "throughput.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out's JSON")
@@ -228,6 +230,23 @@ def main() -> None:
         print(f"{r['scenario']:>8} {r['engine']:<26} {r['tokens_per_s']:8.1f} tok/s  {r['seconds']:8.1f} s{extra}",
               flush=True)
 
+    if args.online_only is not None:
+        if args.rate is None:
+            ap.error("--online-only needs --rate")
+        hf = AutoModelForCausalLM.from_pretrained(str(engine.model_path), dtype=torch.float32).eval()
+        pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+        oreqs = with_arrivals(reqs, args.rate, args.seed)
+        on = run_ferrokv(engine, oreqs, online=True)
+        report(on)
+        base = run_static(hf, pad, oreqs, args.online_only, online=True)
+        report(base)
+        summary = {"online_rate_req_per_s": args.rate, "online_ratio": on["tokens_per_s"] / base["tokens_per_s"],
+                   "online_baseline": base["engine"], "baseline_waste_online": base["waste_factor"]}
+        print(json.dumps(summary))
+        data = {"args": vars(args), "results": results, "summary": summary}
+        Path(args.out).write_text(json.dumps(data, indent=1))
+        plot(data, Path(args.out).with_suffix(".png"))
+        return
     off = run_ferrokv(engine, reqs, online=False, profile=args.profile)
     report(off)
     if off.get("profile"):
