@@ -224,6 +224,8 @@ pub struct Scheduler {
     ended_ids: Vec<i64>,
     ending: Vec<bool>,
     plan: Vec<(usize, usize)>,
+    /// Decode tokens recorded in the step being built (classified once, in `record`).
+    step_decode_tokens: usize,
     hits: Vec<Vec<BlockId>>,
     stats: SchedulerStats,
 }
@@ -256,6 +258,7 @@ impl Scheduler {
             ended_ids: Vec::new(),
             ending: Vec::new(),
             plan: Vec::new(),
+            step_decode_tokens: 0,
             hits: Vec::new(),
             stats: SchedulerStats::default(),
         })
@@ -497,6 +500,8 @@ impl Scheduler {
                     self.stats.output_tokens_recomputed += (after.min(len - 1).saturating_sub(before.max(p))) as u64;
                     if after == len && len > p {
                         self.stats.decode_tokens += 1;
+                        // The output counts single-token decodes (not a recompute ending at len).
+                        self.step_decode_tokens += usize::from(chunk == 1);
                     }
                 }
                 if full {
@@ -719,11 +724,7 @@ impl Scheduler {
                 last_parent_row_sample = o.row_sample_index[k];
             }
         }
-        o.num_decode_tokens = sched.iter().filter(|sc| {
-            let req = self.req(sc.slot);
-            let len = req.seqs[sc.pos].tokens.len();
-            sc.after == len && sc.after - sc.before == 1 && len > req.prompt_len
-        }).count();
+        o.num_decode_tokens = std::mem::take(&mut self.step_decode_tokens);
         o.num_prefill_tokens = num_tokens - o.num_decode_tokens;
         let ops = self.kv.take_ops();
         o.copy_ops = ops.copy.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
