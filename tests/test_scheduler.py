@@ -91,7 +91,12 @@ def check_output(out: SchedulerOutput, s: Scheduler | None = None) -> dict[str, 
     for name, (dtype, shape) in ARRAYS.items():
         arr = a[name]
         assert arr.dtype == dtype, (name, arr.dtype)
-        assert arr.flags.c_contiguous, name
+        if name == "block_tables":
+            # Rows are contiguous; a view of the batch matrix has a row stride >= M.
+            assert arr.ndim == 2 and (arr.shape[0] <= 1 or arr.strides[1] == arr.itemsize), arr.strides
+            assert arr.shape[0] <= 1 or arr.strides[0] >= arr.shape[1] * arr.itemsize, arr.strides
+        else:
+            assert arr.flags.c_contiguous, name
         if shape in dims:
             assert arr.shape == dims[shape], (name, arr.shape, shape)
         elif shape == "K,2":
@@ -362,6 +367,67 @@ def test_arrays_stay_valid_after_scheduler_and_output_are_gone():
     for name, arr in arrays.items():
         np.testing.assert_array_equal(arr, expected[name], err_msg=name)
     assert arrays["input_ids"].sum() == expected["input_ids"].sum()
+
+
+def test_block_tables_are_a_read_only_view_of_the_batch_while_every_sequence_runs():
+    s = make(32, 4, 32)
+    for r in range(3):
+        s.add_request(r, toks(r, 5), 6)
+    step(s)
+    out = s.schedule()
+    bt = out.block_tables
+    assert out.num_seqs == 3 and bt.shape == (3, 2)
+    assert bt.base is s, "the view keeps the scheduler (and its matrix) alive"
+    assert not bt.flags.writeable
+    with pytest.raises(ValueError):
+        bt[0, 0] = 7
+    for i, seq in enumerate(out.seq_ids.tolist()):
+        assert bt[i, : len(s.seq_block_table(seq))].tolist() == s.seq_block_table(seq)
+    # The matrix is persistent: the next step's view starts at the same address.
+    s.update(out, np.full(out.num_rows, 5))
+    nxt = s.schedule()
+    assert nxt.block_tables.__array_interface__["data"][0] == bt.__array_interface__["data"][0]
+    s.update(nxt, np.full(nxt.num_rows, 5))
+
+
+def test_block_tables_must_be_read_before_update():
+    s = make(32, 4, 32)
+    s.add_request(1, toks(1, 5), 6)
+    step(s)
+    out = s.schedule()
+    s.update(out, [1])
+    with pytest.raises(SchedulerStateError, match="between schedule\\(\\) and update\\(\\)"):
+        out.block_tables
+    # Reading it in time works, also from a later step.
+    nxt = s.schedule()
+    assert nxt.block_tables.shape == (1, 2)
+    s.update(nxt, [1])
+
+
+def test_a_step_without_every_running_sequence_gets_a_compact_copy():
+    # A higher-priority prompt admitted behind a finishing prefill takes the whole budget of the
+    # next step, so the (lower-priority) decode after it in the running order is left out: its
+    # row is skipped and the step's block tables are a compact copy.
+    s = make(64, 4, 8, max_num_seqs=4, policy="priority")
+    s.add_request(2, toks(2, 20), 4, priority=0)
+    left_out = None
+    for _ in range(10):
+        if s.num_waiting == 0 and s.num_running == 1:
+            s.add_request(3, toks(3, 20), 4, priority=-1)
+        out = s.schedule()
+        a = check_output(out, s)
+        if out.num_seqs < s.num_running_seqs:
+            left_out = (out, a)
+        s.update(out, np.full(out.num_rows, 9))
+        if left_out:
+            break
+    assert left_out, "no step left a running sequence out"
+    out, a = left_out
+    bt = a["block_tables"]
+    assert bt.flags.c_contiguous and not isinstance(bt.base, Scheduler)
+    assert out.block_tables is bt, "a copy stays readable after update()"
+    drain(s)
+    assert_all_free(s)
 
 
 def test_arrays_read_after_update_are_the_step_that_was_scheduled():
@@ -725,6 +791,8 @@ def test_bad_input_raises_a_typed_error_and_changes_nothing(call, exc, fragments
         (dict(num_blocks=1), "num_blocks=1"),
         (dict(num_blocks=-4), "num_blocks=-4"),
         (dict(block_size=0), "block_size=0"),
+        (dict(block_size=12), "block_size=12"),
+        (dict(max_num_seqs=1 << 20, max_num_batched_tokens=1 << 20, max_model_len=1 << 20), "max_model_len=1048576"),
         (dict(max_num_seqs=0), "max_num_seqs=0"),
         (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens=32"),
         (dict(max_model_len=0), "max_model_len=0"),

@@ -92,6 +92,14 @@ impl BlockPool {
         let b = &mut self.blocks[id as usize];
         debug_assert_eq!(b.ref_cnt, 0);
         b.ref_cnt = 1;
+        // The next allocation unlinks the new head, which touches the block after it: start
+        // that miss now (allocations come in bursts when many sequences enter a new block).
+        if self.head != NIL {
+            let after = self.blocks[self.head as usize].next;
+            if after != NIL {
+                crate::prefetch::read(&self.blocks[after as usize] as *const Block as *const u8);
+            }
+        }
         Some(BlockId(id))
     }
 

@@ -34,6 +34,14 @@ pub struct BlockTable {
 }
 
 impl BlockTable {
+    /// Starts fetching the ends of the table's block and hash lists (what appending a block or
+    /// registering one touches).
+    #[inline]
+    pub fn prefetch_tail(&self) {
+        crate::prefetch::read(self.blocks.as_ptr().wrapping_add(self.blocks.len()) as *const u8);
+        crate::prefetch::read(self.hashes.as_ptr().wrapping_add(self.hashes.len()) as *const u8);
+    }
+
     pub fn blocks(&self) -> &[BlockId] {
         &self.blocks
     }
@@ -73,6 +81,8 @@ pub struct KvStats {
 
 pub struct KvCacheManager {
     block_size: usize,
+    /// log2(block_size): block sizes are powers of two, so block math is a shift.
+    block_shift: u32,
     gpu: BlockPool,
     cpu: BlockPool,
     cache: Option<PrefixCache>,
@@ -82,8 +92,10 @@ pub struct KvCacheManager {
 
 impl KvCacheManager {
     pub fn new(num_blocks: usize, block_size: usize, num_cpu_blocks: usize, enable_prefix_caching: bool) -> Self {
+        assert!(block_size.is_power_of_two(), "block_size must be a power of two");
         KvCacheManager {
             block_size,
+            block_shift: block_size.trailing_zeros(),
             gpu: BlockPool::new(num_blocks, true),
             cpu: BlockPool::new(num_cpu_blocks, false),
             cache: enable_prefix_caching.then(|| PrefixCache::new(num_blocks, block_size)),
@@ -126,7 +138,7 @@ impl KvCacheManager {
     }
 
     pub fn blocks_for(&self, num_tokens: usize) -> usize {
-        num_tokens.div_ceil(self.block_size)
+        (num_tokens + self.block_size - 1) >> self.block_shift
     }
 
     /// Cached prefix of `tokens` for an empty table, capped so that at least the last token is
@@ -135,7 +147,7 @@ impl KvCacheManager {
         debug_assert!(table.blocks.is_empty());
         match &self.cache {
             Some(cache) if !tokens.is_empty() => {
-                let max_blocks = (tokens.len() - 1) / self.block_size;
+                let max_blocks = (tokens.len() - 1) >> self.block_shift;
                 cache.lookup(tokens, salt, max_blocks, &mut table.hashes)
             }
             _ => Vec::new(),
@@ -152,7 +164,7 @@ impl KvCacheManager {
         }
         let have = table.blocks.len() + hits.len();
         let fresh = self.blocks_for(num_computed + num_new).saturating_sub(have);
-        let first_written = num_computed / self.block_size;
+        let first_written = num_computed >> self.block_shift;
         let cow = table.blocks.get(first_written..).map_or(0, |w| {
             w.iter().filter(|&&b| self.gpu.ref_count(b) > 1).count()
         });
@@ -163,7 +175,6 @@ impl KvCacheManager {
     /// hits they share are revived once, and a shared block written by all of its holders is
     /// copied by all but the last writer, which then owns it.
     pub fn blocks_needed_together(&self, items: &[(&BlockTable, usize, usize, &[BlockId])]) -> usize {
-        let bs = self.block_size;
         let mut fresh = 0;
         let mut revived: Vec<u32> = Vec::new();
         let mut written_shared: Vec<u32> = Vec::new();
@@ -174,7 +185,7 @@ impl KvCacheManager {
             }
             let have = table.blocks.len() + hits.len();
             fresh += self.blocks_for(num_computed + num_new).saturating_sub(have);
-            if let Some(w) = table.blocks.get(num_computed / bs..) {
+            if let Some(w) = table.blocks.get(num_computed >> self.block_shift..) {
                 written_shared.extend(w.iter().filter(|b| self.gpu.ref_count(**b) > 1).map(|b| b.0));
             }
         }
@@ -217,7 +228,7 @@ impl KvCacheManager {
         if num_new == 0 {
             return true;
         }
-        let first_written = num_computed / self.block_size;
+        let first_written = num_computed >> self.block_shift;
         for i in first_written..table.blocks.len() {
             let src = table.blocks[i];
             if self.gpu.ref_count(src) > 1 {
@@ -236,8 +247,36 @@ impl KvCacheManager {
         true
     }
 
+    /// The first half of `register_computed`, run over many tables before any of them
+    /// registers: hashes the blocks it will register (the hashes stay in the table) and starts
+    /// fetching what inserting them touches, so that the cache misses of a step's
+    /// registrations overlap.
+    pub fn prepare_register(&self, table: &mut BlockTable, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
+        let Some(cache) = &self.cache else { return };
+        let (bs, sh) = (self.block_size, self.block_shift);
+        let full = (num_computed >> sh).min(table.blocks.len()).min(tokens.len() >> sh);
+        for i in table.num_registered..full {
+            if table.hashes.len() == i {
+                let prev = if i == 0 { None } else { Some(table.hashes[i - 1]) };
+                table.hashes.push(hash_block(prev, &tokens[i * bs..(i + 1) * bs], salt));
+            }
+            cache.prefetch_insert(table.blocks[i], table.hashes[i]);
+        }
+    }
+
+    /// Appends one fresh block to a table whose next token starts a new block (the decode
+    /// step's allocation). The caller has counted a free block for it.
+    pub fn append_block(&mut self, table: &mut BlockTable) -> BlockId {
+        let b = self.pop_block().expect("a free block was counted");
+        table.blocks.push(b);
+        b
+    }
+
     fn pop_block(&mut self) -> Option<BlockId> {
         let b = self.gpu.allocate()?;
+        if let (Some(cache), Some(next)) = (&self.cache, self.gpu.peek_free()) {
+            cache.prefetch_record(next); // the next pop evicts it
+        }
         if let Some(cache) = &mut self.cache {
             if cache.evict(b) {
                 self.stats.prefix_evictions += 1;
@@ -251,7 +290,8 @@ impl KvCacheManager {
     pub fn register_computed(&mut self, table: &mut BlockTable, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
         let Some(cache) = &mut self.cache else { return };
         let bs = self.block_size;
-        let full = (num_computed / bs).min(table.blocks.len()).min(tokens.len() / bs);
+        let sh = self.block_shift;
+        let full = (num_computed >> sh).min(table.blocks.len()).min(tokens.len() >> sh);
         while table.num_registered < full {
             let i = table.num_registered;
             let chunk = &tokens[i * bs..(i + 1) * bs];
@@ -399,7 +439,7 @@ impl KvCacheManager {
         if from >= to {
             return true;
         }
-        let (a, b) = (from / self.block_size, (to - 1) / self.block_size);
+        let (a, b) = (from >> self.block_shift, (to - 1) >> self.block_shift);
         table.blocks.get(a..=b).is_some_and(|w| w.iter().all(|&x| self.gpu.ref_count(x) == 1))
     }
 

@@ -2,7 +2,10 @@
 //!
 //! Layout (S scheduled sequences, T tokens, R sampling rows, M = max blocks in the batch):
 //! - per sequence: `req_ids[S]`, `seq_ids[S]`, `query_start_loc[S+1]`, `seq_lens[S]` (context
-//!   length after this step), `block_tables[S*M]` row-major, padded with the null block 0;
+//!   length after this step), block tables `[S, M]` padded with the null block 0: when every
+//!   running sequence is in the step (the usual case) they are rows `0..S` of the scheduler's
+//!   persistent batch matrix, read in place (`Scheduler::batch_table`) until `update`;
+//!   otherwise a compact row-major copy;
 //! - per token: `input_ids[T]`, `positions[T]`, `slot_mapping[T]` (block * block_size + offset;
 //!   the core never pads, -1 is reserved for padding a runner adds);
 //! - per sampling row: `logits_indices[R]` (a token index; one row may be sampled several
@@ -10,7 +13,7 @@
 //!   `row_sample_index[R]`;
 //! - block ops to run before the forward pass, in order swap-out, swap-in, copy, as flat pairs.
 //!
-//! Every buffer is a plain `Vec` so the bindings can hand it to numpy without copying.
+//! Every other buffer is a plain `Vec` so the bindings can hand it to numpy without copying.
 
 use crate::request::FinishReason;
 
@@ -22,7 +25,8 @@ pub struct SchedulerOutput {
     pub seq_ids: Vec<i64>,
     pub query_start_loc: Vec<i32>,
     pub seq_lens: Vec<i32>,
-    pub block_tables: Vec<i32>,
+    pub block_tables: BlockTables,
+    /// M, the widest block table in the step.
     pub max_blocks: usize,
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
@@ -43,6 +47,21 @@ pub struct SchedulerOutput {
     pub preempted_req_ids: Vec<i64>,
     pub num_prefill_tokens: usize,
     pub num_decode_tokens: usize,
+}
+
+/// Where a step's `[S, M]` block tables are.
+#[derive(Debug, Clone)]
+pub enum BlockTables {
+    /// Rows `0..S`, columns `0..M` of the batch matrix, whose rows are `row_stride` apart.
+    Batch { row_stride: usize },
+    /// A row-major `S * M` copy.
+    Owned(Vec<i32>),
+}
+
+impl Default for BlockTables {
+    fn default() -> Self {
+        BlockTables::Owned(Vec::new())
+    }
 }
 
 impl SchedulerOutput {

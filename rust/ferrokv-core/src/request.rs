@@ -58,14 +58,58 @@ impl StopParams {
     }
 }
 
+/// `StopParams` flattened for a running sequence, in terms of its total length, so that a decode
+/// step decides most stops without reading the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowStop {
+    /// EOS and stop tokens count from this total length on (prompt + min_tokens).
+    pub min_len: u32,
+    /// Length stop at this total length: min(prompt + max_tokens, max_model_len).
+    pub stop_len: u32,
+    /// The EOS token unless ignored.
+    pub eos: Option<u32>,
+    pub has_stop_ids: bool,
+}
+
+impl RowStop {
+    pub fn new(p: &StopParams, prompt_len: usize, max_model_len: usize) -> Self {
+        let clamp = |v: usize| v.min(u32::MAX as usize) as u32;
+        RowStop {
+            min_len: clamp(prompt_len.saturating_add(p.min_tokens)),
+            stop_len: clamp(prompt_len.saturating_add(p.max_tokens).min(max_model_len)),
+            eos: if p.ignore_eos { None } else { p.eos_token_id },
+            has_stop_ids: !p.stop_token_ids.is_empty(),
+        }
+    }
+
+    /// `StopParams::check` for a sequence that has `total_len` tokens after appending `token`;
+    /// `stop_ids` is only called when the request has stop token ids.
+    #[inline]
+    pub fn check(&self, token: u32, total_len: u32, stop_ids: impl FnOnce() -> bool) -> Option<(FinishReason, Option<u32>)> {
+        if total_len >= self.min_len {
+            if self.eos == Some(token) {
+                return Some((FinishReason::Stop, None));
+            }
+            if self.has_stop_ids && stop_ids() {
+                return Some((FinishReason::Stop, Some(token)));
+            }
+        }
+        (total_len >= self.stop_len).then_some((FinishReason::Length, None))
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Sequence {
     pub seq_id: u64,
     /// 0..n for parallel samples; fork order for beam candidates.
     pub sample_index: u32,
     pub tokens: Vec<u32>,
+    /// Tokens whose KV is computed, while the sequence is not running (a running sequence's
+    /// count lives in its batch row).
     pub num_computed: usize,
     pub table: BlockTable,
+    /// Its row in the persistent batch while running, else `batch::NO_ROW`.
+    pub row: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,5 +172,28 @@ mod tests {
         assert_eq!(p.check(3, 3, 10, 100), None);
         let q = StopParams { ignore_eos: true, ..p };
         assert_eq!(q.check(0, 3, 10, 100), None);
+    }
+
+    #[test]
+    fn row_stop_decides_exactly_like_stop_params() {
+        let max_model_len = 40;
+        for prompt_len in [1usize, 5, 39] {
+            for (max_tokens, min_tokens) in [(1, 0), (3, 2), (7, 7), (100, 0)] {
+                for (eos, ignore_eos) in [(None, false), (Some(0), false), (Some(0), true), (Some(u32::MAX), false)] {
+                    for stops in [vec![], vec![2, 7]] {
+                        let p = StopParams { max_tokens, min_tokens, eos_token_id: eos, stop_token_ids: stops, ignore_eos };
+                        let row = RowStop::new(&p, prompt_len, max_model_len);
+                        for out_len in 1..=max_tokens.min(50) {
+                            let total = prompt_len + out_len;
+                            for tok in [0u32, 1, 2, 7, u32::MAX] {
+                                let want = p.check(tok, out_len, total, max_model_len);
+                                let have = row.check(tok, total as u32, || p.stop_token_ids.contains(&tok));
+                                assert_eq!(have, want, "{p:?} prompt {prompt_len} out {out_len} tok {tok}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }

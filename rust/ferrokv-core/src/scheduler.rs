@@ -1,30 +1,39 @@
 //! Iteration-level scheduler with a token budget (vLLM V1 style).
 //!
 //! Each `schedule()`:
-//! 1. walks the running requests in order (priority, then arrival) and gives every sequence
-//!    what it still needs (one decode token, or the next prefill chunk), within
-//!    `max_num_batched_tokens`. A request whose blocks cannot be found preempts the
+//! 1. gives every running sequence what it still needs (one decode token, or the next prefill
+//!    chunk), within `max_num_batched_tokens`. The common step, where every running sequence
+//!    decodes one token and all fit, is planned row by row over the persistent batch
+//!    (`batch.rs`) without looking at a request; otherwise requests are walked in order
+//!    (priority, then arrival), and one whose blocks cannot be found preempts the
 //!    lowest-priority, latest-arrived running request (the back of the list), possibly itself.
 //! 2. if nothing was preempted, admits waiting requests in order while their next chunk fits
 //!    in the budget, in `max_num_seqs`, and in the free blocks minus a small watermark kept for
 //!    running sequences to grow. The head of the queue blocks the rest (no starvation).
-//! 3. flattens the batch into the arrays of `SchedulerOutput`.
-//! `update()` then appends one sampled token per logits row, decides stop conditions, frees
-//! finished sequences at once and registers newly computed full blocks in the prefix cache.
+//! 3. flattens the planned rows, in row order, into the arrays of `SchedulerOutput`; when every
+//!    running sequence is in the step the block tables are the batch matrix itself.
+//!
+//! `update()` then appends one sampled token per logits row (staged in the rows), decides stop
+//! conditions from per-row thresholds, frees finished sequences at once and registers newly
+//! computed full blocks in the prefix cache. Only rows that need their sequence (a completed
+//! block, a stop, a full stage, a fan-out) reach it.
 //!
 //! Invariants: the scheduler never touches reference counts (the KV-cache manager does); a
 //! request that could never fit is rejected when added, so no step spins on it; every running
-//! sequence's table covers exactly its computed tokens.
+//! sequence owns one batch row that mirrors its block table exactly and holds its computed
+//! count; `check_invariants` verifies all of it.
 //!
-//! Costs: a step is O(scheduled sequences + scheduled tokens + their block-table widths); the
-//! number of waiting or finished requests never enters it. Preemption scans nothing: the
-//! victim is the back of the sorted running list.
+//! Costs: a step is O(running sequences) plus O(tokens and blocks that change): a decode row
+//! costs a few loads and stores; block tables are never rebuilt. The number of waiting or
+//! finished requests never enters it. Preemption scans nothing: the victim is the back of the
+//! sorted running list.
 
+use crate::batch::{Batch, Moved, RowInit, SeqRef, NO_ROW, PENDING_TOKENS};
 use crate::block_pool::BlockId;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::{BlockTable, KvCacheManager, KvStats};
-use crate::output::{FinishedSeq, SchedulerOutput};
-use crate::request::{FinishReason, Request, RequestState, Sequence, StopParams};
+use crate::output::{BlockTables, FinishedSeq, SchedulerOutput};
+use crate::request::{FinishReason, Request, RequestState, RowStop, Sequence, StopParams};
 use std::collections::{BTreeSet, HashMap};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,8 +92,9 @@ impl SchedulerConfig {
         if self.num_blocks >= u32::MAX as usize || self.num_cpu_blocks >= u32::MAX as usize {
             return Err(CoreError::invalid("num_blocks", self.num_blocks, "must fit in 32 bits"));
         }
-        if self.block_size == 0 {
-            return Err(CoreError::invalid("block_size", self.block_size, "must be >= 1"));
+        if !self.block_size.is_power_of_two() {
+            // The paged-attention kernels tile a block by it, and the core's block math shifts.
+            return Err(CoreError::invalid("block_size", self.block_size, "must be a power of two (1, 2, 4, ..., 16, 32, ...)"));
         }
         if self.max_num_seqs == 0 {
             return Err(CoreError::invalid("max_num_seqs", self.max_num_seqs, "must be >= 1"));
@@ -98,6 +108,16 @@ impl SchedulerConfig {
         }
         if self.max_model_len == 0 {
             return Err(CoreError::invalid("max_model_len", self.max_model_len, "must be >= 1"));
+        }
+        // The batch matrix holds max_num_seqs rows of ceil(max_model_len / block_size) blocks
+        // (allocated lazily by the OS, but its address space is reserved up front).
+        let entries = self.max_num_seqs as u128 * self.max_model_len.div_ceil(self.block_size) as u128;
+        if entries > 1 << 31 {
+            return Err(CoreError::invalid(
+                "max_model_len",
+                self.max_model_len,
+                format!("max_num_seqs ({}) * max_model_len / block_size must be <= 2^31 block-table entries", self.max_num_seqs),
+            ));
         }
         if !(0.0..1.0).contains(&self.watermark) {
             return Err(CoreError::invalid("watermark", self.watermark, "must be in [0, 1)"));
@@ -180,29 +200,51 @@ enum Attempt {
     NoSpace,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Scheduled {
-    slot: u32,
-    seq_id: u64,
-    pos: usize,
-    before: usize,
-    after: usize,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Row {
-    slot: u32,
-    seq_id: u64,
-    /// For the samples of an `n > 1` request: the prompt sequence to fork at `update`.
-    fork_from: Option<u64>,
-}
-
+/// A step between `schedule` and `update`. Its plan (tokens, sampling rows, fan-outs) lives in
+/// the batch rows and moves with them.
 struct InFlight {
     step_id: u64,
-    scheduled: Vec<Scheduled>,
-    rows: Vec<Row>,
+    num_logits_rows: usize,
     /// A fork since `schedule` legitimately shares blocks this step wrote.
     forked: bool,
+}
+
+/// Position → (block, offset) by shift and mask: block sizes are powers of two (a 64-bit
+/// division per row would cost more than the rest of a decode row's work).
+#[derive(Debug, Clone, Copy)]
+struct BlockMath {
+    size: usize,
+    shift: u32,
+}
+
+impl BlockMath {
+    fn new(size: usize) -> Self {
+        debug_assert!(size.is_power_of_two());
+        BlockMath { size, shift: size.trailing_zeros() }
+    }
+    #[inline]
+    fn block(self, pos: usize) -> usize {
+        pos >> self.shift
+    }
+    #[inline]
+    fn offset(self, pos: usize) -> usize {
+        pos & (self.size - 1)
+    }
+    /// The slot of position `pos` in block `block`.
+    #[inline]
+    fn slot(self, block: i32, pos: usize) -> i64 {
+        ((block as usize) * self.size + self.offset(pos)) as i64
+    }
+}
+
+/// What the step being built holds so far.
+#[derive(Debug, Default, Clone, Copy)]
+struct StepCounts {
+    seqs: usize,
+    tokens: usize,
+    logits_rows: usize,
+    /// Single-token decodes (not a recompute chunk ending at the last token).
+    decode_tokens: usize,
 }
 
 pub struct Scheduler {
@@ -220,12 +262,17 @@ pub struct Scheduler {
     next_seq_id: u64,
     step_id: u64,
     in_flight: Option<InFlight>,
+    /// Set while `update` runs: leaving rows are marked dead and compacted at its end.
+    defer_row_removal: bool,
+    batch: Batch,
     pending_finished: Vec<FinishedSeq>,
     ended_ids: Vec<i64>,
     ending: Vec<bool>,
     plan: Vec<(usize, usize)>,
-    /// Decode tokens recorded in the step being built (classified once, in `record`).
-    step_decode_tokens: usize,
+    step: StepCounts,
+    /// Reused list of rows that need per-sequence work in `update`.
+    scratch_rows: Vec<u32>,
+    bm: BlockMath,
     hits: Vec<Vec<BlockId>>,
     stats: SchedulerStats,
 }
@@ -240,6 +287,8 @@ impl Scheduler {
         static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let instance = INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Scheduler {
+            bm: BlockMath::new(cfg.block_size),
+            batch: Batch::new(cfg.max_num_seqs, cfg.max_model_len.div_ceil(cfg.block_size)),
             cfg,
             kv,
             requests: Vec::new(),
@@ -254,11 +303,13 @@ impl Scheduler {
             next_seq_id: 0,
             step_id: instance << 32,
             in_flight: None,
+            defer_row_removal: false,
             pending_finished: Vec::new(),
             ended_ids: Vec::new(),
             ending: Vec::new(),
             plan: Vec::new(),
-            step_decode_tokens: 0,
+            step: StepCounts::default(),
+            scratch_rows: Vec::new(),
             hits: Vec::new(),
             stats: SchedulerStats::default(),
         })
@@ -360,7 +411,14 @@ impl Scheduler {
                 ignore_eos: r.ignore_eos,
             },
             cache_salt: r.cache_salt.map(String::into_boxed_str),
-            seqs: vec![Sequence { seq_id, sample_index: 0, tokens: r.prompt_token_ids, num_computed: 0, table: BlockTable::default() }],
+            seqs: vec![Sequence {
+                seq_id,
+                sample_index: 0,
+                tokens: r.prompt_token_ids,
+                num_computed: 0,
+                table: BlockTable::default(),
+                row: NO_ROW,
+            }],
             state: RequestState::Waiting,
             fanned_out: false,
             reserved_seqs: r.reserve_seqs,
@@ -397,6 +455,119 @@ impl Scheduler {
         self.requests[slot as usize].as_ref().expect("live slot")
     }
 
+    /// Tokens of `s` whose KV is computed: its batch row holds the count while it runs.
+    fn computed_of(batch: &Batch, s: &Sequence) -> usize {
+        if s.row == NO_ROW {
+            s.num_computed
+        } else {
+            batch.rows[s.row as usize].computed as usize
+        }
+    }
+
+    fn set_computed(batch: &mut Batch, s: &mut Sequence, v: usize) {
+        if s.row == NO_ROW {
+            s.num_computed = v;
+        } else {
+            batch.rows[s.row as usize].computed = v as u32;
+        }
+    }
+
+    /// The row of a sequence whose tokens are all in `s.tokens` (nothing staged).
+    fn row_init(req: &Request, s: &Sequence, computed: usize, max_model_len: usize) -> RowInit {
+        RowInit {
+            req_id: req.request_id,
+            sample_index: s.sample_index,
+            prompt_len: req.prompt_len,
+            computed,
+            num_tokens: s.tokens.len(),
+            last_token: *s.tokens.last().expect("a sequence has at least one token"),
+            stop: RowStop::new(&req.stop, req.prompt_len, max_model_len),
+        }
+    }
+
+    /// Appends the tokens staged in a sequence's row to the sequence (before anything reads
+    /// its tokens).
+    fn flush_tokens(batch: &mut Batch, s: &mut Sequence) {
+        if s.row != NO_ROW {
+            batch.flush_tokens(s.row as usize, &mut s.tokens);
+        }
+    }
+
+    /// Gives every sequence of a request that starts running a batch row.
+    fn give_rows(&mut self, slot: u32) {
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        for i in 0..req.seqs.len() {
+            let s = &req.seqs[i];
+            debug_assert_eq!(s.row, NO_ROW);
+            let init = Self::row_init(req, s, s.num_computed, self.cfg.max_model_len);
+            let row = self.batch.push(SeqRef { slot, seq_id: s.seq_id }, init, s.table.blocks().iter().map(|b| b.0));
+            req.seqs[i].row = row;
+        }
+    }
+
+    /// Takes a sequence's row away; its computed count goes back into the sequence.
+    fn take_row(&mut self, slot: u32, pos: usize) {
+        let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
+        Self::flush_tokens(&mut self.batch, s);
+        let row = std::mem::replace(&mut s.row, NO_ROW);
+        if row == NO_ROW {
+            return;
+        }
+        s.num_computed = self.batch.rows[row as usize].computed as usize;
+        if self.defer_row_removal {
+            self.batch.mark_dead(row);
+        } else if let Some(m) = self.batch.swap_remove(row) {
+            self.fix_moved(m);
+        }
+    }
+
+    /// A live row's sequence.
+    fn seq_mut(requests: &mut [Option<Request>], slot: u32, seq_id: u64) -> &mut Sequence {
+        let req = requests[slot as usize].as_mut().expect("a live row's request is live");
+        let pos = req.seq_pos(seq_id).expect("a live row's sequence is live");
+        &mut req.seqs[pos]
+    }
+
+    /// Starts fetching, level by level, what per-sequence work on `rows` touches: the
+    /// request, the sequence, then the ends of its token, block and hash lists. The rows that
+    /// cross a block boundary in one step each need that chain; started together, the misses
+    /// overlap instead of queueing one chain after another.
+    fn prefetch_row_seqs(&self, rows: &[u32]) {
+        use crate::prefetch::read;
+        if rows.len() < 4 {
+            return;
+        }
+        for &r in rows {
+            read(&self.requests[self.batch.owner[r as usize].slot as usize] as *const Option<Request> as *const u8);
+        }
+        for &r in rows {
+            if let Some(req) = &self.requests[self.batch.owner[r as usize].slot as usize] {
+                read(req.seqs.as_ptr() as *const u8);
+            }
+        }
+        for &r in rows {
+            let SeqRef { slot, seq_id } = self.batch.owner[r as usize];
+            if let Some(s) = self.requests[slot as usize].as_ref().and_then(|q| q.seqs.iter().find(|s| s.seq_id == seq_id)) {
+                read(s.tokens.as_ptr().wrapping_add(s.tokens.len()) as *const u8);
+                s.table.prefetch_tail();
+            }
+        }
+    }
+
+    fn fix_moved(&mut self, m: Moved) {
+        let req = self.requests[m.seq.slot as usize].as_mut().expect("a live row's request is live");
+        let pos = req.seq_pos(m.seq.seq_id).expect("a live row's sequence is live");
+        req.seqs[pos].row = m.to;
+    }
+
+    /// Mirrors a sequence's block table into its row from block `from` on.
+    fn sync_row(batch: &mut Batch, s: &Sequence, from: usize) {
+        if s.row != NO_ROW {
+            let from = from.min(batch.rows[s.row as usize].num_blocks as usize).min(s.table.len());
+            batch.sync_blocks(s.row as usize, from, s.table.blocks()[from..].iter().map(|b| b.0));
+        }
+    }
+
     /// Plans and allocates the next chunk of every sequence of one request. All sequences
     /// finish this step together (they then get logits rows) or each stops one token short,
     /// so the samples of a request always step in lockstep.
@@ -404,16 +575,20 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let kv = &mut self.kv;
+        let batch = &mut self.batch;
         let n = req.seqs.len();
+        for s in req.seqs.iter_mut() {
+            Self::flush_tokens(batch, s);
+        }
         // Fast path, the common decode step: one sequence writing one token inside its own
         // last block needs no block accounting at all.
         if n == 1 && budget > 0 {
             let s = &mut req.seqs[0];
-            let c = s.num_computed;
+            let c = Self::computed_of(batch, s);
             if c + 1 == s.tokens.len() && c % bs != 0 && kv.ref_count(s.table.blocks()[c / bs]) == 1 {
                 self.plan.clear();
                 self.plan.push((c, 1));
-                s.num_computed = c + 1;
+                Self::set_computed(batch, s, c + 1);
                 return Attempt::Scheduled { tokens: 1, full: true };
             }
         }
@@ -424,10 +599,11 @@ impl Scheduler {
         let mut total = 0;
         for (i, s) in req.seqs.iter_mut().enumerate() {
             self.hits[i].clear();
-            if s.num_computed == 0 && s.table.is_empty() && !s.table.is_swapped() {
+            let c = Self::computed_of(batch, s);
+            if c == 0 && s.table.is_empty() && !s.table.is_swapped() {
                 self.hits[i] = kv.find_cached_prefix(&mut s.table, &s.tokens, req.cache_salt.as_deref());
             }
-            let start = s.num_computed.max(self.hits[i].len() * bs);
+            let start = c.max(self.hits[i].len() * bs);
             total += s.tokens.len() - start;
             self.plan.push((start, 0));
         }
@@ -478,47 +654,100 @@ impl Scheduler {
             if i == 0 && req.num_cached_tokens.is_none() {
                 req.num_cached_tokens = Some(self.hits[0].len() * bs);
             }
-            s.num_computed = start + chunk;
+            Self::set_computed(batch, s, start + chunk);
+            // Blocks change from the first one written (copy-on-write) or appended on.
+            Self::sync_row(batch, s, start / bs);
         }
         Attempt::Scheduled { tokens: sum, full }
     }
 
-    /// Records the plan just allocated for `slot` as scheduled sequences and logits rows.
-    fn record(&mut self, slot: u32, full: bool, sched: &mut Vec<Scheduled>, rows: &mut Vec<(Row, usize)>, num_tokens: &mut usize) {
-        let mut fan_out: Option<(u64, usize, u32)> = None;
-        {
-            let req = self.requests[slot as usize].as_ref().expect("live slot");
-            let p = req.prompt_len;
-            for (pos, s) in req.seqs.iter().enumerate() {
-                let (before, chunk) = self.plan[pos];
-                let after = before + chunk;
-                if chunk > 0 {
-                    sched.push(Scheduled { slot, seq_id: s.seq_id, pos, before, after });
-                    *num_tokens += chunk;
-                    let len = s.tokens.len();
-                    self.stats.prompt_tokens_computed += (after.min(p).saturating_sub(before.min(p))) as u64;
-                    self.stats.output_tokens_recomputed += (after.min(len - 1).saturating_sub(before.max(p))) as u64;
-                    if after == len && len > p {
-                        self.stats.decode_tokens += 1;
-                        // The output counts single-token decodes (not a recompute ending at len).
-                        self.step_decode_tokens += usize::from(chunk == 1);
-                    }
+    /// Writes the plan just allocated for `slot` into its sequences' rows.
+    fn record(&mut self, slot: u32, full: bool) {
+        let req = self.requests[slot as usize].as_ref().expect("live slot");
+        let p = req.prompt_len;
+        let fans_out = full && req.n > 1 && !req.fanned_out && req.seqs.len() == 1;
+        for (pos, s) in req.seqs.iter().enumerate() {
+            let (before, chunk) = self.plan[pos];
+            let after = before + chunk;
+            let row = s.row as usize;
+            debug_assert!(s.row != NO_ROW, "a scheduled sequence has a row");
+            debug_assert!(chunk > 0 || !full, "a sampling row computes its last token");
+            if chunk > 0 {
+                self.batch.rows[row].new_tokens = chunk as u32;
+                self.step.seqs += 1;
+                self.step.tokens += chunk;
+                let len = s.tokens.len();
+                self.stats.prompt_tokens_computed += (after.min(p).saturating_sub(before.min(p))) as u64;
+                self.stats.output_tokens_recomputed += (after.min(len - 1).saturating_sub(before.max(p))) as u64;
+                if after == len && len > p {
+                    self.stats.decode_tokens += 1;
+                    // The output counts single-token decodes (not a recompute ending at len).
+                    self.step.decode_tokens += usize::from(chunk == 1);
                 }
-                if full {
-                    let logits_index = *num_tokens - 1;
-                    rows.push((Row { slot, seq_id: s.seq_id, fork_from: None }, logits_index));
-                    if req.n > 1 && !req.fanned_out && req.seqs.len() == 1 {
-                        fan_out = Some((s.seq_id, logits_index, req.n));
-                    }
+            }
+            if full {
+                self.batch.rows[row].samples = true;
+                self.step.logits_rows += 1;
+                if fans_out {
+                    self.batch.rows[row].fan_out = req.n - 1;
+                    self.step.logits_rows += req.n as usize - 1;
                 }
             }
         }
-        if let Some((parent, logits_index, n)) = fan_out {
-            for _ in 1..n {
-                let child = self.new_seq_id();
-                rows.push((Row { slot, seq_id: child, fork_from: Some(parent) }, logits_index));
+    }
+
+    /// The common step: every running sequence decodes one token and all of them fit (budget,
+    /// free blocks, no shared block written). Then the running requests' order cannot matter,
+    /// so the batch is planned row by row without looking at a request, and only sequences
+    /// entering a new block reach their block tables. Returns false, changing nothing, when
+    /// any condition fails (the general per-request path then runs).
+    fn schedule_all_decodes(&mut self, budget: usize) -> bool {
+        let b = &self.batch;
+        let n = b.len();
+        if n == 0 || n > budget {
+            return false;
+        }
+        let bm = self.bm;
+        let mut new_block_rows = std::mem::take(&mut self.scratch_rows);
+        new_block_rows.clear();
+        for (r, h) in b.rows.iter().enumerate() {
+            let c = h.computed as usize;
+            if h.computed + 1 != h.num_tokens || h.num_tokens <= h.prompt_len {
+                self.scratch_rows = new_block_rows;
+                return false; // a prefill chunk, or the prompt's last token
+            }
+            if bm.offset(c) == 0 {
+                new_block_rows.push(r as u32);
+            } else if self.kv.ref_count(BlockId(b.block(r, bm.block(c)) as u32)) != 1 {
+                self.scratch_rows = new_block_rows;
+                return false; // copy-on-write
             }
         }
+        if self.kv.num_free_blocks() < new_block_rows.len() {
+            self.scratch_rows = new_block_rows;
+            return false;
+        }
+        for h in self.batch.rows.iter_mut() {
+            debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
+            h.computed += 1;
+            h.new_tokens = 1;
+            h.samples = true;
+        }
+        // About one row in block_size enters a new block: the only ones that reach their
+        // sequence's block table.
+        self.prefetch_row_seqs(&new_block_rows);
+        for &r in &new_block_rows {
+            let r = r as usize;
+            let SeqRef { slot, seq_id } = self.batch.owner[r];
+            let table = &mut Self::seq_mut(&mut self.requests, slot, seq_id).table;
+            debug_assert_eq!(table.len(), bm.block(self.batch.rows[r].computed as usize - 1), "the write starts a new block");
+            let b = self.kv.append_block(table);
+            self.batch.push_block(r, b.0);
+        }
+        self.scratch_rows = new_block_rows;
+        self.step = StepCounts { seqs: n, tokens: n, logits_rows: n, decode_tokens: n };
+        self.stats.decode_tokens += n as u64;
+        true
     }
 
     pub fn schedule(&mut self) -> CoreResult<SchedulerOutput> {
@@ -527,38 +756,43 @@ impl Scheduler {
                 message: "schedule() called while a step is in flight: call update(output, sampled_token_ids) first".into(),
             });
         }
+        debug_assert!(!self.batch.has_dead());
         self.step_id += 1;
         self.stats.steps += 1;
+        self.step = StepCounts::default();
         let mut budget = self.cfg.max_num_batched_tokens;
-        let mut sched: Vec<Scheduled> = Vec::with_capacity(self.num_running_seqs + 4);
-        let mut rows: Vec<(Row, usize)> = Vec::with_capacity(self.num_running_seqs + 4);
-        let mut num_tokens = 0usize;
         let mut preempted: Vec<i64> = Vec::new();
 
-        let mut i = 0;
-        while i < self.running.len() {
-            let slot = self.running[i];
-            match self.try_schedule(slot, budget, 0) {
-                Attempt::Scheduled { tokens, full } => {
-                    self.record(slot, full, &mut sched, &mut rows, &mut num_tokens);
-                    budget -= tokens;
-                    i += 1;
-                }
-                Attempt::NoBudget => break,
-                Attempt::NoSpace => {
-                    if self.running.len() > i + 1 {
-                        let victim = self.running.pop().expect("non-empty");
-                        preempted.push(self.req(victim).request_id as i64);
-                        self.preempt(victim);
-                    } else if i == 0 {
-                        // Alone and still out of blocks: it can never fit. End it rather than spin.
-                        self.end_request(slot, FinishReason::Abort, true);
-                        self.stats.capacity_aborts += 1;
-                    } else {
-                        self.running.pop();
-                        preempted.push(self.req(slot).request_id as i64);
-                        self.preempt(slot);
-                        break;
+        // The all-decode path writes every row's plan; the general path starts from none.
+        if self.schedule_all_decodes(budget) {
+            budget -= self.step.tokens;
+        } else {
+            self.batch.clear_plan();
+            let mut i = 0;
+            while i < self.running.len() {
+                let slot = self.running[i];
+                match self.try_schedule(slot, budget, 0) {
+                    Attempt::Scheduled { tokens, full } => {
+                        self.record(slot, full);
+                        budget -= tokens;
+                        i += 1;
+                    }
+                    Attempt::NoBudget => break,
+                    Attempt::NoSpace => {
+                        if self.running.len() > i + 1 {
+                            let victim = self.running.pop().expect("non-empty");
+                            preempted.push(self.req(victim).request_id as i64);
+                            self.preempt(victim);
+                        } else if i == 0 {
+                            // Alone and still out of blocks: it can never fit. End it rather than spin.
+                            self.end_request(slot, FinishReason::Abort, true);
+                            self.stats.capacity_aborts += 1;
+                        } else {
+                            self.running.pop();
+                            preempted.push(self.req(slot).request_id as i64);
+                            self.preempt(slot);
+                            break;
+                        }
                     }
                 }
             }
@@ -590,7 +824,7 @@ impl Scheduler {
                     }
                     self.admit(slot, (p, a, slot));
                     if let Attempt::Scheduled { tokens, full } = self.try_schedule(slot, budget, 0) {
-                        self.record(slot, full, &mut sched, &mut rows, &mut num_tokens);
+                        self.record(slot, full);
                         budget -= tokens;
                     }
                     continue;
@@ -598,7 +832,7 @@ impl Scheduler {
                 match self.try_schedule(slot, budget, watermark) {
                     Attempt::Scheduled { tokens, full } => {
                         self.admit(slot, (p, a, slot));
-                        self.record(slot, full, &mut sched, &mut rows, &mut num_tokens);
+                        self.record(slot, full);
                         budget -= tokens;
                     }
                     Attempt::NoSpace if self.running.is_empty() => {
@@ -613,17 +847,13 @@ impl Scheduler {
         }
 
         self.stats.max_running_seqs = self.stats.max_running_seqs.max(self.num_running_seqs as u64);
-        self.stats.max_step_tokens = self.stats.max_step_tokens.max(num_tokens as u64);
-        let out = self.build_output(&sched, &rows, num_tokens, preempted);
-        self.in_flight = Some(InFlight {
-            step_id: self.step_id,
-            scheduled: sched,
-            rows: rows.into_iter().map(|(r, _)| r).collect(),
-            forked: false,
-        });
+        self.stats.max_step_tokens = self.stats.max_step_tokens.max(self.step.tokens as u64);
+        let out = self.build_output(preempted);
+        self.in_flight = Some(InFlight { step_id: self.step_id, num_logits_rows: out.num_rows(), forked: false });
         Ok(out)
     }
 
+    /// A request starts running: it joins the running list in order and its sequences get rows.
     fn admit(&mut self, slot: u32, key: (i64, u64, u32)) {
         self.waiting.remove(&key);
         let req = self.requests[slot as usize].as_mut().expect("live slot");
@@ -633,11 +863,15 @@ impl Scheduler {
         let requests = &self.requests;
         let pos = self.running.partition_point(|&s| requests[s as usize].as_ref().expect("live").order_key() <= k);
         self.running.insert(pos, slot);
+        self.give_rows(slot);
     }
 
     /// Takes a running request's blocks away: to the CPU pool in swap mode (when it fits),
     /// else freed for recomputation. It goes back to the waiting queue at its original place.
     fn preempt(&mut self, slot: u32) {
+        for pos in 0..self.req(slot).seqs.len() {
+            self.take_row(slot, pos);
+        }
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         self.num_running_seqs -= req.seq_slots();
         let swapped = self.cfg.preemption_mode == PreemptionMode::Swap && {
@@ -660,13 +894,13 @@ impl Scheduler {
         self.waiting.insert((k.0, k.1, slot));
     }
 
-    fn build_output(&mut self, sched: &[Scheduled], rows: &[(Row, usize)], num_tokens: usize, preempted: Vec<i64>) -> SchedulerOutput {
+    /// Flattens the planned rows, in row order, into the step's arrays. When every row is in
+    /// the step, the block tables are the batch matrix itself (no copy); otherwise the planned
+    /// rows are gathered.
+    fn build_output(&mut self, preempted: Vec<i64>) -> SchedulerOutput {
         let bs = self.cfg.block_size;
-        let s_count = sched.len();
-        let mut max_blocks = 0;
-        for sc in sched {
-            max_blocks = max_blocks.max(sc.after.div_ceil(bs));
-        }
+        let StepCounts { seqs: s_count, tokens: t_count, logits_rows: r_count, decode_tokens } = self.step;
+        let n = self.batch.len();
         let mut o = SchedulerOutput {
             step_id: self.step_id,
             block_size: bs,
@@ -674,58 +908,116 @@ impl Scheduler {
             seq_ids: Vec::with_capacity(s_count),
             query_start_loc: Vec::with_capacity(s_count + 1),
             seq_lens: Vec::with_capacity(s_count),
-            block_tables: Vec::with_capacity(s_count * max_blocks),
-            max_blocks,
-            input_ids: Vec::with_capacity(num_tokens),
-            positions: Vec::with_capacity(num_tokens),
-            slot_mapping: Vec::with_capacity(num_tokens),
-            logits_indices: Vec::with_capacity(rows.len()),
-            row_req_ids: Vec::with_capacity(rows.len()),
-            row_seq_ids: Vec::with_capacity(rows.len()),
-            row_sample_index: Vec::with_capacity(rows.len()),
+            input_ids: Vec::with_capacity(t_count),
+            positions: Vec::with_capacity(t_count),
+            slot_mapping: Vec::with_capacity(t_count),
+            logits_indices: Vec::with_capacity(r_count),
+            row_req_ids: Vec::with_capacity(r_count),
+            row_seq_ids: Vec::with_capacity(r_count),
+            row_sample_index: Vec::with_capacity(r_count),
             finished_req_ids: std::mem::take(&mut self.ended_ids),
             preempted_req_ids: preempted,
+            num_decode_tokens: decode_tokens,
+            num_prefill_tokens: t_count - decode_tokens,
             ..Default::default()
         };
+        let b = &mut self.batch;
+        let bm = self.bm;
+        if decode_tokens == n && s_count == n && t_count == n && r_count == n {
+            Self::fill_decode_output(b, bm, &mut o);
+            return self.finish_output(o);
+        }
         o.query_start_loc.push(0);
-        for (k, sc) in sched.iter().enumerate() {
-            let req = self.requests[sc.slot as usize].as_ref().expect("scheduled requests are live");
-            let s = &req.seqs[sc.pos];
-            o.req_ids.push(req.request_id as i64);
-            o.seq_ids.push(s.seq_id as i64);
-            o.seq_lens.push(sc.after as i32);
-            o.input_ids.extend(s.tokens[sc.before..sc.after].iter().map(|&t| t as i64));
-            o.positions.extend((sc.before..sc.after).map(|p| p as i64));
-            let blocks = s.table.blocks();
-            o.slot_mapping.extend((sc.before..sc.after).map(|p| (blocks[p / bs].0 as usize * bs + p % bs) as i64));
-            o.query_start_loc.push(o.input_ids.len() as i32);
-            // Written once: the row's blocks, then null-block padding.
-            o.block_tables.extend(blocks.iter().map(|b| b.0 as i32));
-            o.block_tables.resize((k + 1) * max_blocks, 0);
-        }
-        for (r, idx) in rows {
-            let req = self.requests[r.slot as usize].as_ref().expect("live");
-            o.logits_indices.push(*idx as i64);
-            o.row_req_ids.push(req.request_id as i64);
-            o.row_seq_ids.push(r.seq_id as i64);
-            let sample_index = match req.seq_pos(r.seq_id) {
-                Some(pos) => req.seqs[pos].sample_index,
-                None => 0, // set below for fan-out children
-            };
-            o.row_sample_index.push(sample_index as i32);
-        }
-        // Fan-out children are numbered 1..n in row order after their parent's row.
-        let mut last_parent_row_sample = 0;
-        for (k, (r, _)) in rows.iter().enumerate() {
-            if r.fork_from.is_some() {
-                last_parent_row_sample += 1;
-                o.row_sample_index[k] = last_parent_row_sample;
+        let mut max_blocks = 0;
+        let mut num_tokens = 0usize;
+        for r in 0..n {
+            let k = b.rows[r].new_tokens as usize;
+            if k == 0 {
+                continue;
+            }
+            let after = b.rows[r].computed as usize;
+            let before = after - k;
+            o.req_ids.push(b.req_id[r]);
+            o.seq_ids.push(b.seq_id[r]);
+            o.seq_lens.push(after as i32);
+            if before + 1 == b.rows[r].num_tokens as usize {
+                o.input_ids.push(b.last_token[r]);
             } else {
-                last_parent_row_sample = o.row_sample_index[k];
+                let SeqRef { slot, seq_id } = b.owner[r];
+                let req = self.requests[slot as usize].as_ref().expect("a live row's request is live");
+                let s = &req.seqs[req.seq_pos(seq_id).expect("a live row's sequence is live")];
+                o.input_ids.extend(s.tokens[before..after].iter().map(|&t| t as i64));
+            }
+            for p in before..after {
+                o.positions.push(p as i64);
+                o.slot_mapping.push(bm.slot(b.block(r, bm.block(p)), p));
+            }
+            num_tokens += k;
+            o.query_start_loc.push(num_tokens as i32);
+            max_blocks = max_blocks.max(b.rows[r].num_blocks as usize);
+            if b.rows[r].samples {
+                b.rows[r].logits_row = o.logits_indices.len() as u32;
+                o.logits_indices.push(num_tokens as i64 - 1);
+                o.row_req_ids.push(b.req_id[r]);
+                o.row_seq_ids.push(b.seq_id[r]);
+                o.row_sample_index.push(b.sample_index[r]);
+                let f = b.rows[r].fan_out;
+                if f > 0 {
+                    // The samples of an n > 1 request: children 1..n, forked at update.
+                    let first = self.next_seq_id;
+                    self.next_seq_id += f as u64;
+                    b.fan_out_first[r] = first;
+                    for j in 0..f {
+                        o.logits_indices.push(num_tokens as i64 - 1);
+                        o.row_req_ids.push(b.req_id[r]);
+                        o.row_seq_ids.push((first + j as u64) as i64);
+                        o.row_sample_index.push(j as i32 + 1);
+                    }
+                }
             }
         }
-        o.num_decode_tokens = std::mem::take(&mut self.step_decode_tokens);
-        o.num_prefill_tokens = num_tokens - o.num_decode_tokens;
+        debug_assert_eq!((o.seq_ids.len(), num_tokens, o.logits_indices.len()), (s_count, t_count, r_count));
+        o.max_blocks = max_blocks;
+        o.block_tables = if s_count == n {
+            BlockTables::Batch { row_stride: b.width() }
+        } else {
+            let mut bt = Vec::with_capacity(s_count * max_blocks);
+            for r in (0..n).filter(|&r| b.rows[r].new_tokens > 0) {
+                // Entries past a row's blocks are the null block already.
+                bt.extend((0..max_blocks).map(|i| b.block(r, i)));
+            }
+            BlockTables::Owned(bt)
+        };
+        self.finish_output(o)
+    }
+
+    /// The arrays of a step in which every row decodes one token: straight copies and maps of
+    /// the row arrays (row `r` is sequence, token and logits row `r`).
+    fn fill_decode_output(b: &mut Batch, bm: BlockMath, o: &mut SchedulerOutput) {
+        let n = b.len();
+        o.req_ids.extend_from_slice(&b.req_id[..n]);
+        o.seq_ids.extend_from_slice(&b.seq_id[..n]);
+        o.seq_lens.extend(b.rows.iter().map(|h| h.computed as i32));
+        o.input_ids.extend_from_slice(&b.last_token[..n]);
+        o.positions.extend(b.rows.iter().map(|h| h.computed as i64 - 1));
+        o.slot_mapping.extend(b.rows.iter().enumerate().map(|(r, h)| {
+            let p = h.computed as usize - 1;
+            bm.slot(b.block(r, bm.block(p)), p)
+        }));
+        o.query_start_loc.extend(0..=n as i32);
+        o.logits_indices.extend(0..n as i64);
+        o.row_req_ids.extend_from_slice(&b.req_id[..n]);
+        o.row_seq_ids.extend_from_slice(&b.seq_id[..n]);
+        o.row_sample_index.extend_from_slice(&b.sample_index[..n]);
+        o.max_blocks = b.rows.iter().map(|h| h.num_blocks).max().unwrap_or(0) as usize;
+        o.block_tables = BlockTables::Batch { row_stride: b.width() };
+        for (r, h) in b.rows.iter_mut().enumerate() {
+            h.logits_row = r as u32;
+        }
+    }
+
+    /// Block ops queued by the step go last.
+    fn finish_output(&mut self, mut o: SchedulerOutput) -> SchedulerOutput {
         let ops = self.kv.take_ops();
         o.copy_ops = ops.copy.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
         o.swap_out = ops.swap_out.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
@@ -733,10 +1025,41 @@ impl Scheduler {
         o
     }
 
+    /// The block tables of the step in flight as one `[num_seqs * max_blocks]` copy (for tests
+    /// and tools; the runner reads the batch matrix through `batch_table`).
+    pub fn block_tables(&self, out: &SchedulerOutput) -> CoreResult<Vec<i32>> {
+        match &out.block_tables {
+            BlockTables::Owned(v) => Ok(v.clone()),
+            BlockTables::Batch { .. } => {
+                self.check_batch_view(out.step_id)?;
+                let m = out.max_blocks;
+                Ok((0..out.num_seqs()).flat_map(|r| (0..m).map(move |i| self.batch.block(r, i))).collect())
+            }
+        }
+    }
+
+    /// The batch matrix (`max_num_seqs` rows of `row_stride` block ids) that outputs with
+    /// `BlockTables::Batch` view, valid for the scheduler's lifetime.
+    pub fn batch_table(&self) -> (*const i32, usize, usize) {
+        (self.batch.table_ptr(), self.batch.capacity(), self.batch.width())
+    }
+
+    /// A `BlockTables::Batch` view is only meaningful while its step is in flight.
+    pub fn check_batch_view(&self, step_id: u64) -> CoreResult<()> {
+        match &self.in_flight {
+            Some(f) if f.step_id == step_id => Ok(()),
+            _ => Err(CoreError::InvalidState {
+                message: format!(
+                    "the block tables of step {step_id} are no longer valid: read them between schedule() and update()"
+                ),
+            }),
+        }
+    }
+
     /// Appends one sampled token per logits row of step `step_id`, decides stops, frees what
     /// finished and registers computed blocks in the prefix cache.
     pub fn update(&mut self, step_id: u64, sampled: &[i64]) -> CoreResult<Vec<FinishedSeq>> {
-        let fl = match self.in_flight.take() {
+        let fl = match self.in_flight.as_ref() {
             None => {
                 return Err(CoreError::InvalidState { message: "update() called with no step in flight: call schedule() first".into() })
             }
@@ -744,74 +1067,152 @@ impl Scheduler {
         };
         if fl.step_id != step_id {
             let msg = format!("update() got the output of step {step_id}, but step {} is in flight", fl.step_id);
-            self.in_flight = Some(fl);
             return Err(CoreError::InvalidState { message: msg });
         }
-        if sampled.len() != fl.rows.len() {
-            let n = fl.rows.len();
-            self.in_flight = Some(fl);
+        if sampled.len() != fl.num_logits_rows {
             return Err(CoreError::invalid(
                 "sampled_token_ids",
                 format!("<{} tokens>", sampled.len()),
-                format!("expected one token per logits row ({n})"),
+                format!("expected one token per logits row ({})", fl.num_logits_rows),
             ));
         }
-        if let Some(&bad) = sampled.iter().find(|&&t| !(0..=u32::MAX as i64).contains(&t)) {
-            self.in_flight = Some(fl);
+        // One vectorizable pass; the offending value is looked up only on error.
+        if sampled.iter().fold(0u64, |acc, &t| acc | (t as u64 >> 32)) != 0 {
+            let bad = sampled.iter().find(|&&t| !(0..=u32::MAX as i64).contains(&t)).copied().unwrap_or(-1);
             return Err(CoreError::invalid("sampled_token_ids", bad, "token ids must be in [0, 2^32)"));
         }
-        // 1. The step's KV is computed now: its full blocks become findable.
-        let bs = self.cfg.block_size;
-        for sc in &fl.scheduled {
-            if !self.kv.prefix_caching() || (sc.after / bs == sc.before / bs && sc.before != 0) {
-                continue; // no block was completed this step (the common decode step)
-            }
-            if let Some(req) = self.requests[sc.slot as usize].as_mut() {
-                if let Some(pos) = req.seq_pos(sc.seq_id) {
-                    let s = &mut req.seqs[pos];
-                    let upto = sc.after.min(s.num_computed);
-                    self.kv.register_computed(&mut s.table, &s.tokens, upto, req.cache_salt.as_deref());
+        self.in_flight = None;
+        // Rows that leave are compacted at the end, so row numbers hold through both passes.
+        self.defer_row_removal = true;
+        let bm = self.bm;
+        let caching = self.kv.prefix_caching();
+        // One tight pass over the rows stages each sampled token and decides stops from the
+        // row alone. Rows that need their sequence are listed and handled after it: those that
+        // completed a block (registered in the prefix cache now that their KV is computed,
+        // about one row in block_size per step), n > 1 prompts whose samples fork off now (their
+        // own token is appended after the fork), and full stages.
+        let mut blocks_done = std::mem::take(&mut self.scratch_rows);
+        let mut forks: Vec<u32> = Vec::new();
+        let mut full_stage: Vec<u32> = Vec::new();
+        let mut maybe_stops: Vec<u32> = Vec::new();
+        let mut generated = 0u64;
+        blocks_done.clear();
+        {
+            let b = &mut self.batch;
+            let n = b.rows.len();
+            let rows = &mut b.rows[..n];
+            let last = &mut b.last_token[..n];
+            let pending = &mut b.pending[..n * PENDING_TOKENS];
+            for r in 0..n {
+                let h = &mut rows[r];
+                if h.new_tokens == 0 {
+                    continue; // not in the step, or forked after it was scheduled
+                }
+                let after = h.computed as usize;
+                let before = after - h.new_tokens as usize;
+                if bm.block(after) != bm.block(before) || before == 0 {
+                    blocks_done.push(r as u32);
+                }
+                if !h.samples || h.is_dead || h.fan_out > 0 {
+                    if h.fan_out > 0 {
+                        forks.push(r as u32);
+                    }
+                    continue;
+                }
+                generated += 1;
+                let tok = sampled[h.logits_row as usize] as u32;
+                h.num_tokens += 1;
+                last[r] = tok as i64;
+                let k = h.num_pending as usize;
+                if k < PENDING_TOKENS {
+                    pending[r * PENDING_TOKENS + k] = tok;
+                    h.num_pending += 1;
+                } else {
+                    full_stage.push(r as u32); // staged once its stage is flushed
+                }
+                let st = &h.stop;
+                let total = h.num_tokens;
+                if total >= st.stop_len || (total >= st.min_len && (st.eos == Some(tok) || st.has_stop_ids)) {
+                    maybe_stops.push(r as u32);
                 }
             }
         }
-        // 2. Fork the samples of n > 1 requests off their prefilled prompt.
-        for r in fl.rows.iter() {
-            let Some(parent) = r.fork_from else { continue };
-            let Some(req) = self.requests[r.slot as usize].as_mut() else { continue };
-            let Some(pos) = req.seq_pos(parent) else { continue };
-            let table = self.kv.fork(&req.seqs[pos].table);
-            let p = &req.seqs[pos];
-            let child = Sequence {
-                seq_id: r.seq_id,
-                sample_index: req.next_sample_index,
-                tokens: p.tokens.clone(),
-                num_computed: p.num_computed,
-                table,
-            };
-            req.next_sample_index += 1;
-            let before = req.seq_slots();
-            req.seqs.push(child);
-            req.fanned_out = true;
-            // Usually no change: the n slots were counted at admission.
-            self.num_running_seqs = self.num_running_seqs + req.seq_slots() - before;
-            self.seq_owner.insert(r.seq_id, r.slot);
+        if !caching {
+            blocks_done.clear();
         }
-        // 3. Append the sampled tokens.
+        let mut stops: Vec<(u32, FinishReason, Option<u32>)> = Vec::new();
+        for &r in &maybe_stops {
+            let r = r as usize;
+            let tok = self.batch.last_token[r] as u32;
+            let h = &self.batch.rows[r];
+            let slot = self.batch.owner[r].slot;
+            let requests = &self.requests;
+            let stop_ids = || requests[slot as usize].as_ref().is_some_and(|q| q.stop.stop_token_ids.contains(&tok));
+            if let Some((reason, stop_token)) = h.stop.check(tok, h.num_tokens, stop_ids) {
+                stops.push((r as u32, reason, stop_token));
+            }
+        }
+        self.prefetch_row_seqs(&blocks_done);
+        for &r in &full_stage {
+            let r = r as usize;
+            let SeqRef { slot, seq_id } = self.batch.owner[r];
+            let s = Self::seq_mut(&mut self.requests, slot, seq_id);
+            self.batch.flush_tokens(r, &mut s.tokens);
+            let staged = self.batch.stage_token(r, self.batch.last_token[r] as u32);
+            debug_assert!(staged);
+        }
+        // Registration in two passes: hash every completed block and start fetching the cache
+        // lines its insert touches, then insert (their misses overlap instead of queueing).
+        for pass in 0..2 {
+            for &r in &blocks_done {
+                let r = r as usize;
+                let SeqRef { slot, seq_id } = self.batch.owner[r];
+                let req = self.requests[slot as usize].as_mut().expect("a live row's request is live");
+                let pos = req.seq_pos(seq_id).expect("a live row's sequence is live");
+                let s = &mut req.seqs[pos];
+                let computed = self.batch.rows[r].computed as usize;
+                let salt = req.cache_salt.as_deref();
+                if pass == 0 {
+                    Self::flush_tokens(&mut self.batch, s);
+                    self.kv.prepare_register(&mut s.table, &s.tokens, computed, salt);
+                } else {
+                    self.kv.register_computed(&mut s.table, &s.tokens, computed, salt);
+                }
+            }
+        }
+        self.scratch_rows = blocks_done;
         let mut finished = std::mem::take(&mut self.pending_finished);
         let mut ended_slots: Vec<u32> = Vec::new();
-        for (r, &tok) in fl.rows.iter().zip(sampled) {
-            let Some(req) = self.requests[r.slot as usize].as_mut() else { continue };
-            let Some(pos) = req.seq_pos(r.seq_id) else { continue }; // aborted or dropped
-            let s = &mut req.seqs[pos];
-            s.tokens.push(tok as u32);
-            self.stats.generated_tokens += 1;
-            let out_len = s.tokens.len() - req.prompt_len;
-            if let Some((reason, stop_token)) = req.stop.check(tok as u32, out_len, s.tokens.len(), self.cfg.max_model_len) {
-                if self.finish_seq(r.slot, pos, reason, stop_token, &mut finished) {
-                    ended_slots.push(r.slot);
+        for r in forks {
+            // The children get rows (past the loop above) that sample their own tokens.
+            let first_child = self.batch.len();
+            self.fan_out(r as usize);
+            for row in std::iter::once(r as usize).chain(first_child..self.batch.len()) {
+                generated += 1;
+                let tok = sampled[self.batch.rows[row].logits_row as usize] as u32;
+                let SeqRef { slot, seq_id } = self.batch.owner[row];
+                let req = self.requests[slot as usize].as_mut().expect("a live row's request is live");
+                let pos = req.seq_pos(seq_id).expect("a live row's sequence is live");
+                let s = &mut req.seqs[pos];
+                Self::flush_tokens(&mut self.batch, s);
+                s.tokens.push(tok);
+                let h = &mut self.batch.rows[row];
+                h.num_tokens += 1;
+                self.batch.last_token[row] = tok as i64;
+                let stop_ids = || req.stop.stop_token_ids.contains(&tok);
+                if let Some((reason, stop_token)) = h.stop.check(tok, h.num_tokens, stop_ids) {
+                    stops.push((row as u32, reason, stop_token));
                 }
             }
         }
+        for (r, reason, stop_token) in stops {
+            let SeqRef { slot, seq_id } = self.batch.owner[r as usize];
+            let pos = self.req(slot).seq_pos(seq_id).expect("a live row's sequence is live");
+            if self.finish_seq(slot, pos, reason, stop_token, &mut finished) {
+                ended_slots.push(slot);
+            }
+        }
+        self.stats.generated_tokens += generated;
         if !ended_slots.is_empty() {
             for &s in &ended_slots {
                 self.ending[s as usize] = true;
@@ -823,12 +1224,58 @@ impl Scheduler {
                 self.release_slot(s);
             }
         }
+        self.defer_row_removal = false;
+        if self.batch.has_dead() {
+            let mut moves = Vec::new();
+            self.batch.compact(|m| moves.push(m));
+            for m in moves {
+                self.fix_moved(m);
+            }
+        }
         Ok(finished)
+    }
+
+    /// Forks the `n - 1` extra samples off the prefilled prompt in row `r`; each gets a row
+    /// that samples its own token of this step.
+    fn fan_out(&mut self, r: usize) {
+        let SeqRef { slot, seq_id } = self.batch.owner[r];
+        let (count, first, logits_row) = (self.batch.rows[r].fan_out, self.batch.fan_out_first[r], self.batch.rows[r].logits_row);
+        // Done once: a step that skips `clear_plan` must not fork again.
+        self.batch.rows[r].fan_out = 0;
+        let computed = self.batch.rows[r].computed as usize;
+        let req = self.requests[slot as usize].as_mut().expect("a live row's request is live");
+        let ppos = req.seq_pos(seq_id).expect("a live row's sequence is live");
+        Self::flush_tokens(&mut self.batch, &mut req.seqs[ppos]);
+        for j in 0..count {
+            let child_id = first + j as u64;
+            let table = self.kv.fork(&req.seqs[ppos].table);
+            let p = &req.seqs[ppos];
+            let child = Sequence {
+                seq_id: child_id,
+                sample_index: req.next_sample_index,
+                tokens: p.tokens.clone(),
+                num_computed: computed,
+                table,
+                row: NO_ROW,
+            };
+            req.next_sample_index += 1;
+            let before = req.seq_slots();
+            let init = Self::row_init(req, &child, computed, self.cfg.max_model_len);
+            let row = self.batch.push(SeqRef { slot, seq_id: child_id }, init, child.table.blocks().iter().map(|b| b.0));
+            self.batch.rows[row as usize].samples = true;
+            self.batch.rows[row as usize].logits_row = logits_row + 1 + j;
+            req.seqs.push(Sequence { row, ..child });
+            req.fanned_out = true;
+            // Usually no change: the n slots were counted at admission.
+            self.num_running_seqs = self.num_running_seqs + req.seq_slots() - before;
+            self.seq_owner.insert(child_id, slot);
+        }
     }
 
     /// Ends one sequence; returns true when it was its request's last (the caller then takes
     /// the request out of `running` and releases the slot).
     fn finish_seq(&mut self, slot: u32, pos: usize, reason: FinishReason, stop_token: Option<u32>, out: &mut Vec<FinishedSeq>) -> bool {
+        self.take_row(slot, pos);
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let before = req.seq_slots();
         let mut s = req.seqs.remove(pos);
@@ -862,6 +1309,9 @@ impl Scheduler {
     /// Removes a request wherever it is, freeing all of its blocks. With `report`, its
     /// sequences are reported as finished by the next `update`.
     fn end_request(&mut self, slot: u32, reason: FinishReason, report: bool) {
+        for pos in 0..self.req(slot).seqs.len() {
+            self.take_row(slot, pos);
+        }
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         match req.state {
             RequestState::Running => {
@@ -936,7 +1386,8 @@ impl Scheduler {
                 format!("forking it would exceed max_num_seqs={} running sequences", self.cfg.max_num_seqs),
             ));
         }
-        let in_flight = self.in_flight.as_ref().is_some_and(|f| f.rows.iter().any(|r| r.seq_id == seq_id));
+        let parent_row = req.seqs[pos].row as usize;
+        let in_flight = self.in_flight.is_some() && self.batch.rows[parent_row].samples;
         match (in_flight, next_token) {
             (true, None) => {
                 return Err(CoreError::invalid("next_token", "None", format!("seq_id={seq_id} has a step in flight: pass the child's sampled token")))
@@ -947,16 +1398,20 @@ impl Scheduler {
             _ => {}
         }
         let child_id = self.new_seq_id();
+        let computed = self.batch.rows[parent_row].computed as usize;
         let req = self.requests[slot as usize].as_mut().expect("live slot");
+        Self::flush_tokens(&mut self.batch, &mut req.seqs[pos]);
         let parent = &req.seqs[pos];
         let table = self.kv.fork(&parent.table);
         let mut tokens = parent.tokens.clone();
-        let num_computed = parent.num_computed;
         if let Some(t) = next_token {
             tokens.push(t);
         }
         let before = req.seq_slots();
-        req.seqs.push(Sequence { seq_id: child_id, sample_index: req.next_sample_index, tokens, num_computed, table });
+        let child = Sequence { seq_id: child_id, sample_index: req.next_sample_index, tokens, num_computed: computed, table, row: NO_ROW };
+        let init = Self::row_init(req, &child, computed, self.cfg.max_model_len);
+        let row = self.batch.push(SeqRef { slot, seq_id: child_id }, init, child.table.blocks().iter().map(|b| b.0));
+        req.seqs.push(Sequence { row, ..child });
         req.next_sample_index += 1;
         self.num_running_seqs += req.seq_slots() - before;
         self.seq_owner.insert(child_id, slot);
@@ -1013,9 +1468,15 @@ impl Scheduler {
         Ok(self.req(slot).seqs[pos].table.blocks().iter().map(|b| b.0).collect())
     }
 
-    pub fn seq_tokens(&self, seq_id: u64) -> CoreResult<&[u32]> {
+    /// A live sequence's tokens (prompt and output so far).
+    pub fn seq_tokens(&self, seq_id: u64) -> CoreResult<Vec<u32>> {
         let (slot, pos) = self.locate_seq(seq_id)?;
-        Ok(&self.req(slot).seqs[pos].tokens)
+        let s = &self.req(slot).seqs[pos];
+        let mut tokens = s.tokens.clone();
+        if s.row != NO_ROW {
+            tokens.extend_from_slice(self.batch.pending(s.row as usize));
+        }
+        Ok(tokens)
     }
 
     pub fn kv_usage(&self) -> KvUsage {
@@ -1027,7 +1488,7 @@ impl Scheduler {
                 refs += s.table.len();
                 for (i, b) in s.table.blocks().iter().enumerate() {
                     if !std::mem::replace(&mut seen[b.0 as usize], true) {
-                        slots += s.num_computed.saturating_sub(i * bs).min(bs);
+                        slots += Self::computed_of(&self.batch, s).saturating_sub(i * bs).min(bs);
                     }
                 }
             }
@@ -1052,22 +1513,27 @@ impl Scheduler {
         let live = || self.requests.iter().flatten();
         self.kv.check(live().flat_map(|r| r.seqs.iter().map(|s| &s.table)))?;
         let mut running_seqs = 0;
+        let mut rows_seen = vec![false; self.batch.len()];
         for r in live() {
             for s in &r.seqs {
-                if s.num_computed > s.tokens.len() {
-                    return Err(format!("seq {} computed {} of {} tokens", s.seq_id, s.num_computed, s.tokens.len()));
+                let computed = Self::computed_of(&self.batch, s);
+                let staged = if (s.row as usize) < self.batch.len() { self.batch.pending(s.row as usize).len() } else { 0 };
+                let num_tokens = s.tokens.len() + staged;
+                if computed > num_tokens {
+                    return Err(format!("seq {} computed {computed} of {num_tokens} tokens", s.seq_id));
                 }
-                let want = s.num_computed.div_ceil(bs);
+                let want = computed.div_ceil(bs);
                 let (have, what) = match r.state {
                     RequestState::Swapped => (s.table.cpu_blocks().len(), "cpu"),
                     _ => (s.table.len(), "gpu"),
                 };
                 if have != want {
-                    return Err(format!("seq {}: {have} {what} blocks for {} computed tokens", s.seq_id, s.num_computed));
+                    return Err(format!("seq {}: {have} {what} blocks for {} computed tokens", s.seq_id, computed));
                 }
                 if self.seq_owner.get(&s.seq_id) != self.by_id.get(&r.request_id) {
                     return Err(format!("seq {} owner map is stale", s.seq_id));
                 }
+                self.check_row(r, s, &mut rows_seen)?;
             }
             match r.state {
                 RequestState::Running => running_seqs += r.seq_slots(),
@@ -1088,21 +1554,74 @@ impl Scheduler {
                 return Err("running list is not in (priority, arrival) order".into());
             }
         }
+        if let Some(i) = rows_seen.iter().position(|&seen| !seen) {
+            return Err(format!("batch row {i} belongs to no running sequence"));
+        }
+        if self.batch.has_dead() {
+            return Err("dead batch rows outlived update()".into());
+        }
+        self.batch.check_padding()?;
         if let Some(f) = &self.in_flight {
             if !f.forked {
-                for sc in &f.scheduled {
-                    let Some(req) = self.requests[sc.slot as usize].as_ref() else { continue };
-                    let Some(pos) = req.seq_pos(sc.seq_id) else { continue };
-                    if !self.kv.writes_are_exclusive(&req.seqs[pos].table, sc.before, sc.after) {
-                        let t = req.seqs[pos].table.blocks();
+                for r in (0..self.batch.len()).filter(|&r| self.batch.rows[r].new_tokens > 0) {
+                    let SeqRef { slot, seq_id } = self.batch.owner[r];
+                    let req = self.req(slot);
+                    let s = &req.seqs[req.seq_pos(seq_id).ok_or("a row's sequence is gone")?];
+                    let after = self.batch.rows[r].computed as usize;
+                    let before = after - self.batch.rows[r].new_tokens as usize;
+                    if !self.kv.writes_are_exclusive(&s.table, before, after) {
+                        let t = s.table.blocks();
                         let refs: Vec<u32> = t.iter().map(|&b| self.kv.ref_count(b)).collect();
                         return Err(format!(
-                            "seq {} writes positions {}..{} into a shared block (table {:?}, refs {:?})",
-                            sc.seq_id, sc.before, sc.after, t, refs
+                            "seq {seq_id} writes positions {before}..{after} into a shared block (table {t:?}, refs {refs:?})"
                         ));
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// A running sequence owns exactly one batch row that mirrors it; any other has none.
+    fn check_row(&self, r: &Request, s: &Sequence, rows_seen: &mut [bool]) -> Result<(), String> {
+        let b = &self.batch;
+        if r.state != RequestState::Running {
+            return if s.row == NO_ROW { Ok(()) } else { Err(format!("seq {} is not running but holds row {}", s.seq_id, s.row)) };
+        }
+        let row = s.row as usize;
+        if row >= b.len() || std::mem::replace(&mut rows_seen[row], true) {
+            return Err(format!("running seq {} has row {} (of {}), or shares it", s.seq_id, s.row, b.len()));
+        }
+        let slot = *self.by_id.get(&r.request_id).ok_or("running request not in by_id")?;
+        let pending = b.pending(row);
+        let last = pending.last().or(s.tokens.last()).copied().unwrap_or(0);
+        let want = (
+            SeqRef { slot, seq_id: s.seq_id },
+            r.request_id as i64,
+            s.seq_id as i64,
+            s.sample_index as i32,
+            (s.tokens.len() + pending.len()) as u32,
+            last as i64,
+            r.prompt_len as u32,
+            RowStop::new(&r.stop, r.prompt_len, self.cfg.max_model_len),
+        );
+        let have = (
+            b.owner[row],
+            b.req_id[row],
+            b.seq_id[row],
+            b.sample_index[row],
+            b.rows[row].num_tokens,
+            b.last_token[row],
+            b.rows[row].prompt_len,
+            b.rows[row].stop,
+        );
+        if want != have {
+            return Err(format!("row {row} of seq {}: {have:?} != {want:?}", s.seq_id));
+        }
+        let blocks: Vec<i32> = b.row_blocks(row).collect();
+        let table: Vec<i32> = s.table.blocks().iter().map(|x| x.0 as i32).collect();
+        if blocks != table {
+            return Err(format!("row {row} of seq {}: blocks {blocks:?} != table {table:?}", s.seq_id));
         }
         Ok(())
     }
@@ -1125,14 +1644,23 @@ mod tests {
         }
     }
 
+    fn bt(o: &SchedulerOutput) -> Vec<i32> {
+        match &o.block_tables {
+            BlockTables::Owned(v) => v.clone(),
+            BlockTables::Batch { .. } => panic!("copy the block tables out before update"),
+        }
+    }
+
     fn req(id: u64, prompt_len: usize, max_tokens: usize) -> NewRequest {
         NewRequest::new(id, (0..prompt_len as u32).map(|t| 100 + t + id as u32 * 1000).collect(), max_tokens)
     }
 
-    /// One step with every row sampling `tok`; returns the output and what finished.
+    /// One step with every row sampling `tok`; returns the output (its block tables copied out
+    /// of the batch before `update`) and what finished.
     fn step(s: &mut Scheduler, tok: i64) -> (SchedulerOutput, Vec<FinishedSeq>) {
-        let out = s.schedule().unwrap();
+        let mut out = s.schedule().unwrap();
         s.check_invariants().unwrap();
+        out.block_tables = BlockTables::Owned(s.block_tables(&out).unwrap());
         let done = s.update(out.step_id, &vec![tok; out.num_rows()]).unwrap();
         s.check_invariants().unwrap();
         (out, done)
@@ -1145,14 +1673,14 @@ mod tests {
         let (o, _) = step(&mut s, 7);
         assert_eq!(o.num_tokens(), 8);
         assert_eq!(o.num_rows(), 0); // partial prefill: no logits
-        assert_eq!(o.block_tables, vec![1, 2]);
+        assert_eq!(bt(&o), vec![1, 2]);
         assert_eq!(o.slot_mapping, (4..12).collect::<Vec<i64>>());
         assert_eq!(o.positions, (0..8).collect::<Vec<i64>>());
         let (o, _) = step(&mut s, 7);
         assert_eq!((o.num_tokens(), o.num_rows()), (2, 1));
         assert_eq!(o.positions, vec![8, 9]);
         assert_eq!(o.seq_lens, vec![10]);
-        assert_eq!(o.block_tables, vec![1, 2, 3]);
+        assert_eq!(bt(&o), vec![1, 2, 3]);
         assert_eq!(o.slot_mapping, vec![12, 13]);
         assert_eq!(o.logits_indices, vec![1]);
         let (o, _) = step(&mut s, 7);
@@ -1191,7 +1719,7 @@ mod tests {
         s.add_request(req(1, 4, 8)).unwrap();
         s.add_request(req(2, 4, 8)).unwrap();
         let (o, _) = step(&mut s, 1);
-        assert_eq!(o.block_tables, vec![1, 2, 3, 4]);
+        assert_eq!(bt(&o), vec![1, 2, 3, 4]);
         step(&mut s, 1); // both at 5 tokens: blocks 5, 6
         assert_eq!(s.num_free_blocks(), 0);
         step(&mut s, 1); // positions 5 fit in the 3rd blocks
@@ -1258,7 +1786,7 @@ mod tests {
         let (o, _) = step(&mut s, 9);
         assert_eq!(o.logits_indices, vec![5, 5, 5]); // the last prompt row, sampled 3 times
         assert_eq!(o.row_sample_index, vec![0, 1, 2]);
-        assert_eq!(o.block_tables, vec![1, 2]);
+        assert_eq!(bt(&o), vec![1, 2]);
         let ids = s.request_seq_ids(1).unwrap();
         assert_eq!(ids.len(), 3);
         let u = s.kv_usage();
@@ -1267,7 +1795,7 @@ mod tests {
         s.check_invariants().unwrap();
         // Each sample writes position 6 in shared block 2: the first two copy, the last owns it.
         assert_eq!(out.copy_ops, vec![2, 3, 2, 4]);
-        assert_eq!(out.block_tables, vec![1, 3, 1, 4, 1, 2]);
+        assert_eq!(s.block_tables(&out).unwrap(), vec![1, 3, 1, 4, 1, 2]);
         assert_eq!(out.num_rows(), 3);
         s.update(out.step_id, &[1, 2, 3]).unwrap();
         let toks: Vec<_> = ids.iter().map(|&i| s.seq_tokens(i).unwrap()[6..].to_vec()).collect();
@@ -1348,7 +1876,7 @@ mod tests {
         s.add_request(NewRequest::new(2, prompt.clone(), 2)).unwrap();
         let (o, _) = step(&mut s, 1);
         assert_eq!(o.positions, vec![12]); // 3 blocks hit, the last token is recomputed
-        assert_eq!(o.block_tables, vec![1, 2, 3, 4]); // block 4 was partial, uncached: reused first
+        assert_eq!(bt(&o), vec![1, 2, 3, 4]); // block 4 was partial, uncached: reused first
         assert_eq!(s.num_cached_tokens(2).unwrap(), 12);
         assert_eq!(s.stats().first_admission_cached_tokens, 12);
         // A different salt shares nothing.

@@ -1,13 +1,14 @@
-//! Property tests: random interleavings of add, schedule, update, fork, drop and abort keep
-//! every block-accounting invariant, and once every request has ended every block is free.
+//! Property tests: random interleavings of add, schedule, update, fork, drop and abort (also
+//! while a step is in flight) keep every block-accounting invariant, every step's arrays agree
+//! with the sequences they describe, and once every request has ended every block is free.
 
-use ferrokv_core::{NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig};
+use ferrokv_core::{NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Op {
     Add { prompt_len: usize, shared_prefix: bool, max_tokens: usize, n: u32, priority: i32, eos: bool },
-    Step { tokens: Vec<u8>, fork_rows: Vec<u8>, drop_rows: Vec<u8> },
+    Step { tokens: Vec<u8>, fork_rows: Vec<u8>, drop_rows: Vec<u8>, abort_rows: Vec<u8> },
     Abort(u8),
     ForkIdle(u8),
     Drop(u8),
@@ -18,8 +19,13 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (1usize..40, any::<bool>(), 1usize..24, 1u32..4, -2i32..3, any::<bool>()).prop_map(
             |(prompt_len, shared_prefix, max_tokens, n, priority, eos)| Op::Add { prompt_len, shared_prefix, max_tokens, n, priority, eos }
         ),
-        6 => (prop::collection::vec(any::<u8>(), 0..8), prop::collection::vec(any::<u8>(), 0..2), prop::collection::vec(any::<u8>(), 0..2))
-            .prop_map(|(tokens, fork_rows, drop_rows)| Op::Step { tokens, fork_rows, drop_rows }),
+        6 => (
+            prop::collection::vec(any::<u8>(), 0..8),
+            prop::collection::vec(any::<u8>(), 0..2),
+            prop::collection::vec(any::<u8>(), 0..2),
+            prop::collection::vec(any::<u8>(), 0..2),
+        )
+            .prop_map(|(tokens, fork_rows, drop_rows, abort_rows)| Op::Step { tokens, fork_rows, drop_rows, abort_rows }),
         1 => any::<u8>().prop_map(Op::Abort),
         1 => any::<u8>().prop_map(Op::ForkIdle),
         1 => any::<u8>().prop_map(Op::Drop),
@@ -43,12 +49,42 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
         })
 }
 
+/// Every scheduled sequence's slots, input ids and block-table row agree with its state.
+fn check_output(s: &Scheduler, out: &SchedulerOutput) -> Result<(), TestCaseError> {
+    let bs = out.block_size;
+    let tables = s.block_tables(out).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let m = out.max_blocks;
+    prop_assert_eq!(tables.len(), out.num_seqs() * m);
+    for i in 0..out.num_seqs() {
+        let seq = out.seq_ids[i] as u64;
+        let table: Vec<i32> = s.seq_block_table(seq).unwrap().iter().map(|&b| b as i32).collect();
+        let row = &tables[i * m..(i + 1) * m];
+        prop_assert_eq!(&row[..table.len()], &table[..], "seq {} table", seq);
+        prop_assert!(row[table.len()..].iter().all(|&b| b == 0), "seq {} padding {:?}", seq, row);
+        let (lo, hi) = (out.query_start_loc[i] as usize, out.query_start_loc[i + 1] as usize);
+        let len = out.seq_lens[i] as usize;
+        prop_assert_eq!(table.len(), len.div_ceil(bs));
+        let tokens = s.seq_tokens(seq).unwrap();
+        for t in lo..hi {
+            let p = out.positions[t] as usize;
+            prop_assert_eq!(p, len - (hi - t));
+            prop_assert_eq!(out.input_ids[t], tokens[p] as i64);
+            prop_assert_eq!(out.slot_mapping[t], (table[p / bs] as usize * bs + p % bs) as i64);
+        }
+    }
+    Ok(())
+}
+
 fn live_seqs(s: &Scheduler, ids: &[u64]) -> Vec<u64> {
     ids.iter().filter_map(|&r| s.request_seq_ids(r).ok()).flatten().collect()
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    // PROPTEST_CASES=20000 for a stress run; CI runs 400.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(400),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn block_accounting_survives_any_interleaving(cfg in config(), ops in prop::collection::vec(op(), 1..60)) {
@@ -69,9 +105,10 @@ proptest! {
                     }
                     next_id += 1;
                 }
-                Op::Step { tokens, fork_rows, drop_rows } => {
+                Op::Step { tokens, fork_rows, drop_rows, abort_rows } => {
                     let out = s.schedule().unwrap();
                     s.check_invariants().map_err(TestCaseError::fail)?;
+                    check_output(&s, &out)?;
                     let rows = out.num_rows();
                     if rows > 0 {
                         for f in fork_rows {
@@ -81,6 +118,9 @@ proptest! {
                         }
                         for d in drop_rows {
                             let _ = s.drop_sequence(out.row_seq_ids[d as usize % rows] as u64);
+                        }
+                        for a in abort_rows {
+                            let _ = s.abort(out.row_req_ids[a as usize % rows] as u64);
                         }
                     }
                     s.check_invariants().map_err(TestCaseError::fail)?;
@@ -112,6 +152,7 @@ proptest! {
             if !s.has_unfinished() { break; }
             let out = s.schedule().unwrap();
             s.check_invariants().map_err(TestCaseError::fail)?;
+            check_output(&s, &out)?;
             let sampled = vec![4i64; out.num_rows()];
             s.update(out.step_id, &sampled).unwrap();
             s.check_invariants().map_err(TestCaseError::fail)?;

@@ -3,13 +3,15 @@
 //! Only conversions live here: arguments become owned Rust values, the work runs with the GIL
 //! released (`py.detach`), each `CoreError` variant maps to one Python exception class, and
 //! the step's buffers move into numpy arrays without copying (lazily, on first access, so an
-//! array the runner never reads costs nothing).
+//! array the runner never reads costs nothing). The block tables of a step that holds every
+//! running sequence are a read-only view of the scheduler's persistent batch matrix, which
+//! keeps the `Scheduler` object alive.
 
 use ferrokv_core::{
-    CoreError, FinishedSeq, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
+    BlockTables, CoreError, FinishedSeq, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
 };
-use numpy::ndarray::Array2;
-use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
+use numpy::ndarray::{Array2, ArrayView2, ShapeBuilder};
+use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -93,13 +95,19 @@ fn token_id(field: &'static str, v: i64) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| invalid(field, v, "token ids must be in [0, 2^32)"))
 }
 
-/// Token ids from a numpy integer array or any sequence of ints.
+/// Token ids from a numpy integer array or any sequence of ints. The dtype is checked by a
+/// cast, not by a failing extract (which would build a Python exception on every call).
 fn token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<i64>>() {
+    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+        let a = a.readonly();
         return Ok(a.as_slice().map(<[i64]>::to_vec).unwrap_or_else(|_| a.as_array().to_vec()));
     }
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<i32>>() {
-        return Ok(a.as_array().iter().map(|&t| t as i64).collect());
+    if let Ok(a) = obj.cast::<PyArray1<i32>>() {
+        let a = a.readonly();
+        return Ok(match a.as_slice() {
+            Ok(s) => s.iter().map(|&t| t as i64).collect(),
+            Err(_) => a.as_array().iter().map(|&t| t as i64).collect(),
+        });
     }
     if obj.is_instance_of::<pyo3::types::PyString>() {
         return Err(invalid(field, "<str>", "must be a sequence of token ids, not a string"));
@@ -148,6 +156,41 @@ impl<T: Element> Lazy2<T> {
     }
 }
 
+/// A step's block tables: a copy, or rows `0..rows` of the batch matrix of `owner`.
+enum LazyTables {
+    Owned(Lazy2<i32>),
+    Batch { owner: Py<PyScheduler>, rows: usize, cols: usize, arr: Option<Py<PyArray2<i32>>> },
+}
+
+impl LazyTables {
+    fn get(&mut self, py: Python<'_>, step_id: u64) -> PyResult<Py<PyArray2<i32>>> {
+        match self {
+            LazyTables::Owned(l) => Ok(l.get(py)),
+            LazyTables::Batch { arr: Some(a), .. } => Ok(a.clone_ref(py)),
+            LazyTables::Batch { owner, rows, cols, arr } => {
+                let sched = owner.bind(py).try_borrow().map_err(|_| {
+                    to_py_err(CoreError::InvalidState { message: "block_tables read while the scheduler is busy".into() })
+                })?;
+                sched.inner.check_batch_view(step_id).map_err(to_py_err)?;
+                let (ptr, capacity, stride) = sched.inner.batch_table();
+                assert!(*rows <= capacity && *cols <= stride, "a step's view lies inside the batch matrix");
+                // SAFETY: the matrix is allocated once per scheduler and never moves; the array
+                // holds a reference to the scheduler, so the memory outlives the view. It is
+                // read-only: only the scheduler writes it (between steps).
+                let a = unsafe {
+                    let view = ArrayView2::from_shape_ptr((*rows, *cols).strides((stride, 1)), ptr);
+                    let a = PyArray2::borrow_from_array(&view, owner.clone_ref(py).into_bound(py).into_any());
+                    (*a.as_array_ptr()).fields.flags &= !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
+                    a
+                };
+                let a = a.unbind();
+                *arr = Some(a.clone_ref(py));
+                Ok(a)
+            }
+        }
+    }
+}
+
 /// One scheduling step: see `python/ferrokv/_core.pyi` for the layout of each array.
 #[pyclass(module = "ferrokv._core", name = "SchedulerOutput")]
 struct PySchedulerOutput {
@@ -169,7 +212,7 @@ struct PySchedulerOutput {
     seq_ids: Lazy1<i64>,
     query_start_loc: Lazy1<i32>,
     seq_lens: Lazy1<i32>,
-    block_tables: Lazy2<i32>,
+    block_tables: LazyTables,
     input_ids: Lazy1<i64>,
     positions: Lazy1<i64>,
     slot_mapping: Lazy1<i64>,
@@ -185,7 +228,7 @@ struct PySchedulerOutput {
 }
 
 impl PySchedulerOutput {
-    fn from_core(o: SchedulerOutput) -> Self {
+    fn from_core(o: SchedulerOutput, owner: Py<PyScheduler>) -> Self {
         let (s, t, r) = (o.num_seqs(), o.num_tokens(), o.num_rows());
         let pairs = |v: Vec<i32>| {
             let n = v.len() / 2;
@@ -203,7 +246,10 @@ impl PySchedulerOutput {
             seq_ids: Lazy1::new(o.seq_ids),
             query_start_loc: Lazy1::new(o.query_start_loc),
             seq_lens: Lazy1::new(o.seq_lens),
-            block_tables: Lazy2::new(o.block_tables, s, o.max_blocks),
+            block_tables: match o.block_tables {
+                BlockTables::Owned(v) => LazyTables::Owned(Lazy2::new(v, s, o.max_blocks)),
+                BlockTables::Batch { .. } => LazyTables::Batch { owner, rows: s, cols: o.max_blocks, arr: None },
+            },
             input_ids: Lazy1::new(o.input_ids),
             positions: Lazy1::new(o.positions),
             slot_mapping: Lazy1::new(o.slot_mapping),
@@ -238,9 +284,11 @@ impl PySchedulerOutput {
     fn seq_lens(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
         self.seq_lens.get(py)
     }
+    /// Valid between `schedule()` and `update()`: a read-only view of the scheduler's batch
+    /// matrix when every running sequence is in the step (read it before `update`).
     #[getter]
-    fn block_tables(&mut self, py: Python<'_>) -> Py<PyArray2<i32>> {
-        self.block_tables.get(py)
+    fn block_tables(&mut self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+        self.block_tables.get(py, self.step_id)
     }
     #[getter]
     fn input_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
@@ -443,10 +491,14 @@ impl PyScheduler {
     }
 
     /// Decides the next batch (GIL released) and returns it as zero-copy numpy arrays.
-    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
-        let inner = &mut self.inner;
-        let out = py.detach(|| inner.schedule()).map_err(to_py_err)?;
-        Ok(PySchedulerOutput::from_core(out))
+    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+        let py = slf.py();
+        let out = {
+            let mut me = slf.borrow_mut();
+            let inner = &mut me.inner;
+            py.detach(|| inner.schedule()).map_err(to_py_err)?
+        };
+        Ok(PySchedulerOutput::from_core(out, slf.clone().unbind()))
     }
 
     /// Appends one sampled token per logits row of `output` (GIL released).
@@ -493,7 +545,7 @@ impl PyScheduler {
     }
 
     fn seq_tokens(&self, seq_id: i64) -> PyResult<Vec<u32>> {
-        self.inner.seq_tokens(non_negative("seq_id", seq_id)?).map(<[u32]>::to_vec).map_err(to_py_err)
+        self.inner.seq_tokens(non_negative("seq_id", seq_id)?).map_err(to_py_err)
     }
 
     fn has_unfinished(&self) -> bool {
