@@ -1,8 +1,9 @@
 """Turns one ``SchedulerOutput`` into logits: block ops, input tensors, forward pass.
 
 Invariants: the scheduler's numpy arrays are wrapped with ``torch.from_numpy`` (no copy on the
-CPU, one host-to-device copy each on a GPU); the attention metadata is built once per step and
-shared by every layer; logits are computed only for the rows that sample.
+CPU, one host-to-device copy each on a GPU), except the block tables, which view the scheduler's
+read-only batch matrix and are compacted to ``[S, M]`` once; the attention metadata is built
+once per step and shared by every layer; logits are computed only for the rows that sample.
 Costs per step: O(tokens + sequences * max_blocks) host work, independent of the number of
 requests waiting or finished.
 """
@@ -29,6 +30,10 @@ class ModelRunner:
         self.device = device
 
     def _tensor(self, a: np.ndarray) -> Tensor:
+        if not a.flags.writeable:
+            # The block tables view the scheduler's persistent (read-only) batch matrix, with
+            # rows wider than the step's M: one compact copy, which a device upload makes anyway.
+            a = a.copy(order="C")
         t = torch.from_numpy(a)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 

@@ -85,6 +85,19 @@ pub struct RowState {
     pub stop: RowStop,
 }
 
+/// Read access to the block-table matrix while the rows are borrowed mutably.
+pub struct TableRef<'a> {
+    table: &'a [AtomicI32],
+    width: usize,
+}
+
+impl TableRef<'_> {
+    #[inline]
+    pub fn block(&self, row: usize, i: usize) -> i32 {
+        self.table[row * self.width + i].load(Relaxed)
+    }
+}
+
 pub struct Batch {
     width: usize,
     capacity: usize,
@@ -157,6 +170,11 @@ impl Batch {
     #[inline]
     fn set(&self, row: usize, i: usize, b: i32) {
         self.table[row * self.width + i].store(b, Relaxed);
+    }
+
+    /// The rows' state and a read view of the matrix, borrowed apart.
+    pub fn rows_and_table(&mut self) -> (&mut [RowState], TableRef<'_>) {
+        (&mut self.rows, TableRef { table: &self.table, width: self.width })
     }
 
     /// The live part of a row.

@@ -34,6 +34,12 @@ pub struct BlockTable {
 }
 
 impl BlockTable {
+    /// Room for `blocks` blocks (and their hashes) without reallocating.
+    pub fn reserve(&mut self, blocks: usize) {
+        self.blocks.reserve_exact(blocks.saturating_sub(self.blocks.len()));
+        self.hashes.reserve_exact(blocks.saturating_sub(self.hashes.len()));
+    }
+
     /// Starts fetching the ends of the table's block and hash lists (what appending a block or
     /// registering one touches).
     #[inline]

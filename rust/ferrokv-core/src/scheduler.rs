@@ -270,6 +270,8 @@ pub struct Scheduler {
     ending: Vec<bool>,
     plan: Vec<(usize, usize)>,
     step: StepCounts,
+    /// The output the all-decode path emitted: (buffers, rows emitted, widest table).
+    emitted: Option<(SchedulerOutput, usize, usize)>,
     /// Reused list of rows that need per-sequence work in `update`.
     scratch_rows: Vec<u32>,
     bm: BlockMath,
@@ -309,6 +311,7 @@ impl Scheduler {
             ending: Vec::new(),
             plan: Vec::new(),
             step: StepCounts::default(),
+            emitted: None,
             scratch_rows: Vec::new(),
             hits: Vec::new(),
             stats: SchedulerStats::default(),
@@ -493,10 +496,16 @@ impl Scheduler {
         }
     }
 
-    /// Gives every sequence of a request that starts running a batch row.
+    /// Gives every sequence of a request that starts running a batch row, and reserves its
+    /// block and hash lists for its longest possible length (a few bytes per block), so that
+    /// decode steps never grow them. Token lists grow by doubling: reserving them up front
+    /// spreads the running batch's tokens over far more memory than it touches.
     fn give_rows(&mut self, slot: u32) {
         let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let longest = (req.prompt_len + req.stop.max_tokens).min(self.cfg.max_model_len);
         for i in 0..req.seqs.len() {
+            let s = &mut req.seqs[i];
+            s.table.reserve(longest.div_ceil(self.cfg.block_size));
             let s = &req.seqs[i];
             debug_assert_eq!(s.row, NO_ROW);
             let init = Self::row_init(req, s, s.num_computed, self.cfg.max_model_len);
@@ -727,11 +736,38 @@ impl Scheduler {
             self.scratch_rows = new_block_rows;
             return false;
         }
-        for h in self.batch.rows.iter_mut() {
+        // Plan and emit in one pass: row r is sequence, token and logits row r. Admissions of
+        // this step append after these rows (`build_output` continues from here).
+        let mut o = Self::empty_output(n + 16, n + 16, n + 16);
+        let b = &mut self.batch;
+        o.req_ids.extend_from_slice(&b.req_id);
+        o.seq_ids.extend_from_slice(&b.seq_id);
+        o.input_ids.extend_from_slice(&b.last_token);
+        o.row_req_ids.extend_from_slice(&b.req_id);
+        o.row_seq_ids.extend_from_slice(&b.seq_id);
+        o.row_sample_index.extend_from_slice(&b.sample_index);
+        o.query_start_loc.extend(1..=n as i32);
+        o.logits_indices.extend(0..n as i64);
+        let mut max_blocks = 0;
+        let (rows, table) = b.rows_and_table();
+        // Sized first, then written through zipped iterators: no per-element capacity check.
+        o.seq_lens.resize(n, 0);
+        o.positions.resize(n, 0);
+        o.slot_mapping.resize(n, 0);
+        let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
+        for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
             debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
+            let c = h.computed as usize;
             h.computed += 1;
             h.new_tokens = 1;
             h.samples = true;
+            h.logits_row = r as u32;
+            *len = c as i32 + 1;
+            *pos = c as i64;
+            let starts_block = bm.offset(c) == 0;
+            // A row entering a new block gets its slot once the block is allocated below.
+            *slot = if starts_block { -1 } else { bm.slot(table.block(r, bm.block(c)), c) };
+            max_blocks = max_blocks.max(h.num_blocks + u32::from(starts_block));
         }
         // About one row in block_size enters a new block: the only ones that reach their
         // sequence's block table.
@@ -740,11 +776,14 @@ impl Scheduler {
             let r = r as usize;
             let SeqRef { slot, seq_id } = self.batch.owner[r];
             let table = &mut Self::seq_mut(&mut self.requests, slot, seq_id).table;
-            debug_assert_eq!(table.len(), bm.block(self.batch.rows[r].computed as usize - 1), "the write starts a new block");
+            let c = self.batch.rows[r].computed as usize - 1;
+            debug_assert_eq!(table.len(), bm.block(c), "the write starts a new block");
             let b = self.kv.append_block(table);
             self.batch.push_block(r, b.0);
+            o.slot_mapping[r] = bm.slot(b.0 as i32, c);
         }
         self.scratch_rows = new_block_rows;
+        self.emitted = Some((o, n, max_blocks as usize));
         self.step = StepCounts { seqs: n, tokens: n, logits_rows: n, decode_tokens: n };
         self.stats.decode_tokens += n as u64;
         true
@@ -897,40 +936,45 @@ impl Scheduler {
     /// Flattens the planned rows, in row order, into the step's arrays. When every row is in
     /// the step, the block tables are the batch matrix itself (no copy); otherwise the planned
     /// rows are gathered.
+    /// Output buffers with room for a step, `query_start_loc` started.
+    fn empty_output(seqs: usize, tokens: usize, rows: usize) -> SchedulerOutput {
+        let mut o = SchedulerOutput {
+            req_ids: Vec::with_capacity(seqs),
+            seq_ids: Vec::with_capacity(seqs),
+            query_start_loc: Vec::with_capacity(seqs + 1),
+            seq_lens: Vec::with_capacity(seqs),
+            input_ids: Vec::with_capacity(tokens),
+            positions: Vec::with_capacity(tokens),
+            slot_mapping: Vec::with_capacity(tokens),
+            logits_indices: Vec::with_capacity(rows),
+            row_req_ids: Vec::with_capacity(rows),
+            row_seq_ids: Vec::with_capacity(rows),
+            row_sample_index: Vec::with_capacity(rows),
+            ..Default::default()
+        };
+        o.query_start_loc.push(0);
+        o
+    }
+
     fn build_output(&mut self, preempted: Vec<i64>) -> SchedulerOutput {
         let bs = self.cfg.block_size;
         let StepCounts { seqs: s_count, tokens: t_count, logits_rows: r_count, decode_tokens } = self.step;
         let n = self.batch.len();
-        let mut o = SchedulerOutput {
-            step_id: self.step_id,
-            block_size: bs,
-            req_ids: Vec::with_capacity(s_count),
-            seq_ids: Vec::with_capacity(s_count),
-            query_start_loc: Vec::with_capacity(s_count + 1),
-            seq_lens: Vec::with_capacity(s_count),
-            input_ids: Vec::with_capacity(t_count),
-            positions: Vec::with_capacity(t_count),
-            slot_mapping: Vec::with_capacity(t_count),
-            logits_indices: Vec::with_capacity(r_count),
-            row_req_ids: Vec::with_capacity(r_count),
-            row_seq_ids: Vec::with_capacity(r_count),
-            row_sample_index: Vec::with_capacity(r_count),
-            finished_req_ids: std::mem::take(&mut self.ended_ids),
-            preempted_req_ids: preempted,
-            num_decode_tokens: decode_tokens,
-            num_prefill_tokens: t_count - decode_tokens,
-            ..Default::default()
+        // The all-decode path already emitted its rows; rows admitted after them follow.
+        let (mut o, start, mut max_blocks) = match self.emitted.take() {
+            Some(e) => e,
+            None => (Self::empty_output(s_count, t_count, r_count), 0, 0),
         };
+        o.step_id = self.step_id;
+        o.block_size = bs;
+        o.finished_req_ids = std::mem::take(&mut self.ended_ids);
+        o.preempted_req_ids = preempted;
+        o.num_decode_tokens = decode_tokens;
+        o.num_prefill_tokens = t_count - decode_tokens;
         let b = &mut self.batch;
         let bm = self.bm;
-        if decode_tokens == n && s_count == n && t_count == n && r_count == n {
-            Self::fill_decode_output(b, bm, &mut o);
-            return self.finish_output(o);
-        }
-        o.query_start_loc.push(0);
-        let mut max_blocks = 0;
-        let mut num_tokens = 0usize;
-        for r in 0..n {
+        let mut num_tokens = o.input_ids.len();
+        for r in start..n {
             let k = b.rows[r].new_tokens as usize;
             if k == 0 {
                 continue;
@@ -989,31 +1033,6 @@ impl Scheduler {
             BlockTables::Owned(bt)
         };
         self.finish_output(o)
-    }
-
-    /// The arrays of a step in which every row decodes one token: straight copies and maps of
-    /// the row arrays (row `r` is sequence, token and logits row `r`).
-    fn fill_decode_output(b: &mut Batch, bm: BlockMath, o: &mut SchedulerOutput) {
-        let n = b.len();
-        o.req_ids.extend_from_slice(&b.req_id[..n]);
-        o.seq_ids.extend_from_slice(&b.seq_id[..n]);
-        o.seq_lens.extend(b.rows.iter().map(|h| h.computed as i32));
-        o.input_ids.extend_from_slice(&b.last_token[..n]);
-        o.positions.extend(b.rows.iter().map(|h| h.computed as i64 - 1));
-        o.slot_mapping.extend(b.rows.iter().enumerate().map(|(r, h)| {
-            let p = h.computed as usize - 1;
-            bm.slot(b.block(r, bm.block(p)), p)
-        }));
-        o.query_start_loc.extend(0..=n as i32);
-        o.logits_indices.extend(0..n as i64);
-        o.row_req_ids.extend_from_slice(&b.req_id[..n]);
-        o.row_seq_ids.extend_from_slice(&b.seq_id[..n]);
-        o.row_sample_index.extend_from_slice(&b.sample_index[..n]);
-        o.max_blocks = b.rows.iter().map(|h| h.num_blocks).max().unwrap_or(0) as usize;
-        o.block_tables = BlockTables::Batch { row_stride: b.width() };
-        for (r, h) in b.rows.iter_mut().enumerate() {
-            h.logits_row = r as u32;
-        }
     }
 
     /// Block ops queued by the step go last.
