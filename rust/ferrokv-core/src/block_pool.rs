@@ -72,6 +72,14 @@ impl BlockPool {
         self.blocks[id.0 as usize].ref_cnt
     }
 
+    /// Starts fetching block `id`'s entry (before a burst of reference-count updates).
+    #[inline]
+    pub fn prefetch(&self, id: BlockId) {
+        if let Some(b) = self.blocks.get(id.0 as usize) {
+            crate::prefetch::read(b as *const Block as *const u8);
+        }
+    }
+
     pub fn is_free(&self, id: BlockId) -> bool {
         self.blocks[id.0 as usize].in_free_list
     }

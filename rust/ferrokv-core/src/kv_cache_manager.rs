@@ -347,6 +347,13 @@ impl KvCacheManager {
     /// Releases every block of the table (GPU and CPU). Tail blocks are released first, so
     /// among cached blocks a sequence's tail is evicted before its (more shareable) head.
     pub fn free(&mut self, table: &mut BlockTable) {
+        // Each block's entry and cache record is a likely miss: start them all first.
+        for &b in &table.blocks {
+            self.gpu.prefetch(b);
+            if let Some(c) = &self.cache {
+                c.prefetch_record(b);
+            }
+        }
         for &b in table.blocks.iter().rev() {
             let keep = self.cache.as_ref().is_some_and(|c| c.is_cached(b));
             self.gpu.decref(b, keep);
