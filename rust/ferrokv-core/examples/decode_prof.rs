@@ -44,10 +44,19 @@ fn main() {
         a.push((t2 - t).as_secs_f64() * 1e6);
         b.push((t3 - t2).as_secs_f64() * 1e6);
     }
+    let total: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    let mut sorted = total.clone();
+    sorted.sort_by(|x, y| x.partial_cmp(y).unwrap());
     a.sort_by(|x, y| x.partial_cmp(y).unwrap());
     b.sort_by(|x, y| x.partial_cmp(y).unwrap());
+    let q = |v: &[f64], p: f64| v[((v.len() - 1) as f64 * p) as usize];
     println!(
-        "S={size}: schedule p50 {:.1} us, update p50 {:.1} us",
-        a[steps / 2], b[steps / 2]
+        "S={size}: schedule p50 {:.1} us, update p50 {:.1} us; step p50 {:.1} p90 {:.1} p99 {:.1} max {:.1} us",
+        q(&a, 0.5), q(&b, 0.5), q(&sorted, 0.5), q(&sorted, 0.9), q(&sorted, 0.99), q(&sorted, 1.0)
     );
+    if std::env::var_os("SLOWEST").is_some() {
+        let mut idx: Vec<usize> = (0..total.len()).collect();
+        idx.sort_by(|&i, &j| total[j].partial_cmp(&total[i]).unwrap());
+        eprintln!("slowest steps (index: us): {:?}", idx.iter().take(12).map(|&i| (i, total[i] as u32)).collect::<Vec<_>>());
+    }
 }

@@ -497,14 +497,16 @@ impl Scheduler {
     }
 
     /// Gives every sequence of a request that starts running a batch row, and reserves its
-    /// block and hash lists for its longest possible length (a few bytes per block), so that
-    /// decode steps never grow them. Token lists grow by doubling: reserving them up front
-    /// spreads the running batch's tokens over far more memory than it touches.
+    /// token, block and hash lists for its longest possible length (prompt + max_tokens, at
+    /// most max_model_len), as other engines' input batches hold max_model_len tokens per row.
+    /// Grown by doubling instead, the lists of a batch that started together reallocate in the
+    /// same few steps, and those steps take several times the median.
     fn give_rows(&mut self, slot: u32) {
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let longest = (req.prompt_len + req.stop.max_tokens).min(self.cfg.max_model_len);
         for i in 0..req.seqs.len() {
             let s = &mut req.seqs[i];
+            s.tokens.reserve_exact(longest.saturating_sub(s.tokens.len()));
             s.table.reserve(longest.div_ceil(self.cfg.block_size));
             let s = &req.seqs[i];
             debug_assert_eq!(s.row, NO_ROW);
