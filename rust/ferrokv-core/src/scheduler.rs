@@ -237,6 +237,17 @@ impl BlockMath {
     }
 }
 
+/// How `plan_decode_rows` planned the step's decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DecodePlan {
+    /// Every running sequence, and the step's arrays emitted.
+    All,
+    /// Every all-decode request; the per-request walk continues at `running[generic_from..]`.
+    Front { generic_from: usize },
+    /// Nothing: the per-request walk plans the whole step.
+    None,
+}
+
 /// What the step being built holds so far.
 #[derive(Debug, Default, Clone, Copy)]
 struct StepCounts {
@@ -274,6 +285,9 @@ pub struct Scheduler {
     emitted: Option<(SchedulerOutput, usize, usize)>,
     /// Reused list of rows that need per-sequence work in `update`.
     scratch_rows: Vec<u32>,
+    /// Reused list of request slots, and a mark per slot (both empty between uses).
+    scratch_slots: Vec<u32>,
+    mark: Vec<bool>,
     bm: BlockMath,
     hits: Vec<Vec<BlockId>>,
     stats: SchedulerStats,
@@ -313,6 +327,8 @@ impl Scheduler {
             step: StepCounts::default(),
             emitted: None,
             scratch_rows: Vec::new(),
+            scratch_slots: Vec::new(),
+            mark: Vec::new(),
             hits: Vec::new(),
             stats: SchedulerStats::default(),
         })
@@ -437,6 +453,7 @@ impl Scheduler {
             None => {
                 self.requests.push(Some(req));
                 self.ending.push(false);
+                self.mark.push(false);
                 (self.requests.len() - 1) as u32
             }
         };
@@ -707,36 +724,74 @@ impl Scheduler {
         }
     }
 
-    /// The common step: every running sequence decodes one token and all of them fit (budget,
-    /// free blocks, no shared block written). Then the running requests' order cannot matter,
-    /// so the batch is planned row by row without looking at a request, and only sequences
-    /// entering a new block reach their block tables. Returns false, changing nothing, when
-    /// any condition fails (the general per-request path then runs).
-    fn schedule_all_decodes(&mut self, budget: usize) -> bool {
-        let b = &self.batch;
-        let n = b.len();
-        if n == 0 || n > budget {
-            return false;
+    /// The common steps, planned row by row over the batch without looking at a request:
+    ///
+    /// - `All`: every running sequence decodes one token and all of them fit (budget, free
+    ///   blocks, no shared block written). The running requests' order cannot matter then, and
+    ///   the step's arrays are emitted in the same pass.
+    /// - `Front`: the same for every request whose rows are all single-token decodes, when the
+    ///   other running requests (prefill chunks, usually just admitted) are all at the back of
+    ///   the running order. The per-request walk would have served the decodes first anyway, so
+    ///   it only runs over those requests; any preemption victim is one of them.
+    ///
+    /// Only sequences entering a new block reach their block tables. `None` changes nothing:
+    /// the per-request walk plans the whole step.
+    fn plan_decode_rows(&mut self, budget: usize) -> DecodePlan {
+        let n = self.batch.len();
+        if n == 0 {
+            return DecodePlan::None;
         }
         let bm = self.bm;
         let mut new_block_rows = std::mem::take(&mut self.scratch_rows);
         new_block_rows.clear();
-        for (r, h) in b.rows.iter().enumerate() {
-            let c = h.computed as usize;
-            if h.computed + 1 != h.num_tokens || h.num_tokens <= h.prompt_len {
-                self.scratch_rows = new_block_rows;
-                return false; // a prefill chunk, or the prompt's last token
-            }
-            if bm.offset(c) == 0 {
-                new_block_rows.push(r as u32);
-            } else if self.kv.ref_count(BlockId(b.block(r, bm.block(c)) as u32)) != 1 {
-                self.scratch_rows = new_block_rows;
-                return false; // copy-on-write
+        let mut others = std::mem::take(&mut self.scratch_slots);
+        others.clear();
+        let mut cow = false;
+        {
+            let b = &self.batch;
+            for (r, h) in b.rows.iter().enumerate() {
+                if h.computed + 1 != h.num_tokens || h.num_tokens <= h.prompt_len {
+                    // A prefill chunk, or the prompt's last token: its request goes the long way.
+                    let slot = b.owner[r].slot as usize;
+                    if !std::mem::replace(&mut self.mark[slot], true) {
+                        others.push(slot as u32);
+                    }
+                    continue;
+                }
+                let c = h.computed as usize;
+                if bm.offset(c) == 0 {
+                    new_block_rows.push(r as u32);
+                } else if self.kv.ref_count(BlockId(b.block(r, bm.block(c)) as u32)) != 1 {
+                    cow = true; // copy-on-write: left to the per-request walk
+                    break;
+                }
             }
         }
-        if self.kv.num_free_blocks() < new_block_rows.len() {
-            self.scratch_rows = new_block_rows;
-            return false;
+        let plan = if cow {
+            DecodePlan::None
+        } else if others.is_empty() {
+            if n <= budget && self.kv.num_free_blocks() >= new_block_rows.len() {
+                DecodePlan::All
+            } else {
+                DecodePlan::None
+            }
+        } else {
+            self.front_plan(&others, &mut new_block_rows, budget)
+        };
+        for &slot in &others {
+            self.mark[slot as usize] = false;
+        }
+        self.scratch_slots = others;
+        match plan {
+            DecodePlan::None => {
+                self.scratch_rows = new_block_rows;
+                return plan;
+            }
+            DecodePlan::Front { .. } => {
+                self.scratch_rows = new_block_rows;
+                return plan;
+            }
+            DecodePlan::All => {}
         }
         // Plan and emit in one pass: row r is sequence, token and logits row r. Admissions of
         // this step append after these rows (`build_output` continues from here).
@@ -788,7 +843,53 @@ impl Scheduler {
         self.emitted = Some((o, n, max_blocks as usize));
         self.step = StepCounts { seqs: n, tokens: n, logits_rows: n, decode_tokens: n };
         self.stats.decode_tokens += n as u64;
-        true
+        DecodePlan::All
+    }
+
+    /// `Front` planning (see `plan_decode_rows`): `others` are the marked requests that are not
+    /// all-decode; `new_block_rows` the decode rows entering a new block (some of them may be
+    /// rows of marked requests).
+    fn front_plan(&mut self, others: &[u32], new_block_rows: &mut Vec<u32>, budget: usize) -> DecodePlan {
+        let len = self.running.len();
+        let k = others.len();
+        for &slot in others {
+            let key = self.req(slot).order_key();
+            let requests = &self.requests;
+            let pos = self.running.partition_point(|&s| requests[s as usize].as_ref().expect("live").order_key() < key);
+            if pos < len - k {
+                return DecodePlan::None; // one of them would be served before some decodes
+            }
+        }
+        let b = &self.batch;
+        let mark = &self.mark;
+        new_block_rows.retain(|&r| !mark[b.owner[r as usize].slot as usize]);
+        let decodes = b.rows.iter().zip(&b.owner).filter(|(h, o)| h.computed + 1 == h.num_tokens && !mark[o.slot as usize]).count();
+        if decodes > budget || self.kv.num_free_blocks() < new_block_rows.len() {
+            return DecodePlan::None;
+        }
+        self.batch.clear_plan();
+        let b = &mut self.batch;
+        for (h, o) in b.rows.iter_mut().zip(&b.owner) {
+            if h.computed + 1 == h.num_tokens && !mark[o.slot as usize] {
+                debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
+                h.computed += 1;
+                h.new_tokens = 1;
+                h.samples = true;
+            }
+        }
+        self.prefetch_row_seqs(new_block_rows);
+        let bm = self.bm;
+        for &r in new_block_rows.iter() {
+            let r = r as usize;
+            let SeqRef { slot, seq_id } = self.batch.owner[r];
+            let table = &mut Self::seq_mut(&mut self.requests, slot, seq_id).table;
+            debug_assert_eq!(table.len(), bm.block(self.batch.rows[r].computed as usize - 1), "the write starts a new block");
+            let blk = self.kv.append_block(table);
+            self.batch.push_block(r, blk.0);
+        }
+        self.step = StepCounts { seqs: decodes, tokens: decodes, logits_rows: decodes, decode_tokens: decodes };
+        self.stats.decode_tokens += decodes as u64;
+        DecodePlan::Front { generic_from: len - k }
     }
 
     pub fn schedule(&mut self) -> CoreResult<SchedulerOutput> {
@@ -804,12 +905,18 @@ impl Scheduler {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut preempted: Vec<i64> = Vec::new();
 
-        // The all-decode path writes every row's plan; the general path starts from none.
-        if self.schedule_all_decodes(budget) {
-            budget -= self.step.tokens;
-        } else {
-            self.batch.clear_plan();
-            let mut i = 0;
+        // The decode paths write the plan of the rows they take; the per-request walk starts
+        // from none, or after the decodes planned row by row.
+        let plan = self.plan_decode_rows(budget);
+        budget -= self.step.tokens;
+        if !matches!(plan, DecodePlan::All) {
+            let mut i = match plan {
+                DecodePlan::Front { generic_from } => generic_from,
+                _ => {
+                    self.batch.clear_plan();
+                    0
+                }
+            };
             while i < self.running.len() {
                 let slot = self.running[i];
                 match self.try_schedule(slot, budget, 0) {
@@ -1731,6 +1838,56 @@ mod tests {
         assert_eq!(o.query_start_loc, vec![0, 1, 6]); // 1 decode + 5 prefill tokens
         assert_eq!(o.num_prefill_tokens, 5);
         assert_eq!(o.logits_indices, vec![0]);
+    }
+
+    #[test]
+    fn decodes_are_planned_row_wise_and_the_prefill_at_the_back_continues() {
+        let mut s = Scheduler::new(cfg(64, 4, 8)).unwrap();
+        s.add_request(req(1, 3, 10)).unwrap();
+        s.add_request(req(2, 3, 10)).unwrap();
+        step(&mut s, 5);
+        s.add_request(req(3, 20, 4)).unwrap();
+        let (o, _) = step(&mut s, 5); // 2 decodes + the first 6 tokens of request 3
+        assert_eq!((o.num_decode_tokens, o.num_prefill_tokens), (2, 6));
+        // Request 3 is running mid-prefill, at the back of the running order: the two decodes
+        // are planned over the rows, request 3 gets the rest of the budget.
+        let (o, _) = step(&mut s, 5);
+        assert_eq!(o.req_ids, vec![1, 2, 3]);
+        assert_eq!(o.query_start_loc, vec![0, 1, 2, 8]);
+        assert_eq!(o.positions[2..], (6..12).collect::<Vec<i64>>()[..]);
+        assert_eq!(o.logits_indices, vec![0, 1]); // request 3 is not done: no row
+        assert_eq!((o.num_decode_tokens, o.num_prefill_tokens), (2, 6));
+        let (o, _) = step(&mut s, 5);
+        assert_eq!(o.query_start_loc, vec![0, 1, 2, 8]);
+        let (o, _) = step(&mut s, 5); // the last 2 prompt tokens, then request 3 samples
+        assert_eq!(o.query_start_loc, vec![0, 1, 2, 4]);
+        assert_eq!(o.logits_indices, vec![0, 1, 3]);
+        assert_eq!(s.stats().prompt_tokens_computed, 26);
+    }
+
+    #[test]
+    fn a_prefill_at_the_back_that_runs_out_of_blocks_preempts_only_itself() {
+        // 9 usable blocks of 4 tokens: two decoding requests hold 2 each, the long prompt's
+        // second chunk cannot get its blocks.
+        let mut c = cfg(10, 4, 16);
+        c.max_num_seqs = 4;
+        let mut s = Scheduler::new(c).unwrap();
+        s.add_request(req(1, 7, 20)).unwrap();
+        s.add_request(req(2, 7, 20)).unwrap();
+        step(&mut s, 5);
+        s.add_request(req(3, 30, 2)).unwrap();
+        let (o, _) = step(&mut s, 5); // 2 decodes + 14 prompt tokens of request 3 (4 blocks)
+        assert_eq!((o.num_decode_tokens, o.num_prefill_tokens), (2, 14));
+        let (o, _) = step(&mut s, 5);
+        // The decodes keep going; request 3 (the latest arrival, last in order) is preempted.
+        assert_eq!(o.req_ids, vec![1, 2]);
+        assert_eq!(o.preempted_req_ids, vec![3]);
+        assert_eq!(s.stats().recompute_preemptions, 1);
+        s.abort(3).unwrap();
+        while s.has_unfinished() {
+            step(&mut s, 5);
+        }
+        assert_eq!(s.num_free_blocks(), 9);
     }
 
     #[test]
