@@ -10,9 +10,22 @@ Conventions
   index, and ``row_seq_ids`` names the ``n`` sequences (samples 1..n-1 are forked off the prompt
   sequence by ``update``, sharing its blocks copy-on-write). ``row_sample_index`` is 0..n-1.
 * Block ops run before the forward pass in the order swap_out, swap_in, copy_ops.
-* All arrays are numpy arrays that own Rust memory (``flags.owndata`` is False: numpy does not
-  own it; the Rust buffer is freed when the array is collected). They are created on first
-  access.
+* Sequences are listed in the scheduler's batch-row order (stable while a sequence runs; a
+  finished sequence's row is taken by the last one), not in request order: match them by
+  ``seq_ids``/``req_ids``.
+* Arrays are created on first access. Every array except ``block_tables`` owns Rust memory
+  (``flags.owndata`` is False: numpy does not own it; the Rust buffer is freed when the array is
+  collected) and stays valid forever.
+* ``block_tables``: when every running sequence is in the step (the usual case), it is a
+  read-only view (``flags.writeable`` False, ``base`` the ``Scheduler``) of rows ``0..S`` of the
+  scheduler's persistent batch matrix, which is never rebuilt: rows are updated in place as
+  sequences gain blocks, so its row stride is the widest possible table (``max_model_len /
+  block_size``), not M. It must be read between ``schedule()`` and ``update()`` (reading it later
+  raises ``SchedulerStateError``) and an array obtained in time changes with later steps: copy it
+  (``a.copy()``, as a device upload does) to keep it. Otherwise (some running sequence is not in
+  the step) it is a compact ``[S, M]`` copy like the other arrays.
+* ``block_size`` must be a power of two (the kernels tile a block by it); the batch matrix needs
+  ``max_num_seqs * max_model_len / block_size <= 2**31`` entries.
 """
 
 from typing import Sequence
@@ -60,7 +73,7 @@ class SchedulerOutput:
     @property
     def seq_lens(self) -> npt.NDArray[np.int32]: ...  # [S], context length after this step
     @property
-    def block_tables(self) -> npt.NDArray[np.int32]: ...  # [S, M], padded with block 0
+    def block_tables(self) -> npt.NDArray[np.int32]: ...  # [S, M], padded with block 0 (see above)
     @property
     def input_ids(self) -> npt.NDArray[np.int64]: ...  # [T]
     @property
@@ -125,7 +138,10 @@ class Scheduler:
         reserve_seqs: int = 0,  # batch slots held for life, e.g. a beam width (0 = n)
     ) -> None: ...
     def schedule(self) -> SchedulerOutput:
-        """The next batch; runs with the GIL released."""
+        """The next batch; runs with the GIL released. When every running sequence decodes one
+        token, the step is planned over the persistent batch rows without visiting a request
+        (also when the only other running requests are prefill chunks at the back of the
+        order)."""
     def update(self, output: SchedulerOutput, sampled_token_ids: TokenIds) -> list[FinishedSequence]:
         """One token per logits row of ``output``; runs with the GIL released. Rows of aborted or
         dropped sequences are ignored. Returns the sequences that ended (incl. forks that ended at

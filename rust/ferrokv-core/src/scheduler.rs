@@ -1341,7 +1341,16 @@ impl Scheduler {
             }
         }
         self.stats.generated_tokens += generated;
-        if !ended_slots.is_empty() {
+        if ended_slots.len() <= 8 {
+            // The usual handful: found by binary search in the ordered running list.
+            for &slot in &ended_slots {
+                let key = self.req(slot).order_key();
+                let requests = &self.requests;
+                let pos = self.running.partition_point(|&s| requests[s as usize].as_ref().expect("live").order_key() < key);
+                debug_assert_eq!(self.running.get(pos), Some(&slot));
+                self.running.remove(pos);
+            }
+        } else {
             for &s in &ended_slots {
                 self.ending[s as usize] = true;
             }
@@ -1349,8 +1358,10 @@ impl Scheduler {
             self.running.retain(|&s| !ending[s as usize]);
             for &s in &ended_slots {
                 self.ending[s as usize] = false;
-                self.release_slot(s);
             }
+        }
+        for &s in &ended_slots {
+            self.release_slot(s);
         }
         self.defer_row_removal = false;
         if self.batch.has_dead() {

@@ -95,25 +95,40 @@ fn token_id(field: &'static str, v: i64) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| invalid(field, v, "token ids must be in [0, 2^32)"))
 }
 
-/// Token ids from a numpy integer array or any sequence of ints. The dtype is checked by a
-/// cast, not by a failing extract (which would build a Python exception on every call).
+/// Token ids from a numpy integer array or any sequence of ints.
 fn token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let mut out = Vec::new();
+    token_ids_into(field, obj, &mut out)?;
+    Ok(out)
+}
+
+/// `token_ids`, appended to `out`. The dtype is checked by a cast, not by a failing extract
+/// (which would build a Python exception on every call).
+fn token_ids_into(field: &'static str, obj: &Bound<'_, PyAny>, out: &mut Vec<i64>) -> PyResult<()> {
     if let Ok(a) = obj.cast::<PyArray1<i64>>() {
         let a = a.readonly();
-        return Ok(a.as_slice().map(<[i64]>::to_vec).unwrap_or_else(|_| a.as_array().to_vec()));
+        match a.as_slice() {
+            Ok(s) => out.extend_from_slice(s),
+            Err(_) => out.extend(a.as_array().iter().copied()),
+        }
+        return Ok(());
     }
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
         let a = a.readonly();
-        return Ok(match a.as_slice() {
-            Ok(s) => s.iter().map(|&t| t as i64).collect(),
-            Err(_) => a.as_array().iter().map(|&t| t as i64).collect(),
-        });
+        match a.as_slice() {
+            Ok(s) => out.extend(s.iter().map(|&t| t as i64)),
+            Err(_) => out.extend(a.as_array().iter().map(|&t| t as i64)),
+        }
+        return Ok(());
     }
     if obj.is_instance_of::<pyo3::types::PyString>() {
         return Err(invalid(field, "<str>", "must be a sequence of token ids, not a string"));
     }
-    obj.extract::<Vec<i64>>()
-        .map_err(|_| invalid(field, obj.get_type().name().map(|n| format!("<{n}>")).unwrap_or_default(), "must be a sequence of ints"))
+    let v = obj
+        .extract::<Vec<i64>>()
+        .map_err(|_| invalid(field, obj.get_type().name().map(|n| format!("<{n}>")).unwrap_or_default(), "must be a sequence of ints"))?;
+    out.extend_from_slice(&v);
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -389,6 +404,8 @@ impl From<FinishedSeq> for PyFinishedSequence {
 #[pyclass(module = "ferrokv._core", name = "Scheduler")]
 struct PyScheduler {
     inner: Scheduler,
+    /// Reused buffer for `update`'s sampled ids (no allocation per step).
+    sampled: Vec<i64>,
 }
 
 #[pymethods]
@@ -434,7 +451,7 @@ impl PyScheduler {
             watermark,
             admission_headroom,
         };
-        Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py_err)? })
+        Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py_err)?, sampled: Vec::new() })
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, *, n=1, priority=0, eos_token_id=None,
@@ -505,9 +522,13 @@ impl PyScheduler {
     fn update(&mut self, py: Python<'_>, output: PyRef<'_, PySchedulerOutput>, sampled_token_ids: &Bound<'_, PyAny>) -> PyResult<Vec<PyFinishedSequence>> {
         let step_id = output.step_id;
         drop(output);
-        let sampled = token_ids("sampled_token_ids", sampled_token_ids)?;
+        let mut sampled = std::mem::take(&mut self.sampled);
+        sampled.clear();
+        token_ids_into("sampled_token_ids", sampled_token_ids, &mut sampled)?;
         let inner = &mut self.inner;
-        let done = py.detach(|| inner.update(step_id, &sampled)).map_err(to_py_err)?;
+        let done = py.detach(|| inner.update(step_id, &sampled));
+        self.sampled = sampled;
+        let done = done.map_err(to_py_err)?;
         Ok(done.into_iter().map(Into::into).collect())
     }
 
