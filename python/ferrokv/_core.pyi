@@ -25,7 +25,8 @@ Conventions
   (``a.copy()``, as a device upload does) to keep it. Otherwise (some running sequence is not in
   the step) it is a compact ``[S, M]`` copy like the other arrays.
 * ``block_size`` must be a power of two (the kernels tile a block by it); the batch matrix needs
-  ``max_num_seqs * max_model_len / block_size <= 2**31`` entries.
+  ``max_num_seqs * max_model_len / block_size <= 2**28`` entries (at most 1 GiB of address
+  space, committed by the OS only as rows are used).
 """
 
 from typing import Sequence

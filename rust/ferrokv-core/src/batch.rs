@@ -32,6 +32,25 @@ use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 /// Sampled tokens a row stages before they are appended to its sequence.
 pub const PENDING_TOKENS: usize = 16;
 
+/// `n` zeroed block ids, allocated zeroed (calloc: pages never touched cost nothing) and
+/// fallibly (a huge configuration is an error, not an abort).
+fn zeroed_table(n: usize) -> Option<Box<[AtomicI32]>> {
+    if n == 0 {
+        return Some(Box::new([]));
+    }
+    let layout = std::alloc::Layout::array::<AtomicI32>(n).ok()?;
+    // SAFETY: the layout is non-zero-sized; a null result is handled; zeroed memory is a valid
+    // AtomicI32 (same size, alignment and bit validity as i32), and a Box<[T]> may own memory
+    // the global allocator returned for `Layout::array::<T>(n)`.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout) as *mut AtomicI32;
+        if p.is_null() {
+            return None;
+        }
+        Some(Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n)))
+    }
+}
+
 /// A running sequence: its request's slot and its id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqRef {
@@ -119,13 +138,10 @@ pub struct Batch {
 }
 
 impl Batch {
-    pub fn new(capacity: usize, width: usize) -> Self {
-        let n = capacity.checked_mul(width).expect("batch table size overflows usize");
-        // A zeroed Vec is calloc'ed: untouched pages cost nothing.
-        let zeros = vec![0i32; n].into_boxed_slice();
-        // SAFETY: AtomicI32 has the same size, alignment and bit validity as i32.
-        let table = unsafe { Box::from_raw(Box::into_raw(zeros) as *mut [AtomicI32]) };
-        Batch {
+    /// `None` when the matrix cannot be allocated.
+    pub fn new(capacity: usize, width: usize) -> Option<Self> {
+        let table = zeroed_table(capacity.checked_mul(width)?)?;
+        Some(Batch {
             width,
             capacity,
             table,
@@ -138,7 +154,7 @@ impl Batch {
             fan_out_first: Vec::with_capacity(capacity),
             pending: vec![0; capacity * PENDING_TOKENS],
             dead: Vec::new(),
-        }
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -357,7 +373,7 @@ mod tests {
 
     #[test]
     fn staged_tokens_flush_in_order_and_move_with_their_row() {
-        let mut b = Batch::new(2, 1);
+        let mut b = Batch::new(2, 1).unwrap();
         b.push(seq(0, 1), init(1, 1, 2), [1u32].into_iter());
         b.push(seq(1, 2), init(2, 1, 2), [2u32].into_iter());
         for t in 0..PENDING_TOKENS as u32 {
@@ -376,7 +392,7 @@ mod tests {
 
     #[test]
     fn rows_stay_dense_and_padded_through_swap_remove() {
-        let mut b = Batch::new(4, 3);
+        let mut b = Batch::new(4, 3).unwrap();
         assert_eq!(b.push(seq(0, 10), init(100, 8, 9), [5u32, 6].into_iter()), 0);
         assert_eq!(b.push(seq(1, 11), init(101, 3, 4), [7u32].into_iter()), 1);
         assert_eq!(b.push(seq(2, 12), init(102, 9, 10), [8u32, 9, 1].into_iter()), 2);
@@ -395,7 +411,7 @@ mod tests {
 
     #[test]
     fn a_shorter_row_moved_over_a_longer_one_is_padded() {
-        let mut b = Batch::new(2, 4);
+        let mut b = Batch::new(2, 4).unwrap();
         b.push(seq(0, 1), init(1, 16, 17), [1u32, 2, 3, 4].into_iter());
         b.push(seq(1, 2), init(2, 1, 2), [9u32].into_iter());
         b.swap_remove(0);
@@ -405,7 +421,7 @@ mod tests {
 
     #[test]
     fn blocks_sync_from_the_first_changed_one() {
-        let mut b = Batch::new(1, 4);
+        let mut b = Batch::new(1, 4).unwrap();
         b.push(seq(0, 1), init(1, 8, 9), [1u32, 2].into_iter());
         b.push_block(0, 3);
         assert_eq!(row(&b, 0), vec![1, 2, 3, 0]);
@@ -419,7 +435,7 @@ mod tests {
 
     #[test]
     fn dead_rows_are_compacted_highest_first() {
-        let mut b = Batch::new(4, 1);
+        let mut b = Batch::new(4, 1).unwrap();
         for i in 0..4u32 {
             b.push(seq(i, i as u64), init(i as u64, 1, 2), [i + 1].into_iter());
         }

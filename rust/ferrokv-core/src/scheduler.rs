@@ -110,13 +110,13 @@ impl SchedulerConfig {
             return Err(CoreError::invalid("max_model_len", self.max_model_len, "must be >= 1"));
         }
         // The batch matrix holds max_num_seqs rows of ceil(max_model_len / block_size) blocks
-        // (allocated lazily by the OS, but its address space is reserved up front).
+        // (committed lazily by the OS, but its address space is reserved up front): at most 1 GiB.
         let entries = self.max_num_seqs as u128 * self.max_model_len.div_ceil(self.block_size) as u128;
-        if entries > 1 << 31 {
+        if entries > 1 << 28 {
             return Err(CoreError::invalid(
                 "max_model_len",
                 self.max_model_len,
-                format!("max_num_seqs ({}) * max_model_len / block_size must be <= 2^31 block-table entries", self.max_num_seqs),
+                format!("max_num_seqs ({}) * max_model_len / block_size must be <= 2^28 block-table entries", self.max_num_seqs),
             ));
         }
         if !(0.0..1.0).contains(&self.watermark) {
@@ -302,9 +302,12 @@ impl Scheduler {
         // scheduler's output.
         static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let instance = INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let batch = Batch::new(cfg.max_num_seqs, cfg.max_model_len.div_ceil(cfg.block_size)).ok_or_else(|| {
+            CoreError::invalid("max_num_seqs", cfg.max_num_seqs, "the batch's block-table matrix cannot be allocated (lower it or max_model_len)")
+        })?;
         Ok(Scheduler {
             bm: BlockMath::new(cfg.block_size),
-            batch: Batch::new(cfg.max_num_seqs, cfg.max_model_len.div_ceil(cfg.block_size)),
+            batch,
             cfg,
             kv,
             requests: Vec::new(),
