@@ -89,6 +89,15 @@ impl BlockPool {
         (self.head != NIL).then_some(BlockId(self.head))
     }
 
+    /// The block after the head of the free list (the allocation after next).
+    pub fn peek_second_free(&self) -> Option<BlockId> {
+        if self.head == NIL {
+            return None;
+        }
+        let next = self.blocks[self.head as usize].next;
+        (next != NIL).then_some(BlockId(next))
+    }
+
     /// Pops the head of the free list with ref count 1. The caller must drop any cached prefix
     /// the block still holds (the pool does not know about prefixes).
     pub fn allocate(&mut self) -> Option<BlockId> {

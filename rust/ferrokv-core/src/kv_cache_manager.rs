@@ -280,8 +280,15 @@ impl KvCacheManager {
 
     fn pop_block(&mut self) -> Option<BlockId> {
         let b = self.gpu.allocate()?;
-        if let (Some(cache), Some(next)) = (&self.cache, self.gpu.peek_free()) {
-            cache.prefetch_record(next); // the next pop evicts it
+        // Allocations come in bursts and each one evicts the cached prefix its block held:
+        // fetch ahead along the free list (the next block's index slot, the one after's record).
+        if let Some(cache) = &self.cache {
+            if let Some(next) = self.gpu.peek_free() {
+                cache.prefetch_evict(next);
+            }
+            if let Some(after) = self.gpu.peek_second_free() {
+                cache.prefetch_record(after);
+            }
         }
         if let Some(cache) = &mut self.cache {
             if cache.evict(b) {

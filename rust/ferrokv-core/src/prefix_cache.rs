@@ -218,6 +218,17 @@ impl PrefixCache {
         }
     }
 
+    /// Starts fetching the index slot `evict(b)` will touch, if `b`'s record (fetched earlier
+    /// by `prefetch_record`) says it is cached.
+    #[inline]
+    pub fn prefetch_evict(&self, b: BlockId) {
+        if let Some(r) = self.records.get(b.0 as usize) {
+            if r.cached() {
+                self.map.prefetch(r.hash);
+            }
+        }
+    }
+
     /// Starts fetching block `b`'s record (what `evict(b)` reads).
     #[inline]
     pub fn prefetch_record(&self, b: BlockId) {
