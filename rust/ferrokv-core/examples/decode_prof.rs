@@ -51,8 +51,14 @@ fn main() {
     b.sort_by(|x, y| x.partial_cmp(y).unwrap());
     let q = |v: &[f64], p: f64| v[((v.len() - 1) as f64 * p) as usize];
     println!(
-        "S={size}: schedule p50 {:.1} us, update p50 {:.1} us; step p50 {:.1} p90 {:.1} p99 {:.1} max {:.1} us",
-        q(&a, 0.5), q(&b, 0.5), q(&sorted, 0.5), q(&sorted, 0.9), q(&sorted, 0.99), q(&sorted, 1.0)
+        "S={size}: schedule p50 {:.1} us, update p50 {:.1} us; step mean {:.1} p50 {:.1} p90 {:.1} p99 {:.1} max {:.1} us",
+        q(&a, 0.5),
+        q(&b, 0.5),
+        total.iter().sum::<f64>() / total.len() as f64,
+        q(&sorted, 0.5),
+        q(&sorted, 0.9),
+        q(&sorted, 0.99),
+        q(&sorted, 1.0)
     );
     if std::env::var_os("SLOWEST").is_some() {
         let mut idx: Vec<usize> = (0..total.len()).collect();
