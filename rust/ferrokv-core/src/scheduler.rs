@@ -559,29 +559,60 @@ impl Scheduler {
         &mut req.seqs[pos]
     }
 
-    /// Starts fetching, level by level, what per-sequence work on `rows` touches: the
-    /// request, the sequence, then the ends of its token, block and hash lists. The rows that
-    /// cross a block boundary in one step each need that chain; started together, the misses
-    /// overlap instead of queueing one chain after another.
-    fn prefetch_row_seqs(&self, rows: &[u32]) {
+    /// While row `rows[i]` is being worked on, starts fetching what the work on the rows after
+    /// it will touch, level by level: the request 8 rows ahead, the sequence 4 ahead (its
+    /// request fetched by then), the ends of its token, block and hash lists 3 ahead. Rows that
+    /// cross a block boundary in one step each need that chain; pipelined, the misses overlap
+    /// instead of queueing one chain after another.
+    #[inline]
+    fn prefetch_ahead(&self, rows: &[u32], i: usize) {
+        let ahead = |d: usize| rows.get(i + d).copied();
+        if i == 0 {
+            // Prime the pipeline.
+            for d in 0..8 {
+                if let Some(r) = ahead(d) {
+                    self.prefetch_row_level(r, 0);
+                }
+            }
+            for d in 0..4 {
+                if let Some(r) = ahead(d) {
+                    self.prefetch_row_level(r, 1);
+                }
+            }
+            for d in 0..3 {
+                if let Some(r) = ahead(d) {
+                    self.prefetch_row_level(r, 2);
+                }
+            }
+        }
+        if let Some(r) = ahead(8) {
+            self.prefetch_row_level(r, 0);
+        }
+        if let Some(r) = ahead(4) {
+            self.prefetch_row_level(r, 1);
+        }
+        if let Some(r) = ahead(3) {
+            self.prefetch_row_level(r, 2);
+        }
+    }
+
+    /// One level of `prefetch_ahead` for one row: 0 the request, 1 the sequence, 2 the ends
+    /// of its token, block and hash lists (each level reads what the one before fetched).
+    #[inline]
+    fn prefetch_row_level(&self, r: u32, level: u8) {
         use crate::prefetch::read;
-        if rows.len() < 4 {
-            return;
-        }
-        for &r in rows {
-            read(&self.requests[self.batch.owner[r as usize].slot as usize] as *const Option<Request> as *const u8);
-        }
-        for &r in rows {
-            if let Some(req) = &self.requests[self.batch.owner[r as usize].slot as usize] {
-                read(req.seqs.as_ptr() as *const u8);
+        let SeqRef { slot, seq_id } = self.batch.owner[r as usize];
+        let entry = &self.requests[slot as usize];
+        match (level, entry) {
+            (0, _) => read(entry as *const Option<Request> as *const u8),
+            (1, Some(req)) => read(req.seqs.as_ptr() as *const u8),
+            (_, Some(req)) => {
+                if let Some(s) = req.seqs.iter().find(|s| s.seq_id == seq_id) {
+                    read(s.tokens.as_ptr().wrapping_add(s.tokens.len()) as *const u8);
+                    s.table.prefetch_tail();
+                }
             }
-        }
-        for &r in rows {
-            let SeqRef { slot, seq_id } = self.batch.owner[r as usize];
-            if let Some(s) = self.requests[slot as usize].as_ref().and_then(|q| q.seqs.iter().find(|s| s.seq_id == seq_id)) {
-                read(s.tokens.as_ptr().wrapping_add(s.tokens.len()) as *const u8);
-                s.table.prefetch_tail();
-            }
+            _ => {}
         }
     }
 
@@ -830,9 +861,9 @@ impl Scheduler {
             max_blocks = max_blocks.max(h.num_blocks + u32::from(starts_block));
         }
         // About one row in block_size enters a new block: the only ones that reach their
-        // sequence's block table.
-        self.prefetch_row_seqs(&new_block_rows);
-        for &r in &new_block_rows {
+        // sequence's block table (fetched a few rows ahead, see `prefetch_ahead`).
+        for (i, &r) in new_block_rows.iter().enumerate() {
+            self.prefetch_ahead(&new_block_rows, i);
             let r = r as usize;
             let SeqRef { slot, seq_id } = self.batch.owner[r];
             let table = &mut Self::seq_mut(&mut self.requests, slot, seq_id).table;
@@ -880,9 +911,9 @@ impl Scheduler {
                 h.samples = true;
             }
         }
-        self.prefetch_row_seqs(new_block_rows);
         let bm = self.bm;
-        for &r in new_block_rows.iter() {
+        for (i, &r) in new_block_rows.iter().enumerate() {
+            self.prefetch_ahead(new_block_rows, i);
             let r = r as usize;
             let SeqRef { slot, seq_id } = self.batch.owner[r];
             let table = &mut Self::seq_mut(&mut self.requests, slot, seq_id).table;
@@ -1283,7 +1314,6 @@ impl Scheduler {
                 stops.push((r as u32, reason, stop_token));
             }
         }
-        self.prefetch_row_seqs(&blocks_done);
         for &r in &full_stage {
             let r = r as usize;
             let SeqRef { slot, seq_id } = self.batch.owner[r];
@@ -1292,18 +1322,24 @@ impl Scheduler {
             let staged = self.batch.stage_token(r, self.batch.last_token[r] as u32);
             debug_assert!(staged);
         }
-        // Registration in two passes: hash every completed block and start fetching the cache
-        // lines its insert touches, then insert (their misses overlap instead of queueing).
-        for pass in 0..2 {
-            for &r in &blocks_done {
-                let r = r as usize;
+        // Registration, software-pipelined over the rows so that their cache misses overlap:
+        // row i+8's request and row i+4's sequence are being fetched, row i+2 is hashed (its
+        // insert targets fetched), while row i is inserted.
+        let n = blocks_done.len();
+        for i in 0..n + 2 {
+            self.prefetch_ahead(&blocks_done, i);
+            for (j, prepare) in [(i, true), (i.wrapping_sub(2), false)] {
+                if j >= n {
+                    continue;
+                }
+                let r = blocks_done[j] as usize;
                 let SeqRef { slot, seq_id } = self.batch.owner[r];
                 let req = self.requests[slot as usize].as_mut().expect("a live row's request is live");
                 let pos = req.seq_pos(seq_id).expect("a live row's sequence is live");
                 let s = &mut req.seqs[pos];
                 let computed = self.batch.rows[r].computed as usize;
                 let salt = req.cache_salt.as_deref();
-                if pass == 0 {
+                if prepare {
                     Self::flush_tokens(&mut self.batch, s);
                     self.kv.prepare_register(&mut s.table, &s.tokens, computed, salt);
                 } else {
