@@ -56,11 +56,12 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: Option<&str>)
         buf[n + 8..n + 8 + s.len()].copy_from_slice(s.as_bytes());
         n += 8 + s.len();
     }
-    for t in tokens {
-        buf[n..n + 4].copy_from_slice(&t.to_le_bytes());
-        n += 4;
+    // Exact chunks: no per-token bounds check, so this compiles to a plain copy on LE targets.
+    let end = n + 4 * tokens.len();
+    for (dst, t) in buf[n..end].chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
     }
-    BlockHash(xxh3_64(&buf[..n]))
+    BlockHash(xxh3_64(&buf[..end]))
 }
 
 
