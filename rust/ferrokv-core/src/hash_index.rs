@@ -50,52 +50,43 @@ impl HashIndex {
         key as usize & self.mask
     }
 
-    pub fn get(&self, key: u64) -> Option<BlockId> {
+    /// The slot holding `key` (`Ok`), or the empty slot ending its run (`Err`).
+    #[inline]
+    fn find(&self, key: u64) -> Result<usize, usize> {
         let mut i = self.home(key);
         loop {
             let s = self.slots[i];
             if s.block == 0 {
-                return None;
+                return Err(i);
             }
             if s.key == key {
-                return Some(BlockId(s.block));
+                return Ok(i);
             }
             i = (i + 1) & self.mask;
         }
+    }
+
+    pub fn get(&self, key: u64) -> Option<BlockId> {
+        self.find(key).ok().map(|i| BlockId(self.slots[i].block))
     }
 
     /// Adds `key -> b` unless the key is present (then returns false and changes nothing).
     pub fn insert(&mut self, key: u64, b: BlockId) -> bool {
         debug_assert!(b.0 != 0, "block 0 marks empty slots");
-        let mut i = self.home(key);
-        loop {
-            let s = self.slots[i];
-            if s.block == 0 {
+        match self.find(key) {
+            Ok(_) => false,
+            Err(i) => {
                 assert!(self.len < self.max_len, "hash index over capacity");
                 self.slots[i] = Slot { key, block: b.0 };
                 self.len += 1;
-                return true;
+                true
             }
-            if s.key == key {
-                return false;
-            }
-            i = (i + 1) & self.mask;
         }
     }
 
     /// Removes `key`; the entries after it in its run move back to close the gap.
     pub fn remove(&mut self, key: u64) -> Option<BlockId> {
-        let mut i = self.home(key);
-        loop {
-            let s = self.slots[i];
-            if s.block == 0 {
-                return None;
-            }
-            if s.key == key {
-                break;
-            }
-            i = (i + 1) & self.mask;
-        }
+        let i = self.find(key).ok()?;
         let removed = BlockId(self.slots[i].block);
         let mut hole = i;
         let mut j = i;

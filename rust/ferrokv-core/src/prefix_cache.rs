@@ -22,6 +22,21 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BlockHash(pub u64);
 
+/// `hash_block`'s bytes streamed piece by piece (`head` is the parent hash or the root marker;
+/// `salt` only for first blocks): the definition the one-shot path must match.
+fn hash_streamed(head: u64, tokens: &[u32], salt: Option<&str>) -> BlockHash {
+    let mut h = Xxh3::new();
+    h.update(&head.to_le_bytes());
+    if let Some(s) = salt {
+        h.update(&(s.len() as u64).to_le_bytes());
+        h.update(s.as_bytes());
+    }
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    BlockHash(h.digest())
+}
+
 const ROOT_MARKER: u64 = 0x6665_7272_6f6b_7600; // "ferrokv\0": the parent of first blocks
 
 /// Stable chained hash of one full block: xxh3-64 of the parent hash (or the root marker, the
@@ -35,17 +50,7 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: Option<&str>)
     let salt = if parent.is_none() { salt } else { None };
     let len = 8 + salt.map_or(0, |s| 8 + s.len()) + 4 * tokens.len();
     if len > INLINE {
-        // Long blocks or salted first blocks: stream the same bytes.
-        let mut h = Xxh3::new();
-        h.update(&head.to_le_bytes());
-        if let Some(s) = salt {
-            h.update(&(s.len() as u64).to_le_bytes());
-            h.update(s.as_bytes());
-        }
-        for t in tokens {
-            h.update(&t.to_le_bytes());
-        }
-        return BlockHash(h.digest());
+        return hash_streamed(head, tokens, salt); // long blocks or salted first blocks
     }
     // The common case: one-shot over a stack buffer (same bytes, same hash, ~4x faster).
     let mut buf = [0u8; INLINE];
@@ -304,23 +309,12 @@ mod tests {
         assert_eq!(hash_block(None, &[], None), hash_block(None, &[], None));
     }
 
-    /// The hash streamed piece by piece: what `hash_block` must equal on every path.
+    /// The streamed definition, with a first block's root marker and salt.
     fn streamed(parent: Option<BlockHash>, tokens: &[u32], salt: Option<&str>) -> BlockHash {
-        let mut h = Xxh3::new();
         match parent {
-            Some(p) => h.update(&p.0.to_le_bytes()),
-            None => {
-                h.update(&ROOT_MARKER.to_le_bytes());
-                if let Some(s) = salt {
-                    h.update(&(s.len() as u64).to_le_bytes());
-                    h.update(s.as_bytes());
-                }
-            }
+            Some(p) => hash_streamed(p.0, tokens, None),
+            None => hash_streamed(ROOT_MARKER, tokens, salt),
         }
-        for t in tokens {
-            h.update(&t.to_le_bytes());
-        }
-        BlockHash(h.digest())
     }
 
     #[test]
