@@ -300,6 +300,7 @@ def test_invalid_sampling_params(kwargs, field):
     "kwargs, field",
     [
         (dict(block_size=0), "block_size"),
+        (dict(block_size=24), "block_size must be a power of two.*24"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(num_kv_blocks=1), "num_kv_blocks"),
         (dict(max_model_len=-5), "max_model_len"),

@@ -74,6 +74,9 @@ class EngineArgs:
 
         for name in ("block_size", "max_num_seqs"):
             positive(name, allow_none=False)
+        if self.block_size & (self.block_size - 1):
+            # The paged-attention kernels tile a block by it; the core's block math shifts.
+            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size!r}")
         for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
             positive(name)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
