@@ -771,9 +771,11 @@ impl Scheduler {
     /// Only sequences entering a new block reach their block tables. `None` changes nothing:
     /// the per-request walk plans the whole step.
     fn plan_decode_rows(&mut self, budget: usize) -> DecodePlan {
-        let n = self.batch.len();
-        if n == 0 {
+        if self.batch.is_empty() {
             return DecodePlan::None;
+        }
+        if self.plan_all(budget) {
+            return DecodePlan::All;
         }
         let bm = self.bm;
         let mut new_block_rows = std::mem::take(&mut self.scratch_rows);
@@ -801,36 +803,84 @@ impl Scheduler {
                 }
             }
         }
-        let plan = if cow {
-            DecodePlan::None
-        } else if others.is_empty() {
-            if n <= budget && self.kv.num_free_blocks() >= new_block_rows.len() {
-                DecodePlan::All
-            } else {
-                DecodePlan::None
-            }
-        } else {
-            self.front_plan(&others, &mut new_block_rows, budget)
-        };
+        // Every row a decode (`plan_all` declined for budget, blocks or copy-on-write): the
+        // per-request walk decides.
+        let plan = if cow || others.is_empty() { DecodePlan::None } else { self.front_plan(&others, &mut new_block_rows, budget) };
         for &slot in &others {
             self.mark[slot as usize] = false;
         }
         self.scratch_slots = others;
-        match plan {
-            DecodePlan::None => {
-                self.scratch_rows = new_block_rows;
-                return plan;
-            }
-            DecodePlan::Front { .. } => {
-                self.scratch_rows = new_block_rows;
-                return plan;
-            }
-            DecodePlan::All => {}
+        self.scratch_rows = new_block_rows;
+        plan
+    }
+
+    /// The `All` plan in one pass over the rows: each row is checked, advanced and emitted
+    /// together (the common step pays for one walk, not a check walk and a plan walk). If a
+    /// row turns out not to qualify, the rows already advanced are restored and it returns
+    /// false, changing nothing.
+    fn plan_all(&mut self, budget: usize) -> bool {
+        let n = self.batch.len();
+        if n > budget {
+            return false;
         }
-        // Plan and emit in one pass: row r is sequence, token and logits row r. Admissions of
-        // this step append after these rows (`build_output` continues from here).
+        let bm = self.bm;
+        let mut new_block_rows = std::mem::take(&mut self.scratch_rows);
+        new_block_rows.clear();
+        // Row r is sequence, token and logits row r. Admissions of this step append after
+        // these rows (`build_output` continues from here).
         let mut o = Self::empty_output(n + 16, n + 16, n + 16);
-        let b = &mut self.batch;
+        // Sized first, then written through zipped iterators: no per-element capacity check.
+        o.seq_lens.resize(n, 0);
+        o.positions.resize(n, 0);
+        o.slot_mapping.resize(n, 0);
+        let mut max_blocks = 0;
+        let mut declined_at = None;
+        {
+            let kv = &self.kv;
+            let (rows, table) = self.batch.rows_and_table();
+            let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
+            for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
+                if h.computed + 1 != h.num_tokens || h.num_tokens <= h.prompt_len {
+                    declined_at = Some(r); // a prefill chunk, or the prompt's last token
+                    break;
+                }
+                let c = h.computed as usize;
+                let starts_block = bm.offset(c) == 0;
+                if starts_block {
+                    // Its slot is known once the block is allocated below.
+                    new_block_rows.push(r as u32);
+                    *slot = -1;
+                } else {
+                    let blk = table.block(r, bm.block(c));
+                    if kv.ref_count(BlockId(blk as u32)) != 1 {
+                        declined_at = Some(r); // copy-on-write
+                        break;
+                    }
+                    *slot = bm.slot(blk, c);
+                }
+                debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
+                h.computed += 1;
+                h.new_tokens = 1;
+                h.samples = true;
+                h.logits_row = r as u32;
+                *len = c as i32 + 1;
+                *pos = c as i64;
+                max_blocks = max_blocks.max(h.num_blocks + u32::from(starts_block));
+            }
+        }
+        if declined_at.is_none() && self.kv.num_free_blocks() < new_block_rows.len() {
+            declined_at = Some(n);
+        }
+        if let Some(k) = declined_at {
+            for h in &mut self.batch.rows[..k] {
+                h.computed -= 1;
+                h.new_tokens = 0;
+                h.samples = false;
+            }
+            self.scratch_rows = new_block_rows;
+            return false;
+        }
+        let b = &self.batch;
         o.req_ids.extend_from_slice(&b.req_id);
         o.seq_ids.extend_from_slice(&b.seq_id);
         o.input_ids.extend_from_slice(&b.last_token);
@@ -839,27 +889,6 @@ impl Scheduler {
         o.row_sample_index.extend_from_slice(&b.sample_index);
         o.query_start_loc.extend(1..=n as i32);
         o.logits_indices.extend(0..n as i64);
-        let mut max_blocks = 0;
-        let (rows, table) = b.rows_and_table();
-        // Sized first, then written through zipped iterators: no per-element capacity check.
-        o.seq_lens.resize(n, 0);
-        o.positions.resize(n, 0);
-        o.slot_mapping.resize(n, 0);
-        let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
-        for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
-            debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
-            let c = h.computed as usize;
-            h.computed += 1;
-            h.new_tokens = 1;
-            h.samples = true;
-            h.logits_row = r as u32;
-            *len = c as i32 + 1;
-            *pos = c as i64;
-            let starts_block = bm.offset(c) == 0;
-            // A row entering a new block gets its slot once the block is allocated below.
-            *slot = if starts_block { -1 } else { bm.slot(table.block(r, bm.block(c)), c) };
-            max_blocks = max_blocks.max(h.num_blocks + u32::from(starts_block));
-        }
         // About one row in block_size enters a new block: the only ones that reach their
         // sequence's block table (fetched a few rows ahead, see `prefetch_ahead`).
         for (i, &r) in new_block_rows.iter().enumerate() {
@@ -877,7 +906,7 @@ impl Scheduler {
         self.emitted = Some((o, n, max_blocks as usize));
         self.step = StepCounts { seqs: n, tokens: n, logits_rows: n, decode_tokens: n };
         self.stats.decode_tokens += n as u64;
-        DecodePlan::All
+        true
     }
 
     /// `Front` planning (see `plan_decode_rows`): `others` are the marked requests that are not
