@@ -19,6 +19,44 @@ pub const NULL_BLOCK: BlockId = BlockId(0);
 
 const NIL: u32 = u32::MAX;
 
+/// Position → (block, offset) by shift and mask: block sizes are powers of two (a 64-bit
+/// division per row would cost more than the rest of a decode row's work).
+#[derive(Debug, Clone, Copy)]
+pub struct BlockMath {
+    size: usize,
+    shift: u32,
+}
+
+impl BlockMath {
+    pub fn new(size: usize) -> Self {
+        assert!(size.is_power_of_two(), "block_size must be a power of two");
+        BlockMath { size, shift: size.trailing_zeros() }
+    }
+    #[inline]
+    pub fn size(self) -> usize {
+        self.size
+    }
+    /// The block holding position `pos`.
+    #[inline]
+    pub fn block(self, pos: usize) -> usize {
+        pos >> self.shift
+    }
+    #[inline]
+    pub fn offset(self, pos: usize) -> usize {
+        pos & (self.size - 1)
+    }
+    /// Blocks that hold `tokens` tokens.
+    #[inline]
+    pub fn blocks_for(self, tokens: usize) -> usize {
+        (tokens + self.size - 1) >> self.shift
+    }
+    /// The slot of position `pos` in block `block`.
+    #[inline]
+    pub fn slot(self, block: i32, pos: usize) -> i64 {
+        ((block as usize) * self.size + self.offset(pos)) as i64
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Block {
     ref_cnt: u32,
@@ -111,11 +149,8 @@ impl BlockPool {
         b.ref_cnt = 1;
         // The next allocation unlinks the new head, which touches the block after it: start
         // that miss now (allocations come in bursts when many sequences enter a new block).
-        if self.head != NIL {
-            let after = self.blocks[self.head as usize].next;
-            if after != NIL {
-                crate::prefetch::read(&self.blocks[after as usize] as *const Block as *const u8);
-            }
+        if let Some(after) = self.peek_second_free() {
+            self.prefetch(after);
         }
         Some(BlockId(id))
     }

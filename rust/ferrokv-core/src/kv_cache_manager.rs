@@ -14,7 +14,7 @@
 //! Costs: allocation is O(new blocks); a decode step that stays inside its last block costs
 //! one ref-count read. Prefix lookups cost one hash per full block of the prompt.
 
-use crate::block_pool::{BlockId, BlockPool};
+use crate::block_pool::{BlockId, BlockMath, BlockPool};
 use crate::prefix_cache::{hash_block, BlockHash, ParentLink, PrefixCache};
 use std::collections::HashMap;
 
@@ -86,9 +86,7 @@ pub struct KvStats {
 }
 
 pub struct KvCacheManager {
-    block_size: usize,
-    /// log2(block_size): block sizes are powers of two, so block math is a shift.
-    block_shift: u32,
+    bm: BlockMath,
     gpu: BlockPool,
     cpu: BlockPool,
     cache: Option<PrefixCache>,
@@ -98,10 +96,8 @@ pub struct KvCacheManager {
 
 impl KvCacheManager {
     pub fn new(num_blocks: usize, block_size: usize, num_cpu_blocks: usize, enable_prefix_caching: bool) -> Self {
-        assert!(block_size.is_power_of_two(), "block_size must be a power of two");
         KvCacheManager {
-            block_size,
-            block_shift: block_size.trailing_zeros(),
+            bm: BlockMath::new(block_size),
             gpu: BlockPool::new(num_blocks, true),
             cpu: BlockPool::new(num_cpu_blocks, false),
             cache: enable_prefix_caching.then(|| PrefixCache::new(num_blocks, block_size)),
@@ -111,7 +107,7 @@ impl KvCacheManager {
     }
 
     pub fn block_size(&self) -> usize {
-        self.block_size
+        self.bm.size()
     }
     pub fn num_free_blocks(&self) -> usize {
         self.gpu.num_free()
@@ -144,7 +140,7 @@ impl KvCacheManager {
     }
 
     pub fn blocks_for(&self, num_tokens: usize) -> usize {
-        (num_tokens + self.block_size - 1) >> self.block_shift
+        self.bm.blocks_for(num_tokens)
     }
 
     /// Cached prefix of `tokens` for an empty table, capped so that at least the last token is
@@ -153,7 +149,7 @@ impl KvCacheManager {
         debug_assert!(table.blocks.is_empty());
         match &self.cache {
             Some(cache) if !tokens.is_empty() => {
-                let max_blocks = (tokens.len() - 1) >> self.block_shift;
+                let max_blocks = self.bm.block(tokens.len() - 1);
                 cache.lookup(tokens, salt, max_blocks, &mut table.hashes)
             }
             _ => Vec::new(),
@@ -170,7 +166,7 @@ impl KvCacheManager {
         }
         let have = table.blocks.len() + hits.len();
         let fresh = self.blocks_for(num_computed + num_new).saturating_sub(have);
-        let first_written = num_computed >> self.block_shift;
+        let first_written = self.bm.block(num_computed);
         let cow = table.blocks.get(first_written..).map_or(0, |w| {
             w.iter().filter(|&&b| self.gpu.ref_count(b) > 1).count()
         });
@@ -191,7 +187,7 @@ impl KvCacheManager {
             }
             let have = table.blocks.len() + hits.len();
             fresh += self.blocks_for(num_computed + num_new).saturating_sub(have);
-            if let Some(w) = table.blocks.get(num_computed >> self.block_shift..) {
+            if let Some(w) = table.blocks.get(self.bm.block(num_computed)..) {
                 written_shared.extend(w.iter().filter(|b| self.gpu.ref_count(**b) > 1).map(|b| b.0));
             }
         }
@@ -223,7 +219,7 @@ impl KvCacheManager {
             return false;
         }
         if !hits.is_empty() {
-            debug_assert!(table.blocks.is_empty() && num_computed == hits.len() * self.block_size);
+            debug_assert!(table.blocks.is_empty() && num_computed == hits.len() * self.bm.size());
             for &b in hits {
                 self.gpu.incref(b);
                 table.blocks.push(b);
@@ -234,7 +230,7 @@ impl KvCacheManager {
         if num_new == 0 {
             return true;
         }
-        let first_written = num_computed >> self.block_shift;
+        let first_written = self.bm.block(num_computed);
         for i in first_written..table.blocks.len() {
             let src = table.blocks[i];
             if self.gpu.ref_count(src) > 1 {
@@ -259,15 +255,25 @@ impl KvCacheManager {
     /// registrations overlap.
     pub fn prepare_register(&self, table: &mut BlockTable, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
         let Some(cache) = &self.cache else { return };
-        let (bs, sh) = (self.block_size, self.block_shift);
-        let full = (num_computed >> sh).min(table.blocks.len()).min(tokens.len() >> sh);
-        for i in table.num_registered..full {
-            if table.hashes.len() == i {
-                let prev = if i == 0 { None } else { Some(table.hashes[i - 1]) };
-                table.hashes.push(hash_block(prev, &tokens[i * bs..(i + 1) * bs], salt));
-            }
+        for i in table.num_registered..self.registrable(table, tokens, num_computed) {
+            self.hash_of(table, tokens, i, salt);
             cache.prefetch_insert(table.blocks[i], table.hashes[i]);
         }
+    }
+
+    /// Leading blocks of `table` that are full and computed (the first `num_computed` tokens).
+    fn registrable(&self, table: &BlockTable, tokens: &[u32], num_computed: usize) -> usize {
+        self.bm.block(num_computed).min(table.blocks.len()).min(self.bm.block(tokens.len()))
+    }
+
+    /// Block `i`'s chain hash, computed once and kept in the table (hashes `0..i` are known).
+    fn hash_of(&self, table: &mut BlockTable, tokens: &[u32], i: usize, salt: Option<&str>) -> BlockHash {
+        if table.hashes.len() == i {
+            let bs = self.bm.size();
+            let prev = if i == 0 { None } else { Some(table.hashes[i - 1]) };
+            table.hashes.push(hash_block(prev, &tokens[i * bs..(i + 1) * bs], salt));
+        }
+        table.hashes[i]
     }
 
     /// Appends one fresh block to a table whose next token starts a new block (the decode
@@ -280,17 +286,16 @@ impl KvCacheManager {
 
     fn pop_block(&mut self) -> Option<BlockId> {
         let b = self.gpu.allocate()?;
-        // Allocations come in bursts and each one evicts the cached prefix its block held:
-        // fetch ahead along the free list (the next block's index slot, the one after's record).
-        if let Some(cache) = &self.cache {
+        if let Some(cache) = &mut self.cache {
+            // Allocations come in bursts and each one evicts the cached prefix its block held:
+            // fetch ahead along the free list (the next block's index slot, the one after's
+            // record).
             if let Some(next) = self.gpu.peek_free() {
                 cache.prefetch_evict(next);
             }
             if let Some(after) = self.gpu.peek_second_free() {
                 cache.prefetch_record(after);
             }
-        }
-        if let Some(cache) = &mut self.cache {
             if cache.evict(b) {
                 self.stats.prefix_evictions += 1;
             }
@@ -301,17 +306,16 @@ impl KvCacheManager {
     /// Registers the table's full blocks whose KV is computed (the first `num_computed` tokens)
     /// in the prefix cache. `tokens` are the sequence's tokens; `salt` only affects block 0.
     pub fn register_computed(&mut self, table: &mut BlockTable, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
-        let Some(cache) = &mut self.cache else { return };
-        let bs = self.block_size;
-        let sh = self.block_shift;
-        let full = (num_computed >> sh).min(table.blocks.len()).min(tokens.len() >> sh);
+        if self.cache.is_none() {
+            return;
+        }
+        let bs = self.bm.size();
+        let full = self.registrable(table, tokens, num_computed);
         while table.num_registered < full {
             let i = table.num_registered;
             let chunk = &tokens[i * bs..(i + 1) * bs];
-            if table.hashes.len() == i {
-                let prev = if i == 0 { None } else { Some(table.hashes[i - 1]) };
-                table.hashes.push(hash_block(prev, chunk, salt));
-            }
+            self.hash_of(table, tokens, i, salt);
+            let cache = self.cache.as_mut().expect("checked above");
             let parent = if i == 0 { None } else { table.last_link };
             if i > 0 && parent.is_none() {
                 break; // the chain is broken (a collision upstream): stop registering
@@ -322,8 +326,7 @@ impl KvCacheManager {
             } else {
                 // Already cached: as this very block (a sibling registered it), or as an
                 // identical block another request computed. Chain on from the cached copy.
-                let mut probe = table.hashes[..i].to_vec();
-                probe.push(table.hashes[i]);
+                let mut probe = table.hashes[..=i].to_vec();
                 cache.lookup(&tokens[..(i + 1) * bs], salt, i + 1, &mut probe).get(i).copied()
             };
             match canonical {
@@ -459,7 +462,7 @@ impl KvCacheManager {
         if from >= to {
             return true;
         }
-        let (a, b) = (from >> self.block_shift, (to - 1) >> self.block_shift);
+        let (a, b) = (self.bm.block(from), self.bm.block(to - 1));
         table.blocks.get(a..=b).is_some_and(|w| w.iter().all(|&x| self.gpu.ref_count(x) == 1))
     }
 

@@ -29,7 +29,7 @@
 //! sorted running list.
 
 use crate::batch::{Batch, Moved, RowInit, SeqRef, NO_ROW, PENDING_TOKENS};
-use crate::block_pool::BlockId;
+use crate::block_pool::{BlockId, BlockMath};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::{BlockTable, KvCacheManager, KvStats};
 use crate::output::{BlockTables, FinishedSeq, SchedulerOutput};
@@ -207,34 +207,6 @@ struct InFlight {
     num_logits_rows: usize,
     /// A fork since `schedule` legitimately shares blocks this step wrote.
     forked: bool,
-}
-
-/// Position → (block, offset) by shift and mask: block sizes are powers of two (a 64-bit
-/// division per row would cost more than the rest of a decode row's work).
-#[derive(Debug, Clone, Copy)]
-struct BlockMath {
-    size: usize,
-    shift: u32,
-}
-
-impl BlockMath {
-    fn new(size: usize) -> Self {
-        debug_assert!(size.is_power_of_two());
-        BlockMath { size, shift: size.trailing_zeros() }
-    }
-    #[inline]
-    fn block(self, pos: usize) -> usize {
-        pos >> self.shift
-    }
-    #[inline]
-    fn offset(self, pos: usize) -> usize {
-        pos & (self.size - 1)
-    }
-    /// The slot of position `pos` in block `block`.
-    #[inline]
-    fn slot(self, block: i32, pos: usize) -> i64 {
-        ((block as usize) * self.size + self.offset(pos)) as i64
-    }
 }
 
 /// How `plan_decode_rows` planned the step's decodes.
