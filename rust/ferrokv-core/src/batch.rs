@@ -117,6 +117,15 @@ impl TableRef<'_> {
     }
 }
 
+impl RowState {
+    /// The row's next step is one decode token: all tokens but the last are computed, and the
+    /// last is a sampled one (not the prompt's last token).
+    #[inline]
+    pub fn is_decode(&self) -> bool {
+        self.computed + 1 == self.num_tokens && self.num_tokens > self.prompt_len
+    }
+}
+
 pub struct Batch {
     width: usize,
     capacity: usize,

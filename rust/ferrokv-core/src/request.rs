@@ -82,6 +82,12 @@ impl RowStop {
         }
     }
 
+    /// A cheap filter for `check`: false means `check` is `None` (it never looks up stop ids).
+    #[inline]
+    pub fn may_stop(&self, token: u32, total_len: u32) -> bool {
+        total_len >= self.stop_len || (total_len >= self.min_len && (self.eos == Some(token) || self.has_stop_ids))
+    }
+
     /// `StopParams::check` for a sequence that has `total_len` tokens after appending `token`;
     /// `stop_ids` is only called when the request has stop token ids.
     #[inline]
@@ -189,6 +195,9 @@ mod tests {
                                 let want = p.check(tok, out_len, total, max_model_len);
                                 let have = row.check(tok, total as u32, || p.stop_token_ids.contains(&tok));
                                 assert_eq!(have, want, "{p:?} prompt {prompt_len} out {out_len} tok {tok}");
+                                if want.is_some() {
+                                    assert!(row.may_stop(tok, total as u32), "the filter hides a stop: {p:?} out {out_len} tok {tok}");
+                                }
                             }
                         }
                     }

@@ -510,8 +510,8 @@ impl Scheduler {
 
     /// Takes a sequence's row away; its computed count goes back into the sequence.
     fn take_row(&mut self, slot: u32, pos: usize) {
+        self.sync_row_tokens(slot, pos);
         let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
-        Self::flush_tokens(&mut self.batch, s);
         let row = std::mem::replace(&mut s.row, NO_ROW);
         if row == NO_ROW {
             return;
@@ -524,10 +524,16 @@ impl Scheduler {
         }
     }
 
+    /// A live row's request and the position of its sequence in it.
+    fn row_req(requests: &mut [Option<Request>], seq: SeqRef) -> (&mut Request, usize) {
+        let req = requests[seq.slot as usize].as_mut().expect("a live row's request is live");
+        let pos = req.seq_pos(seq.seq_id).expect("a live row's sequence is live");
+        (req, pos)
+    }
+
     /// A live row's sequence.
-    fn seq_mut(requests: &mut [Option<Request>], slot: u32, seq_id: u64) -> &mut Sequence {
-        let req = requests[slot as usize].as_mut().expect("a live row's request is live");
-        let pos = req.seq_pos(seq_id).expect("a live row's sequence is live");
+    fn seq_of(requests: &mut [Option<Request>], seq: SeqRef) -> &mut Sequence {
+        let (req, pos) = Self::row_req(requests, seq);
         &mut req.seqs[pos]
     }
 
@@ -538,33 +544,13 @@ impl Scheduler {
     /// instead of queueing one chain after another.
     #[inline]
     fn prefetch_ahead(&self, rows: &[u32], i: usize) {
-        let ahead = |d: usize| rows.get(i + d).copied();
-        if i == 0 {
-            // Prime the pipeline.
-            for d in 0..8 {
-                if let Some(r) = ahead(d) {
-                    self.prefetch_row_level(r, 0);
-                }
+        const DISTANCE: [usize; 3] = [8, 4, 3]; // per level
+        for (level, d) in DISTANCE.into_iter().enumerate() {
+            // The first row primes the pipeline with the rows before that distance too.
+            let from = if i == 0 { 0 } else { d };
+            for &r in rows.iter().skip(i + from).take(d + 1 - from) {
+                self.prefetch_row_level(r, level as u8);
             }
-            for d in 0..4 {
-                if let Some(r) = ahead(d) {
-                    self.prefetch_row_level(r, 1);
-                }
-            }
-            for d in 0..3 {
-                if let Some(r) = ahead(d) {
-                    self.prefetch_row_level(r, 2);
-                }
-            }
-        }
-        if let Some(r) = ahead(8) {
-            self.prefetch_row_level(r, 0);
-        }
-        if let Some(r) = ahead(4) {
-            self.prefetch_row_level(r, 1);
-        }
-        if let Some(r) = ahead(3) {
-            self.prefetch_row_level(r, 2);
         }
     }
 
@@ -589,9 +575,7 @@ impl Scheduler {
     }
 
     fn fix_moved(&mut self, m: Moved) {
-        let req = self.requests[m.seq.slot as usize].as_mut().expect("a live row's request is live");
-        let pos = req.seq_pos(m.seq.seq_id).expect("a live row's sequence is live");
-        req.seqs[pos].row = m.to;
+        Self::seq_of(&mut self.requests, m.seq).row = m.to;
     }
 
     /// Mirrors a sequence's block table into its row from block `from` on.
@@ -607,6 +591,7 @@ impl Scheduler {
     /// so the samples of a request always step in lockstep.
     fn try_schedule(&mut self, slot: u32, budget: usize, watermark: usize) -> Attempt {
         let bs = self.cfg.block_size;
+        let bm = self.bm;
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let kv = &mut self.kv;
         let batch = &mut self.batch;
@@ -619,7 +604,7 @@ impl Scheduler {
         if n == 1 && budget > 0 {
             let s = &mut req.seqs[0];
             let c = Self::computed_of(batch, s);
-            if c + 1 == s.tokens.len() && c % bs != 0 && kv.ref_count(s.table.blocks()[c / bs]) == 1 {
+            if c + 1 == s.tokens.len() && bm.offset(c) != 0 && kv.ref_count(s.table.blocks()[bm.block(c)]) == 1 {
                 self.plan.clear();
                 self.plan.push((c, 1));
                 Self::set_computed(batch, s, c + 1);
@@ -690,7 +675,7 @@ impl Scheduler {
             }
             Self::set_computed(batch, s, start + chunk);
             // Blocks change from the first one written (copy-on-write) or appended on.
-            Self::sync_row(batch, s, start / bs);
+            Self::sync_row(batch, s, bm.block(start));
         }
         Attempt::Scheduled { tokens: sum, full }
     }
@@ -758,7 +743,7 @@ impl Scheduler {
         {
             let b = &self.batch;
             for (r, h) in b.rows.iter().enumerate() {
-                if h.computed + 1 != h.num_tokens || h.num_tokens <= h.prompt_len {
+                if !h.is_decode() {
                     // A prefill chunk, or the prompt's last token: its request goes the long way.
                     let slot = b.owner[r].slot as usize;
                     if !std::mem::replace(&mut self.mark[slot], true) {
@@ -812,7 +797,7 @@ impl Scheduler {
             let (rows, table) = self.batch.rows_and_table();
             let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
             for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
-                if h.computed + 1 != h.num_tokens || h.num_tokens <= h.prompt_len {
+                if !h.is_decode() {
                     declined_at = Some(r); // a prefill chunk, or the prompt's last token
                     break;
                 }
@@ -861,24 +846,30 @@ impl Scheduler {
         o.row_sample_index.extend_from_slice(&b.sample_index);
         o.query_start_loc.extend(1..=n as i32);
         o.logits_indices.extend(0..n as i64);
-        // About one row in block_size enters a new block: the only ones that reach their
-        // sequence's block table (fetched a few rows ahead, see `prefetch_ahead`).
-        for (i, &r) in new_block_rows.iter().enumerate() {
-            self.prefetch_ahead(&new_block_rows, i);
-            let r = r as usize;
-            let SeqRef { slot, seq_id } = self.batch.owner[r];
-            let table = &mut Self::seq_mut(&mut self.requests, slot, seq_id).table;
-            let c = self.batch.rows[r].computed as usize - 1;
-            debug_assert_eq!(table.len(), bm.block(c), "the write starts a new block");
-            let b = self.kv.append_block(table);
-            self.batch.push_block(r, b.0);
-            o.slot_mapping[r] = bm.slot(b.0 as i32, c);
+        self.append_new_blocks(&new_block_rows);
+        for &r in &new_block_rows {
+            let (r, c) = (r as usize, self.batch.rows[r as usize].computed as usize - 1);
+            o.slot_mapping[r] = bm.slot(self.batch.block(r, bm.block(c)), c);
         }
         self.scratch_rows = new_block_rows;
         self.emitted = Some((o, n, max_blocks as usize));
         self.step = StepCounts { seqs: n, tokens: n, logits_rows: n, decode_tokens: n };
         self.stats.decode_tokens += n as u64;
         true
+    }
+
+    /// Gives each of `rows` (just advanced by one decode token that starts a new block) a fresh
+    /// block. About one row in block_size per step: the only ones that reach their sequence's
+    /// block table (fetched a few rows ahead, see `prefetch_ahead`).
+    fn append_new_blocks(&mut self, rows: &[u32]) {
+        for (i, &r) in rows.iter().enumerate() {
+            self.prefetch_ahead(rows, i);
+            let r = r as usize;
+            let table = &mut Self::seq_of(&mut self.requests, self.batch.owner[r]).table;
+            debug_assert_eq!(table.len(), self.bm.block(self.batch.rows[r].computed as usize - 1), "the write starts a new block");
+            let b = self.kv.append_block(table);
+            self.batch.push_block(r, b.0);
+        }
     }
 
     /// `Front` planning (see `plan_decode_rows`): `others` are the marked requests that are not
@@ -888,40 +879,28 @@ impl Scheduler {
         let len = self.running.len();
         let k = others.len();
         for &slot in others {
-            let key = self.req(slot).order_key();
-            let requests = &self.requests;
-            let pos = self.running.partition_point(|&s| requests[s as usize].as_ref().expect("live").order_key() < key);
-            if pos < len - k {
+            if self.running_index(slot) < len - k {
                 return DecodePlan::None; // one of them would be served before some decodes
             }
         }
         let b = &self.batch;
         let mark = &self.mark;
         new_block_rows.retain(|&r| !mark[b.owner[r as usize].slot as usize]);
-        let decodes = b.rows.iter().zip(&b.owner).filter(|(h, o)| h.computed + 1 == h.num_tokens && !mark[o.slot as usize]).count();
+        let decodes = b.rows.iter().zip(&b.owner).filter(|(h, o)| h.is_decode() && !mark[o.slot as usize]).count();
         if decodes > budget || self.kv.num_free_blocks() < new_block_rows.len() {
             return DecodePlan::None;
         }
         self.batch.clear_plan();
         let b = &mut self.batch;
         for (h, o) in b.rows.iter_mut().zip(&b.owner) {
-            if h.computed + 1 == h.num_tokens && !mark[o.slot as usize] {
+            if h.is_decode() && !mark[o.slot as usize] {
                 debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
                 h.computed += 1;
                 h.new_tokens = 1;
                 h.samples = true;
             }
         }
-        let bm = self.bm;
-        for (i, &r) in new_block_rows.iter().enumerate() {
-            self.prefetch_ahead(new_block_rows, i);
-            let r = r as usize;
-            let SeqRef { slot, seq_id } = self.batch.owner[r];
-            let table = &mut Self::seq_mut(&mut self.requests, slot, seq_id).table;
-            debug_assert_eq!(table.len(), bm.block(self.batch.rows[r].computed as usize - 1), "the write starts a new block");
-            let blk = self.kv.append_block(table);
-            self.batch.push_block(r, blk.0);
-        }
+        self.append_new_blocks(new_block_rows);
         self.step = StepCounts { seqs: decodes, tokens: decodes, logits_rows: decodes, decode_tokens: decodes };
         self.stats.decode_tokens += decodes as u64;
         DecodePlan::Front { generic_from: len - k }
@@ -1036,15 +1015,20 @@ impl Scheduler {
         Ok(out)
     }
 
+    /// Where request `slot` is (or belongs) in the running list, which is sorted by order key
+    /// (keys are unique: arrivals are).
+    fn running_index(&self, slot: u32) -> usize {
+        let key = self.req(slot).order_key();
+        self.running.partition_point(|&s| self.req(s).order_key() < key)
+    }
+
     /// A request starts running: it joins the running list in order and its sequences get rows.
     fn admit(&mut self, slot: u32, key: (i64, u64, u32)) {
         self.waiting.remove(&key);
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         req.state = RequestState::Running;
         self.num_running_seqs += req.seq_slots();
-        let k = req.order_key();
-        let requests = &self.requests;
-        let pos = self.running.partition_point(|&s| requests[s as usize].as_ref().expect("live").order_key() <= k);
+        let pos = self.running_index(slot);
         self.running.insert(pos, slot);
         self.give_rows(slot);
     }
@@ -1077,9 +1061,6 @@ impl Scheduler {
         self.waiting.insert((k.0, k.1, slot));
     }
 
-    /// Flattens the planned rows, in row order, into the step's arrays. When every row is in
-    /// the step, the block tables are the batch matrix itself (no copy); otherwise the planned
-    /// rows are gathered.
     /// Output buffers with room for a step, `query_start_loc` started.
     fn empty_output(seqs: usize, tokens: usize, rows: usize) -> SchedulerOutput {
         let mut o = SchedulerOutput {
@@ -1100,6 +1081,9 @@ impl Scheduler {
         o
     }
 
+    /// Flattens the planned rows, in row order, into the step's arrays. When every row is in
+    /// the step, the block tables are the batch matrix itself (no copy); otherwise the planned
+    /// rows are gathered.
     fn build_output(&mut self, preempted: Vec<i64>) -> SchedulerOutput {
         let bs = self.cfg.block_size;
         let StepCounts { seqs: s_count, tokens: t_count, logits_rows: r_count, decode_tokens } = self.step;
@@ -1131,9 +1115,7 @@ impl Scheduler {
             if before + 1 == b.rows[r].num_tokens as usize {
                 o.input_ids.push(b.last_token[r]);
             } else {
-                let SeqRef { slot, seq_id } = b.owner[r];
-                let req = self.requests[slot as usize].as_ref().expect("a live row's request is live");
-                let s = &req.seqs[req.seq_pos(seq_id).expect("a live row's sequence is live")];
+                let s = Self::seq_of(&mut self.requests, b.owner[r]);
                 o.input_ids.extend(s.tokens[before..after].iter().map(|&t| t as i64));
             }
             for p in before..after {
@@ -1293,9 +1275,7 @@ impl Scheduler {
                 } else {
                     full_stage.push(r as u32); // staged once its stage is flushed
                 }
-                let st = &h.stop;
-                let total = h.num_tokens;
-                if total >= st.stop_len || (total >= st.min_len && (st.eos == Some(tok) || st.has_stop_ids)) {
+                if h.stop.may_stop(tok, h.num_tokens) {
                     maybe_stops.push(r as u32);
                 }
             }
@@ -1317,8 +1297,7 @@ impl Scheduler {
         }
         for &r in &full_stage {
             let r = r as usize;
-            let SeqRef { slot, seq_id } = self.batch.owner[r];
-            let s = Self::seq_mut(&mut self.requests, slot, seq_id);
+            let s = Self::seq_of(&mut self.requests, self.batch.owner[r]);
             self.batch.flush_tokens(r, &mut s.tokens);
             let staged = self.batch.stage_token(r, self.batch.last_token[r] as u32);
             debug_assert!(staged);
@@ -1334,9 +1313,7 @@ impl Scheduler {
                     continue;
                 }
                 let r = blocks_done[j] as usize;
-                let SeqRef { slot, seq_id } = self.batch.owner[r];
-                let req = self.requests[slot as usize].as_mut().expect("a live row's request is live");
-                let pos = req.seq_pos(seq_id).expect("a live row's sequence is live");
+                let (req, pos) = Self::row_req(&mut self.requests, self.batch.owner[r]);
                 let s = &mut req.seqs[pos];
                 let computed = self.batch.rows[r].computed as usize;
                 let salt = req.cache_salt.as_deref();
@@ -1358,9 +1335,7 @@ impl Scheduler {
             for row in std::iter::once(r as usize).chain(first_child..self.batch.len()) {
                 generated += 1;
                 let tok = sampled[self.batch.rows[row].logits_row as usize] as u32;
-                let SeqRef { slot, seq_id } = self.batch.owner[row];
-                let req = self.requests[slot as usize].as_mut().expect("a live row's request is live");
-                let pos = req.seq_pos(seq_id).expect("a live row's sequence is live");
+                let (req, pos) = Self::row_req(&mut self.requests, self.batch.owner[row]);
                 let s = &mut req.seqs[pos];
                 Self::flush_tokens(&mut self.batch, s);
                 s.tokens.push(tok);
@@ -1384,9 +1359,7 @@ impl Scheduler {
         if ended_slots.len() <= 8 {
             // The usual handful: found by binary search in the ordered running list.
             for &slot in &ended_slots {
-                let key = self.req(slot).order_key();
-                let requests = &self.requests;
-                let pos = self.running.partition_point(|&s| requests[s as usize].as_ref().expect("live").order_key() < key);
+                let pos = self.running_index(slot);
                 debug_assert_eq!(self.running.get(pos), Some(&slot));
                 self.running.remove(pos);
             }
@@ -1421,34 +1394,44 @@ impl Scheduler {
         let (count, first, logits_row) = (self.batch.rows[r].fan_out, self.batch.fan_out_first[r], self.batch.rows[r].logits_row);
         // Done once: a step that skips `clear_plan` must not fork again.
         self.batch.rows[r].fan_out = 0;
-        let computed = self.batch.rows[r].computed as usize;
-        let req = self.requests[slot as usize].as_mut().expect("a live row's request is live");
-        let ppos = req.seq_pos(seq_id).expect("a live row's sequence is live");
-        Self::flush_tokens(&mut self.batch, &mut req.seqs[ppos]);
+        let before = self.req(slot).seq_slots();
+        let ppos = self.req(slot).seq_pos(seq_id).expect("a live row's sequence is live");
         for j in 0..count {
-            let child_id = first + j as u64;
-            let table = self.kv.fork(&req.seqs[ppos].table);
-            let p = &req.seqs[ppos];
-            let child = Sequence {
-                seq_id: child_id,
-                sample_index: req.next_sample_index,
-                tokens: p.tokens.clone(),
-                num_computed: computed,
-                table,
-                row: NO_ROW,
-            };
-            req.next_sample_index += 1;
-            let before = req.seq_slots();
-            let init = Self::row_init(req, &child, computed, self.cfg.max_model_len);
-            let row = self.batch.push(SeqRef { slot, seq_id: child_id }, init, child.table.blocks().iter().map(|b| b.0));
-            self.batch.rows[row as usize].samples = true;
-            self.batch.rows[row as usize].logits_row = logits_row + 1 + j;
-            req.seqs.push(Sequence { row, ..child });
-            req.fanned_out = true;
-            // Usually no change: the n slots were counted at admission.
-            self.num_running_seqs = self.num_running_seqs + req.seq_slots() - before;
-            self.seq_owner.insert(child_id, slot);
+            // Children are pushed after the parent: its position holds.
+            let row = self.add_child(slot, ppos, first + j as u64, None) as usize;
+            self.batch.rows[row].samples = true;
+            self.batch.rows[row].logits_row = logits_row + 1 + j;
         }
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        req.fanned_out = true;
+        // Usually no change: the n slots were counted at admission.
+        self.num_running_seqs = self.num_running_seqs + req.seq_slots() - before;
+    }
+
+    /// Forks sequence `ppos` of running request `slot` into a new sequence `child_id` that
+    /// shares all its blocks (copy-on-write) and gets a batch row; `next_token`, if any, is
+    /// appended to the child's tokens. The caller accounts for the request's sequence slots.
+    fn add_child(&mut self, slot: u32, ppos: usize, child_id: u64, next_token: Option<u32>) -> u32 {
+        self.sync_row_tokens(slot, ppos);
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let parent = &req.seqs[ppos];
+        let computed = Self::computed_of(&self.batch, parent);
+        let table = self.kv.fork(&parent.table);
+        let mut tokens = parent.tokens.clone();
+        tokens.extend(next_token);
+        let child = Sequence { seq_id: child_id, sample_index: req.next_sample_index, tokens, num_computed: computed, table, row: NO_ROW };
+        req.next_sample_index += 1;
+        let init = Self::row_init(req, &child, computed, self.cfg.max_model_len);
+        let row = self.batch.push(SeqRef { slot, seq_id: child_id }, init, child.table.blocks().iter().map(|b| b.0));
+        req.seqs.push(Sequence { row, ..child });
+        self.seq_owner.insert(child_id, slot);
+        row
+    }
+
+    /// Appends the tokens staged in a running sequence's row to the sequence.
+    fn sync_row_tokens(&mut self, slot: u32, pos: usize) {
+        let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
+        Self::flush_tokens(&mut self.batch, s);
     }
 
     /// Ends one sequence; returns true when it was its request's last (the caller then takes
@@ -1577,23 +1560,9 @@ impl Scheduler {
             _ => {}
         }
         let child_id = self.new_seq_id();
-        let computed = self.batch.rows[parent_row].computed as usize;
-        let req = self.requests[slot as usize].as_mut().expect("live slot");
-        Self::flush_tokens(&mut self.batch, &mut req.seqs[pos]);
-        let parent = &req.seqs[pos];
-        let table = self.kv.fork(&parent.table);
-        let mut tokens = parent.tokens.clone();
-        if let Some(t) = next_token {
-            tokens.push(t);
-        }
-        let before = req.seq_slots();
-        let child = Sequence { seq_id: child_id, sample_index: req.next_sample_index, tokens, num_computed: computed, table, row: NO_ROW };
-        let init = Self::row_init(req, &child, computed, self.cfg.max_model_len);
-        let row = self.batch.push(SeqRef { slot, seq_id: child_id }, init, child.table.blocks().iter().map(|b| b.0));
-        req.seqs.push(Sequence { row, ..child });
-        req.next_sample_index += 1;
-        self.num_running_seqs += req.seq_slots() - before;
-        self.seq_owner.insert(child_id, slot);
+        let before = self.req(slot).seq_slots();
+        self.add_child(slot, pos, child_id, next_token);
+        self.num_running_seqs += self.req(slot).seq_slots() - before;
         if let Some(f) = self.in_flight.as_mut() {
             f.forked = true;
         }
