@@ -51,6 +51,11 @@ BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 SWEEP_SEQS = 256
 
 
+def report(result: str, data: dict, json_lines: bool, line: str) -> None:
+    """One result: a JSON line with `--json`, else the human-readable line."""
+    print(json.dumps({"result": result, **data}) if json_lines else line, flush=True)
+
+
 def block_size_sweep(sizes: list[int], seqs: int, steps: int, seed: int, json_lines: bool) -> list[dict]:
     """Rust and Python decode steps at `seqs` sequences for every block size, interleaved."""
     rows = []
@@ -71,13 +76,10 @@ def block_size_sweep(sizes: list[int], seqs: int, steps: int, seed: int, json_li
             r[side.impl] = side.summary()
         r["python_over_rust_p50"] = r["python"]["p50_us"] / r["rust"]["p50_us"]
         rows.append(r)
-        msg = (f"B={b:<4} rust {r['rust']['mean_us']:7.1f} µs/step (p50 {r['rust']['p50_us']:6.1f})  "
+        report("block_size_step", r, json_lines,
+               f"B={b:<4} rust {r['rust']['mean_us']:7.1f} µs/step (p50 {r['rust']['p50_us']:6.1f})  "
                f"python {r['python']['mean_us']:8.1f} µs/step (p50 {r['python']['p50_us']:7.1f})  "
                f"width {r['rust']['mean_width']:.0f}")
-        if json_lines:
-            print(json.dumps({"result": "block_size_step", **r}), flush=True)
-        else:
-            print(msg, flush=True)
     ref = next((r for r in rows if r["block_size"] == 16), rows[0])
     for r in rows:
         r["rust_p50_vs_b16"] = r["rust"]["p50_us"] / ref["rust"]["p50_us"]
@@ -180,10 +182,7 @@ def single_request(runs: int, prompt_len: int, new_tokens: int, json_lines: bool
             f"{1e3 * res['ferrokv_overhead_per_step_s']:.2f} ms); transformers first token "
             f"{1e3 * hf_first:.1f} ms, {1e3 * res['transformers_per_token_s']:.1f} ms per further token; "
             f"greedy ids identical: {res['greedy_ids_identical']}")
-    if json_lines:
-        print(json.dumps({"result": "single_request", **res}), flush=True)
-    else:
-        print(line, flush=True)
+    report("single_request", res, json_lines, line)
     return res
 
 

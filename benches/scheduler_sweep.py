@@ -264,19 +264,15 @@ class PyScheduler:
         budget = self.budget
         sched: list[tuple[_Req, int, int]] = []
         rows: list[tuple[_Req, int]] = []
-        num_tokens = 0
+        planned: list[tuple[_Req, tuple[int, int, bool]]] = []
         for r in self.running:
             plan = self._try(r, budget, 0)
             if plan is None:
                 if budget and len(r.tokens) > r.num_computed:
                     raise RuntimeError("out of KV blocks: preemption is not modelled by the baseline")
                 break
-            start, chunk, full = plan
-            sched.append((r, start, start + chunk))
-            num_tokens += chunk
-            budget -= chunk
-            if full:
-                rows.append((r, num_tokens - 1))
+            planned.append((r, plan))
+            budget -= plan[1]
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             wm = self.watermark_blocks + math.ceil(len(self.running) * self.headroom) if self.running else 0
             r = self.waiting[0]
@@ -285,10 +281,12 @@ class PyScheduler:
                 break
             self.waiting.popleft()
             self.running.append(r)
-            start, chunk, full = plan
+            planned.append((r, plan))
+            budget -= plan[1]
+        num_tokens = 0
+        for r, (start, chunk, full) in planned:
             sched.append((r, start, start + chunk))
             num_tokens += chunk
-            budget -= chunk
             if full:
                 rows.append((r, num_tokens - 1))
         out = self._build(sched, rows, num_tokens)

@@ -290,7 +290,8 @@ class LLMEngine:
             )
 
     def _checked_prompt(self, request_id: Any, prompt: Any) -> tuple[str, str | None, list[int]]:
-        """The request id (unused) and the prompt's text and validated token ids."""
+        """The request id as a string (checked not to be in use) and the prompt's text and
+        validated token ids."""
         request_id = str(request_id)
         if request_id in self._by_name:
             raise ValueError(f"request_id={request_id!r} is already in use")
