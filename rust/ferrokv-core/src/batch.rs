@@ -11,7 +11,8 @@
 //!   step never rebuilds the batch's block tables: a row changes only where its sequence's
 //!   table changed (usually one appended block every `block_size` steps);
 //! - the hot state of a decode step: computed tokens (authoritative while the sequence has a
-//!   row), token count and last token, its stop thresholds, ids, and up to `PENDING_TOKENS`
+//!   row), its last block and whether it is known unshared (so that a decode inside it reads
+//!   neither the matrix nor the block pool), token count and last token, its stop thresholds, ids, and up to `PENDING_TOKENS`
 //!   sampled tokens not yet appended to the sequence (they are flushed into it when the
 //!   stage is full, when a block completes and whenever anything reads the sequence's
 //!   tokens), so that a decode step does not touch the sequence at all;
@@ -92,6 +93,9 @@ pub struct RowState {
     pub prompt_len: u32,
     /// Blocks in the row (= ceil(computed / block_size)).
     pub num_blocks: u32,
+    /// The row's last block (0 when it has none): a decode step writing inside it reads
+    /// neither the matrix nor the block pool.
+    pub tail_block: u32,
     /// This step's plan: tokens scheduled, the row's own sampled token, extra samples of an
     /// `n > 1` request to fork off it when its prompt completes (their sampled tokens follow).
     pub new_tokens: u32,
@@ -101,6 +105,10 @@ pub struct RowState {
     /// Left while a step was in flight; removed by `compact`.
     pub is_dead: bool,
     pub num_pending: u8,
+    /// The last block's ref count is known to be 1 (it was appended fresh, or seen at 1 and
+    /// not forked since; a fork clears it). False means "unknown", never "shared": it may be
+    /// stale only for a full last block, which a cache hit can share but no write touches.
+    pub tail_owned: bool,
     pub stop: RowStop,
 }
 
@@ -214,20 +222,24 @@ impl Batch {
         assert!(r < self.capacity, "more running sequences than max_num_seqs");
         debug_assert!(blocks.len() <= self.width);
         let n = blocks.len();
+        let mut tail = 0;
         for (i, b) in blocks.enumerate() {
             self.set(r, i, b as i32);
+            tail = b;
         }
         self.rows.push(RowState {
             computed: init.computed as u32,
             num_tokens: init.num_tokens as u32,
             prompt_len: init.prompt_len as u32,
             num_blocks: n as u32,
+            tail_block: tail,
             new_tokens: 0,
             logits_row: 0,
             fan_out: 0,
             samples: false,
             is_dead: false,
             num_pending: 0,
+            tail_owned: false,
             stop: init.stop,
         });
         self.owner.push(seq);
@@ -249,15 +261,22 @@ impl Batch {
         for i in n..self.rows[row].num_blocks as usize {
             self.set(row, i, 0);
         }
-        self.rows[row].num_blocks = n as u32;
+        let h = &mut self.rows[row];
+        h.num_blocks = n as u32;
+        h.tail_block = if n == 0 { 0 } else { self.table[row * self.width + n - 1].load(Relaxed) as u32 };
+        h.tail_owned = false;
     }
 
-    /// Appends one block to a row (a decode step entering a new block).
+    /// Appends one freshly allocated block (ref count 1) to a row: a decode step entering a
+    /// new block.
     #[inline]
     pub fn push_block(&mut self, row: usize, b: u32) {
         let n = self.rows[row].num_blocks as usize;
         self.set(row, n, b as i32);
-        self.rows[row].num_blocks = n as u32 + 1;
+        let h = &mut self.rows[row];
+        h.num_blocks = n as u32 + 1;
+        h.tail_block = b;
+        h.tail_owned = true;
     }
 
     /// Stages a sampled token; false when the stage is full (flush it first).
@@ -440,6 +459,24 @@ mod tests {
         b.sync_blocks(0, 0, std::iter::empty());
         assert_eq!(row(&b, 0), vec![0, 0, 0, 0]);
         assert_eq!(b.rows[0].num_blocks, 0);
+    }
+
+    #[test]
+    fn the_tail_block_follows_every_change_and_only_a_fresh_block_is_owned() {
+        let mut b = Batch::new(2, 4).unwrap();
+        b.push(seq(0, 1), init(1, 6, 7), [4u32, 5].into_iter());
+        b.push(seq(1, 2), init(2, 0, 1), std::iter::empty());
+        let tail = |b: &Batch, r: usize| (b.rows[r].tail_block, b.rows[r].tail_owned);
+        assert_eq!((tail(&b, 0), tail(&b, 1)), ((5, false), (0, false)));
+        b.push_block(0, 9);
+        assert_eq!(tail(&b, 0), (9, true));
+        b.sync_blocks(0, 1, [7u32].into_iter()); // a copy-on-write shortened the table
+        assert_eq!(tail(&b, 0), (7, false));
+        b.push_block(1, 3);
+        b.swap_remove(0);
+        assert_eq!(tail(&b, 0), (3, true));
+        b.sync_blocks(0, 0, std::iter::empty());
+        assert_eq!(tail(&b, 0), (0, false));
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //!
 //! Costs: one xxh3 over `block_size` tokens per full block, one index probe per looked-up
 //! block (`hash_index`: usually one cache line), one 24-byte record and one token copy per
-//! cached block into preallocated arrays (no allocation after startup, salts aside).
+//! cached block into preallocated arrays (no allocation after startup, salts aside; the token
+//! arena's pages are mapped at startup, not by the first steps that cache into them).
 
 use crate::block_pool::BlockId;
 use crate::hash_index::HashIndex;
@@ -114,12 +115,14 @@ pub struct PrefixCache {
 
 impl PrefixCache {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        let mut tokens = vec![0; num_blocks * block_size];
+        crate::prefetch::prefault_zeroed(&mut tokens);
         PrefixCache {
             block_size,
             map: HashIndex::new(num_blocks),
             records: vec![Record::default(); num_blocks],
             salts: HashMap::new(),
-            tokens: vec![0; num_blocks * block_size],
+            tokens,
         }
     }
 
