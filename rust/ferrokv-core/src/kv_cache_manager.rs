@@ -40,6 +40,11 @@ impl BlockTable {
         self.hashes.reserve_exact(blocks.saturating_sub(self.hashes.len()));
     }
 
+    /// Appends blocks allocated for this table by `KvCacheManager::allocate_block`.
+    pub fn adopt(&mut self, blocks: impl Iterator<Item = BlockId>) {
+        self.blocks.extend(blocks);
+    }
+
     /// Starts fetching the ends of the table's block and hash lists (what appending a block or
     /// registering one touches).
     #[inline]
@@ -124,6 +129,11 @@ impl KvCacheManager {
     pub fn prefix_caching(&self) -> bool {
         self.cache.is_some()
     }
+    /// Whether `b` holds a prefix the cache can serve.
+    pub fn is_cached(&self, b: BlockId) -> bool {
+        self.cache.as_ref().is_some_and(|c| c.is_cached(b))
+    }
+
     pub fn ref_count(&self, b: BlockId) -> u32 {
         self.gpu.ref_count(b)
     }
@@ -276,12 +286,12 @@ impl KvCacheManager {
         table.hashes[i]
     }
 
-    /// Appends one fresh block to a table whose next token starts a new block (the decode
-    /// step's allocation). The caller has counted a free block for it.
-    pub fn append_block(&mut self, table: &mut BlockTable) -> BlockId {
-        let b = self.pop_block().expect("a free block was counted");
-        table.blocks.push(b);
-        b
+    /// One fresh block (ref count 1) for a sequence whose next token starts a new block (the
+    /// decode step's allocation). The caller has counted a free block for it and owns the
+    /// reference: it hands the block to the sequence's table with `BlockTable::adopt` (the
+    /// scheduler keeps it in the sequence's batch row until then).
+    pub fn allocate_block(&mut self) -> BlockId {
+        self.pop_block().expect("a free block was counted")
     }
 
     fn pop_block(&mut self) -> Option<BlockId> {

@@ -49,6 +49,15 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: Option<&str>)
         None => ROOT_MARKER,
     };
     let salt = if parent.is_none() { salt } else { None };
+    if salt.is_none() {
+        // The usual block sizes, with copy lengths the compiler knows (no memcpy calls).
+        match tokens.len() {
+            16 => return hash_unsalted::<16>(head, tokens),
+            32 => return hash_unsalted::<32>(head, tokens),
+            8 => return hash_unsalted::<8>(head, tokens),
+            _ => {}
+        }
+    }
     let len = 8 + salt.map_or(0, |s| 8 + s.len()) + 4 * tokens.len();
     if len > INLINE {
         return hash_streamed(head, tokens, salt); // long blocks or salted first blocks
@@ -68,6 +77,17 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: Option<&str>)
         dst.copy_from_slice(&t.to_le_bytes());
     }
     BlockHash(xxh3_64(&buf[..end]))
+}
+
+/// `hash_block` of `N` tokens without a salt (the same bytes and hash).
+#[inline]
+fn hash_unsalted<const N: usize>(head: u64, tokens: &[u32]) -> BlockHash {
+    let mut buf = [0u8; 8 + 4 * 32];
+    buf[..8].copy_from_slice(&head.to_le_bytes());
+    for (dst, t) in buf[8..8 + 4 * N].chunks_exact_mut(4).zip(&tokens[..N]) {
+        dst.copy_from_slice(&t.to_le_bytes());
+    }
+    BlockHash(xxh3_64(&buf[..8 + 4 * N]))
 }
 
 
@@ -210,7 +230,13 @@ impl PrefixCache {
             self.salts.insert(b.0, s.into());
         }
         let at = b.0 as usize * self.block_size;
-        self.tokens[at..at + self.block_size].copy_from_slice(tokens);
+        let dst = &mut self.tokens[at..at + self.block_size];
+        // Usual sizes with a known length: a few vector moves, not a memcpy call.
+        match tokens.len() {
+            16 => dst[..16].copy_from_slice(&tokens[..16]),
+            32 => dst[..32].copy_from_slice(&tokens[..32]),
+            _ => dst.copy_from_slice(tokens),
+        }
         true
     }
 

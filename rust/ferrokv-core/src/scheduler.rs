@@ -480,11 +480,19 @@ impl Scheduler {
         }
     }
 
-    /// Appends the tokens staged in a sequence's row to the sequence (before anything reads
-    /// its tokens).
-    fn flush_tokens(batch: &mut Batch, s: &mut Sequence) {
+    /// Brings a running sequence up to date with its row (before anything reads its tokens or
+    /// its block table): appends the tokens staged in the row, and the blocks decode steps
+    /// appended to the row only (fresh blocks that no other table holds yet).
+    fn flush_row(batch: &mut Batch, s: &mut Sequence) {
         if s.row != NO_ROW {
-            batch.flush_tokens(s.row as usize, &mut s.tokens);
+            let row = s.row as usize;
+            batch.flush_tokens(row, &mut s.tokens);
+            let (known, h) = (s.table.len(), &batch.rows[row]);
+            match (h.num_blocks as usize).saturating_sub(known) {
+                0 => {}
+                1 => s.table.adopt(std::iter::once(BlockId(h.tail_block))), // the usual one, without the matrix
+                _ => s.table.adopt(batch.row_blocks(row).skip(known).map(|b| BlockId(b as u32))),
+            }
         }
     }
 
@@ -513,7 +521,7 @@ impl Scheduler {
 
     /// Takes a sequence's row away; its computed count goes back into the sequence.
     fn take_row(&mut self, slot: u32, pos: usize) {
-        self.sync_row_tokens(slot, pos);
+        self.flush_seq(slot, pos);
         let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
         let row = std::mem::replace(&mut s.row, NO_ROW);
         if row == NO_ROW {
@@ -601,7 +609,7 @@ impl Scheduler {
         let batch = &mut self.batch;
         let n = req.seqs.len();
         for s in req.seqs.iter_mut() {
-            Self::flush_tokens(batch, s);
+            Self::flush_row(batch, s);
         }
         // Fast path, the common decode step: one sequence writing one token inside its own
         // last block needs no block accounting at all.
@@ -869,15 +877,18 @@ impl Scheduler {
     }
 
     /// Gives each of `rows` (just advanced by one decode token that starts a new block) a fresh
-    /// block. About one row in block_size per step: the only ones that reach their sequence's
-    /// block table (fetched a few rows ahead, see `prefetch_ahead`).
+    /// block, in the row only: the sequence's table adopts it at the next `flush_row` (the
+    /// step that completes the block flushes the row to register it), so a decode step never
+    /// reaches the sequences.
     fn append_new_blocks(&mut self, rows: &[u32]) {
-        for (i, &r) in rows.iter().enumerate() {
-            self.prefetch_ahead(rows, i);
+        for &r in rows {
             let r = r as usize;
-            let table = &mut Self::seq_of(&mut self.requests, self.batch.owner[r]).table;
-            debug_assert_eq!(table.len(), self.bm.block(self.batch.rows[r].computed as usize - 1), "the write starts a new block");
-            let b = self.kv.append_block(table);
+            debug_assert_eq!(
+                self.batch.rows[r].num_blocks as usize,
+                self.bm.block(self.batch.rows[r].computed as usize - 1),
+                "the write starts a new block"
+            );
+            let b = self.kv.allocate_block();
             self.batch.push_block(r, b.0);
         }
     }
@@ -1309,7 +1320,7 @@ impl Scheduler {
             self.prefetch_ahead(&full_stage, i);
             let r = r as usize;
             let s = Self::seq_of(&mut self.requests, self.batch.owner[r]);
-            self.batch.flush_tokens(r, &mut s.tokens);
+            Self::flush_row(&mut self.batch, s);
             let staged = self.batch.stage_token(r, self.batch.last_token[r] as u32);
             debug_assert!(staged);
         }
@@ -1323,7 +1334,7 @@ impl Scheduler {
             self.prefetch_ahead(&blocks_done, i);
             let r = blocks_done[i] as usize;
             let s = Self::seq_of(&mut self.requests, self.batch.owner[r]);
-            Self::flush_tokens(&mut self.batch, s);
+            Self::flush_row(&mut self.batch, s);
         }
         for i in 0..n + 2 {
             for (j, prepare) in [(i, true), (i.wrapping_sub(2), false)] {
@@ -1354,7 +1365,7 @@ impl Scheduler {
                 let tok = sampled[self.batch.rows[row].logits_row as usize] as u32;
                 let (req, pos) = Self::row_req(&mut self.requests, self.batch.owner[row]);
                 let s = &mut req.seqs[pos];
-                Self::flush_tokens(&mut self.batch, s);
+                Self::flush_row(&mut self.batch, s);
                 s.tokens.push(tok);
                 let h = &mut self.batch.rows[row];
                 h.num_tokens += 1;
@@ -1429,7 +1440,7 @@ impl Scheduler {
     /// shares all its blocks (copy-on-write) and gets a batch row; `next_token`, if any, is
     /// appended to the child's tokens. The caller accounts for the request's sequence slots.
     fn add_child(&mut self, slot: u32, ppos: usize, child_id: u64, next_token: Option<u32>) -> u32 {
-        self.sync_row_tokens(slot, ppos);
+        self.flush_seq(slot, ppos);
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let parent = &req.seqs[ppos];
         let computed = Self::computed_of(&self.batch, parent);
@@ -1448,10 +1459,10 @@ impl Scheduler {
         row
     }
 
-    /// Appends the tokens staged in a running sequence's row to the sequence.
-    fn sync_row_tokens(&mut self, slot: u32, pos: usize) {
+    /// Brings a running sequence up to date with its row (`flush_row`).
+    fn flush_seq(&mut self, slot: u32, pos: usize) {
         let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
-        Self::flush_tokens(&mut self.batch, s);
+        Self::flush_row(&mut self.batch, s);
     }
 
     /// Ends one sequence; returns true when it was its request's last (the caller then takes
@@ -1633,7 +1644,21 @@ impl Scheduler {
 
     pub fn seq_block_table(&self, seq_id: u64) -> CoreResult<Vec<u32>> {
         let (slot, pos) = self.locate_seq(seq_id)?;
-        Ok(self.req(slot).seqs[pos].table.blocks().iter().map(|b| b.0).collect())
+        Ok(self.seq_blocks(&self.req(slot).seqs[pos]).map(|b| b.0).collect())
+    }
+
+    /// A sequence's blocks: its table's, then those its row holds beyond them (see `flush_row`).
+    fn seq_blocks<'a>(&'a self, s: &'a Sequence) -> impl Iterator<Item = BlockId> + 'a {
+        let known = s.table.len();
+        let extra = (s.row != NO_ROW).then(|| self.batch.row_blocks(s.row as usize).skip(known)).into_iter().flatten();
+        s.table.blocks().iter().copied().chain(extra.map(|b| BlockId(b as u32)))
+    }
+
+    /// A sequence's table as `flush_row` would leave it (for the `&self` checks).
+    fn flushed_table(&self, s: &Sequence) -> BlockTable {
+        let mut t = s.table.clone();
+        t.adopt(self.seq_blocks(s).skip(s.table.len()));
+        t
     }
 
     /// A live sequence's tokens (prompt and output so far).
@@ -1653,8 +1678,8 @@ impl Scheduler {
         let (mut refs, mut slots) = (0, 0);
         for &slot in &self.running {
             for s in &self.req(slot).seqs {
-                refs += s.table.len();
-                for (i, b) in s.table.blocks().iter().enumerate() {
+                for (i, b) in self.seq_blocks(s).enumerate() {
+                    refs += 1;
                     if !std::mem::replace(&mut seen[b.0 as usize], true) {
                         slots += Self::computed_of(&self.batch, s).saturating_sub(i * bs).min(bs);
                     }
@@ -1679,7 +1704,8 @@ impl Scheduler {
     pub fn check_invariants(&self) -> Result<(), String> {
         let bs = self.cfg.block_size;
         let live = || self.requests.iter().flatten();
-        self.kv.check(live().flat_map(|r| r.seqs.iter().map(|s| &s.table)))?;
+        let tables: Vec<BlockTable> = live().flat_map(|r| r.seqs.iter().map(|s| self.flushed_table(s))).collect();
+        self.kv.check(tables.iter())?;
         let mut running_seqs = 0;
         let mut rows_seen = vec![false; self.batch.len()];
         for r in live() {
@@ -1693,7 +1719,7 @@ impl Scheduler {
                 let want = computed.div_ceil(bs);
                 let (have, what) = match r.state {
                     RequestState::Swapped => (s.table.cpu_blocks().len(), "cpu"),
-                    _ => (s.table.len(), "gpu"),
+                    _ => (self.seq_blocks(s).count(), "gpu"),
                 };
                 if have != want {
                     return Err(format!("seq {}: {have} {what} blocks for {} computed tokens", s.seq_id, computed));
@@ -1737,8 +1763,9 @@ impl Scheduler {
                     let s = &req.seqs[req.seq_pos(seq_id).ok_or("a row's sequence is gone")?];
                     let after = self.batch.rows[r].computed as usize;
                     let before = after - self.batch.rows[r].new_tokens as usize;
-                    if !self.kv.writes_are_exclusive(&s.table, before, after) {
-                        let t = s.table.blocks();
+                    let table = self.flushed_table(s);
+                    if !self.kv.writes_are_exclusive(&table, before, after) {
+                        let t = table.blocks();
                         let refs: Vec<u32> = t.iter().map(|&b| self.kv.ref_count(b)).collect();
                         return Err(format!(
                             "seq {seq_id} writes positions {before}..{after} into a shared block (table {t:?}, refs {refs:?})"
@@ -1788,12 +1815,19 @@ impl Scheduler {
         }
         let blocks: Vec<i32> = b.row_blocks(row).collect();
         let table: Vec<i32> = s.table.blocks().iter().map(|x| x.0 as i32).collect();
-        if blocks != table {
-            return Err(format!("row {row} of seq {}: blocks {blocks:?} != table {table:?}", s.seq_id));
+        if !blocks.starts_with(&table) {
+            return Err(format!("row {row} of seq {}: blocks {blocks:?} do not extend table {table:?}", s.seq_id));
+        }
+        // Blocks only the row holds are fresh decode blocks: unshared, not cached yet.
+        for &x in &blocks[table.len()..] {
+            let x = BlockId(x as u32);
+            if self.kv.ref_count(x) != 1 || self.kv.is_cached(x) {
+                return Err(format!("row {row} of seq {}: block {} beyond its table is shared or cached", s.seq_id, x.0));
+            }
         }
         let h = &b.rows[row];
-        if h.tail_block as i32 != table.last().copied().unwrap_or(0) {
-            return Err(format!("row {row} of seq {}: tail block {} != table {table:?}", s.seq_id, h.tail_block));
+        if h.tail_block as i32 != blocks.last().copied().unwrap_or(0) {
+            return Err(format!("row {row} of seq {}: tail block {} != last of {blocks:?}", s.seq_id, h.tail_block));
         }
         // An owned tail may be shared only once full (a cache hit); then no write touches it.
         let tail_full = h.num_blocks as usize * self.cfg.block_size <= h.computed as usize;
@@ -2081,6 +2115,30 @@ mod tests {
         assert_eq!((o.positions.clone(), o.copy_ops.len()), (vec![9], 0));
         assert_eq!(s.seq_tokens(parent).unwrap()[6..], [1, 2, 3, 4, 5]);
         s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_decode_block_lives_in_the_row_until_the_sequence_is_read() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        s.add_request(req(1, 4, 12)).unwrap();
+        step(&mut s, 1); // prefill: block 1 full
+        let seq = s.request_seq_ids(1).unwrap()[0];
+        let table_len = |s: &Scheduler| s.req(s.seq_owner[&seq]).seqs[0].table.len();
+        step(&mut s, 2); // position 4 starts block 2, given to the row only
+        assert_eq!((table_len(&s), s.seq_block_table(seq).unwrap()), (1, vec![1, 2]));
+        assert_eq!(s.kv_usage().num_block_refs, 2);
+        step(&mut s, 3);
+        step(&mut s, 4);
+        step(&mut s, 5); // position 7 completes block 2: registering it brings the table up to date
+        assert_eq!(table_len(&s), 2);
+        step(&mut s, 6); // block 3, in the row only again; a fork reads the table
+        assert_eq!(table_len(&s), 2);
+        let child = s.fork_sequence(seq, None).unwrap();
+        assert_eq!(s.seq_block_table(child).unwrap(), vec![1, 2, 3]);
+        assert_eq!(table_len(&s), 3);
+        s.check_invariants().unwrap();
+        s.abort(1).unwrap();
+        assert_eq!(s.num_free_blocks(), 15);
     }
 
     #[test]
