@@ -878,8 +878,8 @@ impl Scheduler {
 
     /// Gives each of `rows` (just advanced by one decode token that starts a new block) a fresh
     /// block, in the row only: the sequence's table adopts it at the next `flush_row` (the
-    /// step that completes the block flushes the row to register it), so a decode step never
-    /// reaches the sequences.
+    /// step that completes the block flushes the row to register it), so planning a decode
+    /// step never reaches the sequences.
     fn append_new_blocks(&mut self, rows: &[u32]) {
         for &r in rows {
             let r = r as usize;
@@ -1324,11 +1324,11 @@ impl Scheduler {
             let staged = self.batch.stage_token(r, self.batch.last_token[r] as u32);
             debug_assert!(staged);
         }
-        // Registration in two passes. The first appends the staged tokens to the sequences,
-        // pipelined so that the misses of the chain request -> sequence -> token list overlap
-        // (see `prefetch_ahead`). The second hashes row i while row i-2 is inserted (its index
-        // slot, record and token slot fetched meanwhile). Hashing a block right after its
-        // tokens were appended waited for those stores (line-splitting stores do not forward).
+        // Registration in two passes. The first brings the sequences up to date with their rows
+        // (staged tokens, blocks only the row held), pipelined so that the misses of the chain
+        // request -> sequence -> lists overlap (see `prefetch_ahead`). The second hashes row i
+        // while row i-2 is inserted (its index slot, record and token slot fetched meanwhile).
+        // Hashing a block right after appending its tokens stalled on those stores.
         let n = blocks_done.len();
         for i in 0..n {
             self.prefetch_ahead(&blocks_done, i);
