@@ -44,9 +44,14 @@ pub fn prefault_zeroed(v: &mut [u32]) {
     }
 }
 
-/// Maps the pages of a list's reserved but unused capacity (see `prefault_zeroed`).
-pub fn prefault_spare(v: &mut Vec<u32>) {
-    for x in v.spare_capacity_mut().iter_mut().step_by(PAGE / std::mem::size_of::<u32>()) {
+/// Maps the pages of a list's reserved but unused capacity, at most `max_bytes` of it (see
+/// `prefault_zeroed`). The bound keeps a huge reservation (a long `max_tokens` that may never
+/// be used) from costing its whole size up front.
+pub fn prefault_spare(v: &mut Vec<u32>, max_bytes: usize) {
+    let n = max_bytes / std::mem::size_of::<u32>();
+    let spare = v.spare_capacity_mut();
+    let len = spare.len().min(n);
+    for x in spare[..len].iter_mut().step_by(PAGE / std::mem::size_of::<u32>()) {
         // SAFETY: as above; the slot is uninitialized capacity, any value may be written.
         unsafe { std::ptr::write_volatile(x, std::mem::MaybeUninit::new(0)) };
     }
@@ -63,11 +68,12 @@ mod tests {
         assert!(v.iter().all(|&x| x == 0));
         let mut t: Vec<u32> = Vec::with_capacity(5000);
         t.extend([1, 2, 3]);
-        prefault_spare(&mut t);
+        prefault_spare(&mut t, usize::MAX);
+        prefault_spare(&mut t, 100);
         assert_eq!((t.len(), &t[..]), (3, &[1, 2, 3][..]));
         assert!(t.capacity() >= 5000);
         let mut full = vec![7u32; 4];
-        prefault_spare(&mut full); // no spare capacity: nothing to do
+        prefault_spare(&mut full, usize::MAX); // no spare capacity: nothing to do
         assert_eq!(full, [7; 4]);
         read_value(&full);
         read_range(full.as_ptr() as *const u8, 16);

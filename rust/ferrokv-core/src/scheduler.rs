@@ -36,6 +36,10 @@ use crate::output::{BlockTables, FinishedSeq, SchedulerOutput};
 use crate::request::{FinishReason, Request, RequestState, RowStop, Sequence, StopParams};
 use std::collections::{BTreeSet, HashMap};
 
+/// How much of a new running sequence's token list is mapped at admission (16,384 tokens): all
+/// of a typical reservation, and a bounded cost when `max_tokens` is huge.
+const PREFAULT_TOKEN_BYTES: usize = 64 << 10;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreemptionMode {
     Recompute,
@@ -500,16 +504,16 @@ impl Scheduler {
     /// token, block and hash lists for its longest possible length (prompt + max_tokens, at
     /// most max_model_len), as other engines' input batches hold max_model_len tokens per row.
     /// Grown by doubling instead, the lists of a batch that started together reallocate in the
-    /// same few steps, and those steps take several times the median. The token list's pages
-    /// are mapped now (one write per 4 KiB): left to the decode steps, fresh memory cost about
-    /// one page fault per step at 1,024 sequences, ~15 % of the step.
+    /// same few steps, and those steps take several times the median. The token list's first
+    /// `PREFAULT_TOKEN_BYTES` are mapped now (one write per 4 KiB): left to the decode steps,
+    /// fresh memory cost about one page fault per step at 1,024 sequences, ~15 % of the step.
     fn give_rows(&mut self, slot: u32) {
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let longest = (req.prompt_len + req.stop.max_tokens).min(self.cfg.max_model_len);
         for i in 0..req.seqs.len() {
             let s = &mut req.seqs[i];
             s.tokens.reserve_exact(longest.saturating_sub(s.tokens.len()));
-            crate::prefetch::prefault_spare(&mut s.tokens);
+            crate::prefetch::prefault_spare(&mut s.tokens, PREFAULT_TOKEN_BYTES);
             s.table.reserve(longest.div_ceil(self.cfg.block_size));
             let s = &req.seqs[i];
             debug_assert_eq!(s.row, NO_ROW);
