@@ -1,4 +1,4 @@
-//! The persistent batch: one row per running sequence, as struct-of-arrays.
+//! The persistent batch: one row per running sequence, in row-indexed arrays.
 //!
 //! A sequence gets a row when its request starts running (or when it is forked off a running
 //! one) and keeps it until it finishes, is dropped or is preempted. Rows are dense: row `r` is
@@ -9,22 +9,24 @@
 //! - its block-table row inside one matrix of `capacity * width` block ids (`width` = the most
 //!   blocks a sequence can ever hold). The runner reads `[S, M]` views of it directly, so a
 //!   step never rebuilds the batch's block tables: a row changes only where its sequence's
-//!   table changed (usually one appended block every `block_size` steps);
+//!   table changed, or where a decode step appended a block (usually one every `block_size`
+//!   steps), which the row holds until its sequence's table adopts it;
 //! - the hot state of a decode step: computed tokens (authoritative while the sequence has a
 //!   row), its last block and whether it is known unshared (so that a decode inside it reads
-//!   neither the matrix nor the block pool), token count and last token, its stop thresholds, ids, and up to `PENDING_TOKENS`
-//!   sampled tokens not yet appended to the sequence (they are flushed into it when the
-//!   stage is full, when a block completes and whenever anything reads the sequence's
-//!   tokens), so that a decode step does not touch the sequence at all;
+//!   neither the matrix nor the block pool), token count and last token, its stop
+//!   thresholds, ids, and up to `PENDING_TOKENS` sampled tokens not yet appended to the
+//!   sequence (they are flushed into it when the stage is full, when a block completes and
+//!   whenever anything reads the sequence's tokens), so that a decode step does not touch the
+//!   sequence at all;
 //! - this step's plan: tokens scheduled, whether the row samples, extra samples to fan out.
 //!
 //! Invariants (checked by the scheduler's `check_invariants`): row `r` of the matrix holds the
-//! sequence's blocks in `[0, num_blocks[r])` and the null block after them; rows `>= len()`
-//! are all null. The matrix is allocated once and never moves, so views of it stay valid for
+//! sequence's blocks in `[0, num_blocks[r])` (its table's, then those only the row holds) and
+//! the null block after them; rows `>= len()` are all null. The matrix is allocated once and never moves, so views of it stay valid for
 //! the scheduler's lifetime (their contents change with the batch).
 //!
 //! Costs: assigning a row copies its block table once; swap-remove copies one row; `push_block`
-//! and `set_block` are O(1). The matrix is zero-allocated, so pages of rows never used are
+//! is O(1), `sync_blocks` O(blocks changed). The matrix is zero-allocated, so pages of rows never used are
 //! never touched.
 
 use crate::request::RowStop;
@@ -205,9 +207,9 @@ impl Batch {
         self.table[row * self.width + i].store(b, Relaxed);
     }
 
-    /// The rows' state and a read view of the matrix, borrowed apart.
-    pub fn rows_and_table(&mut self) -> (&mut [RowState], TableRef<'_>) {
-        (&mut self.rows, TableRef { table: &self.table, width: self.width })
+    /// The rows' state, a read view of the matrix and the rows' owners, borrowed apart.
+    pub fn rows_and_table(&mut self) -> (&mut [RowState], TableRef<'_>, &[SeqRef]) {
+        (&mut self.rows, TableRef { table: &self.table, width: self.width }, &self.owner)
     }
 
     /// The live part of a row.
@@ -261,10 +263,9 @@ impl Batch {
         for i in n..self.rows[row].num_blocks as usize {
             self.set(row, i, 0);
         }
+        let tail = if n == 0 { 0 } else { self.block(row, n - 1) as u32 };
         let h = &mut self.rows[row];
-        h.num_blocks = n as u32;
-        h.tail_block = if n == 0 { 0 } else { self.table[row * self.width + n - 1].load(Relaxed) as u32 };
-        h.tail_owned = false;
+        (h.num_blocks, h.tail_block, h.tail_owned) = (n as u32, tail, false);
     }
 
     /// Appends one freshly allocated block (ref count 1) to a row: a decode step entering a

@@ -2,8 +2,10 @@
 //! caching, swapping to the CPU pool.
 //!
 //! Invariants (checked by `check`):
-//! - Every reference count equals the number of block tables that hold the block. Only this
-//!   module changes reference counts; the scheduler sees block tables read-only.
+//! - Every reference count equals the number of block tables that hold the block (a block
+//!   `allocate_block` handed out counts for the table that will `adopt` it). Only this module
+//!   changes reference counts; the scheduler only reads block tables and hands them the
+//!   blocks it was given.
 //! - A block about to be written (positions `num_computed..num_computed+num_new`) has exactly
 //!   one reference: a shared block is copied first and a `(src, dst)` copy op is queued.
 //! - Only full blocks whose KV has been computed are registered in the prefix cache, and a
@@ -12,7 +14,7 @@
 //!   check cannot fail halfway.
 //!
 //! Costs: allocation is O(new blocks); a decode step that stays inside its last block costs
-//! one ref-count read. Prefix lookups cost one hash per full block of the prompt.
+//! at most one ref-count read. Prefix lookups cost one hash per full block of the prompt.
 
 use crate::block_pool::{BlockId, BlockMath, BlockPool};
 use crate::prefix_cache::{hash_block, BlockHash, ParentLink, PrefixCache};
@@ -45,7 +47,7 @@ impl BlockTable {
         self.blocks.extend(blocks);
     }
 
-    /// Starts fetching the ends of the table's block and hash lists (what appending a block or
+    /// Starts fetching the ends of the table's block and hash lists (what adopting a block or
     /// registering one touches).
     #[inline]
     pub fn prefetch_tail(&self) {

@@ -20,15 +20,16 @@
 //!
 //! Invariants: the scheduler never touches reference counts (the KV-cache manager does); a
 //! request that could never fit is rejected when added, so no step spins on it; every running
-//! sequence owns one batch row that mirrors its block table exactly and holds its computed
-//! count; `check_invariants` verifies all of it.
+//! sequence owns one batch row that holds its computed count, its block table and, after it,
+//! the fresh blocks decode steps gave the row (the table adopts them when the row is flushed);
+//! `check_invariants` verifies all of it.
 //!
 //! Costs: a step is O(running sequences) plus O(tokens and blocks that change): a decode row
 //! costs a few loads and stores; block tables are never rebuilt. The number of waiting or
 //! finished requests never enters it. Preemption scans nothing: the victim is the back of the
 //! sorted running list.
 
-use crate::batch::{Batch, Moved, RowInit, SeqRef, NO_ROW, PENDING_TOKENS};
+use crate::batch::{Batch, Moved, RowInit, RowState, SeqRef, TableRef, NO_ROW, PENDING_TOKENS};
 use crate::block_pool::{BlockId, BlockMath};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::{BlockTable, KvCacheManager, KvStats};
@@ -267,6 +268,26 @@ pub struct Scheduler {
     bm: BlockMath,
     hits: Vec<Vec<BlockId>>,
     stats: SchedulerStats,
+}
+
+/// The block a decode row writes its next token into, when that token does not start a new
+/// block; `None` when another table shares the block (copy it first). Usually it is the row's
+/// last block, known unshared, and neither the matrix nor the block pool is read; otherwise
+/// the pool answers, and a last block found unshared is recorded as such (`tail_owned`, a
+/// fact whether or not the step goes ahead).
+fn owned_write_block(h: &mut RowState, table: &TableRef<'_>, r: usize, kv: &KvCacheManager, bm: BlockMath) -> Option<i32> {
+    let c = h.computed as usize;
+    debug_assert_ne!(bm.offset(c), 0, "a write that starts a block gets a fresh one");
+    let in_tail = bm.block(c) + 1 == h.num_blocks as usize;
+    if in_tail && h.tail_owned {
+        return Some(h.tail_block as i32);
+    }
+    let blk = if in_tail { h.tail_block as i32 } else { table.block(r, bm.block(c)) };
+    if kv.ref_count(BlockId(blk as u32)) != 1 {
+        return None;
+    }
+    h.tail_owned |= in_tail;
+    Some(blk)
 }
 
 impl Scheduler {
@@ -573,13 +594,13 @@ impl Scheduler {
     /// of its token, block and hash lists (each level reads what the one before fetched).
     #[inline]
     fn prefetch_row_level(&self, r: u32, level: u8) {
-        use crate::prefetch::read;
+        use crate::prefetch::{read, read_range, read_value};
         let SeqRef { slot, seq_id } = self.batch.owner[r as usize];
         let entry = &self.requests[slot as usize];
         match (level, entry) {
-            (0, _) => crate::prefetch::read_value(entry),
+            (0, _) => read_value(entry),
             // The first sequence, without reading it (usually the only one).
-            (1, Some(req)) => crate::prefetch::read_range(req.seqs.as_ptr() as *const u8, std::mem::size_of::<Sequence>()),
+            (1, Some(req)) => read_range(req.seqs.as_ptr() as *const u8, std::mem::size_of::<Sequence>()),
             (_, Some(req)) => {
                 if let Some(s) = req.seqs.iter().find(|s| s.seq_id == seq_id) {
                     read(s.tokens.as_ptr().wrapping_add(s.tokens.len()) as *const u8);
@@ -741,8 +762,8 @@ impl Scheduler {
     ///   the running order. The per-request walk would have served the decodes first anyway, so
     ///   it only runs over those requests; any preemption victim is one of them.
     ///
-    /// Only sequences entering a new block reach their block tables. `None` changes nothing:
-    /// the per-request walk plans the whole step.
+    /// Neither reaches a sequence: a decode entering a new block gets it in its row
+    /// (`append_new_blocks`). `None` changes nothing: the per-request walk plans the whole step.
     fn plan_decode_rows(&mut self, budget: usize) -> DecodePlan {
         if self.batch.is_empty() {
             return DecodePlan::None;
@@ -757,20 +778,20 @@ impl Scheduler {
         others.clear();
         let mut cow = false;
         {
-            let b = &self.batch;
-            for (r, h) in b.rows.iter().enumerate() {
+            let (kv, mark) = (&self.kv, &mut self.mark);
+            let (rows, table, owner) = self.batch.rows_and_table();
+            for (r, h) in rows.iter_mut().enumerate() {
                 if !h.is_decode() {
                     // A prefill chunk, or the prompt's last token: its request goes the long way.
-                    let slot = b.owner[r].slot as usize;
-                    if !std::mem::replace(&mut self.mark[slot], true) {
+                    let slot = owner[r].slot as usize;
+                    if !std::mem::replace(&mut mark[slot], true) {
                         others.push(slot as u32);
                     }
                     continue;
                 }
-                let c = h.computed as usize;
-                if bm.offset(c) == 0 {
+                if bm.offset(h.computed as usize) == 0 {
                     new_block_rows.push(r as u32);
-                } else if self.kv.ref_count(BlockId(b.block(r, bm.block(c)) as u32)) != 1 {
+                } else if owned_write_block(h, &table, r, kv, bm).is_none() {
                     cow = true; // copy-on-write: left to the per-request walk
                     break;
                 }
@@ -810,7 +831,7 @@ impl Scheduler {
         let mut declined_at = None;
         {
             let kv = &self.kv;
-            let (rows, table) = self.batch.rows_and_table();
+            let (rows, table, _) = self.batch.rows_and_table();
             let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
             for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
                 if !h.is_decode() {
@@ -824,17 +845,10 @@ impl Scheduler {
                     new_block_rows.push(r as u32);
                     *slot = -1;
                 } else {
-                    // Usually the last block, known to be unshared: the row alone decides.
-                    let in_tail = bm.block(c) + 1 == h.num_blocks as usize;
-                    let blk = if in_tail { h.tail_block as i32 } else { table.block(r, bm.block(c)) };
-                    if !(in_tail && h.tail_owned) {
-                        if kv.ref_count(BlockId(blk as u32)) != 1 {
-                            declined_at = Some(r); // copy-on-write
-                            break;
-                        }
-                        // A fact whether or not this plan goes ahead.
-                        h.tail_owned = in_tail;
-                    }
+                    let Some(blk) = owned_write_block(h, &table, r, kv, bm) else {
+                        declined_at = Some(r); // copy-on-write
+                        break;
+                    };
                     *slot = bm.slot(blk, c);
                 }
                 debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
@@ -870,8 +884,8 @@ impl Scheduler {
         o.logits_indices.extend(0..n as i64);
         self.append_new_blocks(&new_block_rows);
         for &r in &new_block_rows {
-            let (r, c) = (r as usize, self.batch.rows[r as usize].computed as usize - 1);
-            o.slot_mapping[r] = bm.slot(self.batch.block(r, bm.block(c)), c);
+            let h = &self.batch.rows[r as usize];
+            o.slot_mapping[r as usize] = bm.slot(h.tail_block as i32, h.computed as usize - 1);
         }
         self.scratch_rows = new_block_rows;
         self.emitted = Some((o, n, max_blocks as usize));
@@ -1781,7 +1795,8 @@ impl Scheduler {
         Ok(())
     }
 
-    /// A running sequence owns exactly one batch row that mirrors it; any other has none.
+    /// A running sequence owns exactly one batch row that mirrors it (its table, then blocks
+    /// only the row holds yet); any other has none.
     fn check_row(&self, r: &Request, s: &Sequence, rows_seen: &mut [bool]) -> Result<(), String> {
         let b = &self.batch;
         if r.state != RequestState::Running {
