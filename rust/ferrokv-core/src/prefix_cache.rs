@@ -43,27 +43,31 @@ const ROOT_MARKER: u64 = 0x6665_7272_6f6b_7600; // "ferrokv\0": the parent of fi
 /// Stable chained hash of one full block: xxh3-64 of the parent hash (or the root marker, the
 /// salt's length and the salt), then the tokens, all little-endian.
 pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: Option<&str>) -> BlockHash {
-    const INLINE: usize = 8 + 4 * 64;
     let head = match parent {
         Some(p) => p.0,
         None => ROOT_MARKER,
     };
     let salt = if parent.is_none() { salt } else { None };
-    if salt.is_none() {
+    match (salt, tokens.len()) {
         // The usual block sizes, with copy lengths the compiler knows (no memcpy calls).
-        match tokens.len() {
-            16 => return hash_unsalted::<16>(head, tokens),
-            32 => return hash_unsalted::<32>(head, tokens),
-            8 => return hash_unsalted::<8>(head, tokens),
-            _ => {}
-        }
+        (None, 16) => hash_one_shot::<16>(head, None, tokens),
+        (None, 32) => hash_one_shot::<32>(head, None, tokens),
+        (None, 8) => hash_one_shot::<8>(head, None, tokens),
+        (_, n) if 8 + salt.map_or(0, |s| 8 + s.len()) + 4 * n > ONE_SHOT_BYTES => hash_streamed(head, tokens, salt),
+        _ => hash_one_shot::<0>(head, salt, tokens),
     }
-    let len = 8 + salt.map_or(0, |s| 8 + s.len()) + 4 * tokens.len();
-    if len > INLINE {
-        return hash_streamed(head, tokens, salt); // long blocks or salted first blocks
-    }
-    // The common case: one-shot over a stack buffer (same bytes, same hash, ~4x faster).
-    let mut buf = [0u8; INLINE];
+}
+
+/// What `hash_one_shot` hashes in one go: the head and up to 64 tokens (or a salt and fewer).
+const ONE_SHOT_BYTES: usize = 8 + 4 * 64;
+
+/// `hash_streamed`'s bytes laid out in a stack buffer and hashed at once (~4x faster; the same
+/// hash). `N > 0` fixes the token count at compile time; `N = 0` takes `tokens.len()`. The
+/// caller checks that everything fits in `ONE_SHOT_BYTES`.
+#[inline]
+fn hash_one_shot<const N: usize>(head: u64, salt: Option<&str>, tokens: &[u32]) -> BlockHash {
+    let count = if N > 0 { N } else { tokens.len() };
+    let mut buf = [0u8; ONE_SHOT_BYTES];
     buf[..8].copy_from_slice(&head.to_le_bytes());
     let mut n = 8;
     if let Some(s) = salt {
@@ -72,24 +76,12 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: Option<&str>)
         n += 8 + s.len();
     }
     // Exact chunks: no per-token bounds check, so this compiles to a plain copy on LE targets.
-    let end = n + 4 * tokens.len();
-    for (dst, t) in buf[n..end].chunks_exact_mut(4).zip(tokens) {
+    let end = n + 4 * count;
+    for (dst, t) in buf[n..end].chunks_exact_mut(4).zip(&tokens[..count]) {
         dst.copy_from_slice(&t.to_le_bytes());
     }
     BlockHash(xxh3_64(&buf[..end]))
 }
-
-/// `hash_block` of `N` tokens without a salt (the same bytes and hash).
-#[inline]
-fn hash_unsalted<const N: usize>(head: u64, tokens: &[u32]) -> BlockHash {
-    let mut buf = [0u8; 8 + 4 * 32];
-    buf[..8].copy_from_slice(&head.to_le_bytes());
-    for (dst, t) in buf[8..8 + 4 * N].chunks_exact_mut(4).zip(&tokens[..N]) {
-        dst.copy_from_slice(&t.to_le_bytes());
-    }
-    BlockHash(xxh3_64(&buf[..8 + 4 * N]))
-}
-
 
 /// Link from a cached block to the cached block before it, pinned to that block's generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,7 +221,7 @@ impl PrefixCache {
         if let Some(s) = salt {
             self.salts.insert(b.0, s.into());
         }
-        let at = b.0 as usize * self.block_size;
+        let at = self.arena_at(b);
         let dst = &mut self.tokens[at..at + self.block_size];
         // Usual sizes with a known length: a few vector moves, not a memcpy call.
         match tokens.len() {
@@ -245,11 +237,10 @@ impl PrefixCache {
     /// queueing one after the other.
     #[inline]
     pub fn prefetch_insert(&self, b: BlockId, hash: BlockHash) {
-        let at = b.0 as usize;
         self.map.prefetch(hash.0);
-        if at < self.records.len() {
-            crate::prefetch::read(&self.records[at] as *const Record as *const u8);
-            crate::prefetch::read(self.tokens[at * self.block_size..].as_ptr() as *const u8);
+        self.prefetch_record(b);
+        if let Some(t) = self.tokens.get(self.arena_at(b)) {
+            crate::prefetch::read(t as *const u32 as *const u8);
         }
     }
 
@@ -272,8 +263,14 @@ impl PrefixCache {
         }
     }
 
+    /// Where block `b`'s tokens start in the arena.
+    #[inline]
+    fn arena_at(&self, b: BlockId) -> usize {
+        b.0 as usize * self.block_size
+    }
+
     fn block_tokens(&self, b: BlockId) -> &[u32] {
-        let at = b.0 as usize * self.block_size;
+        let at = self.arena_at(b);
         &self.tokens[at..at + self.block_size]
     }
 
