@@ -23,7 +23,9 @@ pub fn read_range(p: *const u8, len: usize) {
         read(p.wrapping_add(off));
         off += 64;
     }
-    read(p.wrapping_add(len - 1));
+    if len > 0 {
+        read(p.wrapping_add(len - 1)); // the last line, when `p` is not line-aligned
+    }
 }
 
 /// `read_range` over a value.
@@ -34,27 +36,30 @@ pub fn read_value<T>(v: &T) {
 
 const PAGE: usize = 4096;
 
-/// Maps every page of a freshly zeroed buffer now (one write per page, keeping the zeros), so
-/// that the first use of each page later does not pay for a page fault.
-pub fn prefault_zeroed(v: &mut [u32]) {
-    for x in v.iter_mut().step_by(PAGE / std::mem::size_of::<u32>()) {
-        // SAFETY: a valid, aligned, exclusive reference. Volatile: the write of a zero over a
-        // zero must not be elided, its side effect (the mapping) is the point.
-        unsafe { std::ptr::write_volatile(x, 0) };
+/// Writes `value` once per page of `v`, so that every page is mapped now.
+fn touch_pages<T: Copy>(v: &mut [T], value: T) {
+    for x in v.iter_mut().step_by(PAGE / std::mem::size_of::<T>().max(1)) {
+        // SAFETY: a valid, aligned, exclusive reference. Volatile: a write the program never
+        // reads (or a zero over a zero) must not be elided, its side effect (the mapping) is
+        // the point.
+        unsafe { std::ptr::write_volatile(x, value) };
     }
+}
+
+/// Maps every page of a freshly zeroed buffer now (keeping the zeros), so that the first use
+/// of each page later does not pay for a page fault.
+pub fn prefault_zeroed(v: &mut [u32]) {
+    touch_pages(v, 0);
 }
 
 /// Maps the pages of a list's reserved but unused capacity, at most `max_bytes` of it (see
 /// `prefault_zeroed`). The bound keeps a huge reservation (a long `max_tokens` that may never
 /// be used) from costing its whole size up front.
 pub fn prefault_spare(v: &mut Vec<u32>, max_bytes: usize) {
-    let n = max_bytes / std::mem::size_of::<u32>();
     let spare = v.spare_capacity_mut();
-    let len = spare.len().min(n);
-    for x in spare[..len].iter_mut().step_by(PAGE / std::mem::size_of::<u32>()) {
-        // SAFETY: as above; the slot is uninitialized capacity, any value may be written.
-        unsafe { std::ptr::write_volatile(x, std::mem::MaybeUninit::new(0)) };
-    }
+    let len = spare.len().min(max_bytes / std::mem::size_of::<u32>());
+    // Any value may be written to uninitialized capacity.
+    touch_pages(&mut spare[..len], std::mem::MaybeUninit::new(0));
 }
 
 #[cfg(test)]
@@ -77,5 +82,6 @@ mod tests {
         assert_eq!(full, [7; 4]);
         read_value(&full);
         read_range(full.as_ptr() as *const u8, 16);
+        read_range(full.as_ptr() as *const u8, 0); // nothing to fetch, and no underflow
     }
 }

@@ -105,20 +105,20 @@ fn token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> 
 /// `token_ids`, appended to `out`. The dtype is checked by a cast, not by a failing extract
 /// (which would build a Python exception on every call).
 fn token_ids_into(field: &'static str, obj: &Bound<'_, PyAny>, out: &mut Vec<i64>) -> PyResult<()> {
-    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+    /// A 1-D integer array's values, contiguous or strided.
+    fn extend<T: Element + Copy + Into<i64>>(a: &Bound<'_, PyArray1<T>>, out: &mut Vec<i64>) {
         let a = a.readonly();
         match a.as_slice() {
-            Ok(s) => out.extend_from_slice(s),
-            Err(_) => out.extend(a.as_array().iter().copied()),
+            Ok(s) => out.extend(s.iter().map(|&t| t.into())),
+            Err(_) => out.extend(a.as_array().iter().map(|&t| t.into())),
         }
+    }
+    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+        extend(a, out);
         return Ok(());
     }
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
-        let a = a.readonly();
-        match a.as_slice() {
-            Ok(s) => out.extend(s.iter().map(|&t| t as i64)),
-            Err(_) => out.extend(a.as_array().iter().map(|&t| t as i64)),
-        }
+        extend(a, out);
         return Ok(());
     }
     if obj.is_instance_of::<pyo3::types::PyString>() {
