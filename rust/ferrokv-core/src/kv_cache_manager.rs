@@ -113,17 +113,11 @@ impl KvCacheManager {
         }
     }
 
-    pub fn block_size(&self) -> usize {
-        self.bm.size()
-    }
     pub fn num_free_blocks(&self) -> usize {
         self.gpu.num_free()
     }
     pub fn num_usable_blocks(&self) -> usize {
         self.gpu.num_usable()
-    }
-    pub fn num_free_cpu_blocks(&self) -> usize {
-        self.cpu.num_free()
     }
     pub fn num_cached_blocks(&self) -> usize {
         self.cache.as_ref().map_or(0, |c| c.len())

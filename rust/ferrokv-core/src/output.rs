@@ -52,8 +52,8 @@ pub struct SchedulerOutput {
 /// Where a step's `[S, M]` block tables are.
 #[derive(Debug, Clone)]
 pub enum BlockTables {
-    /// Rows `0..S`, columns `0..M` of the batch matrix, whose rows are `row_stride` apart.
-    Batch { row_stride: usize },
+    /// Rows `0..S`, columns `0..M` of the batch matrix (`Scheduler::batch_table`).
+    Batch,
     /// A row-major `S * M` copy.
     Owned(Vec<i32>),
 }

@@ -39,25 +39,6 @@ pub struct StopParams {
     pub ignore_eos: bool,
 }
 
-impl StopParams {
-    /// Why a sequence stops after appending `token` (its output now has `output_len` tokens
-    /// and the whole sequence `total_len`), if it does. EOS is checked before length, as in vLLM.
-    pub fn check(&self, token: u32, output_len: usize, total_len: usize, max_model_len: usize) -> Option<(FinishReason, Option<u32>)> {
-        if output_len >= self.min_tokens {
-            if !self.ignore_eos && self.eos_token_id == Some(token) {
-                return Some((FinishReason::Stop, None));
-            }
-            if self.stop_token_ids.contains(&token) {
-                return Some((FinishReason::Stop, Some(token)));
-            }
-        }
-        if output_len >= self.max_tokens || total_len >= max_model_len {
-            return Some((FinishReason::Length, None));
-        }
-        None
-    }
-}
-
 /// `StopParams` flattened for a running sequence, in terms of its total length, so that a decode
 /// step decides most stops without reading the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,8 +69,9 @@ impl RowStop {
         total_len >= self.stop_len || (total_len >= self.min_len && (self.eos == Some(token) || self.has_stop_ids))
     }
 
-    /// `StopParams::check` for a sequence that has `total_len` tokens after appending `token`;
-    /// `stop_ids` is only called when the request has stop token ids.
+    /// Why a sequence stops after appending `token` (it now has `total_len` tokens), if it does:
+    /// EOS and stop tokens once `min_tokens` are out (EOS first, as in vLLM), then length.
+    /// `stop_ids` is only called when the request has stop token ids. The one stop decider.
     #[inline]
     pub fn check(&self, token: u32, total_len: u32, stop_ids: impl FnOnce() -> bool) -> Option<(FinishReason, Option<u32>)> {
         if total_len >= self.min_len {
@@ -167,17 +149,34 @@ impl Request {
 mod tests {
     use super::*;
 
+    /// An independent statement of vLLM's stop rules in terms of the output length: EOS, then
+    /// stop token ids, once `min_tokens` are out; then `max_tokens` or `max_model_len`.
+    fn reference(p: &StopParams, token: u32, output_len: usize, total_len: usize, max_model_len: usize) -> Option<(FinishReason, Option<u32>)> {
+        if output_len >= p.min_tokens {
+            if !p.ignore_eos && p.eos_token_id == Some(token) {
+                return Some((FinishReason::Stop, None));
+            }
+            if p.stop_token_ids.contains(&token) {
+                return Some((FinishReason::Stop, Some(token)));
+            }
+        }
+        (output_len >= p.max_tokens || total_len >= max_model_len).then_some((FinishReason::Length, None))
+    }
+
     #[test]
     fn stop_conditions_follow_vllm_order_and_min_tokens() {
         let p = StopParams { max_tokens: 5, min_tokens: 2, eos_token_id: Some(0), stop_token_ids: vec![7], ignore_eos: false };
-        assert_eq!(p.check(0, 1, 10, 100), None); // EOS before min_tokens is ignored
-        assert_eq!(p.check(0, 2, 10, 100), Some((FinishReason::Stop, None)));
-        assert_eq!(p.check(7, 3, 10, 100), Some((FinishReason::Stop, Some(7))));
-        assert_eq!(p.check(3, 5, 10, 100), Some((FinishReason::Length, None)));
-        assert_eq!(p.check(3, 3, 100, 100), Some((FinishReason::Length, None)));
-        assert_eq!(p.check(3, 3, 10, 100), None);
+        // Prompt of 8 tokens, max_model_len 100; total = 8 + output length.
+        let row = RowStop::new(&p, 8, 100);
+        let check = |tok: u32, out: u32| row.check(tok, 8 + out, || p.stop_token_ids.contains(&tok));
+        assert_eq!(check(0, 1), None); // EOS before min_tokens is ignored
+        assert_eq!(check(0, 2), Some((FinishReason::Stop, None)));
+        assert_eq!(check(7, 3), Some((FinishReason::Stop, Some(7))));
+        assert_eq!(check(3, 5), Some((FinishReason::Length, None)));
+        assert_eq!(check(3, 3), None);
+        assert_eq!(RowStop::new(&p, 97, 100).check(3, 100, || false), Some((FinishReason::Length, None)));
         let q = StopParams { ignore_eos: true, ..p };
-        assert_eq!(q.check(0, 3, 10, 100), None);
+        assert_eq!(RowStop::new(&q, 8, 100).check(0, 11, || false), None);
     }
 
     #[test]
@@ -192,7 +191,7 @@ mod tests {
                         for out_len in 1..=max_tokens.min(50) {
                             let total = prompt_len + out_len;
                             for tok in [0u32, 1, 2, 7, u32::MAX] {
-                                let want = p.check(tok, out_len, total, max_model_len);
+                                let want = reference(&p, tok, out_len, total, max_model_len);
                                 let have = row.check(tok, total as u32, || p.stop_token_ids.contains(&tok));
                                 assert_eq!(have, want, "{p:?} prompt {prompt_len} out {out_len} tok {tok}");
                                 if want.is_some() {

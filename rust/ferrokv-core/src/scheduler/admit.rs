@@ -1,0 +1,392 @@
+//! Admission: validating a new request, planning one request's next chunk (prefix-cache hits,
+//! copy-on-write and fresh blocks, all or nothing), and admitting waiting requests in order.
+//!
+//! Invariants: a request that could never fit is rejected when added; the samples of a
+//! request step in lockstep (all get their logits rows this step, or none); capacity is
+//! checked for the whole request before any block moves. Costs: O(prompt blocks) for a
+//! prefix lookup, O(new blocks) per allocation; the waiting queue is only read at its head.
+
+use super::{NewRequest, Policy, PreemptionMode, Scheduler};
+use crate::batch::{SeqRef, NO_ROW};
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache_manager::BlockTable;
+use crate::request::{FinishReason, Request, RequestState, Sequence, StopParams};
+
+/// How much of a new running sequence's token list is mapped at admission (16,384 tokens): all
+/// of a typical reservation, and a bounded cost when `max_tokens` is huge.
+const PREFAULT_TOKEN_BYTES: usize = 64 << 10;
+
+pub(super) enum Attempt {
+    Scheduled { tokens: usize, full: bool },
+    NoBudget,
+    NoSpace,
+}
+
+impl Scheduler {
+    /// Admits waiting requests in order while their next chunk fits in `budget`, in
+    /// `max_num_seqs` and in the free blocks minus the watermark and headroom kept for the
+    /// running ones to grow. The head of the queue blocks the rest (no starvation).
+    pub(super) fn admit_waiting(&mut self, mut budget: usize) {
+        while let Some(&(p, a, slot)) = self.waiting.first() {
+            if budget == 0 || self.num_running_seqs + self.req(slot).seq_slots() > self.cfg.max_num_seqs {
+                break;
+            }
+            let watermark = if self.running.is_empty() {
+                0
+            } else {
+                self.watermark_blocks + (self.num_running_seqs as f64 * self.cfg.admission_headroom).ceil() as usize
+            };
+            if self.req(slot).state == RequestState::Swapped {
+                let alone = self.running.is_empty();
+                let req = self.requests[slot as usize].as_mut().expect("live slot");
+                // Room to grow by a block per sequence, unless nothing else could use it.
+                let extra = if alone { 0 } else { watermark + req.seqs.len() };
+                let mut tables: Vec<&mut BlockTable> = req.seqs.iter_mut().map(|s| &mut s.table).collect();
+                if !self.kv.swap_in(&mut tables, extra) {
+                    if alone {
+                        self.end_request(slot, FinishReason::Abort, true);
+                        self.stats.capacity_aborts += 1;
+                        continue;
+                    }
+                    break;
+                }
+                self.admit(slot, (p, a, slot));
+                if let Attempt::Scheduled { tokens, full } = self.try_schedule(slot, budget, 0) {
+                    self.record(slot, full);
+                    budget -= tokens;
+                }
+                continue;
+            }
+            match self.try_schedule(slot, budget, watermark) {
+                Attempt::Scheduled { tokens, full } => {
+                    self.admit(slot, (p, a, slot));
+                    self.record(slot, full);
+                    budget -= tokens;
+                }
+                Attempt::NoSpace if self.running.is_empty() => {
+                    // Nothing else holds a block, yet its next chunk does not fit: it never
+                    // will (beam forks grew it past the cache). End it rather than spin.
+                    self.end_request(slot, FinishReason::Abort, true);
+                    self.stats.capacity_aborts += 1;
+                }
+                Attempt::NoBudget | Attempt::NoSpace => break,
+            }
+        }
+    }
+
+    /// Blocks a request may need in the worst case: the prompt's full blocks are shared by
+    /// its samples, everything after them is private to each sample. After a recompute
+    /// preemption every sample is recomputed on its own and sharing is not guaranteed (it
+    /// comes back only through prefix-cache hits), so in recompute mode nothing is shared.
+    pub(super) fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, n: usize) -> usize {
+        let bs = self.cfg.block_size;
+        let total = (prompt_len + max_tokens).min(self.cfg.max_model_len).max(prompt_len);
+        let shares = n > 1 && self.cfg.preemption_mode == PreemptionMode::Swap;
+        let shared = if shares { prompt_len / bs } else { 0 };
+        shared + n * (total.div_ceil(bs) - shared)
+    }
+
+    pub fn add_request(&mut self, r: NewRequest) -> CoreResult<()> {
+        if self.by_id.contains_key(&r.request_id) {
+            return Err(CoreError::DuplicateRequest { request_id: r.request_id });
+        }
+        let p = r.prompt_token_ids.len();
+        if p == 0 {
+            return Err(CoreError::invalid("prompt_token_ids", "[]", "must contain at least one token"));
+        }
+        if p > self.cfg.max_model_len {
+            return Err(CoreError::PromptTooLong { len: p, max_model_len: self.cfg.max_model_len });
+        }
+        if r.max_tokens == 0 {
+            return Err(CoreError::invalid("max_tokens", r.max_tokens, "must be >= 1"));
+        }
+        if r.n == 0 {
+            return Err(CoreError::invalid("n", r.n, "must be >= 1"));
+        }
+        if r.n as usize > self.cfg.max_num_seqs {
+            return Err(CoreError::invalid("n", r.n, format!("must be <= max_num_seqs ({})", self.cfg.max_num_seqs)));
+        }
+        if r.reserve_seqs as usize > self.cfg.max_num_seqs {
+            return Err(CoreError::invalid(
+                "reserve_seqs",
+                r.reserve_seqs,
+                format!("must be <= max_num_seqs ({})", self.cfg.max_num_seqs),
+            ));
+        }
+        if r.min_tokens > r.max_tokens {
+            return Err(CoreError::invalid("min_tokens", r.min_tokens, format!("must be <= max_tokens ({})", r.max_tokens)));
+        }
+        let usable = self.kv.num_usable_blocks();
+        let needed = self.worst_case_blocks(p, r.max_tokens, r.n.max(r.reserve_seqs) as usize);
+        if needed > usable {
+            return Err(CoreError::ExceedsCacheCapacity { request_id: r.request_id, blocks_needed: needed, blocks_available: usable });
+        }
+        let seq_id = self.new_seq_id();
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        let priority = if self.cfg.policy == Policy::Priority { r.priority } else { 0 };
+        let req = Request {
+            request_id: r.request_id,
+            arrival,
+            priority,
+            n: r.n,
+            prompt_len: p,
+            stop: StopParams {
+                max_tokens: r.max_tokens,
+                min_tokens: r.min_tokens,
+                eos_token_id: r.eos_token_id,
+                stop_token_ids: r.stop_token_ids,
+                ignore_eos: r.ignore_eos,
+            },
+            cache_salt: r.cache_salt.map(String::into_boxed_str),
+            seqs: vec![Sequence {
+                seq_id,
+                sample_index: 0,
+                tokens: r.prompt_token_ids,
+                num_computed: 0,
+                table: BlockTable::default(),
+                row: NO_ROW,
+            }],
+            state: RequestState::Waiting,
+            fanned_out: false,
+            reserved_seqs: r.reserve_seqs,
+            next_sample_index: 1,
+            num_cached_tokens: None,
+        };
+        let key = req.order_key();
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.requests[s as usize] = Some(req);
+                s
+            }
+            None => {
+                self.requests.push(Some(req));
+                self.ending.push(false);
+                self.mark.push(false);
+                (self.requests.len() - 1) as u32
+            }
+        };
+        self.by_id.insert(r.request_id, slot);
+        self.seq_owner.insert(seq_id, slot);
+        self.waiting.insert((key.0, key.1, slot));
+        self.stats.requests_added += 1;
+        self.stats.prompt_tokens += p as u64;
+        Ok(())
+    }
+
+    /// Gives every sequence of a request that starts running a batch row, and reserves its
+    /// token, block and hash lists for its longest possible length (prompt + max_tokens, at
+    /// most max_model_len), as other engines' input batches hold max_model_len tokens per row.
+    /// Grown by doubling instead, the lists of a batch that started together reallocate in the
+    /// same few steps, and those steps take several times the median. The token list's first
+    /// `PREFAULT_TOKEN_BYTES` are mapped now (one write per 4 KiB): left to the decode steps,
+    /// fresh memory cost about one page fault per step at 1,024 sequences, ~15 % of the step.
+    pub(super) fn give_rows(&mut self, slot: u32) {
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let longest = (req.prompt_len + req.stop.max_tokens).min(self.cfg.max_model_len);
+        for i in 0..req.seqs.len() {
+            let s = &mut req.seqs[i];
+            s.tokens.reserve_exact(longest.saturating_sub(s.tokens.len()));
+            crate::prefetch::prefault_spare(&mut s.tokens, PREFAULT_TOKEN_BYTES);
+            s.table.reserve(longest.div_ceil(self.cfg.block_size));
+            let s = &req.seqs[i];
+            debug_assert_eq!(s.row, NO_ROW);
+            let init = Self::row_init(req, s, s.num_computed, self.cfg.max_model_len);
+            let row = self.batch.push(SeqRef { slot, seq_id: s.seq_id }, init, s.table.blocks().iter().map(|b| b.0));
+            req.seqs[i].row = row;
+        }
+    }
+
+    /// Plans and allocates the next chunk of every sequence of one request. All sequences
+    /// finish this step together (they then get logits rows) or each stops one token short,
+    /// so the samples of a request always step in lockstep.
+    pub(super) fn try_schedule(&mut self, slot: u32, budget: usize, watermark: usize) -> Attempt {
+        let bs = self.cfg.block_size;
+        let bm = self.bm;
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let kv = &mut self.kv;
+        let batch = &mut self.batch;
+        let n = req.seqs.len();
+        for s in req.seqs.iter_mut() {
+            Self::flush_row(batch, s);
+        }
+        // Fast path, the common decode step: one sequence writing one token inside its own
+        // last block needs no block accounting at all.
+        if n == 1 && budget > 0 {
+            let s = &mut req.seqs[0];
+            let c = Self::computed_of(batch, s);
+            if c + 1 == s.tokens.len() && bm.offset(c) != 0 && kv.ref_count(s.table.blocks()[bm.block(c)]) == 1 {
+                self.plan.clear();
+                self.plan.push((c, 1));
+                Self::set_computed(batch, s, c + 1);
+                return Attempt::Scheduled { tokens: 1, full: true };
+            }
+        }
+        if self.hits.len() < n {
+            self.hits.resize_with(n, Vec::new);
+        }
+        self.plan.clear();
+        let mut total = 0;
+        for (i, s) in req.seqs.iter_mut().enumerate() {
+            self.hits[i].clear();
+            let c = Self::computed_of(batch, s);
+            if c == 0 && s.table.is_empty() && !s.table.is_swapped() {
+                self.hits[i] = kv.find_cached_prefix(&mut s.table, &s.tokens, req.cache_salt.as_deref());
+            }
+            let start = c.max(self.hits[i].len() * bs);
+            total += s.tokens.len() - start;
+            self.plan.push((start, 0));
+        }
+        let full = total <= budget;
+        let mut left = budget;
+        let mut sum = 0;
+        for (i, s) in req.seqs.iter().enumerate() {
+            let start = self.plan[i].0;
+            let remaining = s.tokens.len() - start;
+            let chunk = if full { remaining } else { remaining.saturating_sub(1).min(left) };
+            left -= chunk;
+            sum += chunk;
+            self.plan[i].1 = chunk;
+        }
+        if sum == 0 {
+            return Attempt::NoBudget;
+        }
+        let needed = if n == 1 {
+            kv.blocks_needed(&req.seqs[0].table, self.plan[0].0, self.plan[0].1, &self.hits[0])
+        } else {
+            let items: Vec<_> = req.seqs.iter().enumerate()
+                .map(|(i, s)| (&s.table, self.plan[i].0, self.plan[i].1, &self.hits[i][..]))
+                .collect();
+            kv.blocks_needed_together(&items)
+        };
+        if kv.num_free_blocks() < needed + watermark {
+            return Attempt::NoSpace;
+        }
+        // Take every sibling's cache hits before any fresh block is popped: a hit may sit in
+        // the free list, and popping it for a sibling would evict it.
+        for (i, s) in req.seqs.iter_mut().enumerate() {
+            if !self.hits[i].is_empty() {
+                let ok = kv.allocate_slots(&mut s.table, self.plan[i].0, 0, &self.hits[i], 0);
+                debug_assert!(ok, "capacity was checked for the whole request");
+            }
+        }
+        for (i, s) in req.seqs.iter_mut().enumerate() {
+            let (start, chunk) = self.plan[i];
+            let ok = kv.allocate_slots(&mut s.table, start, chunk, &[], 0);
+            debug_assert!(ok, "capacity was checked for the whole request");
+            if !self.hits[i].is_empty() {
+                let cached = (self.hits[i].len() * bs).min(req.prompt_len) as u64;
+                self.stats.cached_prompt_tokens += cached;
+                if i == 0 && req.num_cached_tokens.is_none() {
+                    self.stats.first_admission_cached_tokens += cached;
+                }
+            }
+            if i == 0 && req.num_cached_tokens.is_none() {
+                req.num_cached_tokens = Some(self.hits[0].len() * bs);
+            }
+            Self::set_computed(batch, s, start + chunk);
+            // Blocks change from the first one written (copy-on-write) or appended on.
+            Self::sync_row(batch, s, bm.block(start));
+        }
+        Attempt::Scheduled { tokens: sum, full }
+    }
+
+    /// Writes the plan just allocated for `slot` into its sequences' rows.
+    pub(super) fn record(&mut self, slot: u32, full: bool) {
+        let req = self.requests[slot as usize].as_ref().expect("live slot");
+        let p = req.prompt_len;
+        let fans_out = full && req.n > 1 && !req.fanned_out && req.seqs.len() == 1;
+        for (pos, s) in req.seqs.iter().enumerate() {
+            let (before, chunk) = self.plan[pos];
+            let after = before + chunk;
+            let row = s.row as usize;
+            debug_assert!(s.row != NO_ROW, "a scheduled sequence has a row");
+            debug_assert!(chunk > 0 || !full, "a sampling row computes its last token");
+            if chunk > 0 {
+                self.batch.rows[row].new_tokens = chunk as u32;
+                self.step.seqs += 1;
+                self.step.tokens += chunk;
+                let len = s.tokens.len();
+                self.stats.prompt_tokens_computed += (after.min(p).saturating_sub(before.min(p))) as u64;
+                self.stats.output_tokens_recomputed += (after.min(len - 1).saturating_sub(before.max(p))) as u64;
+                if after == len && len > p {
+                    self.stats.decode_tokens += 1;
+                    // The output counts single-token decodes (not a recompute ending at len).
+                    self.step.decode_tokens += usize::from(chunk == 1);
+                }
+            }
+            if full {
+                self.batch.rows[row].samples = true;
+                self.step.logits_rows += 1;
+                if fans_out {
+                    self.batch.rows[row].fan_out = req.n - 1;
+                    self.step.logits_rows += req.n as usize - 1;
+                }
+            }
+        }
+    }
+
+    /// A request starts running: it joins the running list in order and its sequences get rows.
+    pub(super) fn admit(&mut self, slot: u32, key: (i64, u64, u32)) {
+        self.waiting.remove(&key);
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        req.state = RequestState::Running;
+        self.num_running_seqs += req.seq_slots();
+        let pos = self.running_index(slot);
+        self.running.insert(pos, slot);
+        self.give_rows(slot);
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::*;
+    use super::super::*;
+
+    #[test]
+    fn prefix_cache_hits_across_requests_and_after_preemption() {
+        let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
+        let prompt: Vec<u32> = (0..13).collect();
+        s.add_request(NewRequest::new(1, prompt.clone(), 2)).unwrap();
+        step(&mut s, 1);
+        step(&mut s, 1);
+        assert!(!s.has_unfinished());
+        s.add_request(NewRequest::new(2, prompt.clone(), 2)).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.positions, vec![12]); // 3 blocks hit, the last token is recomputed
+        assert_eq!(bt(&o), vec![1, 2, 3, 4]); // block 4 was partial, uncached: reused first
+        assert_eq!(s.num_cached_tokens(2).unwrap(), 12);
+        assert_eq!(s.stats().first_admission_cached_tokens, 12);
+        // A different salt shares nothing.
+        let mut r = NewRequest::new(3, prompt.clone(), 2);
+        r.cache_salt = Some("tenant".into());
+        s.add_request(r).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.req_ids, vec![2, 3]);
+        assert_eq!(o.num_tokens(), 1 + 13);
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error_naming_the_field() {
+        let mut s = Scheduler::new(cfg(8, 4, 16)).unwrap();
+        s.add_request(req(1, 3, 2)).unwrap();
+        assert_eq!(s.add_request(req(1, 3, 2)), Err(CoreError::DuplicateRequest { request_id: 1 }));
+        let e = s.add_request(NewRequest::new(2, vec![], 2)).unwrap_err();
+        assert!(e.to_string().contains("prompt_token_ids"), "{e}");
+        let e = s.add_request(req(3, 3, 0)).unwrap_err();
+        assert!(e.to_string().contains("max_tokens=0"), "{e}");
+        let e = s.add_request(req(4, 2000, 2)).unwrap_err();
+        assert_eq!(e, CoreError::PromptTooLong { len: 2000, max_model_len: 1024 });
+        let e = s.add_request(req(5, 20, 20)).unwrap_err();
+        assert!(matches!(e, CoreError::ExceedsCacheCapacity { blocks_needed: 10, blocks_available: 7, .. }), "{e}");
+        assert!(s.update(1, &[]).is_err());
+        let o = s.schedule().unwrap();
+        assert!(matches!(s.schedule(), Err(CoreError::InvalidState { .. })));
+        assert!(s.update(o.step_id, &[1, 2]).is_err());
+        assert!(s.update(o.step_id, &[-1]).is_err());
+        s.update(o.step_id, &[1]).unwrap();
+        assert!(Scheduler::new(SchedulerConfig { max_num_batched_tokens: 4, max_num_seqs: 8, ..cfg(8, 4, 16) }).is_err());
+        s.check_invariants().unwrap();
+    }
+}

@@ -1,0 +1,125 @@
+//! The scheduler's configuration and the request a caller submits.
+//!
+//! Invariants: `SchedulerConfig::default()` is the one source of every default (the bindings'
+//! keyword defaults and the Python `EngineArgs` read it); `validate` is the one check of a
+//! configuration (the Python side calls it before loading a model). Sizes are checked with
+//! wide arithmetic, so no user-given size can overflow an allocation.
+//! Costs: O(1).
+
+use crate::error::{CoreError, CoreResult};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptionMode {
+    Recompute,
+    Swap,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    Fcfs,
+    Priority,
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub enable_prefix_caching: bool,
+    pub preemption_mode: PreemptionMode,
+    pub num_cpu_blocks: usize,
+    pub policy: Policy,
+    /// Fraction of blocks admission keeps free for running sequences to grow into.
+    pub watermark: f64,
+    /// Extra free blocks admission keeps back per running sequence, so that the batch can grow
+    /// for a while before anyone must be preempted (the cure for admit-then-preempt thrash).
+    pub admission_headroom: f64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            num_blocks: 1024,
+            block_size: 16,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 8192,
+            enable_prefix_caching: true,
+            preemption_mode: PreemptionMode::Recompute,
+            num_cpu_blocks: 0,
+            policy: Policy::Fcfs,
+            watermark: 0.01,
+            admission_headroom: 1.0,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> CoreResult<()> {
+        if self.num_blocks < 2 {
+            return Err(CoreError::invalid("num_blocks", self.num_blocks, "must be >= 2 (block 0 is the null block)"));
+        }
+        if self.num_blocks >= u32::MAX as usize || self.num_cpu_blocks >= u32::MAX as usize {
+            return Err(CoreError::invalid("num_blocks", self.num_blocks, "must fit in 32 bits"));
+        }
+        if !self.block_size.is_power_of_two() {
+            // The paged-attention kernels tile a block by it, and the core's block math shifts.
+            return Err(CoreError::invalid("block_size", self.block_size, "must be a power of two (1, 2, 4, ..., 16, 32, ...)"));
+        }
+        if self.max_num_seqs == 0 {
+            return Err(CoreError::invalid("max_num_seqs", self.max_num_seqs, "must be >= 1"));
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(CoreError::invalid(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                format!("must be >= max_num_seqs ({}) so every running sequence can decode", self.max_num_seqs),
+            ));
+        }
+        if self.max_model_len == 0 {
+            return Err(CoreError::invalid("max_model_len", self.max_model_len, "must be >= 1"));
+        }
+        // The batch matrix holds max_num_seqs rows of ceil(max_model_len / block_size) blocks
+        // (committed lazily by the OS, but its address space is reserved up front): at most 1 GiB.
+        let entries = self.max_num_seqs as u128 * self.max_model_len.div_ceil(self.block_size) as u128;
+        if entries > 1 << 28 {
+            return Err(CoreError::invalid(
+                "max_model_len",
+                self.max_model_len,
+                format!("max_num_seqs ({}) * max_model_len / block_size must be <= 2^28 block-table entries", self.max_num_seqs),
+            ));
+        }
+        if !(0.0..1.0).contains(&self.watermark) {
+            return Err(CoreError::invalid("watermark", self.watermark, "must be in [0, 1)"));
+        }
+        if !(0.0..=16.0).contains(&self.admission_headroom) {
+            return Err(CoreError::invalid("admission_headroom", self.admission_headroom, "must be in [0, 16]"));
+        }
+        Ok(())
+    }
+}
+
+/// A request as the caller submits it.
+#[derive(Debug, Clone, Default)]
+pub struct NewRequest {
+    pub request_id: u64,
+    pub prompt_token_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub n: u32,
+    pub priority: i32,
+    pub eos_token_id: Option<u32>,
+    pub stop_token_ids: Vec<u32>,
+    pub min_tokens: usize,
+    pub ignore_eos: bool,
+    pub cache_salt: Option<String>,
+    /// Sequence slots to hold for the request's whole life (e.g. a beam width), 0 = `n`.
+    pub reserve_seqs: u32,
+}
+
+impl NewRequest {
+    pub fn new(request_id: u64, prompt_token_ids: Vec<u32>, max_tokens: usize) -> Self {
+        NewRequest { request_id, prompt_token_ids, max_tokens, n: 1, ..Default::default() }
+    }
+}

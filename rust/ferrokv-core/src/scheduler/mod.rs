@@ -1,0 +1,235 @@
+//! Iteration-level scheduler with a token budget (vLLM V1 style).
+//!
+//! Each `schedule()`:
+//! 1. gives every running sequence what it still needs (one decode token, or the next prefill
+//!    chunk), within `max_num_batched_tokens`. The common step, where every running sequence
+//!    decodes one token and all fit, is planned row by row over the persistent batch
+//!    (`batch.rs`) without looking at a request; otherwise requests are walked in order
+//!    (priority, then arrival), and one whose blocks cannot be found preempts the
+//!    lowest-priority, latest-arrived running request (the back of the list), possibly itself.
+//! 2. if nothing was preempted, admits waiting requests in order while their next chunk fits
+//!    in the budget, in `max_num_seqs`, and in the free blocks minus a small watermark kept for
+//!    running sequences to grow. The head of the queue blocks the rest (no starvation).
+//! 3. flattens the planned rows, in row order, into the arrays of `SchedulerOutput`; when every
+//!    running sequence is in the step the block tables are the batch matrix itself.
+//!
+//! `update()` then appends one sampled token per logits row (staged in the rows), decides stop
+//! conditions from per-row thresholds, frees finished sequences at once and registers newly
+//! computed full blocks in the prefix cache. Only rows that need their sequence (a completed
+//! block, a stop, a full stage, a fan-out) reach it.
+//!
+//! Invariants: the scheduler never touches reference counts (the KV-cache manager does); a
+//! request that could never fit is rejected when added, so no step spins on it; every running
+//! sequence owns one batch row that holds its computed count, its block table and, after it,
+//! the fresh blocks decode steps gave the row (the table adopts them when the row is flushed);
+//! `check_invariants` verifies all of it.
+//!
+//! Costs: a step is O(running sequences) plus O(tokens and blocks that change): a decode row
+//! costs a few loads and stores; block tables are never rebuilt. The number of waiting or
+//! finished requests never enters it. Preemption scans nothing: the victim is the back of the
+//! sorted running list.
+
+
+mod admit;
+mod config;
+mod decode;
+mod invariants;
+mod output;
+mod preempt;
+mod rows;
+mod stats;
+mod update;
+#[cfg(test)]
+mod test_util;
+
+pub use config::{NewRequest, Policy, PreemptionMode, SchedulerConfig};
+pub use stats::{KvUsage, SchedulerStats};
+
+use crate::batch::Batch;
+use crate::block_pool::{BlockId, BlockMath};
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache_manager::{KvCacheManager, KvStats};
+use crate::output::{FinishedSeq, SchedulerOutput};
+use crate::request::Request;
+use std::collections::{BTreeSet, HashMap};
+
+/// A step between `schedule` and `update`. Its plan (tokens, sampling rows, fan-outs) lives in
+/// the batch rows and moves with them.
+struct InFlight {
+    step_id: u64,
+    num_logits_rows: usize,
+    /// A fork since `schedule` legitimately shares blocks this step wrote.
+    forked: bool,
+}
+
+
+/// What the step being built holds so far.
+#[derive(Debug, Default, Clone, Copy)]
+struct StepCounts {
+    seqs: usize,
+    tokens: usize,
+    logits_rows: usize,
+    /// Single-token decodes (not a recompute chunk ending at the last token).
+    decode_tokens: usize,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: Vec<Option<Request>>,
+    free_slots: Vec<u32>,
+    by_id: HashMap<u64, u32>,
+    seq_owner: HashMap<u64, u32>,
+    waiting: BTreeSet<(i64, u64, u32)>,
+    running: Vec<u32>,
+    num_running_seqs: usize,
+    watermark_blocks: usize,
+    next_arrival: u64,
+    next_seq_id: u64,
+    step_id: u64,
+    in_flight: Option<InFlight>,
+    /// Set while `update` runs: leaving rows are marked dead and compacted at its end.
+    defer_row_removal: bool,
+    batch: Batch,
+    pending_finished: Vec<FinishedSeq>,
+    ended_ids: Vec<i64>,
+    ending: Vec<bool>,
+    plan: Vec<(usize, usize)>,
+    step: StepCounts,
+    /// The output the all-decode path emitted: (buffers, rows emitted, widest table).
+    emitted: Option<(SchedulerOutput, usize, usize)>,
+    /// Reused list of rows that need per-sequence work in `update`.
+    scratch_rows: Vec<u32>,
+    /// Reused list of request slots, and a mark per slot (both empty between uses).
+    scratch_slots: Vec<u32>,
+    mark: Vec<bool>,
+    bm: BlockMath,
+    hits: Vec<Vec<BlockId>>,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> CoreResult<Self> {
+        cfg.validate()?;
+        let kv = KvCacheManager::new(cfg.num_blocks, cfg.block_size, cfg.num_cpu_blocks, cfg.enable_prefix_caching);
+        let watermark_blocks = ((cfg.num_blocks - 1) as f64 * cfg.watermark) as usize;
+        // Step ids are unique across scheduler instances, so update() can reject another
+        // scheduler's output.
+        static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let instance = INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let batch = Batch::new(cfg.max_num_seqs, cfg.max_model_len.div_ceil(cfg.block_size)).ok_or_else(|| {
+            CoreError::invalid("max_num_seqs", cfg.max_num_seqs, "the batch's block-table matrix cannot be allocated (lower it or max_model_len)")
+        })?;
+        Ok(Scheduler {
+            bm: BlockMath::new(cfg.block_size),
+            batch,
+            cfg,
+            kv,
+            requests: Vec::new(),
+            free_slots: Vec::new(),
+            by_id: HashMap::new(),
+            seq_owner: HashMap::new(),
+            waiting: BTreeSet::new(),
+            running: Vec::new(),
+            num_running_seqs: 0,
+            watermark_blocks,
+            next_arrival: 0,
+            next_seq_id: 0,
+            step_id: instance << 32,
+            in_flight: None,
+            defer_row_removal: false,
+            pending_finished: Vec::new(),
+            ended_ids: Vec::new(),
+            ending: Vec::new(),
+            plan: Vec::new(),
+            step: StepCounts::default(),
+            emitted: None,
+            scratch_rows: Vec::new(),
+            scratch_slots: Vec::new(),
+            mark: Vec::new(),
+            hits: Vec::new(),
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+    pub fn num_free_blocks(&self) -> usize {
+        self.kv.num_free_blocks()
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn num_running_seqs(&self) -> usize {
+        self.num_running_seqs
+    }
+    pub fn num_unfinished(&self) -> usize {
+        self.by_id.len()
+    }
+    pub fn has_unfinished(&self) -> bool {
+        !self.by_id.is_empty()
+    }
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+    pub fn kv_stats(&self) -> KvStats {
+        self.kv.stats()
+    }
+
+    fn new_seq_id(&mut self) -> u64 {
+        let id = self.next_seq_id;
+        self.next_seq_id += 1;
+        id
+    }
+
+    fn req(&self, slot: u32) -> &Request {
+        self.requests[slot as usize].as_ref().expect("live slot")
+    }
+
+    pub fn schedule(&mut self) -> CoreResult<SchedulerOutput> {
+        if self.in_flight.is_some() {
+            return Err(CoreError::InvalidState {
+                message: "schedule() called while a step is in flight: call update(output, sampled_token_ids) first".into(),
+            });
+        }
+        debug_assert!(!self.batch.has_dead());
+        self.step_id += 1;
+        self.stats.steps += 1;
+        self.step = StepCounts::default();
+        let budget = self.cfg.max_num_batched_tokens;
+        let (budget, preempted) = self.schedule_running(budget);
+        if preempted.is_empty() {
+            self.admit_waiting(budget);
+        }
+        self.stats.max_running_seqs = self.stats.max_running_seqs.max(self.num_running_seqs as u64);
+        self.stats.max_step_tokens = self.stats.max_step_tokens.max(self.step.tokens as u64);
+        let out = self.build_output(preempted);
+        self.in_flight = Some(InFlight { step_id: self.step_id, num_logits_rows: out.num_rows(), forked: false });
+        Ok(out)
+    }
+
+    /// Where request `slot` is (or belongs) in the running list, which is sorted by order key
+    /// (keys are unique: arrivals are).
+    fn running_index(&self, slot: u32) -> usize {
+        let key = self.req(slot).order_key();
+        self.running.partition_point(|&s| self.req(s).order_key() < key)
+    }
+
+    fn locate_seq(&self, seq_id: u64) -> CoreResult<(u32, usize)> {
+        let slot = *self.seq_owner.get(&seq_id).ok_or(CoreError::UnknownSequence { seq_id })?;
+        let pos = self.req(slot).seq_pos(seq_id).ok_or(CoreError::UnknownSequence { seq_id })?;
+        Ok((slot, pos))
+    }
+
+
+
+    /// Forgets all cached prefixes not in use (e.g. after a failed model step whose KV is
+    /// suspect). In-use blocks keep serving their own sequences.
+    pub fn reset_prefix_cache(&mut self) {
+        self.kv.reset_prefix_cache();
+    }
+}

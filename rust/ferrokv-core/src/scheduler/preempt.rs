@@ -1,0 +1,315 @@
+//! The running walk and what ends or suspends a request: preemption (swap or recompute),
+//! aborts, dropped sequences.
+//!
+//! Invariants: the victim is always the back of the running list (lowest priority, latest
+//! arrival); a request alone and still out of blocks is aborted, never spun on; every path
+//! that ends a request frees all its blocks at once. Costs: O(running requests) per walk;
+//! preemption and abort are O(the request's blocks).
+
+use super::admit::Attempt;
+use super::decode::DecodePlan;
+use super::{PreemptionMode, Scheduler};
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache_manager::BlockTable;
+use crate::output::FinishedSeq;
+use crate::request::{FinishReason, RequestState};
+
+impl Scheduler {
+    /// Serves the running requests in order within `budget`: decodes planned row by row
+    /// (`plan_decode_rows`), the rest one request at a time. A request whose blocks cannot be
+    /// found preempts the back of the running list (possibly itself). Returns the budget left
+    /// and the preempted request ids.
+    pub(super) fn schedule_running(&mut self, mut budget: usize) -> (usize, Vec<i64>) {
+        let mut preempted: Vec<i64> = Vec::new();
+        // The decode paths write the plan of the rows they take; the per-request walk starts
+        // from none, or after the decodes planned row by row.
+        let plan = self.plan_decode_rows(budget);
+        budget -= self.step.tokens;
+        let mut i = match plan {
+            DecodePlan::All => return (budget, preempted),
+            DecodePlan::Front { generic_from } => generic_from,
+            DecodePlan::None => {
+                self.batch.clear_plan();
+                0
+            }
+        };
+        while i < self.running.len() {
+            let slot = self.running[i];
+            match self.try_schedule(slot, budget, 0) {
+                Attempt::Scheduled { tokens, full } => {
+                    self.record(slot, full);
+                    budget -= tokens;
+                    i += 1;
+                }
+                Attempt::NoBudget => break,
+                Attempt::NoSpace => {
+                    if self.running.len() > i + 1 {
+                        let victim = self.running.pop().expect("non-empty");
+                        preempted.push(self.req(victim).request_id as i64);
+                        self.preempt(victim);
+                    } else if i == 0 {
+                        // Alone and still out of blocks: it can never fit. End it rather than spin.
+                        self.end_request(slot, FinishReason::Abort, true);
+                        self.stats.capacity_aborts += 1;
+                    } else {
+                        self.running.pop();
+                        preempted.push(self.req(slot).request_id as i64);
+                        self.preempt(slot);
+                        break;
+                    }
+                }
+            }
+        }
+        (budget, preempted)
+    }
+
+    /// Takes a running request's blocks away: to the CPU pool in swap mode (when it fits),
+    /// else freed for recomputation. It goes back to the waiting queue at its original place.
+    pub(super) fn preempt(&mut self, slot: u32) {
+        for pos in 0..self.req(slot).seqs.len() {
+            self.take_row(slot, pos);
+        }
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        self.num_running_seqs -= req.seq_slots();
+        let swapped = self.cfg.preemption_mode == PreemptionMode::Swap && {
+            let mut tables: Vec<&mut BlockTable> = req.seqs.iter_mut().map(|s| &mut s.table).collect();
+            self.kv.swap_out(&mut tables)
+        };
+        if swapped {
+            req.state = RequestState::Swapped;
+            self.stats.swap_preemptions += 1;
+        } else {
+            for s in req.seqs.iter_mut() {
+                self.kv.free(&mut s.table);
+                s.num_computed = 0;
+            }
+            req.state = RequestState::Waiting;
+            self.stats.recompute_preemptions += 1;
+        }
+        self.stats.preemptions += 1;
+        let k = req.order_key();
+        self.waiting.insert((k.0, k.1, slot));
+    }
+
+    /// Removes a request wherever it is, freeing all of its blocks. With `report`, its
+    /// sequences are reported as finished by the next `update`.
+    pub(super) fn end_request(&mut self, slot: u32, reason: FinishReason, report: bool) {
+        for pos in 0..self.req(slot).seqs.len() {
+            self.take_row(slot, pos);
+        }
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        match req.state {
+            RequestState::Running => {
+                self.num_running_seqs -= req.seq_slots();
+                if let Some(i) = self.running.iter().position(|&s| s == slot) {
+                    self.running.remove(i);
+                }
+            }
+            RequestState::Waiting | RequestState::Swapped => {
+                let k = req.order_key();
+                self.waiting.remove(&(k.0, k.1, slot));
+            }
+        }
+        let n = req.seqs.len();
+        for (i, s) in req.seqs.iter_mut().enumerate() {
+            self.kv.free(&mut s.table);
+            self.seq_owner.remove(&s.seq_id);
+            if report {
+                self.pending_finished.push(FinishedSeq {
+                    request_id: req.request_id,
+                    seq_id: s.seq_id,
+                    sample_index: s.sample_index,
+                    reason,
+                    stop_token: None,
+                    request_finished: i + 1 == n,
+                });
+            }
+        }
+        self.by_id.remove(&req.request_id);
+        self.ended_ids.push(req.request_id as i64);
+        self.release_slot(slot);
+    }
+
+    /// Ends a request at any time (waiting, running, swapped, or with a step in flight; the
+    /// in-flight rows of an aborted request are ignored by `update`). Frees its blocks at once.
+    pub fn abort(&mut self, request_id: u64) -> CoreResult<()> {
+        let slot = *self.by_id.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        self.end_request(slot, FinishReason::Abort, false);
+        self.stats.requests_aborted += 1;
+        Ok(())
+    }
+
+    /// Ends one sequence and frees its blocks. Returns true if it was its request's last, in
+    /// which case the request is gone too.
+    pub fn drop_sequence(&mut self, seq_id: u64) -> CoreResult<bool> {
+        let (slot, pos) = self.locate_seq(seq_id)?;
+        if self.req(slot).seqs.len() == 1 {
+            self.end_request(slot, FinishReason::Abort, false);
+            return Ok(true);
+        }
+        let mut sink = Vec::new();
+        let last = self.finish_seq(slot, pos, FinishReason::Abort, None, &mut sink);
+        debug_assert!(!last);
+        Ok(false)
+    }
+
+    pub(super) fn release_slot(&mut self, slot: u32) {
+        self.requests[slot as usize] = None;
+        self.free_slots.push(slot);
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::*;
+    use super::super::*;
+    use crate::request::FinishReason;
+
+    #[test]
+    fn a_prefill_at_the_back_that_runs_out_of_blocks_preempts_only_itself() {
+        // 9 usable blocks of 4 tokens: two decoding requests hold 2 each, the long prompt's
+        // second chunk cannot get its blocks.
+        let mut c = cfg(10, 4, 16);
+        c.max_num_seqs = 4;
+        let mut s = Scheduler::new(c).unwrap();
+        s.add_request(req(1, 7, 20)).unwrap();
+        s.add_request(req(2, 7, 20)).unwrap();
+        step(&mut s, 5);
+        s.add_request(req(3, 30, 2)).unwrap();
+        let (o, _) = step(&mut s, 5); // 2 decodes + 14 prompt tokens of request 3 (4 blocks)
+        assert_eq!((o.num_decode_tokens, o.num_prefill_tokens), (2, 14));
+        let (o, _) = step(&mut s, 5);
+        // The decodes keep going; request 3 (the latest arrival, last in order) is preempted.
+        assert_eq!(o.req_ids, vec![1, 2]);
+        assert_eq!(o.preempted_req_ids, vec![3]);
+        assert_eq!(s.stats().recompute_preemptions, 1);
+        s.abort(3).unwrap();
+        while s.has_unfinished() {
+            step(&mut s, 5);
+        }
+        assert_eq!(s.num_free_blocks(), 9);
+    }
+
+    #[test]
+    fn out_of_blocks_preempts_the_latest_arrival_for_recompute() {
+        // 6 usable blocks of 2 tokens.
+        let mut s = Scheduler::new(cfg(7, 2, 16)).unwrap();
+        s.add_request(req(1, 4, 8)).unwrap();
+        s.add_request(req(2, 4, 8)).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(bt(&o), vec![1, 2, 3, 4]);
+        step(&mut s, 1); // both at 5 tokens: blocks 5, 6
+        assert_eq!(s.num_free_blocks(), 0);
+        step(&mut s, 1); // positions 5 fit in the 3rd blocks
+        let (o, _) = step(&mut s, 1); // request 1 needs a block: request 2 is preempted
+        assert_eq!(o.preempted_req_ids, vec![2]);
+        assert_eq!(o.req_ids, vec![1]);
+        assert_eq!(s.num_waiting(), 1);
+        assert_eq!(s.stats().recompute_preemptions, 1);
+        // Request 2 comes back once request 1 is done and recomputes prompt + output.
+        let mut seen_2 = false;
+        for _ in 0..20 {
+            let (o, _) = step(&mut s, 1);
+            if o.req_ids.contains(&2) && !seen_2 {
+                seen_2 = true;
+                assert_eq!(o.positions.len(), 7); // 4 prompt + 3 generated tokens recomputed
+            }
+            if !s.has_unfinished() {
+                break;
+            }
+        }
+        assert!(seen_2 && !s.has_unfinished());
+        assert_eq!(s.num_free_blocks(), 6);
+        assert_eq!(s.stats().output_tokens_recomputed, 2);
+    }
+
+    #[test]
+    fn swap_mode_emits_swap_pairs_and_resumes_without_recompute() {
+        let mut c = cfg(7, 2, 16);
+        c.preemption_mode = PreemptionMode::Swap;
+        c.num_cpu_blocks = 8;
+        let mut s = Scheduler::new(c).unwrap();
+        s.add_request(req(1, 4, 8)).unwrap();
+        s.add_request(req(2, 4, 8)).unwrap();
+        for _ in 0..3 {
+            step(&mut s, 1);
+        }
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.preempted_req_ids, vec![2]);
+        assert_eq!(o.swap_out, vec![3, 0, 4, 1, 6, 2]); // request 2's blocks 3, 4, 6
+        assert_eq!(s.stats().swap_preemptions, 1);
+        let mut swapped_in = false;
+        for _ in 0..20 {
+            let (o, _) = step(&mut s, 1);
+            if !o.swap_in.is_empty() {
+                swapped_in = true;
+                assert_eq!(o.swap_in.len(), 6);
+                assert_eq!(o.positions.len(), 1, "a swapped request resumes with one decode token");
+            }
+            if !s.has_unfinished() {
+                break;
+            }
+        }
+        assert!(swapped_in);
+        assert_eq!(s.stats().output_tokens_recomputed, 0);
+        assert_eq!(s.num_free_blocks(), 6);
+    }
+
+    #[test]
+    fn priority_policy_orders_admission_and_picks_victims() {
+        let mut c = cfg(7, 2, 16);
+        c.policy = Policy::Priority;
+        let mut s = Scheduler::new(c).unwrap();
+        let mut low = req(1, 4, 8);
+        low.priority = 5;
+        let mut high = req(2, 4, 8);
+        high.priority = -1;
+        s.add_request(low).unwrap();
+        s.add_request(high).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.req_ids, vec![2, 1]);
+        let mut preempted = vec![];
+        for _ in 0..4 {
+            let (o, _) = step(&mut s, 1);
+            preempted.extend(o.preempted_req_ids);
+        }
+        assert_eq!(preempted, vec![1]);
+    }
+
+    #[test]
+    fn a_request_that_outgrows_the_cache_alone_is_aborted_not_spun_on() {
+        let mut s = Scheduler::new(cfg(5, 2, 16)).unwrap(); // 4 usable blocks
+        s.add_request(req(1, 3, 5)).unwrap(); // worst case 4 blocks: accepted
+        let out = s.schedule().unwrap();
+        let p = out.row_seq_ids[0] as u64;
+        s.fork_sequence(p, Some(1)).unwrap(); // two beams of 8 tokens cannot fit in 4 blocks
+        s.update(out.step_id, &[1]).unwrap();
+        let mut aborted = false;
+        for _ in 0..10 {
+            let out = s.schedule().unwrap();
+            let done = s.update(out.step_id, &vec![1; out.num_rows()]).unwrap();
+            s.check_invariants().unwrap();
+            if done.iter().any(|d| d.reason == FinishReason::Abort && d.request_finished) {
+                aborted = true;
+                break;
+            }
+        }
+        assert!(aborted);
+        assert_eq!(s.stats().capacity_aborts, 1);
+        assert_eq!(s.num_free_blocks(), 4);
+    }
+
+    #[test]
+    fn abort_between_schedule_and_update_is_safe() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        s.add_request(req(1, 5, 4)).unwrap();
+        s.add_request(req(2, 5, 4)).unwrap();
+        let out = s.schedule().unwrap();
+        s.abort(1).unwrap();
+        let done = s.update(out.step_id, &[3, 3]).unwrap();
+        assert!(done.is_empty());
+        assert_eq!(s.seq_tokens(s.request_seq_ids(2).unwrap()[0]).unwrap().len(), 6);
+        s.check_invariants().unwrap();
+    }
+}

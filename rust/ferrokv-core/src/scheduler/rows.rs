@@ -1,0 +1,145 @@
+//! The link between a running sequence and its batch row: giving and taking rows, bringing a
+//! sequence up to date with its row, and prefetching the chains of rows a pass will visit.
+//!
+//! Invariants: a running sequence has exactly one row; its computed count lives there; a
+//! sequence is brought up to date (`flush_row`) before anything reads its tokens or table.
+//! Costs: O(1) per row, plus the staged tokens and adopted blocks moved.
+
+use super::Scheduler;
+use crate::batch::{Batch, Moved, RowInit, SeqRef, NO_ROW};
+use crate::block_pool::BlockId;
+use crate::request::{Request, RowStop, Sequence};
+
+impl Scheduler {
+    /// Tokens of `s` whose KV is computed: its batch row holds the count while it runs.
+    pub(super) fn computed_of(batch: &Batch, s: &Sequence) -> usize {
+        if s.row == NO_ROW {
+            s.num_computed
+        } else {
+            batch.rows[s.row as usize].computed as usize
+        }
+    }
+
+    pub(super) fn set_computed(batch: &mut Batch, s: &mut Sequence, v: usize) {
+        if s.row == NO_ROW {
+            s.num_computed = v;
+        } else {
+            batch.rows[s.row as usize].computed = v as u32;
+        }
+    }
+
+    /// The row of a sequence whose tokens are all in `s.tokens` (nothing staged).
+    pub(super) fn row_init(req: &Request, s: &Sequence, computed: usize, max_model_len: usize) -> RowInit {
+        RowInit {
+            req_id: req.request_id,
+            sample_index: s.sample_index,
+            prompt_len: req.prompt_len,
+            computed,
+            num_tokens: s.tokens.len(),
+            last_token: *s.tokens.last().expect("a sequence has at least one token"),
+            stop: RowStop::new(&req.stop, req.prompt_len, max_model_len),
+        }
+    }
+
+    /// Brings a running sequence up to date with its row (before anything reads its tokens or
+    /// its block table): appends the tokens staged in the row, and the blocks decode steps
+    /// appended to the row only (fresh blocks that no other table holds yet).
+    pub(super) fn flush_row(batch: &mut Batch, s: &mut Sequence) {
+        if s.row != NO_ROW {
+            let row = s.row as usize;
+            batch.flush_tokens(row, &mut s.tokens);
+            let (known, h) = (s.table.len(), &batch.rows[row]);
+            match (h.num_blocks as usize).saturating_sub(known) {
+                0 => {}
+                1 => s.table.adopt(std::iter::once(BlockId(h.tail_block))), // the usual one, without the matrix
+                _ => s.table.adopt(batch.row_blocks(row).skip(known).map(|b| BlockId(b as u32))),
+            }
+        }
+    }
+
+    /// Takes a sequence's row away; its computed count goes back into the sequence.
+    pub(super) fn take_row(&mut self, slot: u32, pos: usize) {
+        self.flush_seq(slot, pos);
+        let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
+        let row = std::mem::replace(&mut s.row, NO_ROW);
+        if row == NO_ROW {
+            return;
+        }
+        s.num_computed = self.batch.rows[row as usize].computed as usize;
+        if self.defer_row_removal {
+            self.batch.mark_dead(row);
+        } else if let Some(m) = self.batch.swap_remove(row) {
+            self.fix_moved(m);
+        }
+    }
+
+    /// A live row's request and the position of its sequence in it.
+    pub(super) fn row_req(requests: &mut [Option<Request>], seq: SeqRef) -> (&mut Request, usize) {
+        let req = requests[seq.slot as usize].as_mut().expect("a live row's request is live");
+        let pos = req.seq_pos(seq.seq_id).expect("a live row's sequence is live");
+        (req, pos)
+    }
+
+    /// A live row's sequence.
+    pub(super) fn seq_of(requests: &mut [Option<Request>], seq: SeqRef) -> &mut Sequence {
+        let (req, pos) = Self::row_req(requests, seq);
+        &mut req.seqs[pos]
+    }
+
+    /// While row `rows[i]` is being worked on, starts fetching what the work on the rows after
+    /// it will touch, level by level: the request 8 rows ahead, the sequence 4 ahead (its
+    /// request fetched by then), the ends of its token, block and hash lists 3 ahead. Rows that
+    /// cross a block boundary in one step each need that chain; pipelined, the misses overlap
+    /// instead of queueing one chain after another.
+    #[inline]
+    pub(super) fn prefetch_ahead(&self, rows: &[u32], i: usize) {
+        const DISTANCE: [usize; 3] = [8, 4, 3]; // per level
+        for (level, d) in DISTANCE.into_iter().enumerate() {
+            // The first row primes the pipeline with the rows before that distance too.
+            let from = if i == 0 { 0 } else { d };
+            for &r in rows.iter().skip(i + from).take(d + 1 - from) {
+                self.prefetch_row_level(r, level as u8);
+            }
+        }
+    }
+
+    /// One level of `prefetch_ahead` for one row: 0 the request, 1 the sequence, 2 the ends
+    /// of its token, block and hash lists (each level reads what the one before fetched).
+    #[inline]
+    pub(super) fn prefetch_row_level(&self, r: u32, level: u8) {
+        use crate::prefetch::{read, read_range, read_value};
+        let SeqRef { slot, seq_id } = self.batch.owner[r as usize];
+        let entry = &self.requests[slot as usize];
+        match (level, entry) {
+            (0, _) => read_value(entry),
+            // The first sequence, without reading it (usually the only one).
+            (1, Some(req)) => read_range(req.seqs.as_ptr() as *const u8, std::mem::size_of::<Sequence>()),
+            (_, Some(req)) => {
+                if let Some(s) = req.seqs.iter().find(|s| s.seq_id == seq_id) {
+                    read(s.tokens.as_ptr().wrapping_add(s.tokens.len()) as *const u8);
+                    s.table.prefetch_tail();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    pub(super) fn fix_moved(&mut self, m: Moved) {
+        Self::seq_of(&mut self.requests, m.seq).row = m.to;
+    }
+
+    /// Mirrors a sequence's block table into its row from block `from` on.
+    pub(super) fn sync_row(batch: &mut Batch, s: &Sequence, from: usize) {
+        if s.row != NO_ROW {
+            let from = from.min(batch.rows[s.row as usize].num_blocks as usize).min(s.table.len());
+            batch.sync_blocks(s.row as usize, from, s.table.blocks()[from..].iter().map(|b| b.0));
+        }
+    }
+
+    /// Brings a running sequence up to date with its row (`flush_row`).
+    pub(super) fn flush_seq(&mut self, slot: u32, pos: usize) {
+        let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
+        Self::flush_row(&mut self.batch, s);
+    }
+
+}

@@ -1,0 +1,450 @@
+//! `update`: sampled tokens in, stops decided, finished sequences freed, computed blocks
+//! registered in the prefix cache; forks (n > 1 fan-out and beam-style `fork_sequence`).
+//!
+//! Invariants: one token per logits row of the step in flight, or a typed error and nothing
+//! changed; rows leaving during `update` are compacted at its end, so row numbers hold through
+//! it. Costs: one pass over the rows; only rows that complete a block, stop, fill their stage
+//! or fan out reach their sequence.
+
+use super::Scheduler;
+use crate::batch::{SeqRef, NO_ROW, PENDING_TOKENS};
+use crate::error::{CoreError, CoreResult};
+use crate::output::FinishedSeq;
+use crate::request::{FinishReason, RequestState, Sequence};
+
+impl Scheduler {
+    /// Appends one sampled token per logits row of step `step_id`, decides stops, frees what
+    /// finished and registers computed blocks in the prefix cache.
+    pub fn update(&mut self, step_id: u64, sampled: &[i64]) -> CoreResult<Vec<FinishedSeq>> {
+        let fl = match self.in_flight.as_ref() {
+            None => {
+                return Err(CoreError::InvalidState { message: "update() called with no step in flight: call schedule() first".into() })
+            }
+            Some(fl) => fl,
+        };
+        if fl.step_id != step_id {
+            let msg = format!("update() got the output of step {step_id}, but step {} is in flight", fl.step_id);
+            return Err(CoreError::InvalidState { message: msg });
+        }
+        if sampled.len() != fl.num_logits_rows {
+            return Err(CoreError::invalid(
+                "sampled_token_ids",
+                format!("<{} tokens>", sampled.len()),
+                format!("expected one token per logits row ({})", fl.num_logits_rows),
+            ));
+        }
+        // One vectorizable pass; the offending value is looked up only on error.
+        if sampled.iter().fold(0u64, |acc, &t| acc | (t as u64 >> 32)) != 0 {
+            let bad = sampled.iter().find(|&&t| !(0..=u32::MAX as i64).contains(&t)).copied().unwrap_or(-1);
+            return Err(CoreError::invalid("sampled_token_ids", bad, "token ids must be in [0, 2^32)"));
+        }
+        self.in_flight = None;
+        // Rows that leave are compacted at the end, so row numbers hold through both passes.
+        self.defer_row_removal = true;
+        let bm = self.bm;
+        let caching = self.kv.prefix_caching();
+        // One tight pass over the rows stages each sampled token and decides stops from the
+        // row alone. Rows that need their sequence are listed and handled after it: those that
+        // completed a block (registered in the prefix cache now that their KV is computed,
+        // about one row in block_size per step), n > 1 prompts whose samples fork off now (their
+        // own token is appended after the fork), and full stages.
+        let mut blocks_done = std::mem::take(&mut self.scratch_rows);
+        let mut forks: Vec<u32> = Vec::new();
+        let mut full_stage: Vec<u32> = Vec::new();
+        let mut maybe_stops: Vec<u32> = Vec::new();
+        let mut generated = 0u64;
+        blocks_done.clear();
+        {
+            let b = &mut self.batch;
+            let n = b.rows.len();
+            let rows = &mut b.rows[..n];
+            let last = &mut b.last_token[..n];
+            let pending = &mut b.pending[..n * PENDING_TOKENS];
+            for r in 0..n {
+                let h = &mut rows[r];
+                if h.new_tokens == 0 {
+                    continue; // not in the step, or forked after it was scheduled
+                }
+                let after = h.computed as usize;
+                let before = after - h.new_tokens as usize;
+                if bm.block(after) != bm.block(before) || before == 0 {
+                    blocks_done.push(r as u32);
+                }
+                if !h.samples || h.is_dead || h.fan_out > 0 {
+                    if h.fan_out > 0 {
+                        forks.push(r as u32);
+                    }
+                    continue;
+                }
+                generated += 1;
+                let tok = sampled[h.logits_row as usize] as u32;
+                h.num_tokens += 1;
+                last[r] = tok as i64;
+                let k = h.num_pending as usize;
+                if k < PENDING_TOKENS {
+                    pending[r * PENDING_TOKENS + k] = tok;
+                    h.num_pending += 1;
+                } else {
+                    full_stage.push(r as u32); // staged once its stage is flushed
+                }
+                if h.stop.may_stop(tok, h.num_tokens) {
+                    maybe_stops.push(r as u32);
+                }
+            }
+        }
+        if !caching {
+            blocks_done.clear();
+        }
+        let mut stops: Vec<(u32, FinishReason, Option<u32>)> = Vec::new();
+        for &r in &maybe_stops {
+            let r = r as usize;
+            let tok = self.batch.last_token[r] as u32;
+            let h = &self.batch.rows[r];
+            let slot = self.batch.owner[r].slot;
+            let requests = &self.requests;
+            let stop_ids = || requests[slot as usize].as_ref().is_some_and(|q| q.stop.stop_token_ids.contains(&tok));
+            if let Some((reason, stop_token)) = h.stop.check(tok, h.num_tokens, stop_ids) {
+                stops.push((r as u32, reason, stop_token));
+            }
+        }
+        for (i, &r) in full_stage.iter().enumerate() {
+            self.prefetch_ahead(&full_stage, i);
+            let r = r as usize;
+            let s = Self::seq_of(&mut self.requests, self.batch.owner[r]);
+            Self::flush_row(&mut self.batch, s);
+            let staged = self.batch.stage_token(r, self.batch.last_token[r] as u32);
+            debug_assert!(staged);
+        }
+        // Registration in two passes. The first brings the sequences up to date with their rows
+        // (staged tokens, blocks only the row held), pipelined so that the misses of the chain
+        // request -> sequence -> lists overlap (see `prefetch_ahead`). The second hashes row i
+        // while row i-2 is inserted (its index slot, record and token slot fetched meanwhile).
+        // Hashing a block right after appending its tokens stalled on those stores.
+        let n = blocks_done.len();
+        for i in 0..n {
+            self.prefetch_ahead(&blocks_done, i);
+            let r = blocks_done[i] as usize;
+            let s = Self::seq_of(&mut self.requests, self.batch.owner[r]);
+            Self::flush_row(&mut self.batch, s);
+        }
+        for i in 0..n + 2 {
+            for (j, prepare) in [(i, true), (i.wrapping_sub(2), false)] {
+                if j >= n {
+                    continue;
+                }
+                let r = blocks_done[j] as usize;
+                let (req, pos) = Self::row_req(&mut self.requests, self.batch.owner[r]);
+                let s = &mut req.seqs[pos];
+                let computed = self.batch.rows[r].computed as usize;
+                let salt = req.cache_salt.as_deref();
+                if prepare {
+                    self.kv.prepare_register(&mut s.table, &s.tokens, computed, salt);
+                } else {
+                    self.kv.register_computed(&mut s.table, &s.tokens, computed, salt);
+                }
+            }
+        }
+        self.scratch_rows = blocks_done;
+        let mut finished = std::mem::take(&mut self.pending_finished);
+        let mut ended_slots: Vec<u32> = Vec::new();
+        for r in forks {
+            // The children get rows (past the loop above) that sample their own tokens.
+            let first_child = self.batch.len();
+            self.fan_out(r as usize);
+            for row in std::iter::once(r as usize).chain(first_child..self.batch.len()) {
+                generated += 1;
+                let tok = sampled[self.batch.rows[row].logits_row as usize] as u32;
+                let (req, pos) = Self::row_req(&mut self.requests, self.batch.owner[row]);
+                let s = &mut req.seqs[pos];
+                Self::flush_row(&mut self.batch, s);
+                s.tokens.push(tok);
+                let h = &mut self.batch.rows[row];
+                h.num_tokens += 1;
+                self.batch.last_token[row] = tok as i64;
+                let stop_ids = || req.stop.stop_token_ids.contains(&tok);
+                if let Some((reason, stop_token)) = h.stop.check(tok, h.num_tokens, stop_ids) {
+                    stops.push((row as u32, reason, stop_token));
+                }
+            }
+        }
+        for (r, reason, stop_token) in stops {
+            let SeqRef { slot, seq_id } = self.batch.owner[r as usize];
+            let pos = self.req(slot).seq_pos(seq_id).expect("a live row's sequence is live");
+            if self.finish_seq(slot, pos, reason, stop_token, &mut finished) {
+                ended_slots.push(slot);
+            }
+        }
+        self.stats.generated_tokens += generated;
+        if ended_slots.len() <= 8 {
+            // The usual handful: found by binary search in the ordered running list.
+            for &slot in &ended_slots {
+                let pos = self.running_index(slot);
+                debug_assert_eq!(self.running.get(pos), Some(&slot));
+                self.running.remove(pos);
+            }
+        } else {
+            for &s in &ended_slots {
+                self.ending[s as usize] = true;
+            }
+            let ending = &self.ending;
+            self.running.retain(|&s| !ending[s as usize]);
+            for &s in &ended_slots {
+                self.ending[s as usize] = false;
+            }
+        }
+        for &s in &ended_slots {
+            self.release_slot(s);
+        }
+        self.defer_row_removal = false;
+        if self.batch.has_dead() {
+            let mut moves = Vec::new();
+            self.batch.compact(|m| moves.push(m));
+            for m in moves {
+                self.fix_moved(m);
+            }
+        }
+        Ok(finished)
+    }
+
+    /// Forks the `n - 1` extra samples off the prefilled prompt in row `r`; each gets a row
+    /// that samples its own token of this step.
+    pub(super) fn fan_out(&mut self, r: usize) {
+        let SeqRef { slot, seq_id } = self.batch.owner[r];
+        let (count, first, logits_row) = (self.batch.rows[r].fan_out, self.batch.fan_out_first[r], self.batch.rows[r].logits_row);
+        // Done once: a step that skips `clear_plan` must not fork again.
+        self.batch.rows[r].fan_out = 0;
+        let before = self.req(slot).seq_slots();
+        let ppos = self.req(slot).seq_pos(seq_id).expect("a live row's sequence is live");
+        for j in 0..count {
+            // Children are pushed after the parent: its position holds.
+            let row = self.add_child(slot, ppos, first + j as u64, None) as usize;
+            self.batch.rows[row].samples = true;
+            self.batch.rows[row].logits_row = logits_row + 1 + j;
+        }
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        req.fanned_out = true;
+        // Usually no change: the n slots were counted at admission.
+        self.num_running_seqs = self.num_running_seqs + req.seq_slots() - before;
+    }
+
+    /// Forks sequence `ppos` of running request `slot` into a new sequence `child_id` that
+    /// shares all its blocks (copy-on-write) and gets a batch row; `next_token`, if any, is
+    /// appended to the child's tokens. The caller accounts for the request's sequence slots.
+    pub(super) fn add_child(&mut self, slot: u32, ppos: usize, child_id: u64, next_token: Option<u32>) -> u32 {
+        self.flush_seq(slot, ppos);
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let parent = &req.seqs[ppos];
+        let computed = Self::computed_of(&self.batch, parent);
+        let table = self.kv.fork(&parent.table);
+        if parent.row != NO_ROW {
+            self.batch.rows[parent.row as usize].tail_owned = false; // now shared
+        }
+        let mut tokens = parent.tokens.clone();
+        tokens.extend(next_token);
+        let child = Sequence { seq_id: child_id, sample_index: req.next_sample_index, tokens, num_computed: computed, table, row: NO_ROW };
+        req.next_sample_index += 1;
+        let init = Self::row_init(req, &child, computed, self.cfg.max_model_len);
+        let row = self.batch.push(SeqRef { slot, seq_id: child_id }, init, child.table.blocks().iter().map(|b| b.0));
+        req.seqs.push(Sequence { row, ..child });
+        self.seq_owner.insert(child_id, slot);
+        row
+    }
+
+    /// Ends one sequence; returns true when it was its request's last (the caller then takes
+    /// the request out of `running` and releases the slot).
+    pub(super) fn finish_seq(&mut self, slot: u32, pos: usize, reason: FinishReason, stop_token: Option<u32>, out: &mut Vec<FinishedSeq>) -> bool {
+        self.take_row(slot, pos);
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let before = req.seq_slots();
+        let mut s = req.seqs.remove(pos);
+        self.kv.free(&mut s.table);
+        self.seq_owner.remove(&s.seq_id);
+        let last = req.seqs.is_empty();
+        if req.state == RequestState::Running {
+            self.num_running_seqs -= before - if last { 0 } else { req.seq_slots() };
+        }
+        out.push(FinishedSeq {
+            request_id: req.request_id,
+            seq_id: s.seq_id,
+            sample_index: s.sample_index,
+            reason,
+            stop_token,
+            request_finished: last,
+        });
+        if last {
+            self.by_id.remove(&req.request_id);
+            self.ended_ids.push(req.request_id as i64);
+            self.stats.requests_finished += 1;
+        }
+        last
+    }
+
+    /// Forks a running sequence into a new one of the same request that shares all its blocks
+    /// (copy-on-write). If the sequence has a step in flight, `next_token` is the child's
+    /// sampled token for that step (the parent gets its own through `update`); otherwise it
+    /// must be `None`. A child that stops at once is reported by the next `update`.
+    pub fn fork_sequence(&mut self, seq_id: u64, next_token: Option<u32>) -> CoreResult<u64> {
+        let (slot, pos) = self.locate_seq(seq_id)?;
+        if self.req(slot).state != RequestState::Running {
+            return Err(CoreError::InvalidState {
+                message: format!("fork_sequence(seq_id={seq_id}): its request is not running (waiting or swapped out)"),
+            });
+        }
+        let req = self.req(slot);
+        if req.n > 1 && !req.fanned_out {
+            return Err(CoreError::InvalidState {
+                message: format!("fork_sequence(seq_id={seq_id}): the request's n={} samples do not exist yet", req.n),
+            });
+        }
+        let grow = (req.seqs.len() + 1).max(req.reserved_seqs as usize).saturating_sub(req.seq_slots());
+        if self.num_running_seqs + grow > self.cfg.max_num_seqs {
+            // A batch never holds more than max_num_seqs sequences (runners size buffers by it).
+            return Err(CoreError::invalid(
+                "seq_id",
+                seq_id,
+                format!("forking it would exceed max_num_seqs={} running sequences", self.cfg.max_num_seqs),
+            ));
+        }
+        let parent_row = req.seqs[pos].row as usize;
+        let in_flight = self.in_flight.is_some() && self.batch.rows[parent_row].samples;
+        match (in_flight, next_token) {
+            (true, None) => {
+                return Err(CoreError::invalid("next_token", "None", format!("seq_id={seq_id} has a step in flight: pass the child's sampled token")))
+            }
+            (false, Some(t)) => {
+                return Err(CoreError::invalid("next_token", t, format!("seq_id={seq_id} has no step in flight")))
+            }
+            _ => {}
+        }
+        let child_id = self.new_seq_id();
+        let before = self.req(slot).seq_slots();
+        let row = self.add_child(slot, pos, child_id, next_token) as usize;
+        self.num_running_seqs += self.req(slot).seq_slots() - before;
+        if let Some(f) = self.in_flight.as_mut() {
+            f.forked = true;
+        }
+        if let Some(t) = next_token {
+            let h = &self.batch.rows[row];
+            let stop_ids = || self.req(slot).stop.stop_token_ids.contains(&t);
+            if let Some((reason, st)) = h.stop.check(t, h.num_tokens, stop_ids) {
+                let mut out = std::mem::take(&mut self.pending_finished);
+                let pos = self.req(slot).seqs.len() - 1;
+                if self.finish_seq(slot, pos, reason, st, &mut out) {
+                    unreachable!("the parent is still live");
+                }
+                self.pending_finished = out;
+            }
+        }
+        Ok(child_id)
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::*;
+    use super::super::*;
+    use crate::request::FinishReason;
+
+    #[test]
+    fn parallel_samples_share_the_prompt_and_copy_on_write() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        let mut r = req(1, 6, 3);
+        r.n = 3;
+        s.add_request(r).unwrap();
+        let (o, _) = step(&mut s, 9);
+        assert_eq!(o.logits_indices, vec![5, 5, 5]); // the last prompt row, sampled 3 times
+        assert_eq!(o.row_sample_index, vec![0, 1, 2]);
+        assert_eq!(bt(&o), vec![1, 2]);
+        let ids = s.request_seq_ids(1).unwrap();
+        assert_eq!(ids.len(), 3);
+        let u = s.kv_usage();
+        assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs), (2, 2, 6));
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        // Each sample writes position 6 in shared block 2: the first two copy, the last owns it.
+        assert_eq!(out.copy_ops, vec![2, 3, 2, 4]);
+        assert_eq!(s.block_tables(&out).unwrap(), vec![1, 3, 1, 4, 1, 2]);
+        assert_eq!(out.num_rows(), 3);
+        s.update(out.step_id, &[1, 2, 3]).unwrap();
+        let toks: Vec<_> = ids.iter().map(|&i| s.seq_tokens(i).unwrap()[6..].to_vec()).collect();
+        assert_eq!(toks, vec![vec![9, 1], vec![9, 2], vec![9, 3]]);
+        let (_, done) = step(&mut s, 0);
+        assert_eq!(done.len(), 3);
+        assert_eq!(done.iter().filter(|d| d.request_finished).count(), 1);
+        assert_eq!(s.num_free_blocks(), 15);
+    }
+
+    #[test]
+    fn beam_style_fork_and_drop() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        s.add_request(req(1, 5, 10)).unwrap();
+        let out = s.schedule().unwrap();
+        let parent = out.row_seq_ids[0] as u64;
+        assert!(s.fork_sequence(parent, None).is_err()); // in flight: a token is required
+        let child = s.fork_sequence(parent, Some(42)).unwrap();
+        s.update(out.step_id, &[41]).unwrap();
+        assert_eq!(s.seq_tokens(parent).unwrap()[5..], [41]);
+        assert_eq!(s.seq_tokens(child).unwrap()[5..], [42]);
+        assert_eq!(s.seq_block_table(child).unwrap(), s.seq_block_table(parent).unwrap());
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.copy_ops, vec![2, 3]);
+        assert_eq!(o.num_rows(), 2);
+        assert!(!s.drop_sequence(parent).unwrap());
+        assert_eq!(s.seq_block_table(child).unwrap(), vec![1, 2]);
+        assert!(s.drop_sequence(child).unwrap());
+        assert!(!s.has_unfinished());
+        assert_eq!(s.num_free_blocks(), 15);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_fork_makes_the_shared_tail_copy_on_write_and_the_rows_learn_it_is_theirs_again() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        s.add_request(req(1, 6, 20)).unwrap();
+        step(&mut s, 1); // prefill: blocks 1, 2 (tokens 0..4, 4..6)
+        let row_of = |s: &Scheduler, seq: u64| s.batch.rows[s.req(s.seq_owner[&seq]).seqs.iter().find(|q| q.seq_id == seq).unwrap().row as usize];
+        let parent = s.request_seq_ids(1).unwrap()[0];
+        step(&mut s, 2); // decode at position 6, inside block 2: its ref count seen at 1
+        assert_eq!((row_of(&s, parent).tail_block, row_of(&s, parent).tail_owned), (2, true));
+        let child = s.fork_sequence(parent, None).unwrap();
+        assert!(!row_of(&s, parent).tail_owned && !row_of(&s, child).tail_owned);
+        // Both write position 7 of the shared block 2: one copies it first.
+        let (o, _) = step(&mut s, 3);
+        assert_eq!(o.copy_ops, vec![2, 3]);
+        assert_eq!(o.slot_mapping, vec![3 * 4 + 3, 2 * 4 + 3]);
+        assert_eq!((row_of(&s, parent).tail_block, row_of(&s, child).tail_block), (3, 2));
+        // Position 8 starts fresh blocks; position 9 is written where each row owns its tail.
+        let (o, _) = step(&mut s, 4);
+        assert!(o.copy_ops.is_empty());
+        assert!(row_of(&s, parent).tail_owned && row_of(&s, child).tail_owned);
+        s.drop_sequence(child).unwrap();
+        let (o, _) = step(&mut s, 5);
+        assert_eq!((o.positions.clone(), o.copy_ops.len()), (vec![9], 0));
+        assert_eq!(s.seq_tokens(parent).unwrap()[6..], [1, 2, 3, 4, 5]);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn stop_tokens_eos_and_abort_free_blocks_at_once() {
+        let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
+        let mut a = req(1, 3, 10);
+        a.eos_token_id = Some(2);
+        let mut b = req(2, 3, 10);
+        b.stop_token_ids = vec![5];
+        s.add_request(a).unwrap();
+        s.add_request(b).unwrap();
+        s.add_request(req(3, 3, 10)).unwrap();
+        let out = s.schedule().unwrap();
+        let done = s.update(out.step_id, &[2, 5, 2]).unwrap();
+        assert_eq!(done.len(), 2);
+        assert_eq!((done[0].request_id, done[0].reason, done[0].stop_token), (1, FinishReason::Stop, None));
+        assert_eq!((done[1].request_id, done[1].stop_token), (2, Some(5)));
+        assert_eq!(s.num_free_blocks(), 14);
+        s.abort(3).unwrap();
+        assert_eq!(s.num_free_blocks(), 15);
+        assert_eq!(s.abort(3), Err(CoreError::UnknownRequest { request_id: 3 }));
+        let o = s.schedule().unwrap();
+        assert_eq!(o.finished_req_ids, vec![1, 2, 3]);
+    }
+}
