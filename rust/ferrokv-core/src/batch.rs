@@ -6,14 +6,13 @@
 //! decode step walks `0..len()` contiguously and never touches a request that is not running.
 //!
 //! Each row holds:
-//! - its block-table row inside one matrix of `capacity * width` block ids (`width` = the most
-//!   blocks a sequence can ever hold). The runner reads `[S, M]` views of it directly, so a
-//!   step never rebuilds the batch's block tables: a row changes only where its sequence's
-//!   table changed, or where a decode step appended a block (usually one every `block_size`
-//!   steps), which the row holds until its sequence's table adopts it;
-//! - the hot state of a decode step: computed tokens (authoritative while the sequence has a
-//!   row), its last block and whether it is known unshared (so that a decode inside it reads
-//!   neither the matrix nor the block pool), token count and last token, its stop
+//! - its sequence's block table, the only copy of it: one row of a matrix of `capacity *
+//!   width` block ids (`width` = the most blocks a sequence can ever hold). The runner reads
+//!   `[S, M]` views of it directly, so a step never rebuilds the batch's block tables. Only the
+//!   KV-cache manager writes a table, through `RowIds`;
+//! - the hot state of a decode step, whose only home is the row while the sequence runs:
+//!   computed tokens, its last block and whether it is known unshared (so that a decode inside
+//!   it reads neither the matrix nor the block pool), token count and last token, its stop
 //!   thresholds, ids, and up to `PENDING_TOKENS` sampled tokens not yet appended to the
 //!   sequence (they are flushed into it when the stage is full, when a block completes and
 //!   whenever anything reads the sequence's tokens), so that a decode step does not touch the
@@ -21,14 +20,16 @@
 //! - this step's plan: tokens scheduled, whether the row samples, extra samples to fan out.
 //!
 //! Invariants (checked by the scheduler's `check_invariants`): row `r` of the matrix holds the
-//! sequence's blocks in `[0, num_blocks[r])` (its table's, then those only the row holds) and
-//! the null block after them; rows `>= len()` are all null. The matrix is allocated once and never moves, so views of it stay valid for
-//! the scheduler's lifetime (their contents change with the batch).
+//! sequence's blocks in `[0, num_blocks[r])` and the null block after them; rows `>= len()` are
+//! all null; `tail_block` is the last of them. The matrix is allocated once and never moves, so
+//! views of it stay valid for the scheduler's lifetime (their contents change with the batch).
 //!
-//! Costs: assigning a row copies its block table once; swap-remove copies one row; `push_block`
-//! is O(1), `sync_blocks` O(blocks changed). The matrix is zero-allocated, so pages of rows never used are
-//! never touched.
+//! Costs: a row's table moves in once (a fork's or a swap-in's ids) and is written in place
+//! after; swap-remove copies one row. The matrix is zero-allocated, so pages of rows never used
+//! are never touched.
 
+use crate::block_pool::BlockId;
+use crate::kv_cache_manager::{BlockIds, BlockIdsMut};
 use crate::request::RowStop;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
@@ -127,6 +128,68 @@ impl TableRef<'_> {
     }
 }
 
+/// A row's block ids as `BlockIds`, read-only.
+#[derive(Clone, Copy)]
+pub struct RowIdsRef<'a> {
+    cells: &'a [AtomicI32],
+}
+
+impl BlockIds for RowIdsRef<'_> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.cells.len()
+    }
+    #[inline]
+    fn at(&self, i: usize) -> BlockId {
+        BlockId(self.cells[i].load(Relaxed) as u32)
+    }
+}
+
+/// A row's block ids as `BlockIdsMut`: the KV-cache manager writes a running sequence's
+/// table here, and the row's tail fields follow every write.
+pub struct RowIds<'a> {
+    /// The whole row (`width` cells); the first `h.num_blocks` are the table.
+    cells: &'a [AtomicI32],
+    h: &'a mut RowState,
+}
+
+impl RowIds<'_> {
+    fn append(&mut self, b: BlockId, fresh: bool) {
+        let n = self.h.num_blocks as usize;
+        self.cells[n].store(b.0 as i32, Relaxed);
+        (self.h.num_blocks, self.h.tail_block, self.h.tail_owned) = (n as u32 + 1, b.0, fresh);
+    }
+}
+
+impl BlockIds for RowIds<'_> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.h.num_blocks as usize
+    }
+    #[inline]
+    fn at(&self, i: usize) -> BlockId {
+        debug_assert!(i < self.len());
+        BlockId(self.cells[i].load(Relaxed) as u32)
+    }
+}
+
+impl BlockIdsMut for RowIds<'_> {
+    fn set(&mut self, i: usize, b: BlockId) {
+        debug_assert!(i < self.len());
+        self.cells[i].store(b.0 as i32, Relaxed);
+        if i + 1 == self.len() {
+            (self.h.tail_block, self.h.tail_owned) = (b.0, false);
+        }
+    }
+    fn push(&mut self, b: BlockId) {
+        self.append(b, false);
+    }
+    /// A fresh block's ref count is 1: the row may write into it without asking the pool.
+    fn push_fresh(&mut self, b: BlockId) {
+        self.append(b, true);
+    }
+}
+
 impl RowState {
     /// The row's next step is one decode token: all tokens but the last are computed, and the
     /// last is a sampled one (not the prompt's last token).
@@ -218,7 +281,8 @@ impl Batch {
         self.table[start..start + self.rows[row].num_blocks as usize].iter().map(|b| b.load(Relaxed))
     }
 
-    /// Appends a row for a sequence with an empty plan; `blocks` is its block table.
+    /// Appends a row for a sequence with an empty plan; `blocks` is its block table (a
+    /// sequence's ids move into its row: a fork's or a swap-in's, or none).
     pub fn push(&mut self, seq: SeqRef, init: RowInit, blocks: impl ExactSizeIterator<Item = u32>) -> u32 {
         let r = self.len();
         assert!(r < self.capacity, "more running sequences than max_num_seqs");
@@ -253,31 +317,18 @@ impl Batch {
         r as u32
     }
 
-    /// Mirrors a table that changed from block `from` on (appends, copies-on-write).
-    pub fn sync_blocks(&mut self, row: usize, from: usize, blocks: impl Iterator<Item = u32>) {
-        let mut n = from;
-        for b in blocks {
-            self.set(row, n, b as i32);
-            n += 1;
-        }
-        for i in n..self.rows[row].num_blocks as usize {
-            self.set(row, i, 0);
-        }
-        let tail = if n == 0 { 0 } else { self.block(row, n - 1) as u32 };
-        let h = &mut self.rows[row];
-        (h.num_blocks, h.tail_block, h.tail_owned) = (n as u32, tail, false);
+    /// Row `row`'s block ids, read-only.
+    #[inline]
+    pub fn ids(&self, row: usize) -> RowIdsRef<'_> {
+        let start = row * self.width;
+        RowIdsRef { cells: &self.table[start..start + self.rows[row].num_blocks as usize] }
     }
 
-    /// Appends one freshly allocated block (ref count 1) to a row: a decode step entering a
-    /// new block.
+    /// Row `row`'s block ids, for the KV-cache manager to write.
     #[inline]
-    pub fn push_block(&mut self, row: usize, b: u32) {
-        let n = self.rows[row].num_blocks as usize;
-        self.set(row, n, b as i32);
-        let h = &mut self.rows[row];
-        h.num_blocks = n as u32 + 1;
-        h.tail_block = b;
-        h.tail_owned = true;
+    pub fn ids_mut(&mut self, row: usize) -> RowIds<'_> {
+        let start = row * self.width;
+        RowIds { cells: &self.table[start..start + self.width], h: &mut self.rows[row] }
     }
 
     /// Stages a sampled token; false when the stage is full (flush it first).
@@ -449,35 +500,28 @@ mod tests {
     }
 
     #[test]
-    fn blocks_sync_from_the_first_changed_one() {
-        let mut b = Batch::new(1, 4).unwrap();
-        b.push(seq(0, 1), init(1, 8, 9), [1u32, 2].into_iter());
-        b.push_block(0, 3);
-        assert_eq!(row(&b, 0), vec![1, 2, 3, 0]);
-        // A copy-on-write of block 1 and one more block.
-        b.sync_blocks(0, 1, [7u32, 3, 4].into_iter());
-        assert_eq!(row(&b, 0), vec![1, 7, 3, 4]);
-        b.sync_blocks(0, 0, std::iter::empty());
-        assert_eq!(row(&b, 0), vec![0, 0, 0, 0]);
-        assert_eq!(b.rows[0].num_blocks, 0);
-    }
-
-    #[test]
-    fn the_tail_block_follows_every_change_and_only_a_fresh_block_is_owned() {
+    fn row_ids_write_the_matrix_and_the_tail_follows_every_change() {
         let mut b = Batch::new(2, 4).unwrap();
         b.push(seq(0, 1), init(1, 6, 7), [4u32, 5].into_iter());
         b.push(seq(1, 2), init(2, 0, 1), std::iter::empty());
         let tail = |b: &Batch, r: usize| (b.rows[r].tail_block, b.rows[r].tail_owned);
         assert_eq!((tail(&b, 0), tail(&b, 1)), ((5, false), (0, false)));
-        b.push_block(0, 9);
+        b.ids_mut(0).push_fresh(BlockId(9));
         assert_eq!(tail(&b, 0), (9, true));
-        b.sync_blocks(0, 1, [7u32].into_iter()); // a copy-on-write shortened the table
-        assert_eq!(tail(&b, 0), (7, false));
-        b.push_block(1, 3);
+        assert_eq!(row(&b, 0), vec![4, 5, 9, 0]);
+        b.ids_mut(0).set(1, BlockId(7)); // a copy-on-write inside the table
+        assert_eq!(tail(&b, 0), (9, true));
+        b.ids_mut(0).set(2, BlockId(8)); // ... and of the tail: ownership unknown again
+        assert_eq!(tail(&b, 0), (8, false));
+        b.ids_mut(0).push(BlockId(6)); // a revived cache hit may be shared
+        assert_eq!(tail(&b, 0), (6, false));
+        assert_eq!(row(&b, 0), vec![4, 7, 8, 6]);
+        assert_eq!(b.ids(0).to_vec(), [4, 7, 8, 6].map(BlockId));
+        b.ids_mut(1).push_fresh(BlockId(3));
         b.swap_remove(0);
         assert_eq!(tail(&b, 0), (3, true));
-        b.sync_blocks(0, 0, std::iter::empty());
-        assert_eq!(tail(&b, 0), (0, false));
+        assert_eq!(row(&b, 0), vec![3, 0, 0, 0]);
+        b.check_padding().unwrap();
     }
 
     #[test]

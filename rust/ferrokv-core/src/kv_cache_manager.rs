@@ -1,11 +1,17 @@
 //! Per-sequence block tables over the physical pools: allocation, copy-on-write, prefix
 //! caching, swapping to the CPU pool.
 //!
+//! A sequence's KV state has two parts. Its GPU block ids exist only while it runs, and live
+//! in one place: its row of the batch matrix that the runner reads (any `BlockIdsMut`; tests
+//! use a `Vec`). Everything else (chain hashes, registration progress, CPU blocks while
+//! swapped out) is a `SeqKv`, opaque outside this module. A waiting sequence holds no GPU
+//! block (preemption frees or swaps them out); `fork` and `swap_in` hand back the ids of a
+//! sequence that is about to get its row.
+//!
 //! Invariants (checked by `check`):
-//! - Every reference count equals the number of block tables that hold the block (a block
-//!   `allocate_block` handed out counts for the table that will `adopt` it). Only this module
-//!   changes reference counts; the scheduler only reads block tables and hands them the
-//!   blocks it was given.
+//! - Every reference count equals the number of block tables that hold the block. Only this
+//!   module changes reference counts or writes block ids into a table; the scheduler only
+//!   reads tables and moves a table's ids with its row.
 //! - A block about to be written (positions `num_computed..num_computed+num_new`) has exactly
 //!   one reference: a shared block is copied first and a `(src, dst)` copy op is queued.
 //! - Only full blocks whose KV has been computed are registered in the prefix cache, and a
@@ -20,10 +26,49 @@ use crate::block_pool::{BlockId, BlockMath, BlockPool};
 use crate::prefix_cache::{hash_block, BlockHash, ParentLink, PrefixCache};
 use std::collections::HashMap;
 
-/// One sequence's logical → physical block mapping. Fields are private to this module.
+/// Where a sequence's GPU block ids live (its batch row, or a `Vec`): read access.
+pub trait BlockIds {
+    fn len(&self) -> usize;
+    fn at(&self, i: usize) -> BlockId;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn to_vec(&self) -> Vec<BlockId> {
+        (0..self.len()).map(|i| self.at(i)).collect()
+    }
+}
+
+/// Write access to a sequence's block ids; only this module writes through it.
+pub trait BlockIdsMut: BlockIds {
+    fn set(&mut self, i: usize, b: BlockId);
+    fn push(&mut self, b: BlockId);
+    /// Appends a block just taken from the free list (ref count 1, nobody else holds it).
+    fn push_fresh(&mut self, b: BlockId) {
+        self.push(b)
+    }
+}
+
+impl BlockIds for Vec<BlockId> {
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+    fn at(&self, i: usize) -> BlockId {
+        self[i]
+    }
+}
+
+impl BlockIdsMut for Vec<BlockId> {
+    fn set(&mut self, i: usize, b: BlockId) {
+        self[i] = b;
+    }
+    fn push(&mut self, b: BlockId) {
+        Vec::push(self, b);
+    }
+}
+
+/// A sequence's KV bookkeeping besides its GPU block ids. Fields are private to this module.
 #[derive(Debug, Clone, Default)]
-pub struct BlockTable {
-    blocks: Vec<BlockId>,
+pub struct SeqKv {
     /// Chain hashes of the sequence's leading full blocks known so far (valid while the
     /// tokens only grow, so they survive preemption).
     hashes: Vec<BlockHash>,
@@ -35,35 +80,18 @@ pub struct BlockTable {
     cpu_blocks: Vec<BlockId>,
 }
 
-impl BlockTable {
-    /// Room for `blocks` blocks (and their hashes) without reallocating.
+impl SeqKv {
+    /// Room for the hashes of `blocks` blocks without reallocating.
     pub fn reserve(&mut self, blocks: usize) {
-        self.blocks.reserve_exact(blocks.saturating_sub(self.blocks.len()));
         self.hashes.reserve_exact(blocks.saturating_sub(self.hashes.len()));
     }
 
-    /// Appends blocks allocated for this table by `KvCacheManager::allocate_block`.
-    pub fn adopt(&mut self, blocks: impl Iterator<Item = BlockId>) {
-        self.blocks.extend(blocks);
-    }
-
-    /// Starts fetching the ends of the table's block and hash lists (what adopting a block or
-    /// registering one touches).
+    /// Starts fetching the end of the hash list (what registering a block touches).
     #[inline]
     pub fn prefetch_tail(&self) {
-        crate::prefetch::read(self.blocks.as_ptr().wrapping_add(self.blocks.len()) as *const u8);
         crate::prefetch::read(self.hashes.as_ptr().wrapping_add(self.hashes.len()) as *const u8);
     }
 
-    pub fn blocks(&self) -> &[BlockId] {
-        &self.blocks
-    }
-    pub fn len(&self) -> usize {
-        self.blocks.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
-    }
     pub fn is_swapped(&self) -> bool {
         !self.cpu_blocks.is_empty()
     }
@@ -149,14 +177,15 @@ impl KvCacheManager {
         self.bm.blocks_for(num_tokens)
     }
 
-    /// Cached prefix of `tokens` for an empty table, capped so that at least the last token is
-    /// recomputed (its logits are needed). The chain hashes are remembered in the table.
-    pub fn find_cached_prefix(&self, table: &mut BlockTable, tokens: &[u32], salt: Option<&str>) -> Vec<BlockId> {
-        debug_assert!(table.blocks.is_empty());
+    /// Cached prefix of `tokens` for a sequence that holds no block yet, capped so that at
+    /// least the last token is recomputed (its logits are needed). The chain hashes are
+    /// remembered in `t`.
+    pub fn find_cached_prefix(&self, t: &mut SeqKv, tokens: &[u32], salt: Option<&str>) -> Vec<BlockId> {
+        debug_assert_eq!(t.num_registered, 0);
         match &self.cache {
             Some(cache) if !tokens.is_empty() => {
                 let max_blocks = self.bm.block(tokens.len() - 1);
-                cache.lookup(tokens, salt, max_blocks, &mut table.hashes)
+                cache.lookup(tokens, salt, max_blocks, &mut t.hashes)
             }
             _ => Vec::new(),
         }
@@ -165,37 +194,33 @@ impl KvCacheManager {
     /// Free blocks that `allocate_slots` with the same arguments would consume. Shared blocks
     /// in the written range count as one copy each, which may over-count by one when siblings
     /// that share a block both write this step; it never under-counts.
-    pub fn blocks_needed(&self, table: &BlockTable, num_computed: usize, num_new: usize, hits: &[BlockId]) -> usize {
+    pub fn blocks_needed(&self, ids: &impl BlockIds, num_computed: usize, num_new: usize, hits: &[BlockId]) -> usize {
         let revived = hits.iter().filter(|&&b| self.gpu.ref_count(b) == 0).count();
         if num_new == 0 {
             return revived;
         }
-        let have = table.blocks.len() + hits.len();
+        let have = ids.len() + hits.len();
         let fresh = self.blocks_for(num_computed + num_new).saturating_sub(have);
-        let first_written = self.bm.block(num_computed);
-        let cow = table.blocks.get(first_written..).map_or(0, |w| {
-            w.iter().filter(|&&b| self.gpu.ref_count(b) > 1).count()
-        });
+        let cow = (self.bm.block(num_computed)..ids.len()).filter(|&i| self.gpu.ref_count(ids.at(i)) > 1).count();
         fresh + cow + revived
     }
 
     /// `blocks_needed` for several sequences of one request that are allocated together: cache
     /// hits they share are revived once, and a shared block written by all of its holders is
     /// copied by all but the last writer, which then owns it.
-    pub fn blocks_needed_together(&self, items: &[(&BlockTable, usize, usize, &[BlockId])]) -> usize {
+    pub fn blocks_needed_together<I: BlockIds>(&self, items: &[(I, usize, usize, &[BlockId])]) -> usize {
         let mut fresh = 0;
         let mut revived: Vec<u32> = Vec::new();
         let mut written_shared: Vec<u32> = Vec::new();
-        for &(table, num_computed, num_new, hits) in items {
+        for (ids, num_computed, num_new, hits) in items {
             revived.extend(hits.iter().filter(|b| self.gpu.ref_count(**b) == 0).map(|b| b.0));
-            if num_new == 0 {
+            if *num_new == 0 {
                 continue;
             }
-            let have = table.blocks.len() + hits.len();
+            let have = ids.len() + hits.len();
             fresh += self.blocks_for(num_computed + num_new).saturating_sub(have);
-            if let Some(w) = table.blocks.get(self.bm.block(num_computed)..) {
-                written_shared.extend(w.iter().filter(|b| self.gpu.ref_count(**b) > 1).map(|b| b.0));
-            }
+            let written = (self.bm.block(*num_computed)..ids.len()).map(|i| ids.at(i));
+            written_shared.extend(written.filter(|b| self.gpu.ref_count(*b) > 1).map(|b| b.0));
         }
         revived.sort_unstable();
         revived.dedup();
@@ -210,84 +235,84 @@ impl KvCacheManager {
     }
 
     /// Makes room for `num_new` tokens after `num_computed`, taking the cache `hits` first (only
-    /// for an empty table), copying shared blocks that will be written and appending fresh ones.
-    /// Returns false, changing nothing, when fewer than `needed + watermark` blocks are free.
+    /// for a sequence with no block), copying shared blocks that will be written and appending
+    /// fresh ones. Returns false, changing nothing, when fewer than `needed + watermark` blocks
+    /// are free.
     pub fn allocate_slots(
         &mut self,
-        table: &mut BlockTable,
+        t: &mut SeqKv,
+        ids: &mut impl BlockIdsMut,
         num_computed: usize,
         num_new: usize,
         hits: &[BlockId],
         watermark: usize,
     ) -> bool {
-        let needed = self.blocks_needed(table, num_computed, num_new, hits);
+        let needed = self.blocks_needed(ids, num_computed, num_new, hits);
         if self.gpu.num_free() < needed + watermark {
             return false;
         }
         if !hits.is_empty() {
-            debug_assert!(table.blocks.is_empty() && num_computed == hits.len() * self.bm.size());
+            debug_assert!(ids.is_empty() && num_computed == hits.len() * self.bm.size());
             for &b in hits {
                 self.gpu.incref(b);
-                table.blocks.push(b);
+                ids.push(b);
             }
-            table.num_registered = hits.len();
-            table.last_link = self.cache.as_ref().map(|c| c.link_to(*hits.last().unwrap()));
+            t.num_registered = hits.len();
+            t.last_link = self.cache.as_ref().map(|c| c.link_to(*hits.last().unwrap()));
         }
         if num_new == 0 {
             return true;
         }
-        let first_written = self.bm.block(num_computed);
-        for i in first_written..table.blocks.len() {
-            let src = table.blocks[i];
+        for i in self.bm.block(num_computed)..ids.len() {
+            let src = ids.at(i);
             if self.gpu.ref_count(src) > 1 {
                 let dst = self.pop_block().expect("capacity was checked");
                 self.gpu.decref(src, false); // still referenced by a sibling: never freed here
                 self.ops.copy.push((src.0, dst.0));
                 self.stats.cow_copies += 1;
-                table.blocks[i] = dst;
+                ids.set(i, dst);
             }
         }
         let target = self.blocks_for(num_computed + num_new);
-        while table.blocks.len() < target {
+        while ids.len() < target {
             let b = self.pop_block().expect("capacity was checked");
-            table.blocks.push(b);
+            ids.push_fresh(b);
         }
         true
     }
 
-    /// The first half of `register_computed`, run over many tables before any of them
-    /// registers: hashes the blocks it will register (the hashes stay in the table) and starts
+    /// The first half of `register_computed`, run over many sequences before any of them
+    /// registers: hashes the blocks it will register (the hashes stay in `t`) and starts
     /// fetching what inserting them touches, so that the cache misses of a step's
     /// registrations overlap.
-    pub fn prepare_register(&self, table: &mut BlockTable, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
+    pub fn prepare_register(&self, t: &mut SeqKv, ids: &impl BlockIds, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
         let Some(cache) = &self.cache else { return };
-        for i in table.num_registered..self.registrable(table, tokens, num_computed) {
-            self.hash_of(table, tokens, i, salt);
-            cache.prefetch_insert(table.blocks[i], table.hashes[i]);
+        for i in t.num_registered..self.registrable(ids, tokens, num_computed) {
+            self.hash_of(t, tokens, i, salt);
+            cache.prefetch_insert(ids.at(i), t.hashes[i]);
         }
     }
 
-    /// Leading blocks of `table` that are full and computed (the first `num_computed` tokens).
-    fn registrable(&self, table: &BlockTable, tokens: &[u32], num_computed: usize) -> usize {
-        self.bm.block(num_computed).min(table.blocks.len()).min(self.bm.block(tokens.len()))
+    /// Leading blocks that are full and computed (the first `num_computed` tokens).
+    fn registrable(&self, ids: &impl BlockIds, tokens: &[u32], num_computed: usize) -> usize {
+        self.bm.block(num_computed).min(ids.len()).min(self.bm.block(tokens.len()))
     }
 
-    /// Block `i`'s chain hash, computed once and kept in the table (hashes `0..i` are known).
-    fn hash_of(&self, table: &mut BlockTable, tokens: &[u32], i: usize, salt: Option<&str>) -> BlockHash {
-        if table.hashes.len() == i {
+    /// Block `i`'s chain hash, computed once and kept in `t` (hashes `0..i` are known).
+    fn hash_of(&self, t: &mut SeqKv, tokens: &[u32], i: usize, salt: Option<&str>) -> BlockHash {
+        if t.hashes.len() == i {
             let bs = self.bm.size();
-            let prev = if i == 0 { None } else { Some(table.hashes[i - 1]) };
-            table.hashes.push(hash_block(prev, &tokens[i * bs..(i + 1) * bs], salt));
+            let prev = if i == 0 { None } else { Some(t.hashes[i - 1]) };
+            t.hashes.push(hash_block(prev, &tokens[i * bs..(i + 1) * bs], salt));
         }
-        table.hashes[i]
+        t.hashes[i]
     }
 
-    /// One fresh block (ref count 1) for a sequence whose next token starts a new block (the
-    /// decode step's allocation). The caller has counted a free block for it and owns the
-    /// reference: it hands the block to the sequence's table with `BlockTable::adopt` (the
-    /// scheduler keeps it in the sequence's batch row until then).
-    pub fn allocate_block(&mut self) -> BlockId {
-        self.pop_block().expect("a free block was counted")
+    /// Appends one fresh block (ref count 1) for a sequence whose next token starts a new
+    /// block (the decode step's allocation). The caller has counted a free block for it.
+    pub fn append_block(&mut self, ids: &mut impl BlockIdsMut) {
+        let b = self.pop_block().expect("a free block was counted");
+        ids.push_fresh(b);
     }
 
     fn pop_block(&mut self) -> Option<BlockId> {
@@ -309,95 +334,100 @@ impl KvCacheManager {
         Some(b)
     }
 
-    /// Registers the table's full blocks whose KV is computed (the first `num_computed` tokens)
-    /// in the prefix cache. `tokens` are the sequence's tokens; `salt` only affects block 0.
-    pub fn register_computed(&mut self, table: &mut BlockTable, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
+    /// Registers the full blocks whose KV is computed (the first `num_computed` tokens) in the
+    /// prefix cache. `tokens` are the sequence's tokens; `salt` only affects block 0.
+    pub fn register_computed(&mut self, t: &mut SeqKv, ids: &impl BlockIds, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
         if self.cache.is_none() {
             return;
         }
         let bs = self.bm.size();
-        let full = self.registrable(table, tokens, num_computed);
-        while table.num_registered < full {
-            let i = table.num_registered;
+        let full = self.registrable(ids, tokens, num_computed);
+        while t.num_registered < full {
+            let i = t.num_registered;
             let chunk = &tokens[i * bs..(i + 1) * bs];
-            self.hash_of(table, tokens, i, salt);
+            self.hash_of(t, tokens, i, salt);
             let cache = self.cache.as_mut().expect("checked above");
-            let parent = if i == 0 { None } else { table.last_link };
+            let parent = if i == 0 { None } else { t.last_link };
             if i > 0 && parent.is_none() {
                 break; // the chain is broken (a collision upstream): stop registering
             }
-            let b = table.blocks[i];
-            let canonical = if cache.insert(b, table.hashes[i], parent, chunk, salt) {
+            let b = ids.at(i);
+            let canonical = if cache.insert(b, t.hashes[i], parent, chunk, salt) {
                 Some(b)
             } else {
                 // Already cached: as this very block (a sibling registered it), or as an
                 // identical block another request computed. Chain on from the cached copy.
-                let mut probe = table.hashes[..=i].to_vec();
+                let mut probe = t.hashes[..=i].to_vec();
                 cache.lookup(&tokens[..(i + 1) * bs], salt, i + 1, &mut probe).get(i).copied()
             };
             match canonical {
                 Some(c) => {
-                    table.last_link = Some(cache.link_to(c));
-                    table.num_registered += 1;
+                    t.last_link = Some(cache.link_to(c));
+                    t.num_registered += 1;
                 }
                 None => break,
             }
         }
     }
 
-    /// Shares every block of `table` with a new table (copy-on-write on the next write).
-    pub fn fork(&mut self, table: &BlockTable) -> BlockTable {
-        debug_assert!(!table.is_swapped());
-        for &b in &table.blocks {
+    /// Shares every block of a running sequence with a new one (copy-on-write on the next
+    /// write): the child's bookkeeping and block ids, for the row it is about to get.
+    pub fn fork(&mut self, t: &SeqKv, ids: &impl BlockIds) -> (SeqKv, Vec<BlockId>) {
+        debug_assert!(!t.is_swapped());
+        let blocks = ids.to_vec();
+        for &b in &blocks {
             self.gpu.incref(b);
         }
-        BlockTable {
-            blocks: table.blocks.clone(),
-            hashes: table.hashes.clone(),
-            num_registered: table.num_registered,
-            last_link: table.last_link,
-            cpu_blocks: Vec::new(),
-        }
+        let child = SeqKv { hashes: t.hashes.clone(), num_registered: t.num_registered, last_link: t.last_link, cpu_blocks: Vec::new() };
+        (child, blocks)
     }
 
-    /// Releases every block of the table (GPU and CPU). Tail blocks are released first, so
-    /// among cached blocks a sequence's tail is evicted before its (more shareable) head.
-    pub fn free(&mut self, table: &mut BlockTable) {
+    /// Releases every block of a sequence: `ids` (its GPU blocks, which the caller then drops
+    /// with its row) and its CPU blocks. Tail blocks are released first, so among cached blocks
+    /// a sequence's tail is evicted before its (more shareable) head.
+    pub fn free(&mut self, t: &mut SeqKv, ids: &impl BlockIds) {
         // Each block's entry and cache record is a likely miss: start them all first.
-        for &b in &table.blocks {
-            self.gpu.prefetch(b);
+        for i in 0..ids.len() {
+            self.gpu.prefetch(ids.at(i));
             if let Some(c) = &self.cache {
-                c.prefetch_record(b);
+                c.prefetch_record(ids.at(i));
             }
         }
-        for &b in table.blocks.iter().rev() {
+        self.release_gpu(ids);
+        for &b in t.cpu_blocks.iter().rev() {
+            self.cpu.decref(b, false);
+        }
+        t.cpu_blocks.clear();
+        t.num_registered = 0;
+        t.last_link = None;
+    }
+
+    /// Drops one reference to each block of `ids`, tail first (cached blocks stay cached).
+    fn release_gpu(&mut self, ids: &impl BlockIds) {
+        for i in (0..ids.len()).rev() {
+            let b = ids.at(i);
             let keep = self.cache.as_ref().is_some_and(|c| c.is_cached(b));
             self.gpu.decref(b, keep);
         }
-        table.blocks.clear();
-        for &b in table.cpu_blocks.iter().rev() {
-            self.cpu.decref(b, false);
-        }
-        table.cpu_blocks.clear();
-        table.num_registered = 0;
-        table.last_link = None;
     }
 
-    /// Moves all blocks of the given tables (one request's sequences) to the CPU pool. Blocks
-    /// shared between the tables move once. Returns false, changing nothing, if the CPU pool
-    /// is too small.
-    pub fn swap_out(&mut self, tables: &mut [&mut BlockTable]) -> bool {
+    /// Moves all GPU blocks of one request's running sequences (`tables[i]` with block ids
+    /// `ids[i]`, which the caller then drops with their rows) to the CPU pool. Blocks shared
+    /// between them move once. Returns false, changing nothing, if the CPU pool is too small.
+    pub fn swap_out<I: BlockIds>(&mut self, tables: &mut [&mut SeqKv], ids: &[I]) -> bool {
+        debug_assert_eq!(tables.len(), ids.len());
         let mut map: HashMap<u32, BlockId> = HashMap::new();
         let unique = {
             let mut seen = std::collections::HashSet::new();
-            tables.iter().flat_map(|t| t.blocks.iter()).filter(|b| seen.insert(b.0)).count()
+            ids.iter().flat_map(|t| (0..t.len()).map(|i| t.at(i))).filter(|b| seen.insert(b.0)).count()
         };
         if self.cpu.num_free() < unique {
             return false;
         }
-        for t in tables.iter_mut() {
+        for (t, gpu) in tables.iter_mut().zip(ids) {
             debug_assert!(!t.is_swapped());
-            for &g in &t.blocks {
+            for i in 0..gpu.len() {
+                let g = gpu.at(i);
                 let c = match map.get(&g.0) {
                     Some(&c) => {
                         self.cpu.incref(c);
@@ -413,32 +443,28 @@ impl KvCacheManager {
                 };
                 t.cpu_blocks.push(c);
             }
-            let mut gpu_blocks = std::mem::take(&mut t.blocks);
-            for &g in gpu_blocks.iter().rev() {
-                let keep = self.cache.as_ref().is_some_and(|c| c.is_cached(g));
-                self.gpu.decref(g, keep);
-            }
-            gpu_blocks.clear();
-            t.blocks = gpu_blocks;
+            self.release_gpu(gpu);
             t.num_registered = 0;
             t.last_link = None;
         }
         true
     }
 
-    /// Brings swapped tables back into fresh GPU blocks, keeping `watermark` blocks free.
-    /// Returns false, changing nothing, if they do not fit.
-    pub fn swap_in(&mut self, tables: &mut [&mut BlockTable], watermark: usize) -> bool {
+    /// Brings swapped sequences back into fresh GPU blocks, keeping `watermark` blocks free:
+    /// the block ids of each, for the rows they are about to get. `None`, changing nothing, if
+    /// they do not fit.
+    pub fn swap_in(&mut self, tables: &mut [&mut SeqKv], watermark: usize) -> Option<Vec<Vec<BlockId>>> {
         let mut map: HashMap<u32, BlockId> = HashMap::new();
         let unique = {
             let mut seen = std::collections::HashSet::new();
             tables.iter().flat_map(|t| t.cpu_blocks.iter()).filter(|b| seen.insert(b.0)).count()
         };
         if self.gpu.num_free() < unique + watermark {
-            return false;
+            return None;
         }
+        let mut out = Vec::with_capacity(tables.len());
         for t in tables.iter_mut() {
-            debug_assert!(t.blocks.is_empty());
+            let mut blocks = Vec::with_capacity(t.cpu_blocks.len());
             for &c in &t.cpu_blocks {
                 let g = match map.get(&c.0) {
                     Some(&g) => {
@@ -453,23 +479,24 @@ impl KvCacheManager {
                         g
                     }
                 };
-                t.blocks.push(g);
+                blocks.push(g);
             }
             for &c in t.cpu_blocks.iter().rev() {
                 self.cpu.decref(c, false);
             }
             t.cpu_blocks.clear();
+            out.push(blocks);
         }
-        true
+        Some(out)
     }
 
     /// True when every block covering token positions `from..to` has exactly one reference.
-    pub fn writes_are_exclusive(&self, table: &BlockTable, from: usize, to: usize) -> bool {
+    pub fn writes_are_exclusive(&self, ids: &impl BlockIds, from: usize, to: usize) -> bool {
         if from >= to {
             return true;
         }
         let (a, b) = (self.bm.block(from), self.bm.block(to - 1));
-        table.blocks.get(a..=b).is_some_and(|w| w.iter().all(|&x| self.gpu.ref_count(x) == 1))
+        b < ids.len() && (a..=b).all(|i| self.gpu.ref_count(ids.at(i)) == 1)
     }
 
     /// Drops every cached prefix that no sequence uses (e.g. after the runner failed a step).
@@ -479,18 +506,19 @@ impl KvCacheManager {
         }
     }
 
-    /// Checks ref counts against the given tables, the free lists and the cache.
-    pub fn check<'a>(&self, tables: impl Iterator<Item = &'a BlockTable>) -> Result<(), String> {
+    /// Checks ref counts against every live sequence (its bookkeeping and GPU block ids), the
+    /// free lists and the cache.
+    pub fn check<'a>(&self, tables: impl Iterator<Item = (&'a SeqKv, Vec<BlockId>)>) -> Result<(), String> {
         let mut gpu_refs = vec![0u32; self.gpu.num_blocks()];
         let mut cpu_refs = vec![0u32; self.cpu.num_blocks()];
-        for t in tables {
-            for b in &t.blocks {
+        for (t, blocks) in tables {
+            for b in &blocks {
                 gpu_refs[b.0 as usize] += 1;
             }
             for b in &t.cpu_blocks {
                 cpu_refs[b.0 as usize] += 1;
             }
-            if !t.blocks.is_empty() && !t.cpu_blocks.is_empty() {
+            if !blocks.is_empty() && !t.cpu_blocks.is_empty() {
                 return Err("a table holds GPU and CPU blocks at once".into());
             }
         }
@@ -507,30 +535,71 @@ impl KvCacheManager {
 mod tests {
     use super::*;
 
-    fn ids(t: &BlockTable) -> Vec<u32> {
-        t.blocks().iter().map(|b| b.0).collect()
+    /// A sequence as the tests hold it: its bookkeeping and its block ids (the scheduler keeps
+    /// the ids in a batch row).
+    #[derive(Default)]
+    struct Table {
+        kv: SeqKv,
+        ids: Vec<BlockId>,
+    }
+
+    fn ids(t: &Table) -> Vec<u32> {
+        t.ids.iter().map(|b| b.0).collect()
+    }
+
+    fn free(m: &mut KvCacheManager, t: &mut Table) {
+        m.free(&mut t.kv, &t.ids);
+        t.ids.clear();
+    }
+
+    fn fork(m: &mut KvCacheManager, t: &Table) -> Table {
+        let (kv, ids) = m.fork(&t.kv, &t.ids);
+        Table { kv, ids }
+    }
+
+    fn check(m: &KvCacheManager, tables: &[&Table]) -> Result<(), String> {
+        m.check(tables.iter().map(|t| (&t.kv, t.ids.clone())))
+    }
+
+    fn swap_out(m: &mut KvCacheManager, tables: &mut [&mut Table]) -> bool {
+        let ids: Vec<Vec<BlockId>> = tables.iter().map(|t| t.ids.clone()).collect();
+        let mut kvs: Vec<&mut SeqKv> = tables.iter_mut().map(|t| &mut t.kv).collect();
+        let ok = m.swap_out(&mut kvs, &ids);
+        if ok {
+            tables.iter_mut().for_each(|t| t.ids.clear());
+        }
+        ok
+    }
+
+    fn swap_in(m: &mut KvCacheManager, tables: &mut [&mut Table], watermark: usize) -> bool {
+        let mut kvs: Vec<&mut SeqKv> = tables.iter_mut().map(|t| &mut t.kv).collect();
+        let Some(ids) = m.swap_in(&mut kvs, watermark) else { return false };
+        for (t, i) in tables.iter_mut().zip(ids) {
+            t.ids = i;
+        }
+        true
     }
 
     #[test]
     fn allocation_grows_by_whole_blocks_with_exact_ids() {
         let mut m = KvCacheManager::new(8, 4, 0, false);
-        let mut t = BlockTable::default();
-        assert!(m.allocate_slots(&mut t, 0, 5, &[], 0));
+        let mut t = Table::default();
+        assert!(m.allocate_slots(&mut t.kv, &mut t.ids, 0, 5, &[], 0));
         assert_eq!(ids(&t), vec![1, 2]);
-        assert!(m.allocate_slots(&mut t, 5, 3, &[], 0)); // fills block 2 exactly
+        assert!(m.allocate_slots(&mut t.kv, &mut t.ids, 5, 3, &[], 0)); // fills block 2 exactly
         assert_eq!(ids(&t), vec![1, 2]);
-        assert!(m.allocate_slots(&mut t, 8, 1, &[], 0));
+        assert!(m.allocate_slots(&mut t.kv, &mut t.ids, 8, 1, &[], 0));
         assert_eq!(ids(&t), vec![1, 2, 3]);
         assert_eq!(m.num_free_blocks(), 4);
         // The watermark keeps blocks back.
-        let mut u = BlockTable::default();
-        assert!(!m.allocate_slots(&mut u, 0, 16, &[], 1));
-        assert!(u.is_empty());
-        assert!(m.allocate_slots(&mut u, 0, 16, &[], 0));
+        let mut u = Table::default();
+        assert!(!m.allocate_slots(&mut u.kv, &mut u.ids, 0, 16, &[], 1));
+        assert!(u.ids.is_empty());
+        assert!(m.allocate_slots(&mut u.kv, &mut u.ids, 0, 16, &[], 0));
         assert_eq!(ids(&u), vec![4, 5, 6, 7]);
-        m.check([&t, &u].into_iter()).unwrap();
-        m.free(&mut t);
-        m.free(&mut u);
+        check(&m, &[&t, &u]).unwrap();
+        free(&mut m, &mut t);
+        free(&mut m, &mut u);
         assert_eq!(m.num_free_blocks(), 7);
         m.check(std::iter::empty()).unwrap();
     }
@@ -538,27 +607,27 @@ mod tests {
     #[test]
     fn fork_shares_and_the_first_write_copies_on_write() {
         let mut m = KvCacheManager::new(8, 4, 0, false);
-        let mut a = BlockTable::default();
-        assert!(m.allocate_slots(&mut a, 0, 6, &[], 0)); // blocks 1 (full), 2 (2 of 4)
-        let mut b = m.fork(&a);
+        let mut a = Table::default();
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 6, &[], 0)); // blocks 1 (full), 2 (2 of 4)
+        let mut b = fork(&mut m, &a);
         assert_eq!(m.ref_count(BlockId(1)), 2);
         assert_eq!(m.ref_count(BlockId(2)), 2);
         // b writes position 6, inside shared block 2: it gets a private copy (block 3).
-        assert_eq!(m.blocks_needed(&b, 6, 1, &[]), 1);
-        assert!(m.allocate_slots(&mut b, 6, 1, &[], 0));
+        assert_eq!(m.blocks_needed(&b.ids, 6, 1, &[]), 1);
+        assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 6, 1, &[], 0));
         assert_eq!(ids(&b), vec![1, 3]);
         assert_eq!(m.take_ops().copy, vec![(2, 3)]);
         assert_eq!(m.ref_count(BlockId(2)), 1);
         // a now owns block 2 alone and writes in place.
-        assert!(m.allocate_slots(&mut a, 6, 1, &[], 0));
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 6, 1, &[], 0));
         assert_eq!(ids(&a), vec![1, 2]);
         assert!(m.take_ops().copy.is_empty());
-        assert!(m.writes_are_exclusive(&a, 6, 7) && m.writes_are_exclusive(&b, 6, 7));
-        assert!(!m.writes_are_exclusive(&a, 0, 4));
-        m.check([&a, &b].into_iter()).unwrap();
-        m.free(&mut b);
+        assert!(m.writes_are_exclusive(&a.ids, 6, 7) && m.writes_are_exclusive(&b.ids, 6, 7));
+        assert!(!m.writes_are_exclusive(&a.ids, 0, 4));
+        check(&m, &[&a, &b]).unwrap();
+        free(&mut m, &mut b);
         assert_eq!(m.ref_count(BlockId(1)), 1);
-        m.free(&mut a);
+        free(&mut m, &mut a);
         m.check(std::iter::empty()).unwrap();
     }
 
@@ -566,26 +635,26 @@ mod tests {
     fn prefix_hits_reuse_cached_blocks_and_leave_the_last_token_to_compute() {
         let mut m = KvCacheManager::new(8, 2, 0, true);
         let toks: Vec<u32> = vec![10, 11, 12, 13, 14];
-        let mut a = BlockTable::default();
-        assert!(m.allocate_slots(&mut a, 0, 5, &[], 0));
+        let mut a = Table::default();
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 5, &[], 0));
         assert_eq!(ids(&a), vec![1, 2, 3]);
-        m.register_computed(&mut a, &toks, 5, None);
+        m.register_computed(&mut a.kv, &a.ids, &toks, 5, None);
         assert_eq!(m.num_cached_blocks(), 2);
         // Same prompt: blocks 1 and 2 hit; the fifth token is computed.
-        let mut b = BlockTable::default();
-        let hits = m.find_cached_prefix(&mut b, &toks, None);
+        let mut b = Table::default();
+        let hits = m.find_cached_prefix(&mut b.kv, &toks, None);
         assert_eq!(hits, vec![BlockId(1), BlockId(2)]);
-        assert!(m.allocate_slots(&mut b, 4, 1, &hits, 0));
+        assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 4, 1, &hits, 0));
         assert_eq!(ids(&b), vec![1, 2, 4]);
         // A prompt that is exactly the two cached blocks hits only one: the last token must
         // be recomputed to produce logits.
-        let mut c = BlockTable::default();
-        assert_eq!(m.find_cached_prefix(&mut c, &toks[..4], None), vec![BlockId(1)]);
+        let mut c = Table::default();
+        assert_eq!(m.find_cached_prefix(&mut c.kv, &toks[..4], None), vec![BlockId(1)]);
         // A salted request shares nothing.
-        let mut d = BlockTable::default();
-        assert!(m.find_cached_prefix(&mut d, &toks, Some("x")).is_empty());
-        m.free(&mut a);
-        m.free(&mut b);
+        let mut d = Table::default();
+        assert!(m.find_cached_prefix(&mut d.kv, &toks, Some("x")).is_empty());
+        free(&mut m, &mut a);
+        free(&mut m, &mut b);
         // Freed in reverse: uncached tails at the head (b freed last, so 4 first), cached
         // blocks at the tail with the sequence's tail block (2) before its head block (1).
         assert_eq!(m.free_list().iter().map(|b| b.0).collect::<Vec<_>>(), vec![4, 3, 5, 6, 7, 2, 1]);
@@ -596,17 +665,17 @@ mod tests {
     fn reusing_a_cached_block_evicts_it() {
         let mut m = KvCacheManager::new(3, 2, 0, true); // usable blocks: 1, 2
         let toks = vec![1, 2, 3, 4];
-        let mut a = BlockTable::default();
-        assert!(m.allocate_slots(&mut a, 0, 4, &[], 0));
-        m.register_computed(&mut a, &toks, 4, None);
-        m.free(&mut a);
+        let mut a = Table::default();
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 4, &[], 0));
+        m.register_computed(&mut a.kv, &a.ids, &toks, 4, None);
+        free(&mut m, &mut a);
         assert_eq!(m.num_cached_blocks(), 2);
-        let mut b = BlockTable::default();
-        assert!(m.allocate_slots(&mut b, 0, 1, &[], 0));
+        let mut b = Table::default();
+        assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 0, 1, &[], 0));
         assert_eq!(ids(&b), vec![2]); // the tail block is evicted first
         assert_eq!(m.num_cached_blocks(), 1);
-        let mut c = BlockTable::default();
-        assert_eq!(m.find_cached_prefix(&mut c, &[1, 2, 3, 4, 5], None), vec![BlockId(1)]);
+        let mut c = Table::default();
+        assert_eq!(m.find_cached_prefix(&mut c.kv, &[1, 2, 3, 4, 5], None), vec![BlockId(1)]);
         assert_eq!(m.stats().prefix_evictions, 1);
     }
 
@@ -615,44 +684,44 @@ mod tests {
         let mut m = KvCacheManager::new(10, 2, 0, true);
         let a_toks = vec![1, 2, 3, 4];
         let b_toks = vec![1, 2, 3, 4, 7, 8, 9];
-        let (mut a, mut b) = (BlockTable::default(), BlockTable::default());
-        assert!(m.allocate_slots(&mut a, 0, 4, &[], 0));
-        assert!(m.allocate_slots(&mut b, 0, 7, &[], 0));
-        m.register_computed(&mut a, &a_toks, 4, None);
-        m.register_computed(&mut b, &b_toks, 7, None);
+        let (mut a, mut b) = (Table::default(), Table::default());
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 4, &[], 0));
+        assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 0, 7, &[], 0));
+        m.register_computed(&mut a.kv, &a.ids, &a_toks, 4, None);
+        m.register_computed(&mut b.kv, &b.ids, &b_toks, 7, None);
         // b's third block chains from a's copy of the shared prefix.
-        let mut c = BlockTable::default();
-        let hits = m.find_cached_prefix(&mut c, &[1, 2, 3, 4, 7, 8, 0], None);
+        let mut c = Table::default();
+        let hits = m.find_cached_prefix(&mut c.kv, &[1, 2, 3, 4, 7, 8, 0], None);
         assert_eq!(hits, vec![BlockId(1), BlockId(2), BlockId(5)]);
     }
 
     #[test]
     fn swap_out_and_in_move_shared_blocks_once() {
         let mut m = KvCacheManager::new(8, 2, 4, false);
-        let mut a = BlockTable::default();
-        assert!(m.allocate_slots(&mut a, 0, 3, &[], 0)); // 1, 2
-        let mut b = m.fork(&a);
-        assert!(m.allocate_slots(&mut b, 3, 1, &[], 0)); // COW 2 -> 3
+        let mut a = Table::default();
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 3, &[], 0)); // 1, 2
+        let mut b = fork(&mut m, &a);
+        assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 3, 1, &[], 0)); // COW 2 -> 3
         m.take_ops();
-        assert!(m.swap_out(&mut [&mut a, &mut b]));
+        assert!(swap_out(&mut m, &mut [&mut a, &mut b]));
         let ops = m.take_ops();
         assert_eq!(ops.swap_out, vec![(1, 0), (2, 1), (3, 2)]);
         assert_eq!(m.num_free_blocks(), 7);
-        assert_eq!(a.cpu_blocks().iter().map(|b| b.0).collect::<Vec<_>>(), vec![0, 1]);
-        m.check([&a, &b].into_iter()).unwrap();
-        assert!(!m.swap_in(&mut [&mut a, &mut b], 5));
-        assert!(m.swap_in(&mut [&mut a, &mut b], 0));
+        assert_eq!(a.kv.cpu_blocks().iter().map(|b| b.0).collect::<Vec<_>>(), vec![0, 1]);
+        check(&m, &[&a, &b]).unwrap();
+        assert!(!swap_in(&mut m, &mut [&mut a, &mut b], 5));
+        assert!(swap_in(&mut m, &mut [&mut a, &mut b], 0));
         let ops = m.take_ops();
         // Freed uncached blocks went to the head of the free list, so they come back first.
         assert_eq!(ops.swap_in, vec![(0, 1), (1, 3), (2, 2)]);
         assert_eq!(ids(&a), vec![1, 3]);
         assert_eq!(ids(&b), vec![1, 2]);
         assert_eq!(m.ref_count(BlockId(1)), 2);
-        m.check([&a, &b].into_iter()).unwrap();
-        let mut c = BlockTable::default();
-        assert!(m.allocate_slots(&mut c, 0, 4, &[], 0));
-        assert!(m.swap_out(&mut [&mut c]));
-        assert!(!m.swap_out(&mut [&mut a, &mut b])); // needs 3 CPU blocks, 2 are left
-        assert!(!a.is_swapped());
+        check(&m, &[&a, &b]).unwrap();
+        let mut c = Table::default();
+        assert!(m.allocate_slots(&mut c.kv, &mut c.ids, 0, 4, &[], 0));
+        assert!(swap_out(&mut m, &mut [&mut c]));
+        assert!(!swap_out(&mut m, &mut [&mut a, &mut b])); // needs 3 CPU blocks, 2 are left
+        assert!(!a.kv.is_swapped());
     }
 }

@@ -5,10 +5,11 @@
 //! sequences at will. Every sequence holds its full token list (prompt + output), so a
 //! recomputed or forked sequence needs nothing else.
 //!
-//! Invariants: `num_computed <= tokens.len()`; a sequence's block table covers exactly
-//! `ceil(num_computed / block_size)` blocks while its request is running.
+//! Invariants: a running sequence's computed count, block table and newest sampled tokens live
+//! in its batch row only (`batch.rs`); `num_computed` is its count while it has no row (0
+//! unless swapped out). A sequence's table covers `ceil(computed / block_size)` blocks.
 
-use crate::kv_cache_manager::BlockTable;
+use crate::kv_cache_manager::SeqKv;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -92,10 +93,11 @@ pub struct Sequence {
     /// 0..n for parallel samples; fork order for beam candidates.
     pub sample_index: u32,
     pub tokens: Vec<u32>,
-    /// Tokens whose KV is computed, while the sequence is not running (a running sequence's
-    /// count lives in its batch row).
+    /// Tokens whose KV is computed, while the sequence has no row (a running sequence's count
+    /// lives in its batch row only).
     pub num_computed: usize,
-    pub table: BlockTable,
+    /// Its KV bookkeeping (its GPU block ids live in its batch row while it runs).
+    pub kv: SeqKv,
     /// Its row in the persistent batch while running, else `batch::NO_ROW`.
     pub row: u32,
 }

@@ -410,46 +410,41 @@ struct PyScheduler {
 
 #[pymethods]
 impl PyScheduler {
+    /// Keywords left out take `SchedulerConfig::default()` (also `_core.SCHEDULER_DEFAULTS`).
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
-                        max_model_len=8192, enable_prefix_caching=true, preemption_mode="recompute",
-                        num_cpu_blocks=0, policy="fcfs", watermark=0.01, admission_headroom=1.0))]
+    #[pyo3(signature = (num_blocks, block_size=None, max_num_seqs=None, max_num_batched_tokens=None,
+                        max_model_len=None, enable_prefix_caching=None, preemption_mode=None,
+                        num_cpu_blocks=None, policy=None, watermark=None, admission_headroom=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
-        block_size: i64,
-        max_num_seqs: i64,
-        max_num_batched_tokens: i64,
-        max_model_len: i64,
-        enable_prefix_caching: bool,
-        preemption_mode: &str,
-        num_cpu_blocks: i64,
-        policy: &str,
-        watermark: f64,
-        admission_headroom: f64,
+        block_size: Option<i64>,
+        max_num_seqs: Option<i64>,
+        max_num_batched_tokens: Option<i64>,
+        max_model_len: Option<i64>,
+        enable_prefix_caching: Option<bool>,
+        preemption_mode: Option<&str>,
+        num_cpu_blocks: Option<i64>,
+        policy: Option<&str>,
+        watermark: Option<f64>,
+        admission_headroom: Option<f64>,
     ) -> PyResult<Self> {
-        let preemption_mode = match preemption_mode {
-            "recompute" => PreemptionMode::Recompute,
-            "swap" => PreemptionMode::Swap,
-            other => return Err(invalid("preemption_mode", format!("{other:?}"), "must be \"recompute\" or \"swap\"")),
-        };
-        let policy = match policy {
-            "fcfs" => Policy::Fcfs,
-            "priority" => Policy::Priority,
-            other => return Err(invalid("policy", format!("{other:?}"), "must be \"fcfs\" or \"priority\"")),
+        let d = SchedulerConfig::default();
+        let size = |field: &'static str, v: Option<i64>, default: usize| -> PyResult<usize> {
+            v.map_or(Ok(default), |v| Ok(non_negative(field, v)? as usize))
         };
         let cfg = SchedulerConfig {
             num_blocks: non_negative("num_blocks", num_blocks)? as usize,
-            block_size: non_negative("block_size", block_size)? as usize,
-            max_num_seqs: non_negative("max_num_seqs", max_num_seqs)? as usize,
-            max_num_batched_tokens: non_negative("max_num_batched_tokens", max_num_batched_tokens)? as usize,
-            max_model_len: non_negative("max_model_len", max_model_len)? as usize,
-            enable_prefix_caching,
-            preemption_mode,
-            num_cpu_blocks: non_negative("num_cpu_blocks", num_cpu_blocks)? as usize,
-            policy,
-            watermark,
-            admission_headroom,
+            block_size: size("block_size", block_size, d.block_size)?,
+            max_num_seqs: size("max_num_seqs", max_num_seqs, d.max_num_seqs)?,
+            max_num_batched_tokens: size("max_num_batched_tokens", max_num_batched_tokens, d.max_num_batched_tokens)?,
+            max_model_len: size("max_model_len", max_model_len, d.max_model_len)?,
+            enable_prefix_caching: enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
+            preemption_mode: preemption_mode.map_or(Ok(d.preemption_mode), PreemptionMode::parse).map_err(to_py_err)?,
+            num_cpu_blocks: size("num_cpu_blocks", num_cpu_blocks, d.num_cpu_blocks)?,
+            policy: policy.map_or(Ok(d.policy), Policy::parse).map_err(to_py_err)?,
+            watermark: watermark.unwrap_or(d.watermark),
+            admission_headroom: admission_headroom.unwrap_or(d.admission_headroom),
         };
         Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py_err)?, sampled: Vec::new() })
     }
@@ -674,6 +669,24 @@ impl PyScheduler {
     }
 }
 
+/// `SchedulerConfig::default()` as a dict: the one source of the engine's scheduling defaults
+/// (`EngineArgs` and the CLI read it), under the constructor's keyword names.
+fn scheduler_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = SchedulerConfig::default();
+    let out = PyDict::new(py);
+    out.set_item("block_size", d.block_size)?;
+    out.set_item("max_num_seqs", d.max_num_seqs)?;
+    out.set_item("max_num_batched_tokens", d.max_num_batched_tokens)?;
+    out.set_item("max_model_len", d.max_model_len)?;
+    out.set_item("enable_prefix_caching", d.enable_prefix_caching)?;
+    out.set_item("preemption_mode", d.preemption_mode.as_str())?;
+    out.set_item("num_cpu_blocks", d.num_cpu_blocks)?;
+    out.set_item("policy", d.policy.as_str())?;
+    out.set_item("watermark", d.watermark)?;
+    out.set_item("admission_headroom", d.admission_headroom)?;
+    Ok(out)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -694,5 +707,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySchedulerOutput>()?;
     m.add_class::<PyFinishedSequence>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("SCHEDULER_DEFAULTS", scheduler_defaults(py)?)?;
     Ok(())
 }

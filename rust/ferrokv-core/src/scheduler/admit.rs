@@ -7,9 +7,9 @@
 //! prefix lookup, O(new blocks) per allocation; the waiting queue is only read at its head.
 
 use super::{NewRequest, Policy, PreemptionMode, Scheduler};
-use crate::batch::{SeqRef, NO_ROW};
+use crate::batch::NO_ROW;
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache_manager::BlockTable;
+use crate::kv_cache_manager::SeqKv;
 use crate::request::{FinishReason, Request, RequestState, Sequence, StopParams};
 
 /// How much of a new running sequence's token list is mapped at admission (16,384 tokens): all
@@ -25,30 +25,35 @@ pub(super) enum Attempt {
 impl Scheduler {
     /// Admits waiting requests in order while their next chunk fits in `budget`, in
     /// `max_num_seqs` and in the free blocks minus the watermark and headroom kept for the
-    /// running ones to grow. The head of the queue blocks the rest (no starvation).
+    /// running ones to grow. The head of the queue blocks the rest (no starvation). A request
+    /// gets its rows before its chunk is planned (the planner works on rows only), and gives
+    /// them back if it is not admitted.
     pub(super) fn admit_waiting(&mut self, mut budget: usize) {
         while let Some(&(p, a, slot)) = self.waiting.first() {
             if budget == 0 || self.num_running_seqs + self.req(slot).seq_slots() > self.cfg.max_num_seqs {
                 break;
             }
-            let watermark = if self.running.is_empty() {
+            let alone = self.running.is_empty();
+            let watermark = if alone {
                 0
             } else {
                 self.watermark_blocks + (self.num_running_seqs as f64 * self.cfg.admission_headroom).ceil() as usize
             };
             if self.req(slot).state == RequestState::Swapped {
-                let alone = self.running.is_empty();
                 let req = self.requests[slot as usize].as_mut().expect("live slot");
                 // Room to grow by a block per sequence, unless nothing else could use it.
                 let extra = if alone { 0 } else { watermark + req.seqs.len() };
-                let mut tables: Vec<&mut BlockTable> = req.seqs.iter_mut().map(|s| &mut s.table).collect();
-                if !self.kv.swap_in(&mut tables, extra) {
+                let mut tables: Vec<&mut SeqKv> = req.seqs.iter_mut().map(|s| &mut s.kv).collect();
+                let Some(ids) = self.kv.swap_in(&mut tables, extra) else {
                     if alone {
                         self.end_request(slot, FinishReason::Abort, true);
                         self.stats.capacity_aborts += 1;
                         continue;
                     }
                     break;
+                };
+                for (pos, blocks) in ids.iter().enumerate() {
+                    self.give_row(slot, pos, blocks);
                 }
                 self.admit(slot, (p, a, slot));
                 if let Attempt::Scheduled { tokens, full } = self.try_schedule(slot, budget, 0) {
@@ -57,19 +62,28 @@ impl Scheduler {
                 }
                 continue;
             }
+            for pos in 0..self.req(slot).seqs.len() {
+                self.give_row(slot, pos, &[]);
+            }
             match self.try_schedule(slot, budget, watermark) {
                 Attempt::Scheduled { tokens, full } => {
                     self.admit(slot, (p, a, slot));
                     self.record(slot, full);
                     budget -= tokens;
                 }
-                Attempt::NoSpace if self.running.is_empty() => {
+                Attempt::NoSpace if alone => {
                     // Nothing else holds a block, yet its next chunk does not fit: it never
                     // will (beam forks grew it past the cache). End it rather than spin.
                     self.end_request(slot, FinishReason::Abort, true);
                     self.stats.capacity_aborts += 1;
                 }
-                Attempt::NoBudget | Attempt::NoSpace => break,
+                Attempt::NoBudget | Attempt::NoSpace => {
+                    // Nothing was allocated: its rows (the last ones) go, and it waits.
+                    for pos in (0..self.req(slot).seqs.len()).rev() {
+                        self.take_row(slot, pos);
+                    }
+                    break;
+                }
             }
         }
     }
@@ -144,7 +158,7 @@ impl Scheduler {
                 sample_index: 0,
                 tokens: r.prompt_token_ids,
                 num_computed: 0,
-                table: BlockTable::default(),
+                kv: SeqKv::default(),
                 row: NO_ROW,
             }],
             state: RequestState::Waiting,
@@ -174,64 +188,27 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Gives every sequence of a request that starts running a batch row, and reserves its
-    /// token, block and hash lists for its longest possible length (prompt + max_tokens, at
-    /// most max_model_len), as other engines' input batches hold max_model_len tokens per row.
-    /// Grown by doubling instead, the lists of a batch that started together reallocate in the
-    /// same few steps, and those steps take several times the median. The token list's first
-    /// `PREFAULT_TOKEN_BYTES` are mapped now (one write per 4 KiB): left to the decode steps,
-    /// fresh memory cost about one page fault per step at 1,024 sequences, ~15 % of the step.
-    pub(super) fn give_rows(&mut self, slot: u32) {
-        let req = self.requests[slot as usize].as_mut().expect("live slot");
-        let longest = (req.prompt_len + req.stop.max_tokens).min(self.cfg.max_model_len);
-        for i in 0..req.seqs.len() {
-            let s = &mut req.seqs[i];
-            s.tokens.reserve_exact(longest.saturating_sub(s.tokens.len()));
-            crate::prefetch::prefault_spare(&mut s.tokens, PREFAULT_TOKEN_BYTES);
-            s.table.reserve(longest.div_ceil(self.cfg.block_size));
-            let s = &req.seqs[i];
-            debug_assert_eq!(s.row, NO_ROW);
-            let init = Self::row_init(req, s, s.num_computed, self.cfg.max_model_len);
-            let row = self.batch.push(SeqRef { slot, seq_id: s.seq_id }, init, s.table.blocks().iter().map(|b| b.0));
-            req.seqs[i].row = row;
-        }
-    }
-
     /// Plans and allocates the next chunk of every sequence of one request. All sequences
     /// finish this step together (they then get logits rows) or each stops one token short,
     /// so the samples of a request always step in lockstep.
     pub(super) fn try_schedule(&mut self, slot: u32, budget: usize, watermark: usize) -> Attempt {
         let bs = self.cfg.block_size;
-        let bm = self.bm;
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let kv = &mut self.kv;
         let batch = &mut self.batch;
         let n = req.seqs.len();
-        for s in req.seqs.iter_mut() {
-            Self::flush_row(batch, s);
-        }
-        // Fast path, the common decode step: one sequence writing one token inside its own
-        // last block needs no block accounting at all.
-        if n == 1 && budget > 0 {
-            let s = &mut req.seqs[0];
-            let c = Self::computed_of(batch, s);
-            if c + 1 == s.tokens.len() && bm.offset(c) != 0 && kv.ref_count(s.table.blocks()[bm.block(c)]) == 1 {
-                self.plan.clear();
-                self.plan.push((c, 1));
-                Self::set_computed(batch, s, c + 1);
-                return Attempt::Scheduled { tokens: 1, full: true };
-            }
-        }
         if self.hits.len() < n {
             self.hits.resize_with(n, Vec::new);
         }
         self.plan.clear();
         let mut total = 0;
         for (i, s) in req.seqs.iter_mut().enumerate() {
+            Self::flush_row(batch, s);
             self.hits[i].clear();
-            let c = Self::computed_of(batch, s);
-            if c == 0 && s.table.is_empty() && !s.table.is_swapped() {
-                self.hits[i] = kv.find_cached_prefix(&mut s.table, &s.tokens, req.cache_salt.as_deref());
+            let row = s.row as usize;
+            let c = batch.rows[row].computed as usize;
+            if c == 0 && batch.rows[row].num_blocks == 0 {
+                self.hits[i] = kv.find_cached_prefix(&mut s.kv, &s.tokens, req.cache_salt.as_deref());
             }
             let start = c.max(self.hits[i].len() * bs);
             total += s.tokens.len() - start;
@@ -252,10 +229,10 @@ impl Scheduler {
             return Attempt::NoBudget;
         }
         let needed = if n == 1 {
-            kv.blocks_needed(&req.seqs[0].table, self.plan[0].0, self.plan[0].1, &self.hits[0])
+            kv.blocks_needed(&batch.ids(req.seqs[0].row as usize), self.plan[0].0, self.plan[0].1, &self.hits[0])
         } else {
             let items: Vec<_> = req.seqs.iter().enumerate()
-                .map(|(i, s)| (&s.table, self.plan[i].0, self.plan[i].1, &self.hits[i][..]))
+                .map(|(i, s)| (batch.ids(s.row as usize), self.plan[i].0, self.plan[i].1, &self.hits[i][..]))
                 .collect();
             kv.blocks_needed_together(&items)
         };
@@ -266,13 +243,14 @@ impl Scheduler {
         // the free list, and popping it for a sibling would evict it.
         for (i, s) in req.seqs.iter_mut().enumerate() {
             if !self.hits[i].is_empty() {
-                let ok = kv.allocate_slots(&mut s.table, self.plan[i].0, 0, &self.hits[i], 0);
+                let ok = kv.allocate_slots(&mut s.kv, &mut batch.ids_mut(s.row as usize), self.plan[i].0, 0, &self.hits[i], 0);
                 debug_assert!(ok, "capacity was checked for the whole request");
             }
         }
         for (i, s) in req.seqs.iter_mut().enumerate() {
             let (start, chunk) = self.plan[i];
-            let ok = kv.allocate_slots(&mut s.table, start, chunk, &[], 0);
+            let row = s.row as usize;
+            let ok = kv.allocate_slots(&mut s.kv, &mut batch.ids_mut(row), start, chunk, &[], 0);
             debug_assert!(ok, "capacity was checked for the whole request");
             if !self.hits[i].is_empty() {
                 let cached = (self.hits[i].len() * bs).min(req.prompt_len) as u64;
@@ -284,9 +262,7 @@ impl Scheduler {
             if i == 0 && req.num_cached_tokens.is_none() {
                 req.num_cached_tokens = Some(self.hits[0].len() * bs);
             }
-            Self::set_computed(batch, s, start + chunk);
-            // Blocks change from the first one written (copy-on-write) or appended on.
-            Self::sync_row(batch, s, bm.block(start));
+            batch.rows[row].computed = (start + chunk) as u32;
         }
         Attempt::Scheduled { tokens: sum, full }
     }
@@ -326,15 +302,27 @@ impl Scheduler {
         }
     }
 
-    /// A request starts running: it joins the running list in order and its sequences get rows.
+    /// A request whose sequences have rows starts running: it joins the running list in order.
+    /// Its token and hash lists are reserved for their longest possible length (prompt +
+    /// max_tokens, at most max_model_len), as other engines' input batches hold max_model_len
+    /// tokens per row. Grown by doubling instead, the lists of a batch that started together
+    /// reallocate in the same few steps, and those steps take several times the median. The
+    /// token list's first `PREFAULT_TOKEN_BYTES` are mapped now (one write per 4 KiB): left to
+    /// the decode steps, fresh memory cost about one page fault per step at 1,024 sequences.
     pub(super) fn admit(&mut self, slot: u32, key: (i64, u64, u32)) {
         self.waiting.remove(&key);
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         req.state = RequestState::Running;
         self.num_running_seqs += req.seq_slots();
+        let longest = (req.prompt_len + req.stop.max_tokens).min(self.cfg.max_model_len);
+        for s in req.seqs.iter_mut() {
+            debug_assert_ne!(s.row, NO_ROW, "a request gets its rows before it is admitted");
+            s.tokens.reserve_exact(longest.saturating_sub(s.tokens.len()));
+            crate::prefetch::prefault_spare(&mut s.tokens, PREFAULT_TOKEN_BYTES);
+            s.kv.reserve(longest.div_ceil(self.cfg.block_size));
+        }
         let pos = self.running_index(slot);
         self.running.insert(pos, slot);
-        self.give_rows(slot);
     }
 
 }

@@ -14,10 +14,44 @@ pub enum PreemptionMode {
     Swap,
 }
 
+impl PreemptionMode {
+    pub const NAMES: [&'static str; 2] = ["recompute", "swap"];
+
+    pub fn as_str(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+
+    /// The mode named `name`, or a typed error naming the field.
+    pub fn parse(name: &str) -> CoreResult<Self> {
+        match name {
+            "recompute" => Ok(PreemptionMode::Recompute),
+            "swap" => Ok(PreemptionMode::Swap),
+            other => Err(CoreError::invalid("preemption_mode", format!("{other:?}"), "must be \"recompute\" or \"swap\"")),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
     Fcfs,
     Priority,
+}
+
+impl Policy {
+    pub const NAMES: [&'static str; 2] = ["fcfs", "priority"];
+
+    pub fn as_str(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+
+    /// The policy named `name`, or a typed error naming the field.
+    pub fn parse(name: &str) -> CoreResult<Self> {
+        match name {
+            "fcfs" => Ok(Policy::Fcfs),
+            "priority" => Ok(Policy::Priority),
+            other => Err(CoreError::invalid("policy", format!("{other:?}"), "must be \"fcfs\" or \"priority\"")),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -121,5 +155,51 @@ pub struct NewRequest {
 impl NewRequest {
     pub fn new(request_id: u64, prompt_token_ids: Vec<u32>, max_tokens: usize) -> Self {
         NewRequest { request_id, prompt_token_ids, max_tokens, n: 1, ..Default::default() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(cfg: SchedulerConfig) -> &'static str {
+        match cfg.validate() {
+            Err(CoreError::InvalidArgument { field, .. }) => field,
+            other => panic!("{cfg:?} validated as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_default_configuration_is_valid() {
+        SchedulerConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn every_bad_size_is_an_error_naming_its_field() {
+        let d = SchedulerConfig::default;
+        assert_eq!(field_of(SchedulerConfig { num_blocks: 1, ..d() }), "num_blocks");
+        assert_eq!(field_of(SchedulerConfig { num_blocks: u32::MAX as usize, ..d() }), "num_blocks");
+        assert_eq!(field_of(SchedulerConfig { block_size: 12, ..d() }), "block_size");
+        assert_eq!(field_of(SchedulerConfig { block_size: 0, ..d() }), "block_size");
+        assert_eq!(field_of(SchedulerConfig { max_num_seqs: 0, ..d() }), "max_num_seqs");
+        assert_eq!(field_of(SchedulerConfig { max_num_batched_tokens: 8, max_num_seqs: 16, ..d() }), "max_num_batched_tokens");
+        assert_eq!(field_of(SchedulerConfig { max_model_len: 0, ..d() }), "max_model_len");
+        // max_num_seqs * max_model_len / block_size block-table entries: at most 2^28.
+        assert_eq!(field_of(SchedulerConfig { max_num_seqs: 1 << 12, max_model_len: 1 << 21, ..d() }), "max_model_len");
+        assert_eq!(field_of(SchedulerConfig { watermark: 1.0, ..d() }), "watermark");
+        assert_eq!(field_of(SchedulerConfig { watermark: f64::NAN, ..d() }), "watermark");
+        assert_eq!(field_of(SchedulerConfig { admission_headroom: -1.0, ..d() }), "admission_headroom");
+    }
+
+    #[test]
+    fn modes_and_policies_parse_their_own_names_only() {
+        for m in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+            assert_eq!(PreemptionMode::parse(m.as_str()), Ok(m));
+        }
+        for p in [Policy::Fcfs, Policy::Priority] {
+            assert_eq!(Policy::parse(p.as_str()), Ok(p));
+        }
+        assert!(matches!(PreemptionMode::parse("Swap"), Err(CoreError::InvalidArgument { field: "preemption_mode", .. })));
+        assert!(matches!(Policy::parse(""), Err(CoreError::InvalidArgument { field: "policy", .. })));
     }
 }

@@ -1,33 +1,42 @@
-//! Decode planning over the batch rows: the common step, where running sequences each decode
-//! one token, planned row by row without reaching a request or a sequence.
+//! Decode planning: one rule for a row's decode token (`decode_slot`), applied by the row
+//! pass over the batch (the common step, without reaching a request or a sequence) and by the
+//! ordered walk (`plan_decode_request`) when the running order matters.
 //!
 //! Invariants: a row is advanced only if its write lands in a block it owns (decided in one
-//! place, `owned_write_block`) or in a fresh block handed to the row; a plan that does not
-//! qualify changes nothing. Costs: one pass over the rows (a few loads and stores each), plus
-//! one block allocation per row entering a new block.
+//! place, `owned_write_block`) or in a fresh block given to the row; a request is planned
+//! whole or not at all (its samples step in lockstep); a plan that does not qualify changes
+//! nothing but what the rows learned about their tail block. Costs: one pass over the rows (a
+//! few loads and stores each, the step's arrays written in the same pass), one block
+//! allocation per row entering a new block, and a second pass only in a step that also plans
+//! prefill chunks.
 
+use super::admit::Attempt;
 use super::{Scheduler, StepCounts};
 use crate::batch::{RowState, TableRef};
 use crate::block_pool::{BlockId, BlockMath};
 use crate::kv_cache_manager::KvCacheManager;
 
-/// How `plan_decode_rows` planned the step's decodes.
+/// How the row pass planned the step's decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum DecodePlan {
-    /// Every running sequence, and the step's arrays emitted.
+    /// Every running sequence (only admission is left).
     All,
-    /// Every all-decode request; the per-request walk continues at `running[generic_from..]`.
+    /// Every request whose rows all decode on their own; the ordered walk continues with the
+    /// rest, `running[generic_from..]`.
     Front { generic_from: usize },
-    /// Nothing: the per-request walk plans the whole step.
+    /// Nothing: the ordered walk plans the whole step.
     None,
 }
+
+/// `decode_slot` of a token that starts a new block: its slot is known once the block is.
+const NEW_BLOCK: i64 = -1;
 
 /// The block a decode row writes its next token into, when that token does not start a new
 /// block; `None` when another table shares the block (copy it first). Usually it is the row's
 /// last block, known unshared, and neither the matrix nor the block pool is read; otherwise
 /// the pool answers, and a last block found unshared is recorded as such (`tail_owned`, a
 /// fact whether or not the step goes ahead).
-pub(super) fn owned_write_block(h: &mut RowState, table: &TableRef<'_>, r: usize, kv: &KvCacheManager, bm: BlockMath) -> Option<i32> {
+fn owned_write_block(h: &mut RowState, table: &TableRef<'_>, r: usize, kv: &KvCacheManager, bm: BlockMath) -> Option<i32> {
     let c = h.computed as usize;
     debug_assert_ne!(bm.offset(c), 0, "a write that starts a block gets a fresh one");
     let in_tail = bm.block(c) + 1 == h.num_blocks as usize;
@@ -42,154 +51,124 @@ pub(super) fn owned_write_block(h: &mut RowState, table: &TableRef<'_>, r: usize
     Some(blk)
 }
 
+/// The one decode rule: the slot row `r`'s next decode token writes (`NEW_BLOCK` when it
+/// starts a block, which the caller allocates), or `None` when the row cannot decode on its
+/// own (a prefill chunk, the prompt's last token, or a write into a shared block).
+#[inline]
+fn decode_slot(h: &mut RowState, table: &TableRef<'_>, r: usize, kv: &KvCacheManager, bm: BlockMath) -> Option<i64> {
+    if !h.is_decode() {
+        return None;
+    }
+    let c = h.computed as usize;
+    if bm.offset(c) == 0 {
+        return Some(NEW_BLOCK);
+    }
+    owned_write_block(h, table, r, kv, bm).map(|blk| bm.slot(blk, c))
+}
+
 impl Scheduler {
-    /// The common steps, planned row by row over the batch without looking at a request:
-    ///
-    /// - `All`: every running sequence decodes one token and all of them fit (budget, free
-    ///   blocks, no shared block written). The running requests' order cannot matter then, and
-    ///   the step's arrays are emitted in the same pass.
-    /// - `Front`: the same for every request whose rows are all single-token decodes, when the
-    ///   other running requests (prefill chunks, usually just admitted) are all at the back of
-    ///   the running order. The per-request walk would have served the decodes first anyway, so
-    ///   it only runs over those requests; any preemption victim is one of them.
-    ///
-    /// Neither reaches a sequence: a decode entering a new block gets it in its row
-    /// (`append_new_blocks`). `None` changes nothing: the per-request walk plans the whole step.
+    /// The row pass: plans one decode token for every row that decodes on its own, and writes
+    /// the step's arrays for the leading rows in the same pass (while every row so far is in
+    /// the step, sequence i is row i). It stands only where the running order cannot change
+    /// the outcome: every such decode fits (budget, free blocks) and the requests it leaves to
+    /// the ordered walk are at the back of the running order, where that walk would have left
+    /// them anyway. Otherwise it changes nothing and returns `None`.
     pub(super) fn plan_decode_rows(&mut self, budget: usize) -> DecodePlan {
-        if self.batch.is_empty() {
+        let n = self.batch.len();
+        if n == 0 {
             return DecodePlan::None;
-        }
-        if self.plan_all(budget) {
-            return DecodePlan::All;
         }
         let bm = self.bm;
         let mut new_block_rows = std::mem::take(&mut self.scratch_rows);
         new_block_rows.clear();
         let mut others = std::mem::take(&mut self.scratch_slots);
         others.clear();
-        let mut cow = false;
+        let mut o = Self::decode_output(n);
+        let (mut decodes, mut emitted, mut max_blocks) = (0usize, 0usize, 0u32);
         {
             let (kv, mark) = (&self.kv, &mut self.mark);
             let (rows, table, owner) = self.batch.rows_and_table();
-            for (r, h) in rows.iter_mut().enumerate() {
-                if !h.is_decode() {
-                    // A prefill chunk, or the prompt's last token: its request goes the long way.
-                    let slot = owner[r].slot as usize;
-                    if !std::mem::replace(&mut mark[slot], true) {
-                        others.push(slot as u32);
+            // Sized first, then written through zipped iterators: no per-element capacity check.
+            let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
+            for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
+                let Some(s) = decode_slot(h, &table, r, kv, bm) else {
+                    (h.new_tokens, h.samples, h.fan_out) = (0, false, 0); // left to the ordered walk
+                    let req = owner[r].slot as usize;
+                    if !std::mem::replace(&mut mark[req], true) {
+                        others.push(req as u32);
                     }
                     continue;
-                }
-                if bm.offset(h.computed as usize) == 0 {
+                };
+                debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
+                let c = h.computed as usize;
+                if s == NEW_BLOCK {
                     new_block_rows.push(r as u32);
-                } else if owned_write_block(h, &table, r, kv, bm).is_none() {
-                    cow = true; // copy-on-write: left to the per-request walk
-                    break;
                 }
+                (h.computed, h.new_tokens, h.samples, h.logits_row) = (c as u32 + 1, 1, true, r as u32);
+                (*len, *pos, *slot) = (c as i32 + 1, c as i64, s);
+                if emitted == r {
+                    emitted += 1;
+                    max_blocks = max_blocks.max(h.num_blocks + u32::from(s == NEW_BLOCK));
+                }
+                decodes += 1;
             }
         }
-        // Every row a decode (`plan_all` declined for budget, blocks or copy-on-write): the
-        // per-request walk decides.
-        let plan = if cow || others.is_empty() { DecodePlan::None } else { self.front_plan(&others, &mut new_block_rows, budget) };
+        if !others.is_empty() {
+            (decodes, emitted) = self.unplan_partial_requests(&mut new_block_rows, decodes, emitted);
+        }
+        let k = others.len();
+        let len = self.running.len();
+        let stands = decodes <= budget
+            && self.kv.num_free_blocks() >= new_block_rows.len()
+            && others.iter().all(|&slot| self.running_index(slot) >= len - k);
         for &slot in &others {
             self.mark[slot as usize] = false;
         }
         self.scratch_slots = others;
-        self.scratch_rows = new_block_rows;
-        plan
-    }
-
-    /// The `All` plan in one pass over the rows: each row is checked, advanced and emitted
-    /// together (the common step pays for one walk, not a check walk and a plan walk). If a
-    /// row turns out not to qualify, the rows already advanced are restored and it returns
-    /// false, changing nothing.
-    pub(super) fn plan_all(&mut self, budget: usize) -> bool {
-        let n = self.batch.len();
-        if n > budget {
-            return false;
-        }
-        let bm = self.bm;
-        let mut new_block_rows = std::mem::take(&mut self.scratch_rows);
-        new_block_rows.clear();
-        // Row r is sequence, token and logits row r. Admissions of this step append after
-        // these rows (`build_output` continues from here).
-        let mut o = Self::empty_output(n + 16, n + 16, n + 16);
-        // Sized first, then written through zipped iterators: no per-element capacity check.
-        o.seq_lens.resize(n, 0);
-        o.positions.resize(n, 0);
-        o.slot_mapping.resize(n, 0);
-        let mut max_blocks = 0;
-        let mut declined_at = None;
-        {
-            let kv = &self.kv;
-            let (rows, table, _) = self.batch.rows_and_table();
-            let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
-            for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
-                if !h.is_decode() {
-                    declined_at = Some(r); // a prefill chunk, or the prompt's last token
-                    break;
-                }
-                let c = h.computed as usize;
-                let starts_block = bm.offset(c) == 0;
-                if starts_block {
-                    // Its slot is known once the block is allocated below.
-                    new_block_rows.push(r as u32);
-                    *slot = -1;
-                } else {
-                    let Some(blk) = owned_write_block(h, &table, r, kv, bm) else {
-                        declined_at = Some(r); // copy-on-write
-                        break;
-                    };
-                    *slot = bm.slot(blk, c);
-                }
-                debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
-                h.computed += 1;
-                h.new_tokens = 1;
-                h.samples = true;
-                h.logits_row = r as u32;
-                *len = c as i32 + 1;
-                *pos = c as i64;
-                max_blocks = max_blocks.max(h.num_blocks + u32::from(starts_block));
-            }
-        }
-        if declined_at.is_none() && self.kv.num_free_blocks() < new_block_rows.len() {
-            declined_at = Some(n);
-        }
-        if let Some(k) = declined_at {
-            for h in &mut self.batch.rows[..k] {
-                h.computed -= 1;
-                h.new_tokens = 0;
-                h.samples = false;
+        if !stands {
+            for h in self.batch.rows.iter_mut().filter(|h| h.new_tokens > 0) {
+                (h.computed, h.new_tokens, h.samples) = (h.computed - 1, 0, false);
             }
             self.scratch_rows = new_block_rows;
-            return false;
+            return DecodePlan::None;
         }
-        let b = &self.batch;
-        o.req_ids.extend_from_slice(&b.req_id);
-        o.seq_ids.extend_from_slice(&b.seq_id);
-        o.input_ids.extend_from_slice(&b.last_token);
-        o.row_req_ids.extend_from_slice(&b.req_id);
-        o.row_seq_ids.extend_from_slice(&b.seq_id);
-        o.row_sample_index.extend_from_slice(&b.sample_index);
-        o.query_start_loc.extend(1..=n as i32);
-        o.logits_indices.extend(0..n as i64);
         self.append_new_blocks(&new_block_rows);
-        for &r in &new_block_rows {
+        for &r in new_block_rows.iter().filter(|&&r| (r as usize) < emitted) {
             let h = &self.batch.rows[r as usize];
             o.slot_mapping[r as usize] = bm.slot(h.tail_block as i32, h.computed as usize - 1);
         }
         self.scratch_rows = new_block_rows;
-        self.emitted = Some((o, n, max_blocks as usize));
-        self.step = StepCounts { seqs: n, tokens: n, logits_rows: n, decode_tokens: n };
-        self.stats.decode_tokens += n as u64;
-        true
+        if emitted > 0 {
+            if emitted < n {
+                max_blocks = self.batch.rows[..emitted].iter().map(|h| h.num_blocks).max().unwrap_or(0);
+            }
+            self.finish_decode_output(&mut o, emitted);
+            self.emitted = Some((o, emitted, max_blocks as usize));
+        }
+        self.step = StepCounts { seqs: decodes, tokens: decodes, logits_rows: decodes, decode_tokens: decodes };
+        self.stats.decode_tokens += decodes as u64;
+        if k == 0 { DecodePlan::All } else { DecodePlan::Front { generic_from: len - k } }
     }
 
-    /// Gives each of `rows` (just advanced by one decode token that starts a new block) a fresh
-    /// block, in the row only: the sequence's table adopts it at the next `flush_row` (the
-    /// step that completes the block flushes the row to register it), so planning a decode
-    /// step never reaches the sequences.
-    pub(super) fn append_new_blocks(&mut self, rows: &[u32]) {
+    /// After the row pass: a request the pass left to the ordered walk (marked) is planned
+    /// there whole, so its rows the pass advanced are put back. Returns the decodes and the
+    /// emitted rows left.
+    fn unplan_partial_requests(&mut self, new_block_rows: &mut Vec<u32>, mut decodes: usize, mut emitted: usize) -> (usize, usize) {
+        let (rows, owner, mark) = (&mut self.batch.rows, &self.batch.owner, &self.mark);
+        for (r, h) in rows.iter_mut().enumerate() {
+            if h.new_tokens > 0 && mark[owner[r].slot as usize] {
+                (h.computed, h.new_tokens, h.samples) = (h.computed - 1, 0, false);
+                decodes -= 1;
+                emitted = emitted.min(r);
+            }
+        }
+        new_block_rows.retain(|&r| rows[r as usize].new_tokens > 0);
+        (decodes, emitted)
+    }
+
+    /// Gives each of `rows` (just advanced by one decode token that starts a new block) a
+    /// fresh block, through the KV-cache manager (the only writer of block tables).
+    fn append_new_blocks(&mut self, rows: &[u32]) {
         for &r in rows {
             let r = r as usize;
             debug_assert_eq!(
@@ -197,51 +176,49 @@ impl Scheduler {
                 self.bm.block(self.batch.rows[r].computed as usize - 1),
                 "the write starts a new block"
             );
-            let b = self.kv.allocate_block();
-            self.batch.push_block(r, b.0);
+            self.kv.append_block(&mut self.batch.ids_mut(r));
         }
     }
 
-    /// `Front` planning (see `plan_decode_rows`): `others` are the marked requests that are not
-    /// all-decode; `new_block_rows` the decode rows entering a new block (some of them may be
-    /// rows of marked requests).
-    pub(super) fn front_plan(&mut self, others: &[u32], new_block_rows: &mut Vec<u32>, budget: usize) -> DecodePlan {
-        let len = self.running.len();
-        let k = others.len();
-        for &slot in others {
-            if self.running_index(slot) < len - k {
-                return DecodePlan::None; // one of them would be served before some decodes
+    /// The ordered walk's decode: one token for every sequence of request `slot` when all its
+    /// rows decode on their own (`decode_slot`, the row pass's rule), with the same answers as
+    /// the chunk planner (`try_schedule`) would give; `None` when one of them needs that planner.
+    pub(super) fn plan_decode_request(&mut self, slot: u32, budget: usize) -> Option<Attempt> {
+        let bm = self.bm;
+        let req = self.requests[slot as usize].as_ref().expect("live slot");
+        let mut new_blocks = 0;
+        {
+            let (rows, table, _) = self.batch.rows_and_table();
+            for s in &req.seqs {
+                let r = s.row as usize;
+                new_blocks += usize::from(decode_slot(&mut rows[r], &table, r, &self.kv, bm)? == NEW_BLOCK);
             }
         }
-        let b = &self.batch;
-        let mark = &self.mark;
-        new_block_rows.retain(|&r| !mark[b.owner[r as usize].slot as usize]);
-        let decodes = b.rows.iter().zip(&b.owner).filter(|(h, o)| h.is_decode() && !mark[o.slot as usize]).count();
-        if decodes > budget || self.kv.num_free_blocks() < new_block_rows.len() {
-            return DecodePlan::None;
+        if budget < req.seqs.len() {
+            return Some(Attempt::NoBudget);
         }
-        self.batch.clear_plan();
-        let b = &mut self.batch;
-        for (h, o) in b.rows.iter_mut().zip(&b.owner) {
-            if h.is_decode() && !mark[o.slot as usize] {
-                debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
-                h.computed += 1;
-                h.new_tokens = 1;
-                h.samples = true;
+        if self.kv.num_free_blocks() < new_blocks {
+            return Some(Attempt::NoSpace);
+        }
+        self.plan.clear();
+        for s in &req.seqs {
+            let r = s.row as usize;
+            let c = self.batch.rows[r].computed as usize;
+            self.plan.push((c, 1));
+            self.batch.rows[r].computed += 1;
+            if bm.offset(c) == 0 {
+                self.kv.append_block(&mut self.batch.ids_mut(r));
             }
         }
-        self.append_new_blocks(new_block_rows);
-        self.step = StepCounts { seqs: decodes, tokens: decodes, logits_rows: decodes, decode_tokens: decodes };
-        self.stats.decode_tokens += decodes as u64;
-        DecodePlan::Front { generic_from: len - k }
+        Some(Attempt::Scheduled { tokens: req.seqs.len(), full: true })
     }
-
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::test_util::*;
     use super::super::*;
+    use crate::output::BlockTables;
 
     #[test]
     fn decode_goes_first_and_prefill_fills_the_rest_of_the_budget() {
@@ -282,24 +259,23 @@ mod tests {
     }
 
     #[test]
-    fn a_decode_block_lives_in_the_row_until_the_sequence_is_read() {
+    fn a_decode_block_is_written_into_the_row_that_the_runner_reads() {
         let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
         s.add_request(req(1, 4, 12)).unwrap();
         step(&mut s, 1); // prefill: block 1 full
         let seq = s.request_seq_ids(1).unwrap()[0];
-        let table_len = |s: &Scheduler| s.req(s.seq_owner[&seq]).seqs[0].table.len();
-        step(&mut s, 2); // position 4 starts block 2, given to the row only
-        assert_eq!((table_len(&s), s.seq_block_table(seq).unwrap()), (1, vec![1, 2]));
+        // Position 4 starts block 2: the step's own view of the batch matrix has it already.
+        let o = s.schedule().unwrap();
+        assert!(matches!(o.block_tables, BlockTables::Batch));
+        assert_eq!((s.block_tables(&o).unwrap(), o.slot_mapping.clone()), (vec![1, 2], vec![8]));
+        s.update(o.step_id, &[2]).unwrap();
+        assert_eq!(s.seq_block_table(seq).unwrap(), vec![1, 2]);
         assert_eq!(s.kv_usage().num_block_refs, 2);
-        step(&mut s, 3);
-        step(&mut s, 4);
-        step(&mut s, 5); // position 7 completes block 2: registering it brings the table up to date
-        assert_eq!(table_len(&s), 2);
-        step(&mut s, 6); // block 3, in the row only again; a fork reads the table
-        assert_eq!(table_len(&s), 2);
+        for t in 3..=6 {
+            step(&mut s, t); // position 8 (the last step) starts block 3
+        }
         let child = s.fork_sequence(seq, None).unwrap();
         assert_eq!(s.seq_block_table(child).unwrap(), vec![1, 2, 3]);
-        assert_eq!(table_len(&s), 3);
         s.check_invariants().unwrap();
         s.abort(1).unwrap();
         assert_eq!(s.num_free_blocks(), 15);

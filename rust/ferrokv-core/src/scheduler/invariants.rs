@@ -6,7 +6,7 @@
 use super::Scheduler;
 use crate::batch::{SeqRef, NO_ROW};
 use crate::block_pool::BlockId;
-use crate::kv_cache_manager::BlockTable;
+use crate::kv_cache_manager::BlockIds;
 use crate::request::{Request, RequestState, RowStop, Sequence};
 
 impl Scheduler {
@@ -14,22 +14,24 @@ impl Scheduler {
     pub fn check_invariants(&self) -> Result<(), String> {
         let bs = self.cfg.block_size;
         let live = || self.requests.iter().flatten();
-        let tables: Vec<BlockTable> = live().flat_map(|r| r.seqs.iter().map(|s| self.flushed_table(s))).collect();
-        self.kv.check(tables.iter())?;
         let mut running_seqs = 0;
         let mut rows_seen = vec![false; self.batch.len()];
         for r in live() {
             for s in &r.seqs {
-                let computed = Self::computed_of(&self.batch, s);
-                let staged = if (s.row as usize) < self.batch.len() { self.batch.pending(s.row as usize).len() } else { 0 };
+                self.check_row(r, s, &mut rows_seen)?;
+                // The row is the only home of a running sequence's count and staged tokens.
+                let (computed, staged) = match r.state {
+                    RequestState::Running => (self.batch.rows[s.row as usize].computed as usize, self.batch.pending(s.row as usize).len()),
+                    _ => (s.num_computed, 0),
+                };
                 let num_tokens = s.tokens.len() + staged;
                 if computed > num_tokens {
                     return Err(format!("seq {} computed {computed} of {num_tokens} tokens", s.seq_id));
                 }
                 let want = computed.div_ceil(bs);
                 let (have, what) = match r.state {
-                    RequestState::Swapped => (s.table.cpu_blocks().len(), "cpu"),
-                    _ => (self.seq_blocks(s).count(), "gpu"),
+                    RequestState::Swapped => (s.kv.cpu_blocks().len(), "cpu"),
+                    _ => (self.seq_blocks(s).len(), "gpu"),
                 };
                 if have != want {
                     return Err(format!("seq {}: {have} {what} blocks for {} computed tokens", s.seq_id, computed));
@@ -37,7 +39,6 @@ impl Scheduler {
                 if self.seq_owner.get(&s.seq_id) != self.by_id.get(&r.request_id) {
                     return Err(format!("seq {} owner map is stale", s.seq_id));
                 }
-                self.check_row(r, s, &mut rows_seen)?;
             }
             match r.state {
                 RequestState::Running => running_seqs += r.seq_slots(),
@@ -47,6 +48,7 @@ impl Scheduler {
                 _ => {}
             }
         }
+        self.kv.check(live().flat_map(|r| r.seqs.iter().map(|s| (&s.kv, self.seq_blocks(s)))))?;
         if running_seqs != self.num_running_seqs {
             return Err(format!("num_running_seqs={} but running requests hold {running_seqs}", self.num_running_seqs));
         }
@@ -70,12 +72,12 @@ impl Scheduler {
                 for r in (0..self.batch.len()).filter(|&r| self.batch.rows[r].new_tokens > 0) {
                     let SeqRef { slot, seq_id } = self.batch.owner[r];
                     let req = self.req(slot);
-                    let s = &req.seqs[req.seq_pos(seq_id).ok_or("a row's sequence is gone")?];
+                    req.seq_pos(seq_id).ok_or("a row's sequence is gone")?;
                     let after = self.batch.rows[r].computed as usize;
                     let before = after - self.batch.rows[r].new_tokens as usize;
-                    let table = self.flushed_table(s);
-                    if !self.kv.writes_are_exclusive(&table, before, after) {
-                        let t = table.blocks();
+                    let ids = self.batch.ids(r);
+                    if !self.kv.writes_are_exclusive(&ids, before, after) {
+                        let t = ids.to_vec();
                         let refs: Vec<u32> = t.iter().map(|&b| self.kv.ref_count(b)).collect();
                         return Err(format!(
                             "seq {seq_id} writes positions {before}..{after} into a shared block (table {t:?}, refs {refs:?})"
@@ -87,8 +89,8 @@ impl Scheduler {
         Ok(())
     }
 
-    /// A running sequence owns exactly one batch row that mirrors it (its table, then blocks
-    /// only the row holds yet); any other has none.
+    /// A running sequence owns exactly one batch row, whose ids and stop thresholds match it
+    /// and whose tail fields describe its table; any other sequence has none.
     pub(super) fn check_row(&self, r: &Request, s: &Sequence, rows_seen: &mut [bool]) -> Result<(), String> {
         let b = &self.batch;
         if r.state != RequestState::Running {
@@ -125,17 +127,6 @@ impl Scheduler {
             return Err(format!("row {row} of seq {}: {have:?} != {want:?}", s.seq_id));
         }
         let blocks: Vec<i32> = b.row_blocks(row).collect();
-        let table: Vec<i32> = s.table.blocks().iter().map(|x| x.0 as i32).collect();
-        if !blocks.starts_with(&table) {
-            return Err(format!("row {row} of seq {}: blocks {blocks:?} do not extend table {table:?}", s.seq_id));
-        }
-        // Blocks only the row holds are fresh decode blocks: unshared, not cached yet.
-        for &x in &blocks[table.len()..] {
-            let x = BlockId(x as u32);
-            if self.kv.ref_count(x) != 1 || self.kv.is_cached(x) {
-                return Err(format!("row {row} of seq {}: block {} beyond its table is shared or cached", s.seq_id, x.0));
-            }
-        }
         let h = &b.rows[row];
         if h.tail_block as i32 != blocks.last().copied().unwrap_or(0) {
             return Err(format!("row {row} of seq {}: tail block {} != last of {blocks:?}", s.seq_id, h.tail_block));

@@ -30,6 +30,33 @@ impl Scheduler {
         o
     }
 
+    /// Buffers for a step whose first rows are emitted by the decode row pass: per-row columns
+    /// sized for all `n` rows (the pass writes row r at index r), room for admissions after.
+    pub(super) fn decode_output(n: usize) -> SchedulerOutput {
+        let mut o = Self::empty_output(n + 16, n + 16, n + 16);
+        o.seq_lens.resize(n, 0);
+        o.positions.resize(n, 0);
+        o.slot_mapping.resize(n, 0);
+        o
+    }
+
+    /// Completes the decode rows `0..k` the row pass wrote (one token and one logits row each,
+    /// sequence i = row i = token i): the columns copied in bulk from the batch.
+    pub(super) fn finish_decode_output(&self, o: &mut SchedulerOutput, k: usize) {
+        let b = &self.batch;
+        o.seq_lens.truncate(k);
+        o.positions.truncate(k);
+        o.slot_mapping.truncate(k);
+        o.req_ids.extend_from_slice(&b.req_id[..k]);
+        o.seq_ids.extend_from_slice(&b.seq_id[..k]);
+        o.input_ids.extend_from_slice(&b.last_token[..k]);
+        o.row_req_ids.extend_from_slice(&b.req_id[..k]);
+        o.row_seq_ids.extend_from_slice(&b.seq_id[..k]);
+        o.row_sample_index.extend_from_slice(&b.sample_index[..k]);
+        o.query_start_loc.extend(1..=k as i32);
+        o.logits_indices.extend(0..k as i64);
+    }
+
     /// Flattens the planned rows, in row order, into the step's arrays. When every row is in
     /// the step, the block tables are the batch matrix itself (no copy); otherwise the planned
     /// rows are gathered.
@@ -37,7 +64,7 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let StepCounts { seqs: s_count, tokens: t_count, logits_rows: r_count, decode_tokens } = self.step;
         let n = self.batch.len();
-        // The all-decode path already emitted its rows; rows admitted after them follow.
+        // The decode row pass emitted the leading rows; the others follow in row order.
         let (mut o, start, mut max_blocks) = match self.emitted.take() {
             Some(e) => e,
             None => (Self::empty_output(s_count, t_count, r_count), 0, 0),

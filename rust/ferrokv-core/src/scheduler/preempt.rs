@@ -10,7 +10,7 @@ use super::admit::Attempt;
 use super::decode::DecodePlan;
 use super::{PreemptionMode, Scheduler};
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache_manager::BlockTable;
+use crate::kv_cache_manager::SeqKv;
 use crate::output::FinishedSeq;
 use crate::request::{FinishReason, RequestState};
 
@@ -21,21 +21,22 @@ impl Scheduler {
     /// and the preempted request ids.
     pub(super) fn schedule_running(&mut self, mut budget: usize) -> (usize, Vec<i64>) {
         let mut preempted: Vec<i64> = Vec::new();
-        // The decode paths write the plan of the rows they take; the per-request walk starts
-        // from none, or after the decodes planned row by row.
+        // The row pass leaves every row's plan written (its decodes) or cleared; the ordered
+        // walk plans the requests it left.
         let plan = self.plan_decode_rows(budget);
         budget -= self.step.tokens;
         let mut i = match plan {
             DecodePlan::All => return (budget, preempted),
             DecodePlan::Front { generic_from } => generic_from,
-            DecodePlan::None => {
-                self.batch.clear_plan();
-                0
-            }
+            DecodePlan::None => 0,
         };
         while i < self.running.len() {
             let slot = self.running[i];
-            match self.try_schedule(slot, budget, 0) {
+            let attempt = match self.plan_decode_request(slot, budget) {
+                Some(a) => a,
+                None => self.try_schedule(slot, budget, 0),
+            };
+            match attempt {
                 Attempt::Scheduled { tokens, full } => {
                     self.record(slot, full);
                     budget -= tokens;
@@ -66,23 +67,27 @@ impl Scheduler {
     /// Takes a running request's blocks away: to the CPU pool in swap mode (when it fits),
     /// else freed for recomputation. It goes back to the waiting queue at its original place.
     pub(super) fn preempt(&mut self, slot: u32) {
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        self.num_running_seqs -= req.seq_slots();
+        let swapped = self.cfg.preemption_mode == PreemptionMode::Swap && {
+            let ids: Vec<_> = req.seqs.iter().map(|s| self.batch.ids(s.row as usize)).collect();
+            let mut tables: Vec<&mut SeqKv> = req.seqs.iter_mut().map(|s| &mut s.kv).collect();
+            self.kv.swap_out(&mut tables, &ids)
+        };
+        if !swapped {
+            for pos in 0..req.seqs.len() {
+                self.free_seq_blocks(slot, pos);
+            }
+        }
         for pos in 0..self.req(slot).seqs.len() {
             self.take_row(slot, pos);
         }
         let req = self.requests[slot as usize].as_mut().expect("live slot");
-        self.num_running_seqs -= req.seq_slots();
-        let swapped = self.cfg.preemption_mode == PreemptionMode::Swap && {
-            let mut tables: Vec<&mut BlockTable> = req.seqs.iter_mut().map(|s| &mut s.table).collect();
-            self.kv.swap_out(&mut tables)
-        };
         if swapped {
             req.state = RequestState::Swapped;
             self.stats.swap_preemptions += 1;
         } else {
-            for s in req.seqs.iter_mut() {
-                self.kv.free(&mut s.table);
-                s.num_computed = 0;
-            }
+            req.seqs.iter_mut().for_each(|s| s.num_computed = 0);
             req.state = RequestState::Waiting;
             self.stats.recompute_preemptions += 1;
         }
@@ -95,6 +100,7 @@ impl Scheduler {
     /// sequences are reported as finished by the next `update`.
     pub(super) fn end_request(&mut self, slot: u32, reason: FinishReason, report: bool) {
         for pos in 0..self.req(slot).seqs.len() {
+            self.free_seq_blocks(slot, pos);
             self.take_row(slot, pos);
         }
         let req = self.requests[slot as usize].as_mut().expect("live slot");
@@ -111,8 +117,7 @@ impl Scheduler {
             }
         }
         let n = req.seqs.len();
-        for (i, s) in req.seqs.iter_mut().enumerate() {
-            self.kv.free(&mut s.table);
+        for (i, s) in req.seqs.iter().enumerate() {
             self.seq_owner.remove(&s.seq_id);
             if report {
                 self.pending_finished.push(FinishedSeq {

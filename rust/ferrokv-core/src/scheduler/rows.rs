@@ -1,9 +1,12 @@
 //! The link between a running sequence and its batch row: giving and taking rows, bringing a
 //! sequence up to date with its row, and prefetching the chains of rows a pass will visit.
 //!
-//! Invariants: a running sequence has exactly one row; its computed count lives there; a
-//! sequence is brought up to date (`flush_row`) before anything reads its tokens or table.
-//! Costs: O(1) per row, plus the staged tokens and adopted blocks moved.
+//! Invariants: a running sequence has exactly one row, the only home of its computed count,
+//! block table, tail block and staged tokens. A sequence is brought up to date in one place,
+//! `flush_row` (its staged tokens appended), before anything reads its tokens and when it
+//! leaves the batch; leaving, its count moves back into it (`take_row`), after its blocks were
+//! released or swapped out (the row held the only copy of its table).
+//! Costs: O(1) per row, plus the staged tokens moved and, on entry, the table copied in once.
 
 use super::Scheduler;
 use crate::batch::{Batch, Moved, RowInit, SeqRef, NO_ROW};
@@ -11,23 +14,6 @@ use crate::block_pool::BlockId;
 use crate::request::{Request, RowStop, Sequence};
 
 impl Scheduler {
-    /// Tokens of `s` whose KV is computed: its batch row holds the count while it runs.
-    pub(super) fn computed_of(batch: &Batch, s: &Sequence) -> usize {
-        if s.row == NO_ROW {
-            s.num_computed
-        } else {
-            batch.rows[s.row as usize].computed as usize
-        }
-    }
-
-    pub(super) fn set_computed(batch: &mut Batch, s: &mut Sequence, v: usize) {
-        if s.row == NO_ROW {
-            s.num_computed = v;
-        } else {
-            batch.rows[s.row as usize].computed = v as u32;
-        }
-    }
-
     /// The row of a sequence whose tokens are all in `s.tokens` (nothing staged).
     pub(super) fn row_init(req: &Request, s: &Sequence, computed: usize, max_model_len: usize) -> RowInit {
         RowInit {
@@ -41,23 +27,29 @@ impl Scheduler {
         }
     }
 
-    /// Brings a running sequence up to date with its row (before anything reads its tokens or
-    /// its block table): appends the tokens staged in the row, and the blocks decode steps
-    /// appended to the row only (fresh blocks that no other table holds yet).
+    /// Brings a running sequence up to date with its row (before anything reads its tokens):
+    /// appends the tokens staged in the row.
+    #[inline]
     pub(super) fn flush_row(batch: &mut Batch, s: &mut Sequence) {
         if s.row != NO_ROW {
-            let row = s.row as usize;
-            batch.flush_tokens(row, &mut s.tokens);
-            let (known, h) = (s.table.len(), &batch.rows[row]);
-            match (h.num_blocks as usize).saturating_sub(known) {
-                0 => {}
-                1 => s.table.adopt(std::iter::once(BlockId(h.tail_block))), // the usual one, without the matrix
-                _ => s.table.adopt(batch.row_blocks(row).skip(known).map(|b| BlockId(b as u32))),
-            }
+            batch.flush_tokens(s.row as usize, &mut s.tokens);
         }
     }
 
-    /// Takes a sequence's row away; its computed count goes back into the sequence.
+    /// Gives sequence `pos` of request `slot` a row holding `blocks` (its table moves in: a
+    /// swap-in's ids, or none) and its computed count.
+    pub(super) fn give_row(&mut self, slot: u32, pos: usize, blocks: &[BlockId]) {
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let s = &req.seqs[pos];
+        debug_assert_eq!(s.row, NO_ROW);
+        debug_assert_eq!(blocks.len(), self.bm.blocks_for(s.num_computed), "a table covers the computed tokens");
+        let init = Self::row_init(req, s, s.num_computed, self.cfg.max_model_len);
+        let row = self.batch.push(SeqRef { slot, seq_id: s.seq_id }, init, blocks.iter().map(|b| b.0));
+        req.seqs[pos].row = row;
+    }
+
+    /// Takes a sequence's row away: its staged tokens and computed count go back into the
+    /// sequence. Its blocks must be released or swapped out first.
     pub(super) fn take_row(&mut self, slot: u32, pos: usize) {
         self.flush_seq(slot, pos);
         let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
@@ -70,6 +62,16 @@ impl Scheduler {
             self.batch.mark_dead(row);
         } else if let Some(m) = self.batch.swap_remove(row) {
             self.fix_moved(m);
+        }
+    }
+
+    /// Releases every block of sequence `pos` of request `slot` (its row's, or its CPU blocks).
+    pub(super) fn free_seq_blocks(&mut self, slot: u32, pos: usize) {
+        let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
+        if s.row == NO_ROW {
+            self.kv.free(&mut s.kv, &Vec::new());
+        } else {
+            self.kv.free(&mut s.kv, &self.batch.ids(s.row as usize));
         }
     }
 
@@ -88,7 +90,7 @@ impl Scheduler {
 
     /// While row `rows[i]` is being worked on, starts fetching what the work on the rows after
     /// it will touch, level by level: the request 8 rows ahead, the sequence 4 ahead (its
-    /// request fetched by then), the ends of its token, block and hash lists 3 ahead. Rows that
+    /// request fetched by then), the ends of its token and hash lists 3 ahead. Rows that
     /// cross a block boundary in one step each need that chain; pipelined, the misses overlap
     /// instead of queueing one chain after another.
     #[inline]
@@ -104,7 +106,7 @@ impl Scheduler {
     }
 
     /// One level of `prefetch_ahead` for one row: 0 the request, 1 the sequence, 2 the ends
-    /// of its token, block and hash lists (each level reads what the one before fetched).
+    /// of its token and hash lists (each level reads what the one before fetched).
     #[inline]
     pub(super) fn prefetch_row_level(&self, r: u32, level: u8) {
         use crate::prefetch::{read, read_range, read_value};
@@ -117,7 +119,7 @@ impl Scheduler {
             (_, Some(req)) => {
                 if let Some(s) = req.seqs.iter().find(|s| s.seq_id == seq_id) {
                     read(s.tokens.as_ptr().wrapping_add(s.tokens.len()) as *const u8);
-                    s.table.prefetch_tail();
+                    s.kv.prefetch_tail();
                 }
             }
             _ => {}
@@ -126,14 +128,6 @@ impl Scheduler {
 
     pub(super) fn fix_moved(&mut self, m: Moved) {
         Self::seq_of(&mut self.requests, m.seq).row = m.to;
-    }
-
-    /// Mirrors a sequence's block table into its row from block `from` on.
-    pub(super) fn sync_row(batch: &mut Batch, s: &Sequence, from: usize) {
-        if s.row != NO_ROW {
-            let from = from.min(batch.rows[s.row as usize].num_blocks as usize).min(s.table.len());
-            batch.sync_blocks(s.row as usize, from, s.table.blocks()[from..].iter().map(|b| b.0));
-        }
     }
 
     /// Brings a running sequence up to date with its row (`flush_row`).

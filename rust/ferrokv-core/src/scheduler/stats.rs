@@ -8,7 +8,7 @@ use super::Scheduler;
 use crate::block_pool::BlockId;
 use crate::batch::NO_ROW;
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache_manager::BlockTable;
+use crate::kv_cache_manager::BlockIds;
 use crate::request::Sequence;
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -66,21 +66,16 @@ impl Scheduler {
 
     pub fn seq_block_table(&self, seq_id: u64) -> CoreResult<Vec<u32>> {
         let (slot, pos) = self.locate_seq(seq_id)?;
-        Ok(self.seq_blocks(&self.req(slot).seqs[pos]).map(|b| b.0).collect())
+        Ok(self.seq_blocks(&self.req(slot).seqs[pos]).into_iter().map(|b| b.0).collect())
     }
 
-    /// A sequence's blocks: its table's, then those its row holds beyond them (see `flush_row`).
-    pub(super) fn seq_blocks<'a>(&'a self, s: &'a Sequence) -> impl Iterator<Item = BlockId> + 'a {
-        let known = s.table.len();
-        let extra = (s.row != NO_ROW).then(|| self.batch.row_blocks(s.row as usize).skip(known)).into_iter().flatten();
-        s.table.blocks().iter().copied().chain(extra.map(|b| BlockId(b as u32)))
-    }
-
-    /// A sequence's table as `flush_row` would leave it (for the `&self` checks).
-    pub(super) fn flushed_table(&self, s: &Sequence) -> BlockTable {
-        let mut t = s.table.clone();
-        t.adopt(self.seq_blocks(s).skip(s.table.len()));
-        t
+    /// A sequence's GPU blocks: its row's table while it runs, none otherwise.
+    pub(super) fn seq_blocks(&self, s: &Sequence) -> Vec<BlockId> {
+        if s.row == NO_ROW {
+            Vec::new()
+        } else {
+            self.batch.ids(s.row as usize).to_vec()
+        }
     }
 
     /// A live sequence's tokens (prompt and output so far).
@@ -100,10 +95,11 @@ impl Scheduler {
         let (mut refs, mut slots) = (0, 0);
         for &slot in &self.running {
             for s in &self.req(slot).seqs {
-                for (i, b) in self.seq_blocks(s).enumerate() {
+                let computed = self.batch.rows[s.row as usize].computed as usize;
+                for (i, b) in self.seq_blocks(s).into_iter().enumerate() {
                     refs += 1;
                     if !std::mem::replace(&mut seen[b.0 as usize], true) {
-                        slots += Self::computed_of(&self.batch, s).saturating_sub(i * bs).min(bs);
+                        slots += computed.saturating_sub(i * bs).min(bs);
                     }
                 }
             }

@@ -137,10 +137,11 @@ impl Scheduler {
                 let s = &mut req.seqs[pos];
                 let computed = self.batch.rows[r].computed as usize;
                 let salt = req.cache_salt.as_deref();
+                let ids = self.batch.ids(r);
                 if prepare {
-                    self.kv.prepare_register(&mut s.table, &s.tokens, computed, salt);
+                    self.kv.prepare_register(&mut s.kv, &ids, &s.tokens, computed, salt);
                 } else {
-                    self.kv.register_computed(&mut s.table, &s.tokens, computed, salt);
+                    self.kv.register_computed(&mut s.kv, &ids, &s.tokens, computed, salt);
                 }
             }
         }
@@ -234,30 +235,30 @@ impl Scheduler {
         self.flush_seq(slot, ppos);
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let parent = &req.seqs[ppos];
-        let computed = Self::computed_of(&self.batch, parent);
-        let table = self.kv.fork(&parent.table);
-        if parent.row != NO_ROW {
-            self.batch.rows[parent.row as usize].tail_owned = false; // now shared
-        }
+        let prow = parent.row as usize;
+        debug_assert_ne!(parent.row, NO_ROW, "only a running sequence forks");
+        let computed = self.batch.rows[prow].computed as usize;
+        let (kv, blocks) = self.kv.fork(&parent.kv, &self.batch.ids(prow));
+        self.batch.rows[prow].tail_owned = false; // now shared
         let mut tokens = parent.tokens.clone();
         tokens.extend(next_token);
-        let child = Sequence { seq_id: child_id, sample_index: req.next_sample_index, tokens, num_computed: computed, table, row: NO_ROW };
+        let child = Sequence { seq_id: child_id, sample_index: req.next_sample_index, tokens, num_computed: computed, kv, row: NO_ROW };
         req.next_sample_index += 1;
-        let init = Self::row_init(req, &child, computed, self.cfg.max_model_len);
-        let row = self.batch.push(SeqRef { slot, seq_id: child_id }, init, child.table.blocks().iter().map(|b| b.0));
-        req.seqs.push(Sequence { row, ..child });
+        req.seqs.push(child);
         self.seq_owner.insert(child_id, slot);
-        row
+        let pos = self.req(slot).seqs.len() - 1;
+        self.give_row(slot, pos, &blocks);
+        self.req(slot).seqs[pos].row
     }
 
     /// Ends one sequence; returns true when it was its request's last (the caller then takes
     /// the request out of `running` and releases the slot).
     pub(super) fn finish_seq(&mut self, slot: u32, pos: usize, reason: FinishReason, stop_token: Option<u32>, out: &mut Vec<FinishedSeq>) -> bool {
+        self.free_seq_blocks(slot, pos);
         self.take_row(slot, pos);
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         let before = req.seq_slots();
-        let mut s = req.seqs.remove(pos);
-        self.kv.free(&mut s.table);
+        let s = req.seqs.remove(pos);
         self.seq_owner.remove(&s.seq_id);
         let last = req.seqs.is_empty();
         if req.state == RequestState::Running {
