@@ -8,8 +8,8 @@ then ``update()``. The timed part of a step is ``schedule()`` + reading the arra
 wrappers are created lazily, on first access, so this is part of the boundary) + ``update()``;
 the stand-in model (``np.full(num_rows, 7)``) is not timed.
 
-Two experiments; ``rust/ferrokv-core/examples/sched_loop.rs`` runs both without Python, so
-the difference between the two programs is the cost of the Python boundary.
+Two experiments; ``rust/ferrokv-bench/src/bin/sched_loop.rs`` runs both without Python
+(``cargo run --release -p ferrokv-bench --bin sched_loop``), so the difference between the two programs is the cost of the Python boundary.
 
 1. Workload (ShareGPT-like): prompt and output lengths are lognormal with means of 160 and 340
    tokens (before clipping; sigma 1.0), clipped to [4, 2048], drawn from a splitmix64 +
