@@ -8,8 +8,8 @@ then ``update()``. The timed part of a step is ``schedule()`` + reading the arra
 wrappers are created lazily, on first access, so this is part of the boundary) + ``update()``;
 the stand-in model (``np.full(num_rows, 7)``) is not timed.
 
-Two experiments; ``rust/ferrokv-core/examples/sched_loop.rs`` runs both without Python, so
-the difference between the two programs is the cost of the Python boundary.
+Two experiments; ``rust/ferrokv-bench/src/bin/sched_loop.rs`` runs both without Python
+(``cargo run --release -p ferrokv-bench --bin sched_loop``), so the difference between the two programs is the cost of the Python boundary.
 
 1. Workload (ShareGPT-like): prompt and output lengths are lognormal with means of 160 and 340
    tokens (before clipping; sigma 1.0), clipped to [4, 2048], drawn from a splitmix64 +
@@ -42,6 +42,7 @@ Usage::
     python benches/scheduler_bench.py                  # default, well under 2 min on 2 cores
     python benches/scheduler_bench.py --quick          # a few seconds
     python benches/scheduler_bench.py --sizes 64,1024 --requests 4000 --json
+    python benches/scheduler_bench.py --only-fixed --json   # experiment 2, one line per size (compare_builds.py)
 """
 
 from __future__ import annotations
@@ -340,9 +341,9 @@ def workload_configs(sizes: list[int], requests: int | None, quick: bool) -> lis
     return out
 
 
-def fixed_configs(sizes: list[int]) -> list[tuple[int, int]]:
+def fixed_configs(sizes: list[int], queued: bool = True) -> list[tuple[int, int]]:
     out = [(size, size) for size in sizes]
-    if 1024 in sizes:
+    if queued and 1024 in sizes:
         out += [(1024, total) for total in FIXED_QUEUE_TOTALS]
     return out
 
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fixed-steps", type=int, default=None, help="timed steps of the fixed decode batch (default 500)")
     ap.add_argument("--quick", action="store_true", help="1/8 of the requests, 100 fixed steps: a smoke run")
     ap.add_argument("--json", action="store_true", help="one JSON line per configuration instead of the tables")
+    ap.add_argument("--only-fixed", action="store_true",
+                    help="experiment 2 only, without the queued batches: one line per size (what compare_builds.py reads)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
     fixed_steps = args.fixed_steps or (100 if args.quick else 500)
@@ -365,12 +368,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             print(json.dumps(r), flush=True)
 
-    for cfg in workload_configs(sizes, args.requests, args.quick):
+    for cfg in [] if args.only_fixed else workload_configs(sizes, args.requests, args.quick):
         r = run_workload(cfg, args.seed)
         if not args.json:
             print(f"  {cfg.label}: {r['steps']} steps in {r['wall_s']:.1f} s", file=sys.stderr, flush=True)
         report(r)
-    for r in run_fixed(fixed_configs(sizes), fixed_steps):
+    for r in run_fixed(fixed_configs(sizes, queued=not args.only_fixed), fixed_steps):
         report(r)
     if not args.json:
         print_tables(results)

@@ -46,8 +46,8 @@ time / sequences scheduled), mean sequences and tokens per step and the mean blo
 for Python also the share spent outside the numpy conversion; the python/rust ratio.
 
 ``--criterion`` also runs the criterion benches of the core operations in pure Rust
-(``cargo bench -p ferrokv-core --bench core -- --warm-up-time 1 --measurement-time 2`` in the
-repository root, a couple of minutes) and reads ``target/criterion/*/*/new/estimates.json``:
+(``cargo bench -p ferrokv-bench --features criterion --bench core -- --warm-up-time 1
+--measurement-time 2`` in the repository root, a couple of minutes) and reads ``target/criterion/*/*/new/estimates.json``:
 allocate/free of a block (prefix caching off and on), fork with copy-on-write, prefix lookup at
 1/8/64 cached blocks and the pure-Rust decode step at 64..4096 sequences.
 
@@ -572,7 +572,7 @@ CRITERION_IDS = {
 
 
 def run_criterion() -> dict:
-    cmd = ["cargo", "bench", "-p", "ferrokv-core", "--bench", "core", "--", "--warm-up-time", "1",
+    cmd = ["cargo", "bench", "-p", "ferrokv-bench", "--features", "criterion", "--bench", "core", "--", "--warm-up-time", "1",
            "--measurement-time", "2"]
     print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.time()

@@ -1,5 +1,10 @@
 //! Profiling aid: steady decode steps at a fixed batch (schedule and update timed apart).
-//! Usage: decode_prof [SEQS=1024] [STEPS=600]
+//!
+//! ```text
+//! cargo run --release -p ferrokv-bench --bin decode_prof -- [SEQS=1024] [STEPS=600]
+//! ```
+//!
+//! `NO_CACHE=1` turns prefix caching off; `SLOWEST=1` also prints the 12 slowest steps.
 use ferrokv_core::*;
 use std::time::Instant;
 fn main() {

@@ -5,7 +5,7 @@
 //! the two programs' numbers is the cost of the Python boundary.
 //!
 //! ```text
-//! cargo run --release -p ferrokv-core --example sched_loop -- [--sizes 64,256,1024,4096]
+//! cargo run --release -p ferrokv-bench --bin sched_loop -- [--sizes 64,256,1024,4096]
 //!     [--requests N] [--seed S] [--fixed-steps N] [--quick] [--json]
 //! ```
 //!

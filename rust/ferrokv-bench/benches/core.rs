@@ -1,7 +1,8 @@
-//! Criterion benches of the core operations, in pure Rust.
+//! Criterion benches of the core operations, in pure Rust (criterion is an opt-in feature of
+//! this crate, so that `cargo test --workspace` does not compile it).
 //!
 //! ```text
-//! cargo bench -p ferrokv-core --bench core -- --warm-up-time 1 --measurement-time 2
+//! cargo bench -p ferrokv-bench --features criterion --bench core -- --warm-up-time 1 --measurement-time 2
 //! ```
 //!
 //! - `kv/allocate_free_block`: `allocate_slots` of one token into an empty table, then `free`
@@ -15,7 +16,7 @@
 //!   running decode sequences (160-token prompts prefilled untimed; the batch is rebuilt,
 //!   untimed, every 512 steps, so contexts stay under ~850 tokens). Throughput in
 //!   sequence-steps. The same loop through Python is `benches/scheduler_bench.py` (its
-//!   "fixed decode batch" table) and, for the full workload, `examples/sched_loop.rs`.
+//!   "fixed decode batch" table) and, for the full workload, `src/bin/sched_loop.rs`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use ferrokv_core::kv_cache_manager::{BlockTable, KvCacheManager};
