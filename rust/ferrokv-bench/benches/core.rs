@@ -19,7 +19,8 @@
 //!   "fixed decode batch" table) and, for the full workload, `src/bin/sched_loop.rs`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ferrokv_core::kv_cache_manager::{BlockTable, KvCacheManager};
+use ferrokv_core::kv_cache_manager::{KvCacheManager, SeqKv};
+use ferrokv_core::BlockId;
 use ferrokv_core::{NewRequest, Scheduler, SchedulerConfig};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -32,29 +33,31 @@ fn kv_ops(c: &mut Criterion) {
         let name = if caching { "allocate_free_block/prefix_caching" } else { "allocate_free_block" };
         g.bench_function(name, |b| {
             let mut m = KvCacheManager::new(1024, BS, 0, caching);
-            let mut t = BlockTable::default();
+            // A sequence's block ids live in its batch row; a Vec stands in for it here.
+            let (mut t, mut ids) = (SeqKv::default(), Vec::<BlockId>::new());
             b.iter(|| {
-                let ok = m.allocate_slots(&mut t, 0, black_box(1), &[], 0);
+                let ok = m.allocate_slots(&mut t, &mut ids, 0, black_box(1), &[], 0);
                 black_box(ok);
-                m.free(&mut t);
+                m.free(&mut t, &ids);
+                ids.clear();
             });
-            assert!(t.is_empty() && m.num_free_blocks() == 1023);
+            assert!(ids.is_empty() && m.num_free_blocks() == 1023);
         });
     }
     g.bench_function("fork_cow", |b| {
         let mut m = KvCacheManager::new(1024, BS, 0, false);
-        let mut parent = BlockTable::default();
-        assert!(m.allocate_slots(&mut parent, 0, 20, &[], 0));
+        let (mut parent, mut parent_ids) = (SeqKv::default(), Vec::<BlockId>::new());
+        assert!(m.allocate_slots(&mut parent, &mut parent_ids, 0, 20, &[], 0));
         b.iter(|| {
-            let mut child = m.fork(&parent);
-            let ok = m.allocate_slots(&mut child, 20, 1, &[], 0);
+            let (mut child, mut child_ids) = m.fork(&parent, &parent_ids);
+            let ok = m.allocate_slots(&mut child, &mut child_ids, 20, 1, &[], 0);
             black_box(ok);
-            m.free(&mut child);
+            m.free(&mut child, &child_ids);
             black_box(m.take_ops())
         });
-        let mut child = m.fork(&parent);
-        assert!(m.allocate_slots(&mut child, 20, 1, &[], 0));
-        assert_eq!(m.take_ops().copy, vec![(parent.blocks()[1].0, child.blocks()[1].0)]);
+        let (mut child, mut child_ids) = m.fork(&parent, &parent_ids);
+        assert!(m.allocate_slots(&mut child, &mut child_ids, 20, 1, &[], 0));
+        assert_eq!(m.take_ops().copy, vec![(parent_ids[1].0, child_ids[1].0)]);
     });
     g.finish();
 }
@@ -65,20 +68,20 @@ fn prefix_lookup(c: &mut Criterion) {
         let mut m = KvCacheManager::new(nb + 16, BS, 0, true);
         // nb full blocks + 1 token: all nb blocks can hit (the last token is always computed).
         let tokens: Vec<u32> = (1000..1000 + (nb * BS + 1) as u32).collect();
-        let mut t = BlockTable::default();
-        assert!(m.allocate_slots(&mut t, 0, tokens.len(), &[], 0));
-        m.register_computed(&mut t, &tokens, tokens.len(), None);
-        m.free(&mut t); // cached, unreferenced: what a later identical prompt finds
+        let (mut t, mut ids) = (SeqKv::default(), Vec::<BlockId>::new());
+        assert!(m.allocate_slots(&mut t, &mut ids, 0, tokens.len(), &[], 0));
+        m.register_computed(&mut t, &ids, &tokens, tokens.len(), None);
+        m.free(&mut t, &ids); // cached, unreferenced: what a later identical prompt finds
         assert_eq!(m.num_cached_blocks(), nb);
         g.throughput(Throughput::Elements(nb as u64));
         g.bench_with_input(BenchmarkId::new("find_cached_prefix", nb), &nb, |b, &nb| {
             b.iter(|| {
-                let mut fresh = BlockTable::default();
+                let mut fresh = SeqKv::default();
                 let hits = m.find_cached_prefix(&mut fresh, black_box(&tokens), None);
                 debug_assert_eq!(hits.len(), nb);
                 black_box((hits, fresh))
             });
-            let mut fresh = BlockTable::default();
+            let mut fresh = SeqKv::default();
             assert_eq!(m.find_cached_prefix(&mut fresh, &tokens, None).len(), nb);
         });
     }
