@@ -1,4 +1,4 @@
-//! Decode planning: one rule for a row's decode token (`decode_slot`), applied by the row
+//! Decode planning: one rule for a row's decode token (`decode_block`), applied by the row
 //! pass over the batch (the common step, without reaching a request or a sequence) and by the
 //! ordered walk (`plan_decode_request`) when the running order matters.
 //!
@@ -28,8 +28,8 @@ pub(super) enum DecodePlan {
     None,
 }
 
-/// `decode_slot` of a token that starts a new block: its slot is known once the block is.
-const NEW_BLOCK: i64 = -1;
+/// `decode_block` of a token that starts a new block: it is known once allocated.
+const NEW_BLOCK: i32 = -1;
 
 /// The block a decode row writes its next token into, when that token does not start a new
 /// block; `None` when another table shares the block (copy it first). Usually it is the row's
@@ -51,19 +51,18 @@ fn owned_write_block(h: &mut RowState, table: &TableRef<'_>, r: usize, kv: &KvCa
     Some(blk)
 }
 
-/// The one decode rule: the slot row `r`'s next decode token writes (`NEW_BLOCK` when it
+/// The one decode rule: the block row `r`'s next decode token writes (`NEW_BLOCK` when it
 /// starts a block, which the caller allocates), or `None` when the row cannot decode on its
 /// own (a prefill chunk, the prompt's last token, or a write into a shared block).
 #[inline]
-fn decode_slot(h: &mut RowState, table: &TableRef<'_>, r: usize, kv: &KvCacheManager, bm: BlockMath) -> Option<i64> {
+fn decode_block(h: &mut RowState, table: &TableRef<'_>, r: usize, kv: &KvCacheManager, bm: BlockMath) -> Option<i32> {
     if !h.is_decode() {
         return None;
     }
-    let c = h.computed as usize;
-    if bm.offset(c) == 0 {
+    if bm.offset(h.computed as usize) == 0 {
         return Some(NEW_BLOCK);
     }
-    owned_write_block(h, table, r, kv, bm).map(|blk| bm.slot(blk, c))
+    owned_write_block(h, table, r, kv, bm)
 }
 
 impl Scheduler {
@@ -91,7 +90,7 @@ impl Scheduler {
             // Sized first, then written through zipped iterators: no per-element capacity check.
             let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
             for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
-                let Some(s) = decode_slot(h, &table, r, kv, bm) else {
+                let Some(blk) = decode_block(h, &table, r, kv, bm) else {
                     (h.new_tokens, h.samples, h.fan_out) = (0, false, 0); // left to the ordered walk
                     let req = owner[r].slot as usize;
                     if !std::mem::replace(&mut mark[req], true) {
@@ -101,14 +100,14 @@ impl Scheduler {
                 };
                 debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
                 let c = h.computed as usize;
-                if s == NEW_BLOCK {
+                if blk == NEW_BLOCK {
                     new_block_rows.push(r as u32);
                 }
                 (h.computed, h.new_tokens, h.samples, h.logits_row) = (c as u32 + 1, 1, true, r as u32);
-                (*len, *pos, *slot) = (c as i32 + 1, c as i64, s);
+                (*len, *pos, *slot) = Self::decode_columns(bm, c, blk); // a new block's slot follows
                 if emitted == r {
                     emitted += 1;
-                    max_blocks = max_blocks.max(h.num_blocks + u32::from(s == NEW_BLOCK));
+                    max_blocks = max_blocks.max(h.num_blocks + u32::from(blk == NEW_BLOCK));
                 }
                 decodes += 1;
             }
@@ -133,10 +132,7 @@ impl Scheduler {
             return DecodePlan::None;
         }
         self.append_new_blocks(&new_block_rows);
-        for &r in new_block_rows.iter().filter(|&&r| (r as usize) < emitted) {
-            let h = &self.batch.rows[r as usize];
-            o.slot_mapping[r as usize] = bm.slot(h.tail_block as i32, h.computed as usize - 1);
-        }
+        self.new_block_slots(&mut o, &new_block_rows, emitted);
         self.scratch_rows = new_block_rows;
         if emitted > 0 {
             if emitted < n {
@@ -181,7 +177,7 @@ impl Scheduler {
     }
 
     /// The ordered walk's decode: one token for every sequence of request `slot` when all its
-    /// rows decode on their own (`decode_slot`, the row pass's rule), with the same answers as
+    /// rows decode on their own (`decode_block`, the row pass's rule), with the same answers as
     /// the chunk planner (`try_schedule`) would give; `None` when one of them needs that planner.
     pub(super) fn plan_decode_request(&mut self, slot: u32, budget: usize) -> Option<Attempt> {
         let bm = self.bm;
@@ -191,7 +187,7 @@ impl Scheduler {
             let (rows, table, _) = self.batch.rows_and_table();
             for s in &req.seqs {
                 let r = s.row as usize;
-                new_blocks += usize::from(decode_slot(&mut rows[r], &table, r, &self.kv, bm)? == NEW_BLOCK);
+                new_blocks += usize::from(decode_block(&mut rows[r], &table, r, &self.kv, bm)? == NEW_BLOCK);
             }
         }
         if budget < req.seqs.len() {

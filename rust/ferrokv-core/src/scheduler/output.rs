@@ -6,6 +6,7 @@
 //! Costs: O(tokens + sampling rows) per step; O(S * M) only when block tables are gathered.
 
 use super::{Scheduler, StepCounts};
+use crate::block_pool::BlockMath;
 use crate::error::{CoreError, CoreResult};
 use crate::output::{BlockTables, SchedulerOutput};
 
@@ -38,6 +39,23 @@ impl Scheduler {
         o.positions.resize(n, 0);
         o.slot_mapping.resize(n, 0);
         o
+    }
+
+    /// A decode row's columns of the step output: context length, position and the KV slot of
+    /// its token at position `c` in block `blk`; a negative `blk` is a block not allocated yet,
+    /// whose slot `new_block_slots` writes once it is.
+    #[inline]
+    pub(super) fn decode_columns(bm: BlockMath, c: usize, blk: i32) -> (i32, i64, i64) {
+        (c as i32 + 1, c as i64, if blk < 0 { -1 } else { bm.slot(blk, c) })
+    }
+
+    /// The slots of the emitted decode rows (`< emitted`) whose token started a new block, now
+    /// that the block is the row's last.
+    pub(super) fn new_block_slots(&self, o: &mut SchedulerOutput, rows: &[u32], emitted: usize) {
+        for &r in rows.iter().filter(|&&r| (r as usize) < emitted) {
+            let h = &self.batch.rows[r as usize];
+            o.slot_mapping[r as usize] = self.bm.slot(h.tail_block as i32, h.computed as usize - 1);
+        }
     }
 
     /// Completes the decode rows `0..k` the row pass wrote (one token and one logits row each,
