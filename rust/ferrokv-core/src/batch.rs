@@ -413,15 +413,6 @@ impl Batch {
         (r != last).then(|| Moved { from: last as u32, to: r as u32, seq: self.owner[r] })
     }
 
-    /// Clears every row's plan (the start of a step).
-    pub fn clear_plan(&mut self) {
-        for h in self.rows.iter_mut() {
-            h.new_tokens = 0;
-            h.samples = false;
-            h.fan_out = 0;
-        }
-    }
-
     /// Checks the padding invariant of every row (O(capacity * width); tests only).
     pub fn check_padding(&self) -> Result<(), String> {
         for r in 0..self.capacity {

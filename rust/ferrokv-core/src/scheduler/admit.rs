@@ -94,13 +94,14 @@ impl Scheduler {
     /// comes back only through prefix-cache hits), so in recompute mode nothing is shared.
     pub(super) fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, n: usize) -> usize {
         let bs = self.cfg.block_size;
-        let total = (prompt_len + max_tokens).min(self.cfg.max_model_len).max(prompt_len);
+        let total = prompt_len.saturating_add(max_tokens).min(self.cfg.max_model_len).max(prompt_len);
         let shares = n > 1 && self.cfg.preemption_mode == PreemptionMode::Swap;
         let shared = if shares { prompt_len / bs } else { 0 };
         shared + n * (total.div_ceil(bs) - shared)
     }
 
-    pub fn add_request(&mut self, r: NewRequest) -> CoreResult<()> {
+    /// Every check `add_request` makes before it changes anything.
+    fn check_new_request(&self, r: &NewRequest) -> CoreResult<()> {
         if self.by_id.contains_key(&r.request_id) {
             return Err(CoreError::DuplicateRequest { request_id: r.request_id });
         }
@@ -135,6 +136,13 @@ impl Scheduler {
         if needed > usable {
             return Err(CoreError::ExceedsCacheCapacity { request_id: r.request_id, blocks_needed: needed, blocks_available: usable });
         }
+        Ok(())
+    }
+
+    /// Queues a request, or rejects it with a typed error naming the field (nothing changes).
+    pub fn add_request(&mut self, r: NewRequest) -> CoreResult<()> {
+        self.check_new_request(&r)?;
+        let p = r.prompt_token_ids.len();
         let seq_id = self.new_seq_id();
         let arrival = self.next_arrival;
         self.next_arrival += 1;

@@ -12,15 +12,63 @@ use crate::error::{CoreError, CoreResult};
 use crate::output::FinishedSeq;
 use crate::request::{FinishReason, RequestState, Sequence};
 
+/// What the row pass of `update` leaves for the passes that need a sequence.
+struct Staged {
+    /// Rows that completed a block (registered now that their KV is computed).
+    blocks_done: Vec<u32>,
+    /// Rows of n > 1 prompts whose samples fork off now.
+    forks: Vec<u32>,
+    /// Rows whose stage was full: their token is staged after the stage is flushed.
+    full_stage: Vec<u32>,
+    /// Rows the cheap stop filter could not rule out.
+    maybe_stops: Vec<u32>,
+    generated: u64,
+}
+
+/// A sequence that stops at this update: its row, why, and the stop token id if one ended it.
+type Stop = (u32, FinishReason, Option<u32>);
+
 impl Scheduler {
     /// Appends one sampled token per logits row of step `step_id`, decides stops, frees what
     /// finished and registers computed blocks in the prefix cache.
     pub fn update(&mut self, step_id: u64, sampled: &[i64]) -> CoreResult<Vec<FinishedSeq>> {
-        let fl = match self.in_flight.as_ref() {
-            None => {
-                return Err(CoreError::InvalidState { message: "update() called with no step in flight: call schedule() first".into() })
+        self.check_update(step_id, sampled)?;
+        self.in_flight = None;
+        // Rows that leave are compacted at the end, so row numbers hold through every pass.
+        self.defer_row_removal = true;
+        let mut st = self.stage_sampled(sampled);
+        let mut stops = self.decide_stops(&st.maybe_stops);
+        self.flush_full_stages(&st.full_stage);
+        self.register_completed_blocks(&st.blocks_done);
+        self.scratch_rows = std::mem::take(&mut st.blocks_done);
+        st.generated += self.fan_out_rows(&st.forks, sampled, &mut stops);
+        self.stats.generated_tokens += st.generated;
+        let mut finished = std::mem::take(&mut self.pending_finished);
+        let mut ended_slots: Vec<u32> = Vec::new();
+        for (r, reason, stop_token) in stops {
+            let SeqRef { slot, seq_id } = self.batch.owner[r as usize];
+            let pos = self.req(slot).seq_pos(seq_id).expect("a live row's sequence is live");
+            if self.finish_seq(slot, pos, reason, stop_token, &mut finished) {
+                ended_slots.push(slot);
             }
-            Some(fl) => fl,
+        }
+        self.remove_ended(&ended_slots);
+        self.defer_row_removal = false;
+        if self.batch.has_dead() {
+            let mut moves = Vec::new();
+            self.batch.compact(|m| moves.push(m));
+            for m in moves {
+                self.fix_moved(m);
+            }
+        }
+        Ok(finished)
+    }
+
+    /// `update`'s arguments belong to the step in flight, one valid token per logits row; a
+    /// typed error changes nothing.
+    fn check_update(&self, step_id: u64, sampled: &[i64]) -> CoreResult<()> {
+        let Some(fl) = self.in_flight.as_ref() else {
+            return Err(CoreError::InvalidState { message: "update() called with no step in flight: call schedule() first".into() });
         };
         if fl.step_id != step_id {
             let msg = format!("update() got the output of step {step_id}, but step {} is in flight", fl.step_id);
@@ -38,65 +86,64 @@ impl Scheduler {
             let bad = sampled.iter().find(|&&t| !(0..=u32::MAX as i64).contains(&t)).copied().unwrap_or(-1);
             return Err(CoreError::invalid("sampled_token_ids", bad, "token ids must be in [0, 2^32)"));
         }
-        self.in_flight = None;
-        // Rows that leave are compacted at the end, so row numbers hold through both passes.
-        self.defer_row_removal = true;
+        Ok(())
+    }
+
+    /// One tight pass over the rows stages each sampled token and filters stops from the row
+    /// alone. Rows that need their sequence are listed for the passes after it: those that
+    /// completed a block (about one row in block_size per step), n > 1 prompts whose samples
+    /// fork off now (their own token is appended after the fork), and full stages.
+    fn stage_sampled(&mut self, sampled: &[i64]) -> Staged {
         let bm = self.bm;
-        let caching = self.kv.prefix_caching();
-        // One tight pass over the rows stages each sampled token and decides stops from the
-        // row alone. Rows that need their sequence are listed and handled after it: those that
-        // completed a block (registered in the prefix cache now that their KV is computed,
-        // about one row in block_size per step), n > 1 prompts whose samples fork off now (their
-        // own token is appended after the fork), and full stages.
         let mut blocks_done = std::mem::take(&mut self.scratch_rows);
-        let mut forks: Vec<u32> = Vec::new();
-        let mut full_stage: Vec<u32> = Vec::new();
-        let mut maybe_stops: Vec<u32> = Vec::new();
-        let mut generated = 0u64;
         blocks_done.clear();
-        {
-            let b = &mut self.batch;
-            let n = b.rows.len();
-            let rows = &mut b.rows[..n];
-            let last = &mut b.last_token[..n];
-            let pending = &mut b.pending[..n * PENDING_TOKENS];
-            for r in 0..n {
-                let h = &mut rows[r];
-                if h.new_tokens == 0 {
-                    continue; // not in the step, or forked after it was scheduled
+        let mut st = Staged { blocks_done, forks: Vec::new(), full_stage: Vec::new(), maybe_stops: Vec::new(), generated: 0 };
+        let b = &mut self.batch;
+        let n = b.rows.len();
+        let rows = &mut b.rows[..n];
+        let last = &mut b.last_token[..n];
+        let pending = &mut b.pending[..n * PENDING_TOKENS];
+        for r in 0..n {
+            let h = &mut rows[r];
+            if h.new_tokens == 0 {
+                continue; // not in the step, or forked after it was scheduled
+            }
+            let after = h.computed as usize;
+            let before = after - h.new_tokens as usize;
+            if bm.block(after) != bm.block(before) || before == 0 {
+                st.blocks_done.push(r as u32);
+            }
+            if !h.samples || h.is_dead || h.fan_out > 0 {
+                if h.fan_out > 0 {
+                    st.forks.push(r as u32);
                 }
-                let after = h.computed as usize;
-                let before = after - h.new_tokens as usize;
-                if bm.block(after) != bm.block(before) || before == 0 {
-                    blocks_done.push(r as u32);
-                }
-                if !h.samples || h.is_dead || h.fan_out > 0 {
-                    if h.fan_out > 0 {
-                        forks.push(r as u32);
-                    }
-                    continue;
-                }
-                generated += 1;
-                let tok = sampled[h.logits_row as usize] as u32;
-                h.num_tokens += 1;
-                last[r] = tok as i64;
-                let k = h.num_pending as usize;
-                if k < PENDING_TOKENS {
-                    pending[r * PENDING_TOKENS + k] = tok;
-                    h.num_pending += 1;
-                } else {
-                    full_stage.push(r as u32); // staged once its stage is flushed
-                }
-                if h.stop.may_stop(tok, h.num_tokens) {
-                    maybe_stops.push(r as u32);
-                }
+                continue;
+            }
+            st.generated += 1;
+            let tok = sampled[h.logits_row as usize] as u32;
+            h.num_tokens += 1;
+            last[r] = tok as i64;
+            let k = h.num_pending as usize;
+            if k < PENDING_TOKENS {
+                pending[r * PENDING_TOKENS + k] = tok;
+                h.num_pending += 1;
+            } else {
+                st.full_stage.push(r as u32); // staged once its stage is flushed
+            }
+            if h.stop.may_stop(tok, h.num_tokens) {
+                st.maybe_stops.push(r as u32);
             }
         }
-        if !caching {
-            blocks_done.clear();
+        if !self.kv.prefix_caching() {
+            st.blocks_done.clear();
         }
-        let mut stops: Vec<(u32, FinishReason, Option<u32>)> = Vec::new();
-        for &r in &maybe_stops {
+        st
+    }
+
+    /// The stops among the rows the filter let through (`RowStop::check`, the one decider).
+    fn decide_stops(&self, maybe_stops: &[u32]) -> Vec<Stop> {
+        let mut stops = Vec::new();
+        for &r in maybe_stops {
             let r = r as usize;
             let tok = self.batch.last_token[r] as u32;
             let h = &self.batch.rows[r];
@@ -107,22 +154,30 @@ impl Scheduler {
                 stops.push((r as u32, reason, stop_token));
             }
         }
+        stops
+    }
+
+    /// Rows whose stage was full: flushed into their sequences, then their token staged.
+    fn flush_full_stages(&mut self, full_stage: &[u32]) {
         for (i, &r) in full_stage.iter().enumerate() {
-            self.prefetch_ahead(&full_stage, i);
+            self.prefetch_ahead(full_stage, i);
             let r = r as usize;
             let s = Self::seq_of(&mut self.requests, self.batch.owner[r]);
             Self::flush_row(&mut self.batch, s);
             let staged = self.batch.stage_token(r, self.batch.last_token[r] as u32);
             debug_assert!(staged);
         }
-        // Registration in two passes. The first brings the sequences up to date with their rows
-        // (staged tokens, blocks only the row held), pipelined so that the misses of the chain
-        // request -> sequence -> lists overlap (see `prefetch_ahead`). The second hashes row i
-        // while row i-2 is inserted (its index slot, record and token slot fetched meanwhile).
-        // Hashing a block right after appending its tokens stalled on those stores.
+    }
+
+    /// Registers the blocks the step completed in the prefix cache, in two passes. The first
+    /// brings the sequences' tokens up to date with their rows, pipelined so that the misses
+    /// of the chain request -> sequence -> lists overlap (see `prefetch_ahead`). The second
+    /// hashes row i while row i-2 is inserted (its index slot, record and token slot fetched
+    /// meanwhile). Hashing a block right after appending its tokens stalled on those stores.
+    fn register_completed_blocks(&mut self, blocks_done: &[u32]) {
         let n = blocks_done.len();
         for i in 0..n {
-            self.prefetch_ahead(&blocks_done, i);
+            self.prefetch_ahead(blocks_done, i);
             let r = blocks_done[i] as usize;
             let s = Self::seq_of(&mut self.requests, self.batch.owner[r]);
             Self::flush_row(&mut self.batch, s);
@@ -145,11 +200,14 @@ impl Scheduler {
                 }
             }
         }
-        self.scratch_rows = blocks_done;
-        let mut finished = std::mem::take(&mut self.pending_finished);
-        let mut ended_slots: Vec<u32> = Vec::new();
-        for r in forks {
-            // The children get rows (past the loop above) that sample their own tokens.
+    }
+
+    /// Forks the samples of the n > 1 prompts in `forks` and appends every sample's token
+    /// (the children's rows come after the rows staged above); their stops join `stops`.
+    /// Returns the tokens appended.
+    fn fan_out_rows(&mut self, forks: &[u32], sampled: &[i64], stops: &mut Vec<Stop>) -> u64 {
+        let mut generated = 0;
+        for &r in forks {
             let first_child = self.batch.len();
             self.fan_out(r as usize);
             for row in std::iter::once(r as usize).chain(first_child..self.batch.len()) {
@@ -168,43 +226,31 @@ impl Scheduler {
                 }
             }
         }
-        for (r, reason, stop_token) in stops {
-            let SeqRef { slot, seq_id } = self.batch.owner[r as usize];
-            let pos = self.req(slot).seq_pos(seq_id).expect("a live row's sequence is live");
-            if self.finish_seq(slot, pos, reason, stop_token, &mut finished) {
-                ended_slots.push(slot);
-            }
-        }
-        self.stats.generated_tokens += generated;
+        generated
+    }
+
+    /// Takes the requests that ended out of the running list and frees their slots.
+    fn remove_ended(&mut self, ended_slots: &[u32]) {
         if ended_slots.len() <= 8 {
             // The usual handful: found by binary search in the ordered running list.
-            for &slot in &ended_slots {
+            for &slot in ended_slots {
                 let pos = self.running_index(slot);
                 debug_assert_eq!(self.running.get(pos), Some(&slot));
                 self.running.remove(pos);
             }
         } else {
-            for &s in &ended_slots {
+            for &s in ended_slots {
                 self.ending[s as usize] = true;
             }
             let ending = &self.ending;
             self.running.retain(|&s| !ending[s as usize]);
-            for &s in &ended_slots {
+            for &s in ended_slots {
                 self.ending[s as usize] = false;
             }
         }
-        for &s in &ended_slots {
+        for &s in ended_slots {
             self.release_slot(s);
         }
-        self.defer_row_removal = false;
-        if self.batch.has_dead() {
-            let mut moves = Vec::new();
-            self.batch.compact(|m| moves.push(m));
-            for m in moves {
-                self.fix_moved(m);
-            }
-        }
-        Ok(finished)
     }
 
     /// Forks the `n - 1` extra samples off the prefilled prompt in row `r`; each gets a row
@@ -212,7 +258,7 @@ impl Scheduler {
     pub(super) fn fan_out(&mut self, r: usize) {
         let SeqRef { slot, seq_id } = self.batch.owner[r];
         let (count, first, logits_row) = (self.batch.rows[r].fan_out, self.batch.fan_out_first[r], self.batch.rows[r].logits_row);
-        // Done once: a step that skips `clear_plan` must not fork again.
+        // Done once: the plan of a row the next step does not plan keeps no stale fan-out.
         self.batch.rows[r].fan_out = 0;
         let before = self.req(slot).seq_slots();
         let ppos = self.req(slot).seq_pos(seq_id).expect("a live row's sequence is live");
