@@ -1,34 +1,37 @@
-//! Iteration-level scheduler with a token budget (vLLM V1 style).
+//! Iteration-level scheduler with a token budget (vLLM V1 style). It decides *what* runs;
+//! the KV-cache manager decides which blocks hold it, and the step-output module turns the
+//! plan into the runner's arrays.
 //!
 //! Each `schedule()`:
 //! 1. gives every running sequence what it still needs (one decode token, or the next prefill
-//!    chunk), within `max_num_batched_tokens`. The common step, where every running sequence
-//!    decodes one token and all fit, is planned row by row over the persistent batch
-//!    (`batch.rs`) without looking at a request; otherwise requests are walked in order
-//!    (priority, then arrival), and one whose blocks cannot be found preempts the
-//!    lowest-priority, latest-arrived running request (the back of the list), possibly itself.
+//!    chunk), within `max_num_batched_tokens` (`preempt.rs`, the running walk). Decodes are
+//!    planned by one rule (`decode.rs`): over the batch rows, without reaching a request, where
+//!    the running order cannot change the outcome (the common step); otherwise requests are
+//!    walked in order (priority, then arrival), and one whose blocks cannot be found preempts
+//!    the lowest-priority, latest-arrived running request (the back of the list), possibly
+//!    itself. Prefill chunks and copy-on-write writes go through the chunk planner (`admit.rs`).
 //! 2. if nothing was preempted, admits waiting requests in order while their next chunk fits
 //!    in the budget, in `max_num_seqs`, and in the free blocks minus a small watermark kept for
-//!    running sequences to grow. The head of the queue blocks the rest (no starvation).
-//! 3. flattens the planned rows, in row order, into the arrays of `SchedulerOutput`; when every
-//!    running sequence is in the step the block tables are the batch matrix itself.
+//!    running sequences to grow (`admit.rs`). The head of the queue blocks the rest.
+//! 3. flattens the planned rows, in row order, into the arrays of `SchedulerOutput`
+//!    (`output.rs`); when every running sequence is in the step the block tables are the batch
+//!    matrix itself.
 //!
-//! `update()` then appends one sampled token per logits row (staged in the rows), decides stop
-//! conditions from per-row thresholds, frees finished sequences at once and registers newly
-//! computed full blocks in the prefix cache. Only rows that need their sequence (a completed
-//! block, a stop, a full stage, a fan-out) reach it.
+//! `update()` (`update.rs`) then appends one sampled token per logits row (staged in the rows),
+//! decides stop conditions from per-row thresholds, frees finished sequences at once and
+//! registers newly computed full blocks in the prefix cache. Only rows that need their sequence
+//! (a completed block, a stop, a full stage, a fan-out) reach it.
 //!
-//! Invariants: the scheduler never touches reference counts (the KV-cache manager does); a
-//! request that could never fit is rejected when added, so no step spins on it; every running
-//! sequence owns one batch row that holds its computed count, its block table and, after it,
-//! the fresh blocks decode steps gave the row (the table adopts them when the row is flushed);
-//! `check_invariants` verifies all of it.
+//! Invariants: the scheduler never touches reference counts or writes a block table (the
+//! KV-cache manager does); a request that could never fit is rejected when added, so no step
+//! spins on it; every running sequence owns one batch row, the only home of its computed
+//! count, block table, tail block and staged tokens (`rows.rs` moves them in and out);
+//! `check_invariants` (`invariants.rs`) verifies all of it.
 //!
 //! Costs: a step is O(running sequences) plus O(tokens and blocks that change): a decode row
 //! costs a few loads and stores; block tables are never rebuilt. The number of waiting or
 //! finished requests never enters it. Preemption scans nothing: the victim is the back of the
 //! sorted running list.
-
 
 mod admit;
 mod config;
