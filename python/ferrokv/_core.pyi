@@ -53,6 +53,9 @@ class CacheCapacityError(InvalidArgumentError):
 class SchedulerStateError(FerrokvError, RuntimeError):
     """Calls made out of order, e.g. ``schedule()`` twice without ``update()``."""
 
+SCHEDULER_DEFAULTS: dict[str, int | bool | float | str]
+"""``SchedulerConfig::default()``: the one source of the scheduling defaults (EngineArgs, CLI)."""
+
 TokenIds = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64]
 
 class SchedulerOutput:
@@ -112,16 +115,17 @@ class Scheduler:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int = 8192,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",  # "recompute" | "swap"
-        num_cpu_blocks: int = 0,
-        policy: str = "fcfs",  # "fcfs" | "priority" (lower value first)
-        watermark: float = 0.01,  # fraction of blocks admission keeps free
-        admission_headroom: float = 1.0,  # and this many blocks more per running sequence (anti-thrash)
+        # Keywords left out (or None) take the core's defaults, SCHEDULER_DEFAULTS.
+        block_size: int | None = None,  # power of two
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool | None = None,
+        preemption_mode: str | None = None,  # "recompute" | "swap"
+        num_cpu_blocks: int | None = None,
+        policy: str | None = None,  # "fcfs" | "priority" (lower value first)
+        watermark: float | None = None,  # fraction of blocks admission keeps free
+        admission_headroom: float | None = None,  # and this many blocks more per running sequence (anti-thrash)
     ) -> None: ...
     def add_request(
         self,

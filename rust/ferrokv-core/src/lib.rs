@@ -19,4 +19,4 @@ pub use block_pool::{BlockId, NULL_BLOCK};
 pub use error::{CoreError, CoreResult};
 pub use output::{BlockTables, FinishedSeq, SchedulerOutput};
 pub use request::FinishReason;
-pub use scheduler::{KvUsage, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerStats};
+pub use scheduler::{KvUsage, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerStats};

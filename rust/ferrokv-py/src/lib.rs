@@ -8,7 +8,7 @@
 //! keeps the `Scheduler` object alive.
 
 use ferrokv_core::{
-    BlockTables, CoreError, FinishedSeq, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
+    BlockTables, CoreError, FinishedSeq, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
 };
 use numpy::ndarray::{Array2, ArrayView2, ShapeBuilder};
 use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};

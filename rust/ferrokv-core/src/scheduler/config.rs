@@ -14,44 +14,40 @@ pub enum PreemptionMode {
     Swap,
 }
 
-impl PreemptionMode {
-    pub const NAMES: [&'static str; 2] = ["recompute", "swap"];
-
-    pub fn as_str(self) -> &'static str {
-        Self::NAMES[self as usize]
-    }
-
-    /// The mode named `name`, or a typed error naming the field.
-    pub fn parse(name: &str) -> CoreResult<Self> {
-        match name {
-            "recompute" => Ok(PreemptionMode::Recompute),
-            "swap" => Ok(PreemptionMode::Swap),
-            other => Err(CoreError::invalid("preemption_mode", format!("{other:?}"), "must be \"recompute\" or \"swap\"")),
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
     Fcfs,
     Priority,
 }
 
-impl Policy {
-    pub const NAMES: [&'static str; 2] = ["fcfs", "priority"];
+/// A setting chosen by name: its names, and parsing with a typed error naming the field.
+pub trait Named: Copy + 'static {
+    const FIELD: &'static str;
+    const ALL: &'static [(Self, &'static str)];
 
-    pub fn as_str(self) -> &'static str {
-        Self::NAMES[self as usize]
+    fn as_str(self) -> &'static str
+    where
+        Self: PartialEq,
+    {
+        Self::ALL.iter().find(|(v, _)| *v == self).map(|(_, n)| *n).expect("every value is named")
     }
 
-    /// The policy named `name`, or a typed error naming the field.
-    pub fn parse(name: &str) -> CoreResult<Self> {
-        match name {
-            "fcfs" => Ok(Policy::Fcfs),
-            "priority" => Ok(Policy::Priority),
-            other => Err(CoreError::invalid("policy", format!("{other:?}"), "must be \"fcfs\" or \"priority\"")),
-        }
+    fn parse(name: &str) -> CoreResult<Self> {
+        Self::ALL.iter().find(|(_, n)| *n == name).map(|(v, _)| *v).ok_or_else(|| {
+            let names: Vec<String> = Self::ALL.iter().map(|(_, n)| format!("{n:?}")).collect();
+            CoreError::invalid(Self::FIELD, format!("{name:?}"), format!("must be one of {}", names.join(", ")))
+        })
     }
+}
+
+impl Named for PreemptionMode {
+    const FIELD: &'static str = "preemption_mode";
+    const ALL: &'static [(Self, &'static str)] = &[(PreemptionMode::Recompute, "recompute"), (PreemptionMode::Swap, "swap")];
+}
+
+impl Named for Policy {
+    const FIELD: &'static str = "policy";
+    const ALL: &'static [(Self, &'static str)] = &[(Policy::Fcfs, "fcfs"), (Policy::Priority, "priority")];
 }
 
 #[derive(Debug, Clone)]

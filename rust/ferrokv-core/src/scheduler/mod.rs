@@ -45,7 +45,7 @@ mod update;
 #[cfg(test)]
 mod test_util;
 
-pub use config::{NewRequest, Policy, PreemptionMode, SchedulerConfig};
+pub use config::{Named, NewRequest, Policy, PreemptionMode, SchedulerConfig};
 pub use stats::{KvUsage, SchedulerStats};
 
 use crate::batch::Batch;
