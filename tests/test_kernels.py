@@ -22,7 +22,6 @@ from ferrokv.kernels import (
     paged_attention_prefill_reference,
     reshape_and_cache,
     reshape_and_cache_reference,
-    swap_blocks,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -197,14 +196,6 @@ def test_copy_blocks(dtype, block_size):
     copy_blocks([k0, k1], [v0, v1], mapping)
     for got, ref in zip([k0, k1, v0, v1], ref_k + ref_v):
         assert torch.equal(got, ref)
-
-
-def test_swap_blocks_between_caches():
-    src = torch.randn(6, 8, 2, 4, device=DEVICE)
-    dst = torch.zeros(4, 8, 2, 4)  # e.g. the CPU swap space
-    swap_blocks(src, dst, torch.tensor([[5, 0], [2, 3]]))
-    assert torch.equal(dst[0], src[5].cpu()) and torch.equal(dst[3], src[2].cpu())
-    assert torch.count_nonzero(dst[1:3]) == 0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ reference (from ``ferrokv.attention.torch_backend``) that the tests compare agai
 Importing this package never needs a GPU; launching a kernel needs one, or ``TRITON_INTERPRET=1``
 set before import (the test suite does that on CPU machines).
 """
-from .copy_blocks import copy_blocks, copy_blocks_reference, swap_blocks
+from .copy_blocks import copy_blocks, copy_blocks_reference
 from .paged_attention_decode import paged_attention_decode, paged_attention_decode_reference
 from .paged_attention_prefill import paged_attention_prefill, paged_attention_prefill_reference
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
@@ -15,7 +15,6 @@ from .reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
 __all__ = [
     "copy_blocks",
     "copy_blocks_reference",
-    "swap_blocks",
     "paged_attention_decode",
     "paged_attention_decode_reference",
     "paged_attention_prefill",
