@@ -15,10 +15,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention.torch_backend import copy_blocks_reference
 from ._common import check_cache_pair, check_tensor
 
-__all__ = ["copy_blocks", "copy_blocks_reference"]
+__all__ = ["copy_blocks"]
 
 
 @triton.jit
