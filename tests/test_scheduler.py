@@ -377,6 +377,7 @@ def test_block_tables_are_a_read_only_view_of_the_batch_while_every_sequence_run
     out = s.schedule()
     bt = out.block_tables
     assert out.num_seqs == 3 and bt.shape == (3, 2)
+    assert out.block_tables_is_view
     assert bt.base is s, "the view keeps the scheduler (and its matrix) alive"
     assert not bt.flags.writeable
     with pytest.raises(ValueError):
@@ -425,6 +426,7 @@ def test_a_step_without_every_running_sequence_gets_a_compact_copy():
     out, a = left_out
     bt = a["block_tables"]
     assert bt.flags.c_contiguous and not isinstance(bt.base, Scheduler)
+    assert not out.block_tables_is_view
     assert out.block_tables is bt, "a copy stays readable after update()"
     drain(s)
     assert_all_free(s)

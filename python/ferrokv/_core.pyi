@@ -17,7 +17,7 @@ Conventions
   (``flags.owndata`` is False: numpy does not own it; the Rust buffer is freed when the array is
   collected) and stays valid forever.
 * ``block_tables``: when every running sequence is in the step (the usual case), it is a
-  read-only view (``flags.writeable`` False, ``base`` the ``Scheduler``) of rows ``0..S`` of the
+  read-only view (``block_tables_is_view`` True, ``base`` the ``Scheduler``) of rows ``0..S`` of the
   scheduler's persistent batch matrix, which is never rebuilt: rows are updated in place as
   sequences gain blocks, so its row stride is the widest possible table (``max_model_len /
   block_size``), not M. It must be read between ``schedule()`` and ``update()`` (reading it later
@@ -75,6 +75,8 @@ class SchedulerOutput:
     def seq_lens(self) -> npt.NDArray[np.int32]: ...  # [S], context length after this step
     @property
     def block_tables(self) -> npt.NDArray[np.int32]: ...  # [S, M], padded with block 0 (see above)
+    @property
+    def block_tables_is_view(self) -> bool: ...  # block_tables views the batch matrix: copy to keep
     @property
     def input_ids(self) -> npt.NDArray[np.int64]: ...  # [T]
     @property

@@ -305,6 +305,12 @@ impl PySchedulerOutput {
     fn block_tables(&mut self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
         self.block_tables.get(py, self.step_id)
     }
+    /// True when `block_tables` views the batch matrix (strided rows, changes with later steps):
+    /// a caller that keeps the table must copy it.
+    #[getter]
+    fn block_tables_is_view(&self) -> bool {
+        matches!(self.block_tables, LazyTables::Batch { .. })
+    }
     #[getter]
     fn input_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
         self.input_ids.get(py)
