@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from ferrokv import (
     UnknownRequestError,
     UnknownSequenceError,
 )
+from ferrokv._core import validate_scheduler_config
 
 # name -> (dtype, shape in terms of S seqs, T tokens, R rows, M max blocks, K pairs, F/P ids)
 ARRAYS = {
@@ -809,6 +811,27 @@ def test_bad_config_raises_invalid_argument(kwargs, field):
         Scheduler(**args)
     assert field in str(info.value), str(info.value)
     assert isinstance(info.value, ValueError)
+    assert f"{info.value.field}={info.value.value}" == field and info.value.reason in str(info.value)
+    if kwargs.keys() <= VALIDATE_ARGS.keys():  # the same rule, checked without building a Scheduler
+        with pytest.raises(InvalidArgumentError, match=re.escape(str(info.value))):
+            validate_scheduler_config(**VALIDATE_ARGS | kwargs)
+
+
+# Engine-like settings for validate_scheduler_config: the block count and model length not known yet.
+VALIDATE_ARGS = dict(block_size=16, max_num_seqs=256, num_blocks=None, max_model_len=None, num_cpu_blocks=0,
+                     preemption_mode="recompute", policy="fcfs")
+
+
+def test_validate_scheduler_config_lets_unknown_settings_pass():
+    validate_scheduler_config(**VALIDATE_ARGS)
+    # The token budget follows max_num_seqs (an engine raises it), and an unknown model length
+    # does not count against the batch-matrix limit...
+    validate_scheduler_config(**VALIDATE_ARGS | dict(max_num_seqs=1 << 16, block_size=1))
+    # ...until it is known.
+    with pytest.raises(InvalidArgumentError, match="max_model_len=16384") as info:
+        validate_scheduler_config(**VALIDATE_ARGS | dict(max_num_seqs=1 << 16, block_size=1, max_model_len=1 << 14))
+    assert info.value.field == "max_model_len"
+    assert InvalidArgumentError("a message").field is None
 
 
 def test_out_of_order_calls_raise_scheduler_state_error_and_recover():

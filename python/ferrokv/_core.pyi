@@ -40,7 +40,13 @@ class FerrokvError(Exception):
     """Base class of every ferrokv error."""
 
 class InvalidArgumentError(FerrokvError, ValueError):
-    """A field has a bad value; the message names the field and the value."""
+    """A field has a bad value; the message names the field and the value.
+
+    Raised by the core for a bad field, it also carries the parts of its message (else None)."""
+
+    field: str | None
+    value: str | None  # as the message writes it
+    reason: str | None
 
 class DuplicateRequestError(InvalidArgumentError): ...
 class UnknownRequestError(InvalidArgumentError): ...
@@ -181,3 +187,17 @@ class Scheduler:
     def max_model_len(self) -> int: ...
     @property
     def max_num_seqs(self) -> int: ...
+
+def validate_scheduler_config(
+    *,
+    block_size: int,
+    max_num_seqs: int,
+    num_blocks: int | None,  # None: not known yet (the smallest valid count stands in)
+    max_model_len: int | None,  # None: not known yet (1 stands in)
+    num_cpu_blocks: int,
+    preemption_mode: str,
+    policy: str,
+) -> None:
+    """Raises ``InvalidArgumentError`` where ``Scheduler(...)`` with these settings would, using the
+    core's own checks, so an engine can reject a bad value before it loads a model. The token
+    budget is taken as ``max_num_seqs``; settings not listed take the core's defaults."""
