@@ -300,11 +300,13 @@ def test_invalid_sampling_params(kwargs, field):
     "kwargs, field",
     [
         (dict(block_size=0), "block_size"),
-        (dict(block_size=24), "block_size must be a power of two.*24"),
+        (dict(block_size=24), "block_size=24: must be a power of two"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(num_kv_blocks=1), "num_kv_blocks"),
         (dict(max_model_len=-5), "max_model_len"),
         (dict(preemption_mode="discard"), "preemption_mode"),
+        (dict(scheduling_policy="lifo"), "invalid scheduling_policy=\"lifo\""),
+        (dict(max_num_seqs=1 << 22, block_size=1), "max_model_len"),  # the core's batch-matrix limit
         (dict(num_cpu_blocks=-1), "num_cpu_blocks"),
         (dict(dtype="int8"), "dtype"),
         (dict(device="tpu"), "device"),
@@ -313,6 +315,14 @@ def test_invalid_sampling_params(kwargs, field):
 def test_invalid_engine_args(llama_path, kwargs, field):
     with pytest.raises(ValueError, match=field):
         make_engine(llama_path, **kwargs)
+
+
+def test_scheduler_settings_are_checked_before_the_model_loads(tmp_path):
+    """The core's checks run in EngineArgs.validate: a bad block_size fails, not the missing model."""
+    with pytest.raises(ValueError, match="invalid block_size=24: must be a power of two"):
+        LLMEngine(EngineArgs(model=str(tmp_path / "no-such-model"), block_size=24))
+    with pytest.raises(ValueError, match="invalid num_kv_blocks=1: must be >= 2"):
+        EngineArgs(num_kv_blocks=1).validate()
 
 
 # --- 6. stops, min_tokens, logprobs, abort ----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Triton kernels (interpreter on CPU, native on a GPU) against the pure-torch references.
+"""Triton kernels (interpreter on CPU, native on a GPU) and the torch attention backend against the
+pure-torch references (``ferrokv.kernels.reference``).
 
 Shapes are tiny on purpose: the interpreter runs each program in numpy. The int32-overflow case
 uses a lazily committed anonymous mapping, so a cache with more than 2**31 elements costs a few
@@ -6,12 +7,15 @@ pages of real memory.
 """
 from __future__ import annotations
 
+import ast
 import mmap
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from ferrokv.attention import TorchAttentionBackend
 from ferrokv.attention.metadata import AttentionMetadata
 from ferrokv.kernels import (
     copy_blocks,
@@ -22,7 +26,6 @@ from ferrokv.kernels import (
     paged_attention_prefill_reference,
     reshape_and_cache,
     reshape_and_cache_reference,
-    swap_blocks,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -164,6 +167,28 @@ def test_paged_attention_prefill_chunked(dtype, block_size, hkv, group, d, windo
     assert torch.count_nonzero(out[-2:]) == 0  # padding rows
 
 
+@pytest.mark.parametrize("dtype,block_size,hkv,group,d,window", PREFILL_CASES)
+def test_torch_backend_matches_reference(dtype, block_size, hkv, group, d, window):
+    """The CPU backend (block gathers, batched decode SDPA, fresh-prompt shortcut) against the
+    reference: KV write then attention, on a batch of fresh prompts, chunks, decodes and padding."""
+    bs = block_size
+    seqs = [(0, 1), (0, bs), (bs, bs), (5, 3), (2 * bs + 3, 1), (3, 2 * bs + 1), (0, 37), (bs + 2, 1)]
+    meta, nb = _layout(seqs, bs, seed=bs * 5 + group, num_tokens_pad=2)
+    k_cache, v_cache = _caches(nb, bs, hkv, d, dtype, seed=7)
+    T = meta.slot_mapping.shape[0]
+    g = torch.Generator().manual_seed(bs + group)
+    query, key, value = (torch.randn(T, n, d, generator=g).to(dtype).to(DEVICE) for n in (hkv * group, hkv, hkv))
+    scale = d**-0.5
+    ref_k, ref_v = reshape_and_cache_reference(key, value, k_cache, v_cache, meta.slot_mapping)
+    ref = paged_attention_prefill_reference(
+        query, ref_k, ref_v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window
+    )
+    out = TorchAttentionBackend().forward(query, key, value, k_cache, v_cache, meta, scale=scale, sliding_window=window)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    _close(out, ref, dtype)
+    assert torch.count_nonzero(out[-2:]) == 0  # padding rows
+
+
 def test_write_then_attend_matches_unpaged_causal_attention():
     """End-to-end sanity of the semantics themselves: paged prefill == dense causal SDPA."""
     bs, hkv, group, d = 8, 2, 2, 16
@@ -197,14 +222,6 @@ def test_copy_blocks(dtype, block_size):
     copy_blocks([k0, k1], [v0, v1], mapping)
     for got, ref in zip([k0, k1, v0, v1], ref_k + ref_v):
         assert torch.equal(got, ref)
-
-
-def test_swap_blocks_between_caches():
-    src = torch.randn(6, 8, 2, 4, device=DEVICE)
-    dst = torch.zeros(4, 8, 2, 4)  # e.g. the CPU swap space
-    swap_blocks(src, dst, torch.tensor([[5, 0], [2, 3]]))
-    assert torch.equal(dst[0], src[5].cpu()) and torch.equal(dst[3], src[2].cpu())
-    assert torch.count_nonzero(dst[1:3]) == 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -294,3 +311,30 @@ def test_kernels_compile_for_gpu_target():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _imported_modules(tree: ast.AST, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a module of ``package``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            out.append((node.lineno, module))
+    return out
+
+
+def test_kernels_import_nothing_from_the_rest_of_ferrokv():
+    """kernels/ is a leaf: the attention backends import the kernels, never the reverse (no folder cycle)."""
+    kernels = Path(__file__).parent.parent / "python" / "ferrokv" / "kernels"
+    files = sorted(kernels.glob("*.py"))
+    assert len(files) >= 5, kernels
+    bad = [
+        f"{f.name}:{line} imports {module}"
+        for f in files
+        for line, module in _imported_modules(ast.parse(f.read_text(), str(f)), "ferrokv.kernels")
+        if module.split(".")[0] == "ferrokv" and not module.startswith("ferrokv.kernels")
+    ]
+    assert not bad, bad

@@ -11,11 +11,12 @@ from ferrokv import model_loader
 from ferrokv.attention.metadata import AttentionMetadata
 from ferrokv.model_loader import load_model, load_or_convert_gguf
 from ferrokv.models import MODEL_REGISTRY
+from helpers.kv_caches import paged_kv_caches
 from helpers.tiny_models import make_tiny_hf_model
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
-    kv = model.allocate_kv_caches(8, 16)
+    kv = paged_kv_caches(model, 8, 16)
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(1, 1 + (len(ids) + 15) // 16))], 16)
     return model.compute_logits(model(torch.tensor(ids), meta.positions(), kv, meta))
 
@@ -133,7 +134,7 @@ def test_default_model_gguf_conversion(tmp_path, monkeypatch):
     del hf
 
     # Greedy decode on the paged cache: the answer names Paris.
-    kv = ours.allocate_kv_caches(16, 16)
+    kv = paged_kv_caches(ours, 16, 16)
     table = list(range(1, 16))
     seq = list(ids)
     meta = AttentionMetadata.build([len(seq)], [len(seq)], [table], 16)

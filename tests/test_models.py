@@ -14,6 +14,7 @@ import torch
 
 from ferrokv.attention.metadata import AttentionMetadata
 from ferrokv.model_loader import load_model
+from helpers.kv_caches import paged_kv_caches
 from helpers.tiny_models import make_tiny_hf_model
 
 ATOL = 1e-4
@@ -92,7 +93,7 @@ class PagedEngine:
     def __init__(self, model, seed: int = 0, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE):
         self.model = model
         self.block_size = block_size
-        self.kv = model.allocate_kv_caches(num_blocks, block_size)
+        self.kv = paged_kv_caches(model, num_blocks, block_size)
         self.free = list(range(1, num_blocks))  # block 0 is the null block
         random.Random(seed).shuffle(self.free)
         self.seqs: dict[int, _Seq] = {}

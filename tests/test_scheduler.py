@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from ferrokv import (
     UnknownRequestError,
     UnknownSequenceError,
 )
+from ferrokv._core import validate_scheduler_config
 
 # name -> (dtype, shape in terms of S seqs, T tokens, R rows, M max blocks, K pairs, F/P ids)
 ARRAYS = {
@@ -377,6 +379,7 @@ def test_block_tables_are_a_read_only_view_of_the_batch_while_every_sequence_run
     out = s.schedule()
     bt = out.block_tables
     assert out.num_seqs == 3 and bt.shape == (3, 2)
+    assert out.block_tables_is_view
     assert bt.base is s, "the view keeps the scheduler (and its matrix) alive"
     assert not bt.flags.writeable
     with pytest.raises(ValueError):
@@ -425,6 +428,7 @@ def test_a_step_without_every_running_sequence_gets_a_compact_copy():
     out, a = left_out
     bt = a["block_tables"]
     assert bt.flags.c_contiguous and not isinstance(bt.base, Scheduler)
+    assert not out.block_tables_is_view
     assert out.block_tables is bt, "a copy stays readable after update()"
     drain(s)
     assert_all_free(s)
@@ -807,6 +811,27 @@ def test_bad_config_raises_invalid_argument(kwargs, field):
         Scheduler(**args)
     assert field in str(info.value), str(info.value)
     assert isinstance(info.value, ValueError)
+    assert f"{info.value.field}={info.value.value}" == field and info.value.reason in str(info.value)
+    if kwargs.keys() <= VALIDATE_ARGS.keys():  # the same rule, checked without building a Scheduler
+        with pytest.raises(InvalidArgumentError, match=re.escape(str(info.value))):
+            validate_scheduler_config(**VALIDATE_ARGS | kwargs)
+
+
+# Engine-like settings for validate_scheduler_config: the block count and model length not known yet.
+VALIDATE_ARGS = dict(block_size=16, max_num_seqs=256, num_blocks=None, max_model_len=None, num_cpu_blocks=0,
+                     preemption_mode="recompute", policy="fcfs")
+
+
+def test_validate_scheduler_config_lets_unknown_settings_pass():
+    validate_scheduler_config(**VALIDATE_ARGS)
+    # The token budget follows max_num_seqs (an engine raises it), and an unknown model length
+    # does not count against the batch-matrix limit...
+    validate_scheduler_config(**VALIDATE_ARGS | dict(max_num_seqs=1 << 16, block_size=1))
+    # ...until it is known.
+    with pytest.raises(InvalidArgumentError, match="max_model_len=16384") as info:
+        validate_scheduler_config(**VALIDATE_ARGS | dict(max_num_seqs=1 << 16, block_size=1, max_model_len=1 << 14))
+    assert info.value.field == "max_model_len"
+    assert InvalidArgumentError("a message").field is None
 
 
 def test_out_of_order_calls_raise_scheduler_state_error_and_recover():

@@ -17,7 +17,7 @@ Conventions
   (``flags.owndata`` is False: numpy does not own it; the Rust buffer is freed when the array is
   collected) and stays valid forever.
 * ``block_tables``: when every running sequence is in the step (the usual case), it is a
-  read-only view (``flags.writeable`` False, ``base`` the ``Scheduler``) of rows ``0..S`` of the
+  read-only view (``block_tables_is_view`` True, ``base`` the ``Scheduler``) of rows ``0..S`` of the
   scheduler's persistent batch matrix, which is never rebuilt: rows are updated in place as
   sequences gain blocks, so its row stride is the widest possible table (``max_model_len /
   block_size``), not M. It must be read between ``schedule()`` and ``update()`` (reading it later
@@ -40,7 +40,13 @@ class FerrokvError(Exception):
     """Base class of every ferrokv error."""
 
 class InvalidArgumentError(FerrokvError, ValueError):
-    """A field has a bad value; the message names the field and the value."""
+    """A field has a bad value; the message names the field and the value.
+
+    Raised by the core for a bad field, it also carries the parts of its message (else None)."""
+
+    field: str | None
+    value: str | None  # as the message writes it
+    reason: str | None
 
 class DuplicateRequestError(InvalidArgumentError): ...
 class UnknownRequestError(InvalidArgumentError): ...
@@ -78,6 +84,8 @@ class SchedulerOutput:
     def seq_lens(self) -> npt.NDArray[np.int32]: ...  # [S], context length after this step
     @property
     def block_tables(self) -> npt.NDArray[np.int32]: ...  # [S, M], padded with block 0 (see above)
+    @property
+    def block_tables_is_view(self) -> bool: ...  # block_tables views the batch matrix: copy to keep
     @property
     def input_ids(self) -> npt.NDArray[np.int64]: ...  # [T]
     @property
@@ -183,3 +191,17 @@ class Scheduler:
     def max_model_len(self) -> int: ...
     @property
     def max_num_seqs(self) -> int: ...
+
+def validate_scheduler_config(
+    *,
+    block_size: int,
+    max_num_seqs: int,
+    num_blocks: int | None,  # None: not known yet (the smallest valid count stands in)
+    max_model_len: int | None,  # None: not known yet (1 stands in)
+    num_cpu_blocks: int,
+    preemption_mode: str,
+    policy: str,
+) -> None:
+    """Raises ``InvalidArgumentError`` where ``Scheduler(...)`` with these settings would, using the
+    core's own checks, so an engine can reject a bad value before it loads a model. The token
+    budget is taken as ``max_num_seqs``; settings not listed take the core's defaults."""

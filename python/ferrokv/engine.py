@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferrokv._core import Scheduler, UnknownRequestError
+from ferrokv._core import InvalidArgumentError, Scheduler, UnknownRequestError, validate_scheduler_config
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.detokenizer import IncrementalDetokenizer, decode_token
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
@@ -74,9 +74,6 @@ class EngineArgs:
 
         for name in ("block_size", "max_num_seqs"):
             positive(name, allow_none=False)
-        if self.block_size & (self.block_size - 1):
-            # The paged-attention kernels tile a block by it; the core's block math shifts.
-            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size!r}")
         for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
             positive(name)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -87,14 +84,22 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if isinstance(self.num_cpu_blocks, bool) or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        # The scheduler's rules (power-of-two block_size, num_kv_blocks >= 2, preemption_mode,
+        # policy, ...) live in the core; checked here so a bad value fails before the model loads.
+        # The core names its own fields; two of them are called differently here.
+        ours = {"num_blocks": "num_kv_blocks", "policy": "scheduling_policy"}
+        try:
+            validate_scheduler_config(
+                block_size=self.block_size, max_num_seqs=self.max_num_seqs, num_blocks=self.num_kv_blocks,
+                max_model_len=self.max_model_len, num_cpu_blocks=self.num_cpu_blocks,
+                preemption_mode=self.preemption_mode, policy=self.scheduling_policy,
+            )
+        except InvalidArgumentError as e:
+            if e.field not in ours:
+                raise
+            raise InvalidArgumentError(f"invalid {ours[e.field]}={e.value}: {e.reason}") from None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -44,8 +44,16 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """One block of one layer's K (or V) cache: the only place the layout is spelled out."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+
+
+_Layers = list[tuple[Tensor, Tensor]]  # per layer (k, v), each [num_blocks, *block_shape]
 
 
 class PagedKVCache:
@@ -56,48 +64,44 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.layers = self._allocate(num_blocks, device, pin=False)
+        # Pinned host memory lets swap copies to and from a GPU run asynchronously.
+        self.cpu_layers = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=device.type == "cuda")
+
+    def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> _Layers:
+        if num_blocks == 0:
+            return []
+        shape = (num_blocks, *self.spec.block_shape)
+        dt = self.spec.dtype
         # Zeroed so that never-written slots hold finite values.
-        self.layers: list[tuple[Tensor, Tensor]] = [
-            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)
-        ]
-        cpu_shape = (num_cpu_blocks, *shape[1:])
-        pin = device.type == "cuda"
-        self.cpu_layers: list[tuple[Tensor, Tensor]] = [
-            (
-                torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin),
-                torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin),
-            )
-            for _ in range(spec.num_layers if num_cpu_blocks else 0)
+        return [
+            (torch.zeros(shape, dtype=dt, device=device, pin_memory=pin),
+             torch.zeros(shape, dtype=dt, device=device, pin_memory=pin))
+            for _ in range(self.spec.num_layers)
         ]
 
     def apply_block_ops(self, swap_out: np.ndarray, swap_in: np.ndarray, copy_ops: np.ndarray) -> None:
-        """Runs one step's ops ([K, 2] int32 pairs each) in the required order."""
+        """Runs one step's ops ([K, 2] int32 (src, dst) pairs each) in the required order."""
         if swap_out.size:
-            self._swap(swap_out, self.layers, self.cpu_layers)
+            self._move_blocks(swap_out, self.layers, self.cpu_layers)
         if swap_in.size:
-            self._swap(swap_in, self.cpu_layers, self.layers)
+            self._move_blocks(swap_in, self.cpu_layers, self.layers)
         if copy_ops.size:
-            self._copy(copy_ops)
+            if self.device.type == "cuda":
+                from ferrokv.kernels.copy_blocks import copy_blocks
 
-    def _swap(self, pairs: np.ndarray, src: list[tuple[Tensor, Tensor]], dst: list[tuple[Tensor, Tensor]]) -> None:
+                mapping = torch.from_numpy(copy_ops.astype(np.int64)).to(self.device)
+                copy_blocks([k for k, _ in self.layers], [v for _, v in self.layers], mapping)
+            else:
+                self._move_blocks(copy_ops, self.layers, self.layers)
+
+    @staticmethod
+    def _move_blocks(pairs: np.ndarray, src: _Layers, dst: _Layers) -> None:
+        """Block ``d`` of ``dst`` := block ``s`` of ``src`` for every (s, d) pair, every layer; the
+        two sides may be one cache (all sources are gathered before any write) or two devices."""
         s = torch.from_numpy(pairs[:, 0].astype(np.int64))
         d = torch.from_numpy(pairs[:, 1].astype(np.int64))
         s_dev, d_dev = s.to(src[0][0].device), d.to(dst[0][0].device)
         for (sk, sv), (dk, dv) in zip(src, dst):
             dk.index_copy_(0, d_dev, sk.index_select(0, s_dev).to(dk.device, non_blocking=True))
             dv.index_copy_(0, d_dev, sv.index_select(0, s_dev).to(dv.device, non_blocking=True))
-
-    def _copy(self, pairs: np.ndarray) -> None:
-        if self.device.type == "cuda":
-            from ferrokv.kernels.copy_blocks import copy_blocks
-
-            mapping = torch.from_numpy(pairs.astype(np.int64)).to(self.device)
-            copy_blocks([k for k, _ in self.layers], [v for _, v in self.layers], mapping)
-            return
-        s = torch.from_numpy(pairs[:, 0].astype(np.int64))
-        d = torch.from_numpy(pairs[:, 1].astype(np.int64))
-        for k, v in self.layers:
-            k.index_copy_(0, d, k.index_select(0, s))
-            v.index_copy_(0, d, v.index_select(0, s))

@@ -2,7 +2,8 @@
 
 Backends share one interface, ``forward(query, key, value, k_cache, v_cache, meta, *, scale,
 sliding_window) -> out``: write the new tokens' K/V into the cache, then attend. ``"torch"`` runs
-anywhere (CPU default, and the reference); ``"triton"`` needs CUDA (or ``TRITON_INTERPRET=1``).
+anywhere (CPU default); ``"triton"`` needs CUDA (or ``TRITON_INTERPRET=1``). Both are tested against
+``ferrokv.kernels.reference``.
 """
 from __future__ import annotations
 

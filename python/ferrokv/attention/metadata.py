@@ -59,10 +59,6 @@ class AttentionMetadata:
     def query_lens_host(self) -> np.ndarray:
         return np.diff(self.query_start_loc_host)
 
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len <= 1
-
     @classmethod
     def build(
         cls,

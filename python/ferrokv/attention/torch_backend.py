@@ -1,13 +1,8 @@
-"""Pure-torch paged attention: the CPU backend, and the reference the Triton kernels are tested against.
+"""Pure-torch paged attention: the CPU backend.
 
-Semantics (shared with the Triton kernels):
-- ``write_kv_`` stores ``key[t]``/``value[t]`` at slot ``slot_mapping[t]`` of
-  ``k_cache``/``v_cache`` (``[num_blocks, block_size, num_kv_heads, head_dim]``); slot -1 is skipped.
-- Attention: query token at position ``p`` of a sequence attends to every key at position
-  ``k <= p`` (causal over the paged prefix plus the new tokens) and, with a sliding window ``W``,
-  only to ``k > p - W`` (Hugging Face Mistral/Qwen semantics: the token itself plus ``W-1`` before it).
-  Grouped-query attention: query head ``h`` reads kv head ``h // (H // H_kv)``. Scale is a parameter.
-- Output rows of padding tokens (past ``query_start_loc[-1]``) are zero.
+Semantics: those of ``ferrokv.kernels.reference`` (the KV write, then causal paged attention with
+grouped-query heads and an optional sliding window; padding rows are zero), which tests hold this
+backend to; it is the Triton kernels' semantics too.
 
 Costs: one plan per step (index tensors + masks, cached in ``AttentionMetadata.plans``), then per layer
 one block gather (``index_select`` of whole blocks into a buffer reused by all layers) + one batched
@@ -15,7 +10,7 @@ SDPA for all decode sequences together, and one SDPA per prefill sequence (a Pyt
 sequences only; a prompt without cached prefix attends to its fresh K/V without any gather). With a
 window, only the blocks overlapping the window are gathered. On SmolLM2-135M (fp32, 2 threads) this
 is on par with transformers' own CPU forward (decode batch 32 at context 200: ~165 ms per step).
-The reference functions never mutate their inputs; ``write_kv_`` and the backend do, by design.
+The backend writes the caches in place, by design.
 """
 from __future__ import annotations
 
@@ -60,20 +55,6 @@ def _apply_write(plan: _WritePlan, key: Tensor, value: Tensor, k_cache: Tensor, 
     v_cache[plan.blk, plan.off] = v.to(v_cache.dtype)
 
 
-def write_kv_(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """In place: cache[slot // bs, slot % bs] = key/value[t] for every t with slot_mapping[t] >= 0."""
-    _apply_write(_write_plan(slot_mapping, k_cache.shape[1]), key, value, k_cache, v_cache)
-
-
-def reshape_and_cache_reference(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Reference for the KV write: returns updated copies, inputs untouched."""
-    k2, v2 = k_cache.clone(), v_cache.clone()
-    write_kv_(key, value, k2, v2, slot_mapping)
-    return k2, v2
-
-
 # --------------------------------------------------------------------------------------------------
 # Attention plan
 # --------------------------------------------------------------------------------------------------
@@ -112,14 +93,13 @@ def build_attention_plan(
     block_tables: Tensor,
     block_size: int,
     sliding_window: int | None,
-    use_new_kv: bool,
 ) -> TorchAttentionPlan:
     """Index tensors and masks for one step; O(S + total keys) work, done once per step.
 
     Keys are gathered by whole blocks (one ``index_select`` of contiguous block rows, much faster
     than a per-token gather); slots outside ``[first visible key, seq_len)`` are masked out.
-    ``use_new_kv``: a prefill chunk without cached prefix attends to the K/V just computed instead of
-    re-reading them from the cache (same values, one gather less). References pass False.
+    A prefill chunk without cached prefix attends to the K/V just computed instead of re-reading
+    them from the cache (same values, one gather less).
     """
     device = block_tables.device
     qsl = np.asarray(query_start_loc_host, dtype=np.int64)
@@ -153,7 +133,7 @@ def build_attention_plan(
         qs, qe, L = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         ctx = L - (qe - qs)  # cached prefix length = position of the first new token
         q_pos = np.arange(ctx, L)
-        if use_new_kv and ctx == 0:
+        if ctx == 0:
             # Keys are the new tokens: plain causal unless the window cuts something off.
             mask = None
             if window is not None and (qe - qs) > window:
@@ -185,8 +165,8 @@ def _gather_blocks(cache: Tensor, blocks: Tensor, dtype: torch.dtype, out: Tenso
 def _attend(
     plan: TorchAttentionPlan,
     query: Tensor,
-    key: Tensor | None,
-    value: Tensor | None,
+    key: Tensor,
+    value: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
     scale: float,
@@ -214,7 +194,6 @@ def _attend(
     for p in plan.prefills:
         qs = query[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
         if p.blocks is None:
-            assert key is not None and value is not None
             ks, vs = key[p.q_start : p.q_end], value[p.q_start : p.q_end]
         else:
             ks = _gather_blocks(k_cache, p.blocks, query.dtype).flatten(0, 1)
@@ -226,55 +205,6 @@ def _attend(
         )
         out[p.q_start : p.q_end] = o[0].transpose(0, 1)
     return out
-
-
-def paged_attention_reference(
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> Tensor:
-    """Varlen causal attention of ``query`` [T, H, D] over the paged cache (already holding the new
-    tokens' K/V). Reads only; returns a new [T, H, D] tensor."""
-    plan = build_attention_plan(
-        query_start_loc.cpu().numpy(), seq_lens.cpu().numpy(), block_tables, k_cache.shape[1],
-        sliding_window, use_new_kv=False,
-    )
-    return _attend(plan, query, None, None, k_cache, v_cache, scale)
-
-
-def paged_attention_decode_reference(
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> Tensor:
-    """Decode: ``query`` [S, H, D] holds one new token per sequence (at position seq_lens[i]-1)."""
-    qsl = torch.arange(query.shape[0] + 1, dtype=torch.int32)
-    return paged_attention_reference(query, k_cache, v_cache, block_tables, qsl, seq_lens, scale, sliding_window)
-
-
-def copy_blocks_reference(
-    k_caches: list[Tensor], v_caches: list[Tensor], block_mapping: Tensor
-) -> tuple[list[Tensor], list[Tensor]]:
-    """COW copy: for every (src, dst) row of ``block_mapping`` [N, 2], block dst := block src, in
-    every layer. Returns copies; sources are read before any write (pairs must not chain)."""
-    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
-    new_k, new_v = [], []
-    for k, v in zip(k_caches, v_caches):
-        k2, v2 = k.clone(), v.clone()
-        k2[dst] = k[src]
-        v2[dst] = v[src]
-        new_k.append(k2)
-        new_v.append(v2)
-    return new_k, new_v
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,6 +240,6 @@ class TorchAttentionBackend:
         if aplan is None:
             aplan = meta.plans[akey] = build_attention_plan(
                 meta.query_start_loc_host, meta.seq_lens_host, meta.block_tables, block_size,
-                sliding_window, use_new_kv=True,
+                sliding_window,
             )
         return _attend(aplan, query, key, value, k_cache, v_cache, scale)

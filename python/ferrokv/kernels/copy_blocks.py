@@ -1,12 +1,10 @@
-"""Block copies inside and between paged KV caches.
+"""Triton ``copy_blocks`` (copy-on-write inside a paged KV cache).
 
-- ``copy_blocks`` (Triton, copy-on-write): for every ``(src, dst)`` row of ``block_mapping``,
-  block ``dst`` := block ``src`` in every layer's K and V cache, on the cache's own device. Pairs must
-  not chain (no dst is also a src in the same call): programs run in any order.
-  Cost: one launch per layer, grid (num_pairs, cdiv(block_numel, BLOCK)); offsets are int64.
-- ``swap_blocks`` (plain torch, swap in/out): copies whole blocks between two caches that may live on
-  different devices (GPU <-> pinned CPU). It is a gather + ``index_copy_`` on the host side: a copy
-  engine transfer, not a kernel, so there is nothing for Triton to add.
+Invariant: for every ``(src, dst)`` row of ``block_mapping``, block ``dst`` := block ``src`` in every
+layer's K and V cache, on the cache's own device. Pairs must not chain (no dst is also a src in the
+same call): programs run in any order. Swapping blocks between devices is not a kernel (a copy
+engine transfer): ``PagedKVCache`` does it with torch.
+Cost: one launch per layer, grid (num_pairs, cdiv(block_numel, BLOCK)); offsets are int64.
 """
 from __future__ import annotations
 
@@ -17,10 +15,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention.torch_backend import copy_blocks_reference
 from ._common import check_cache_pair, check_tensor
 
-__all__ = ["copy_blocks", "copy_blocks_reference", "swap_blocks"]
+__all__ = ["copy_blocks"]
 
 
 @triton.jit
@@ -77,21 +74,3 @@ def copy_blocks(k_caches: Sequence[Tensor], v_caches: Sequence[Tensor], block_ma
             k, v, block_mapping, k.stride(0), v.stride(0), BLOCK_NUMEL=numel, BLOCK=block
         )
 
-
-def swap_blocks(src_cache: Tensor, dst_cache: Tensor, block_mapping: Tensor) -> None:
-    """In place: ``dst_cache[dst] = src_cache[src]`` for each (src, dst) row; caches may be on different
-    devices (swap out GPU→CPU, swap in CPU→GPU). Host-side torch copy, see module docstring."""
-    check_tensor("src_cache", src_cache, ndim=4)
-    check_tensor("dst_cache", dst_cache, ndim=4, dtypes=(src_cache.dtype,))
-    if src_cache.shape[1:] != dst_cache.shape[1:]:
-        raise ValueError(f"dst_cache block shape {tuple(dst_cache.shape[1:])} differs from src_cache {tuple(src_cache.shape[1:])}")
-    check_tensor("block_mapping", block_mapping, ndim=2, dtypes=(torch.int64,))
-    if block_mapping.shape[1] != 2:
-        raise ValueError(f"block_mapping must be [N, 2], got {tuple(block_mapping.shape)}")
-    if block_mapping.shape[0] == 0:
-        return
-    mapping = block_mapping.cpu()
-    src = mapping[:, 0].to(src_cache.device)
-    dst = mapping[:, 1].to(dst_cache.device)
-    # non_blocking lets a pinned CPU side overlap with compute; the caller syncs before reuse.
-    dst_cache.index_copy_(0, dst, src_cache.index_select(0, src).to(dst_cache.device, non_blocking=True))

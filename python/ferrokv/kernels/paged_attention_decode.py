@@ -15,11 +15,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention.torch_backend import paged_attention_decode_reference
 from ._common import check_cache_pair, check_tensor, interpreting, next_pow2
 from ._paged_attention_common import LOG2E, paged_attention_inner
 
-__all__ = ["paged_attention_decode", "paged_attention_decode_reference"]
+__all__ = ["paged_attention_decode"]
 
 
 @triton.jit

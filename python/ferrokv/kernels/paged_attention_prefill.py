@@ -16,14 +16,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention.torch_backend import paged_attention_reference
 from ._common import check_tensor, interpreting, next_pow2
 from ._paged_attention_common import LOG2E, paged_attention_inner
 from .paged_attention_decode import check_attention_args
 
-__all__ = ["paged_attention_prefill", "paged_attention_prefill_reference"]
-
-paged_attention_prefill_reference = paged_attention_reference
+__all__ = ["paged_attention_prefill"]
 
 
 @triton.jit

@@ -13,10 +13,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention.torch_backend import reshape_and_cache_reference
 from ._common import FLOAT_DTYPES, check_cache_pair, check_tensor, next_pow2
 
-__all__ = ["reshape_and_cache", "reshape_and_cache_reference"]
+__all__ = ["reshape_and_cache"]
 
 
 @triton.jit

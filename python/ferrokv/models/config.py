@@ -49,10 +49,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
 
 def _req(d: dict[str, Any], key: str) -> Any:
     if d.get(key) is None:

@@ -4,7 +4,7 @@ Interface used by the model runner:
     forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]
     compute_logits(hidden [R, hidden]) -> fp32 logits [R, vocab]
 where T is the flattened ragged batch and ``kv_caches[i] = (k_cache, v_cache)`` of layer i, each
-``[num_blocks, block_size, num_kv_heads, head_dim]``.
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (allocated by ``ferrokv.kv_cache.PagedKVCache``).
 
 Invariants: parameter names are the Hugging Face ones; with ``tie_word_embeddings`` the LM head *is*
 the embedding parameter. RoPE cos/sin are computed once per forward; attention metadata plans are
@@ -73,22 +73,6 @@ class LlamaForCausalLM(nn.Module):
         if self._backend is None:
             self._backend = get_attention_backend(self._backend_spec, device)
         return self._backend
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
-
-    def allocate_kv_caches(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
-    ) -> list[tuple[Tensor, Tensor]]:
-        """One zeroed (k, v) pair per layer; dtype/device default to the model's."""
-        p = self.model.embed_tokens.weight
-        shape = self.kv_cache_shape(num_blocks, block_size)
-        dtype = dtype or p.dtype
-        device = device or p.device
-        return [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(self.config.num_hidden_layers)
-        ]
 
     # ---------------------------------------------------------------------------------------------
     @torch.no_grad()  # not inference_mode: caches written here must stay usable outside it

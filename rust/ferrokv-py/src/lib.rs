@@ -47,6 +47,9 @@ fn build_exceptions(py: Python<'_>) -> PyResult<Exceptions> {
     let base = new_exception(py, "FerrokvError", vec![exc], "Base class of every ferrokv error.")?;
     let b = || base.bind(py).clone().into_any();
     let invalid = new_exception(py, "InvalidArgumentError", vec![b(), value], "A field has a bad value; the message names both.")?;
+    for attr in ["field", "value", "reason"] {
+        invalid.bind(py).setattr(attr, py.None())?; // set on instances raised for a bad field value
+    }
     let i = || invalid.bind(py).clone().into_any();
     Ok(Exceptions {
         duplicate: new_exception(py, "DuplicateRequestError", vec![i()], "A live request already uses this request_id.")?,
@@ -76,7 +79,16 @@ fn to_py_err(e: CoreError) -> PyErr {
             CoreError::ExceedsCacheCapacity { .. } => &x.capacity,
             CoreError::InvalidState { .. } => &x.state,
         };
-        PyErr::from_type(cls.bind(py).clone(), e.to_string())
+        let err = PyErr::from_type(cls.bind(py).clone(), e.to_string());
+        if let CoreError::InvalidArgument { field, value, reason } = &e {
+            // The parts of the message as attributes, so a caller can name the field its own way.
+            let v = err.value(py);
+            let set = v.setattr("field", *field).and(v.setattr("value", value)).and(v.setattr("reason", reason));
+            if let Err(e) = set {
+                return e;
+            }
+        }
+        err
     })
 }
 
@@ -89,6 +101,10 @@ fn invalid(field: &'static str, value: impl std::fmt::Display, reason: &str) -> 
 
 fn non_negative(field: &'static str, v: i64) -> PyResult<u64> {
     u64::try_from(v).map_err(|_| invalid(field, v, "must be >= 0"))
+}
+
+fn count(field: &'static str, v: i64) -> PyResult<usize> {
+    non_negative(field, v).map(|v| v as usize)
 }
 
 fn token_id(field: &'static str, v: i64) -> PyResult<u32> {
@@ -305,6 +321,12 @@ impl PySchedulerOutput {
     fn block_tables(&mut self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
         self.block_tables.get(py, self.step_id)
     }
+    /// True when `block_tables` views the batch matrix (strided rows, changes with later steps):
+    /// a caller that keeps the table must copy it.
+    #[getter]
+    fn block_tables_is_view(&self) -> bool {
+        matches!(self.block_tables, LazyTables::Batch { .. })
+    }
     #[getter]
     fn input_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
         self.input_ids.get(py)
@@ -430,11 +452,9 @@ impl PyScheduler {
         admission_headroom: Option<f64>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
-        let size = |field: &'static str, v: Option<i64>, default: usize| -> PyResult<usize> {
-            v.map_or(Ok(default), |v| Ok(non_negative(field, v)? as usize))
-        };
+        let size = |field: &'static str, v: Option<i64>, default: usize| v.map_or(Ok(default), |v| count(field, v));
         let cfg = SchedulerConfig {
-            num_blocks: non_negative("num_blocks", num_blocks)? as usize,
+            num_blocks: count("num_blocks", num_blocks)?,
             block_size: size("block_size", block_size, d.block_size)?,
             max_num_seqs: size("max_num_seqs", max_num_seqs, d.max_num_seqs)?,
             max_num_batched_tokens: size("max_num_batched_tokens", max_num_batched_tokens, d.max_num_batched_tokens)?,
@@ -687,6 +707,38 @@ fn scheduler_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(out)
 }
 
+/// Checks the scheduler settings an engine knows before it loads a model, with the core's own
+/// rules (`SchedulerConfig::validate`), so each rule lives once. The settings learnt later take
+/// the smallest valid value while unknown (None): `num_blocks` (sized from memory) and
+/// `max_model_len` (from the model); the token budget takes `max_num_seqs` (an engine raises a
+/// smaller one to it); the rest take the core's defaults. Every argument is required (no second
+/// copy of the defaults).
+#[pyfunction]
+#[pyo3(signature = (*, block_size, max_num_seqs, num_blocks, max_model_len, num_cpu_blocks, preemption_mode, policy))]
+fn validate_scheduler_config(
+    block_size: i64,
+    max_num_seqs: i64,
+    num_blocks: Option<i64>,
+    max_model_len: Option<i64>,
+    num_cpu_blocks: i64,
+    preemption_mode: &str,
+    policy: &str,
+) -> PyResult<()> {
+    let max_num_seqs = count("max_num_seqs", max_num_seqs)?;
+    let cfg = SchedulerConfig {
+        num_blocks: num_blocks.map_or(Ok(2), |v| count("num_blocks", v))?,
+        block_size: count("block_size", block_size)?,
+        max_num_seqs,
+        max_num_batched_tokens: max_num_seqs,
+        max_model_len: max_model_len.map_or(Ok(1), |v| count("max_model_len", v))?,
+        preemption_mode: PreemptionMode::parse(preemption_mode).map_err(to_py_err)?,
+        num_cpu_blocks: count("num_cpu_blocks", num_cpu_blocks)?,
+        policy: Policy::parse(policy).map_err(to_py_err)?,
+        ..SchedulerConfig::default()
+    };
+    cfg.validate().map_err(to_py_err)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -706,6 +758,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PySchedulerOutput>()?;
     m.add_class::<PyFinishedSequence>()?;
+    m.add_function(wrap_pyfunction!(validate_scheduler_config, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("SCHEDULER_DEFAULTS", scheduler_defaults(py)?)?;
     Ok(())
