@@ -50,11 +50,15 @@ def test_id_resolves_to_its_cached_snapshot(cache, model):
     assert resolve_model_path(REPO, revision=main, download_dir=cache) == path  # by commit hash
 
 
-def test_revision_picks_the_branch(cache, model, tmp_path):
-    other = tmp_path / "v2"
-    other.mkdir()
+def _copy(model, dest):
+    dest.mkdir()
     for p in model.iterdir():
-        (other / p.name).write_bytes(p.read_bytes())
+        (dest / p.name).write_bytes(p.read_bytes())
+    return dest
+
+
+def test_revision_picks_the_branch(cache, model, tmp_path):
+    other = _copy(model, tmp_path / "v2")
     (other / "generation_config.json").write_text('{"eos_token_id": 0}')
     commit = add_to_hub_cache(cache, REPO, other, ref="v2")
     path = resolve_model_path(REPO, revision="v2", download_dir=cache)
@@ -113,3 +117,52 @@ def test_default_model_falls_back_to_the_hub_id(model, tmp_path, monkeypatch):
     add_to_hub_cache(tmp_path / "cache", model_loader.DEFAULT_HUB_ID, model)
     llm = LLM(download_dir=str(tmp_path / "cache"), **LLM_ARGS)
     assert llm.llm_engine.model_path.parent.parent == repo_folder(tmp_path / "cache", model_loader.DEFAULT_HUB_ID)
+
+
+DOWNLOAD_SCRIPT = """
+import json, sys
+from ferrokv.model_loader import resolve_model_path
+cache = sys.argv[1]
+out = {}
+first = resolve_model_path("org/tiny", download_dir=cache)
+out["files"] = sorted(p.name for p in first.iterdir())
+out["again"] = str(resolve_model_path("org/tiny", download_dir=cache)) == str(first)  # from the cache now
+out["v2"] = sorted(p.name for p in resolve_model_path("org/tiny", revision="v2", download_dir=cache).iterdir())
+for name, kw in (("absent", dict(model="org/absent")), ("bad_rev", dict(model="org/tiny", revision="nope"))):
+    try:
+        resolve_model_path(kw.pop("model"), download_dir=cache, **kw)
+    except ValueError as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_online_the_model_is_downloaded_once(model, tmp_path, monkeypatch):
+    """The real huggingface_hub download path, against a local stand-in for the Hub's API."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers.fake_hub import FakeHub
+
+    main, v2 = _copy(model, tmp_path / "main"), _copy(model, tmp_path / "v2")
+    (main / "pytorch_model.bin").write_bytes(b"not wanted")  # a weight format ferrokv never reads
+    (v2 / "generation_config.json").write_text("{}")
+    hub = FakeHub({"org/tiny": {"main": main, "v2": v2}})
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home")}
+    try:
+        r = subprocess.run([sys.executable, "-c", DOWNLOAD_SCRIPT, str(tmp_path / "cache")], env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        hub.close()
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert "config.json" in out["files"] and "model.safetensors" in out["files"] and "tokenizer.json" in out["files"]
+    assert "pytorch_model.bin" not in out["files"]
+    assert out["again"] and "generation_config.json" in out["v2"]
+    assert hub.requests.count(("GET", "/api/models/org/tiny/revision/main")) == 1
+    assert "'org/absent' is neither a local directory nor a model on the Hugging Face Hub" in out["absent"]
+    assert "revision: 'nope' does not exist in model 'org/tiny'" in out["bad_rev"]
+    assert not (tmp_path / "home" / "hub").exists()  # download_dir, not HF_HOME, held the downloads
