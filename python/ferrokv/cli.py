@@ -23,6 +23,7 @@ from ferrokv import __version__
 from ferrokv.engine_args import EngineArgs, engine_arg_help, help_with_default
 from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
 from ferrokv.sampling_params import SamplingParams
+
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "Give me three tips for writing clear code.",

@@ -34,7 +34,7 @@ def looks_like_hub_id(name: str) -> bool:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    if name.startswith(("/", ".", "~")) or name.endswith(".gguf") or os.sep in name.replace("/", ""):
+    if name.startswith(("/", ".", "~")) or name.endswith(".gguf"):
         return False
     try:
         validate_repo_id(name)
