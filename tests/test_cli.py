@@ -40,3 +40,129 @@ def test_chat_reads_turns_from_stdin(model, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("assistant> ") == 2
+
+
+# --- every flag: help with its default, and a bad value that names it --------------------------------
+# flag -> (arguments with a bad value, text the error must contain). Every flag of `generate` must
+# be here (test_the_bad_value_table_covers_every_flag), so a new flag cannot go untested.
+BAD_VALUES: dict[str, tuple[list[str], str]] = {
+    "--raw": (["--raw=1"], "--raw: ignored explicit argument"),
+    "--quiet": (["--quiet=1"], "--quiet: ignored explicit argument"),
+    "--model": (["--model", "/nonexistent/model"], "model: '/nonexistent/model' is neither"),
+    "--tokenizer": (["--tokenizer", "/nonexistent/tok"], "tokenizer: '/nonexistent/tok' is neither"),
+    "--revision": (["--model", "org/tiny", "--revision", "nope"], "'org/tiny' at revision 'nope' is not"),
+    "--download-dir": (["--model", "org/tiny", "--download-dir", "/nonexistent/cache"],
+                       "Hugging Face cache (/nonexistent/cache)"),
+    "--dtype": (["--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
+    "--device": (["--device", "tpu"], "device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
+    "--attention-backend": (["--attention-backend", "flash"], "--attention-backend: invalid choice: 'flash'"),
+    "--block-size": (["--block-size", "24"], "block_size must be a power of two (8, 16, 32, ...), got 24"),
+    "--max-num-seqs": (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
+    "--max-num-batched-tokens": (["--max-num-batched-tokens", "x"], "--max-num-batched-tokens: invalid int value"),
+    "--max-model-len": (["--max-model-len", "-5"], "max_model_len must be a positive integer, got -5"),
+    "--num-kv-blocks": (["--num-kv-blocks", "1"], "num_kv_blocks must be >= 2"),
+    "--kv-cache-memory": (["--kv-cache-memory", "0"], "kv_cache_memory must be a positive integer, got 0"),
+    "--gpu-memory-utilization": (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+    "--enable-prefix-caching": (["--enable-prefix-caching=yes"],
+                                "--no-enable-prefix-caching: ignored explicit argument 'yes'"),
+    "--preemption-mode": (["--preemption-mode", "discard"], "--preemption-mode: invalid choice: 'discard'"),
+    "--num-cpu-blocks": (["--num-cpu-blocks", "-1"], "num_cpu_blocks must be an integer >= 0, got -1"),
+    "--scheduling-policy": (["--scheduling-policy", "lifo"], "--scheduling-policy: invalid choice: 'lifo'"),
+    "--seed": (["--seed", "x"], "--seed: invalid int value: 'x'"),
+    "--max-tokens": (["--max-tokens", "0"], "max_tokens must be None or an int >= 1, got 0"),
+    "--min-tokens": (["--min-tokens", "-1"], "min_tokens must be an int >= 0, got -1"),
+    "--temperature": (["--temperature", "-1"], "temperature must be >= 0 and finite, got -1.0"),
+    "--top-p": (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    "--top-k": (["--top-k", "-2"], "top_k must be an int >= -1"),
+    "--min-p": (["--min-p", "2"], "min_p must be in [0, 1], got 2.0"),
+    "--presence-penalty": (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2], got 3.0"),
+    "--frequency-penalty": (["--frequency-penalty", "-3"], "frequency_penalty must be in [-2, 2], got -3.0"),
+    "--repetition-penalty": (["--repetition-penalty", "0"], "repetition_penalty must be > 0 and finite, got 0.0"),
+    "--n": (["--n", "0"], "n must be an int >= 1, got 0"),
+    "--stop": (["--stop", ""], "stop must not contain an empty string"),
+    "--ignore-eos": (["--ignore-eos=1"], "--no-ignore-eos: ignored explicit argument '1'"),
+    "--sampling-seed": (["--sampling-seed", "1.5"], "--sampling-seed: invalid int value: '1.5'"),
+}
+
+
+def _subparsers():
+    from ferrokv.cli import _parser
+
+    parser = _parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return parser, sub.choices
+
+
+def _flags(parser) -> dict[str, object]:
+    return {a.option_strings[0]: a for a in parser._actions if a.option_strings and a.option_strings[0] != "-h"}
+
+
+def test_the_bad_value_table_covers_every_flag():
+    _, subs = _subparsers()
+    assert set(_flags(subs["generate"])) == set(BAD_VALUES)
+    assert set(_flags(subs["chat"])) == set(BAD_VALUES) - {"--raw", "--quiet"} | {"--system"}
+
+
+def test_every_flag_has_help_ending_with_its_default():
+    from dataclasses import fields
+
+    from ferrokv.engine_args import EngineArgs
+
+    parser, subs = _subparsers()
+    for p in (parser, subs["generate"], subs["chat"]):
+        for flag, action in _flags(p).items():
+            if flag == "--version":
+                continue
+            assert action.help and "(default: " in action.help, flag
+    generate = subs["generate"]
+    help_text = generate.format_help()
+    for f in fields(EngineArgs):  # the engine flags are EngineArgs', with its defaults
+        flag = "--" + f.name.replace("_", "-")
+        assert _flags(generate)[flag].default == f.default
+        assert f.metadata["doc"].split()[0] in help_text, flag
+    assert "(default: 16)" in _flags(generate)["--block-size"].help
+    assert _flags(generate)["--enable-prefix-caching"].help.count("(default: on)") == 1
+    assert "half" in _flags(generate)["--dtype"].choices and "float" in _flags(generate)["--dtype"].choices
+
+
+@pytest.mark.parametrize("flag", sorted(BAD_VALUES))
+def test_bad_value_names_the_flag(flag, model, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    argv, expected = BAD_VALUES[flag]
+    base = ["generate", "--quiet", "--num-kv-blocks", "64", "--max-model-len", "128"]
+    if "--model" not in argv:
+        base += ["--model", model]
+    try:
+        rc = main(base + argv + ["hi"])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_help_version_and_python_m():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "ferrokv", "--version"], capture_output=True, text=True, check=True)
+    from ferrokv import __version__
+
+    assert out.stdout.strip() == f"ferrokv {__version__}"
+    out = subprocess.run([sys.executable, "-m", "ferrokv", "generate", "--help"], capture_output=True, text=True,
+                         check=True)
+    assert "--max-num-seqs" in out.stdout and "--raw" in out.stdout and "(default: 256)" in out.stdout
+
+
+def test_dtype_aliases_and_chat_template_by_default(model, capsys):
+    common = ["generate", "--model", model, "--quiet", "--max-tokens", "2", "--num-kv-blocks", "64",
+              "--max-model-len", "128", "hello"]
+    assert main(common + ["--dtype", "half", "--raw"]) == 0
+    raw = capsys.readouterr().out
+    assert main(common + ["--dtype", "float"]) == 0
+    templated = capsys.readouterr().out
+
+    def prompt_tokens(out: str) -> int:
+        return int(out.split("prefix cache: ")[1].split(" of ")[1].split()[0])
+
+    # The chat template wraps the prompt in <|im_start|>user ... <|im_start|>assistant.
+    assert prompt_tokens(templated) > prompt_tokens(raw) + 4

@@ -3,6 +3,7 @@ Rust iteration-level scheduler.
 
 The core (``Scheduler``) and the error classes import without torch; the model-facing API
 (``LLM``, ``LLMEngine``) is imported on first use so that ``import ferrokv`` stays cheap.
+Importing the package sets up the ``ferrokv`` logger (``ferrokv.logger``: INFO to stderr).
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from ferrokv._core import (
     UnknownSequenceError,
     __version__,
 )
+from ferrokv.logger import configure_logging
 from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput
 from ferrokv.sampling_params import SamplingParams
+
+configure_logging()
 
 if TYPE_CHECKING:
     from ferrokv.engine import EngineArgs, LLMEngine
     from ferrokv.llm import LLM
 
-_LAZY = {"LLM": "ferrokv.llm", "LLMEngine": "ferrokv.engine", "EngineArgs": "ferrokv.engine"}
+_LAZY = {"LLM": "ferrokv.llm", "LLMEngine": "ferrokv.engine", "EngineArgs": "ferrokv.engine_args"}
 
 
 def __getattr__(name: str) -> Any:

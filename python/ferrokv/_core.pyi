@@ -61,6 +61,8 @@ class SchedulerStateError(FerrokvError, RuntimeError):
 
 SCHEDULER_DEFAULTS: dict[str, int | bool | float | str]
 """``SchedulerConfig::default()``: the one source of the scheduling defaults (EngineArgs, CLI)."""
+SCHEDULER_CHOICES: dict[str, list[str]]
+"""The names each setting chosen by name accepts (``preemption_mode``, ``policy``)."""
 
 TokenIds = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64]
 

@@ -1,7 +1,12 @@
-"""The ``ferrokv`` command: ``ferrokv generate [--model DIR] PROMPT...`` and ``ferrokv chat``.
+"""The ``ferrokv`` command (also ``python -m ferrokv``): ``ferrokv generate [PROMPT...]`` and ``ferrokv chat``.
 
-Both use the embedded SmolLM2-135M-Instruct unless ``--model`` is given, and take the engine
-flags vLLM users know (``--max-num-seqs``, ``--block-size``, ...) plus the sampling flags.
+Both use the embedded SmolLM2-135M-Instruct unless ``--model`` names a Hub id, a folder or a
+``.gguf`` file. The engine flags are generated from the ``EngineArgs`` fields (name, type,
+default, help) and the sampling flags from ``SamplingParams``' fields, so the CLI repeats no
+default of theirs; its own sampling defaults (greedy, 128 tokens) are in ``_SAMPLING_FLAGS``.
+Every flag's help ends with its default. A bad value exits with status 2 and a message naming
+the flag or field. Importing this module imports neither torch nor transformers: ``--help`` and
+``--version`` stay fast.
 """
 
 from __future__ import annotations
@@ -10,7 +15,14 @@ import argparse
 import logging
 import sys
 import time
+import typing
+from dataclasses import MISSING, fields
 from typing import Any
+
+from ferrokv import __version__
+from ferrokv.engine_args import EngineArgs, engine_arg_help, help_with_default
+from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
+from ferrokv.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -24,76 +36,87 @@ DEFAULT_PROMPTS = [
 ]
 
 
+# SamplingParams field -> (flag, help, CLI default or MISSING for the field's own default).
+_SAMPLING_FLAGS: dict[str, tuple[str, str, Any]] = {
+    "max_tokens": ("--max-tokens", "most tokens generated per completion", 128),
+    "min_tokens": ("--min-tokens", "tokens generated before EOS or a stop string may end a completion", MISSING),
+    "temperature": ("--temperature", "sampling temperature; 0 is greedy", 0.0),
+    "top_p": ("--top-p", "sample from the most likely tokens whose probabilities add up to top_p", MISSING),
+    "top_k": ("--top-k", "sample from the top_k most likely tokens; 0 keeps all", MISSING),
+    "min_p": ("--min-p", "drop tokens less likely than min_p times the most likely one", MISSING),
+    "presence_penalty": ("--presence-penalty", "penalty in [-2, 2] on tokens already generated", MISSING),
+    "frequency_penalty": ("--frequency-penalty", "penalty in [-2, 2] per occurrence of a generated token",
+                          MISSING),
+    "repetition_penalty": ("--repetition-penalty", "divides the logits of tokens in the prompt or output; "
+                           "1 is off", MISSING),
+    "n": ("--n", "completions per prompt", MISSING),
+    "stop": ("--stop", "a string that ends a completion (repeat the flag for several)", MISSING),
+    "ignore_eos": ("--ignore-eos", "keep generating after the end-of-sequence token", MISSING),
+    "seed": ("--sampling-seed", "seed of each request's sampling (reproducible samples)", MISSING),
+}
+
+
+def _add_flag(group: Any, flag: str, dest: str, hint: Any, default: Any, help_text: str,
+              choices: tuple[str, ...] | None = None) -> None:
+    """One flag typed from a field's annotation; bools get ``--x/--no-x``, lists an appending flag."""
+    args = typing.get_args(hint)
+    kind = next((a for a in args if a is not type(None) and typing.get_origin(a) is None), hint) if args else hint
+    if kind is bool:
+        action = group.add_argument(flag, dest=dest, default=default, action=argparse.BooleanOptionalAction)
+    elif any(typing.get_origin(a) is list for a in args):
+        action = group.add_argument(flag, dest=dest, default=default, action="append", type=str, metavar="TEXT")
+    else:
+        metavar = None if choices else flag.lstrip("-").replace("-", "_").upper()
+        action = group.add_argument(flag, dest=dest, default=default, type=kind, choices=choices, metavar=metavar)
+    # Set after creation: BooleanOptionalAction would append a second "(default: ...)" to a given help.
+    action.help = help_text.replace("%", "%%")
+
+
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="local HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    g.add_argument("--num-cpu-blocks", type=int, default=0)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("engine (the EngineArgs fields; LLM() takes the same names)")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in fields(EngineArgs):
+        _add_flag(g, "--" + f.name.replace("_", "-"), f.name, hints[f.name], f.default, engine_arg_help(f),
+                  f.metadata["choices"])
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--stop", action="append", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g = p.add_argument_group("sampling (the SamplingParams fields)")
+    hints = typing.get_type_hints(SamplingParams)
+    by_name = {f.name: f for f in fields(SamplingParams)}
+    for name, (flag, doc, cli_default) in _SAMPLING_FLAGS.items():
+        default = by_name[name].default if cli_default is MISSING else cli_default
+        _add_flag(g, flag, "sampling_" + name, hints[name], default, help_with_default(doc, default))
 
 
 def _llm(args: argparse.Namespace) -> Any:
-    from ferrokv.engine import EngineArgs
     from ferrokv.llm import LLM
 
-    kw = {name: getattr(args, name) for name in EngineArgs.field_names() if hasattr(args, name)}
-    return LLM(**kw)
+    return LLM(**{name: getattr(args, name) for name in EngineArgs.field_names()})
 
 
-def _params(args: argparse.Namespace) -> Any:
-    from ferrokv.sampling_params import SamplingParams
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**{name: getattr(args, "sampling_" + name) for name in _SAMPLING_FLAGS})
 
-    return SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-        stop=args.stop, ignore_eos=args.ignore_eos, seed=args.sampling_seed,
-    )
+
+def _inputs(llm: Any, prompts: list[str], raw: bool) -> list[Any]:
+    """The prompts as text (``--raw``) or through the model's chat template (the default)."""
+    if raw:
+        return list(prompts)
+    from ferrokv.llm import chat_token_ids
+
+    tok = llm.get_tokenizer()
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("prompts: the model's tokenizer has no chat template; pass --raw to send plain text")
+    return [{"prompt": p, "prompt_token_ids": chat_token_ids(tok, [{"role": "user", "content": p}])}
+            for p in prompts]
 
 
 def _generate(args: argparse.Namespace) -> int:
     prompts = args.prompts or DEFAULT_PROMPTS
     params = _params(args)
     llm = _llm(args)
-    engine = llm.llm_engine
-    if args.raw:
-        inputs: list[Any] = list(prompts)
-    else:
-        tok = llm.get_tokenizer()
-        inputs = []
-        for p in prompts:
-            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-            inputs.append({"prompt": p, "prompt_token_ids": list(ids["input_ids"] if hasattr(ids, "keys") else ids)})
+    inputs = _inputs(llm, prompts, args.raw)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=not args.quiet)
     dt = time.perf_counter() - t0
@@ -102,6 +125,11 @@ def _generate(args: argparse.Namespace) -> int:
         for c in o.outputs:
             prefix = f"[{c.index}] " if len(o.outputs) > 1 else ""
             print(f"{prefix}{c.text.strip()}")
+    _print_stats(llm.llm_engine, outs, dt)
+    return 0
+
+
+def _print_stats(engine: Any, outs: list[Any], dt: float) -> None:
     st = engine.stats()
     gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
     kv_total = st["num_blocks"] - 1
@@ -115,7 +143,6 @@ def _generate(args: argparse.Namespace) -> int:
         f"--- prefix cache: {st['cached_prompt_tokens']} of {st['prompt_tokens']} prompt tokens "
         f"served from cache ({hit_rate:.1%})"
     )
-    return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -143,24 +170,30 @@ def _chat(args: argparse.Namespace) -> int:
         print(f"assistant> {answer}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrokv", description="ferrokv LLM inference engine")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"ferrokv {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help=f"log at DEBUG level (default: off: the level is ${LEVEL_ENV}, else INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for prompts (default: a few examples)")
-    g.add_argument("prompts", nargs="*")
-    g.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("prompts", nargs="*", help="prompts to complete (default: a batch of example questions)")
+    g.add_argument("--raw", action="store_true",
+                   help="send prompts as plain text, without the chat template (default: off)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
     _engine_flags(g)
     _sampling_flags(g)
     c = sub.add_parser("chat", help="interactive chat (reads lines from stdin)")
-    c.add_argument("--system", default=None)
+    c.add_argument("--system", default=None, help="system prompt opening the conversation (default: none)")
     _engine_flags(c)
     _sampling_flags(c)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "generate" else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.verbose:
+        logging.getLogger(LOGGER_NAME).setLevel(logging.DEBUG)
     try:
         return _generate(args) if args.command == "generate" else _chat(args)
     except ValueError as e:

@@ -19,16 +19,17 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ferrokv._core import InvalidArgumentError, Scheduler, UnknownRequestError, validate_scheduler_config
+from ferrokv._core import Scheduler, UnknownRequestError
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.detokenizer import IncrementalDetokenizer, decode_token
+from ferrokv.engine_args import DTYPE_ALIASES, EngineArgs
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 from ferrokv.model_runner import ModelRunner
 from ferrokv.outputs import CompletionOutput, RequestOutput, make_logprobs_entry
@@ -37,73 +38,8 @@ from ferrokv.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrokv")
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16}
+_DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
-
-
-@dataclass(slots=True)
-class EngineArgs:
-    """Every engine setting; the names match the CLI flags (``--max-num-seqs`` ...)."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0
-    scheduling_policy: str = "fcfs"
-    seed: int = 0
-
-    def validate(self) -> None:
-        def positive(name: str, allow_none: bool = True) -> None:
-            v = getattr(self, name)
-            if v is None and allow_none:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-
-        for name in ("block_size", "max_num_seqs"):
-            positive(name, allow_none=False)
-        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
-            positive(name)
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if isinstance(self.num_cpu_blocks, bool) or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
-        # The scheduler's rules (power-of-two block_size, num_kv_blocks >= 2, preemption_mode,
-        # policy, ...) live in the core; checked here so a bad value fails before the model loads.
-        # The core names its own fields; two of them are called differently here.
-        ours = {"num_blocks": "num_kv_blocks", "policy": "scheduling_policy"}
-        try:
-            validate_scheduler_config(
-                block_size=self.block_size, max_num_seqs=self.max_num_seqs, num_blocks=self.num_kv_blocks,
-                max_model_len=self.max_model_len, num_cpu_blocks=self.num_cpu_blocks,
-                preemption_mode=self.preemption_mode, policy=self.scheduling_policy,
-            )
-        except InvalidArgumentError as e:
-            if e.field not in ours:
-                raise
-            raise InvalidArgumentError(f"invalid {ours[e.field]}={e.value}: {e.reason}") from None
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 @dataclass(slots=True)
@@ -157,12 +93,15 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         from transformers import AutoTokenizer
 
-        from ferrokv.model_loader import load_config, load_model, resolve_model_path
+        from ferrokv.model_loader import load_config, load_model, resolve_model_path, resolve_tokenizer_path
 
         args.validate()
         self.args = args
         t0 = time.perf_counter()
-        self.model_path: Path = resolve_model_path(args.model)
+        hub = dict(revision=args.revision, download_dir=args.download_dir)
+        self.model_path: Path = resolve_model_path(args.model, **hub)
+        # Resolved before the weights load, so a bad tokenizer fails fast.
+        tokenizer_path = resolve_tokenizer_path(args.tokenizer, **hub) if args.tokenizer else self.model_path
         config = load_config(self.model_path)
         self.device = _resolve_device(args.device)
         self.dtype = _resolve_dtype(args.dtype, config, self.device)
@@ -171,7 +110,7 @@ class LLMEngine:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.model = load_model(self.model_path, dtype=self.dtype, device=self.device, attn_backend=backend)
         self.model_config = self.model.config
-        self.tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or self.model_path))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         self.vocab_size = int(self.model_config.vocab_size)
         self.eos_token_ids = self._eos_ids(config)
 
@@ -208,10 +147,10 @@ class LLMEngine:
         self.peak_used_blocks = 0
         tokens_capacity = (num_blocks - 1) * args.block_size
         logger.info(
-            "ferrokv: model %s (%s, %s, %s) loaded in %.1fs; KV cache: %d blocks x %d tokens, "
+            "model %s (%s, %s, %s) loaded in %.1fs; KV cache: %d blocks x %d tokens, "
             "%.1f KiB per block (M_KV = 2 * %d layers * %d kv heads * %d head_dim * %d tokens * %d bytes), "
             "%d tokens in all, max concurrency %.1f at max_model_len=%d",
-            self.model_path.name, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
+            args.model or self.model_path.name, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
             self.device, time.perf_counter() - t0, num_blocks, args.block_size, spec.bytes_per_block / 1024,
             spec.num_layers, spec.num_kv_heads, spec.head_dim, args.block_size,
             torch.empty((), dtype=self.dtype).element_size(), tokens_capacity, tokens_capacity / max_len, max_len,

@@ -1,8 +1,9 @@
 """``LLM``: the offline generation API, with vLLM's names and semantics.
 
-``LLM(model=None, ...)`` loads a local Hugging Face folder (or a ``.gguf`` file, converted once
-and cached); ``model=None`` is the embedded SmolLM2-135M-Instruct. Every engine argument is a
-keyword with the CLI flag's name; an unknown keyword is a ``TypeError``.
+``LLM(model=None, ...)`` loads a Hugging Face Hub id (from the HF cache, else downloaded), a local
+Hugging Face folder, or a ``.gguf`` file (converted once and cached); ``model=None`` is the embedded
+SmolLM2-135M-Instruct. Every engine argument is a keyword with the CLI flag's name and the
+``EngineArgs`` field's default; an unknown keyword is a ``TypeError``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ferrokv.engine import EngineArgs, LLMEngine
+from ferrokv.engine import LLMEngine
+from ferrokv.engine_args import EngineArgs
 from ferrokv.outputs import RequestOutput
 from ferrokv.sampling_params import SamplingParams
 
@@ -39,17 +41,27 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """One conversation through the tokenizer's chat template, as token ids."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: the tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 class LLM:
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
-                 device: str = "auto", block_size: int = 16, seed: int = 0, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        """``model``: a Hub id, a local folder or a ``.gguf`` file (None: the embedded default).
+        Every other keyword is an ``EngineArgs`` field, with that field's default when left out."""
         unknown = sorted(set(engine_kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise TypeError(
                 f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
                 f"engine arguments are: {', '.join(EngineArgs.field_names())}"
             )
-        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
-                          seed=seed, **engine_kwargs)
+        args = EngineArgs(model=model, **engine_kwargs)
         self.llm_engine = LLMEngine(args)
         self._counter = 0
 
@@ -125,14 +137,7 @@ class LLM:
         """Applies the tokenizer's chat template to one conversation (or a list of them)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("messages: the tokenizer has no chat template")
-        prompts = []
-        for conv in convs:
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        prompts = [{"prompt_token_ids": chat_token_ids(tok, conv, add_generation_prompt)} for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Any, beam_width: int, max_tokens: int, length_penalty: float = 1.0,

