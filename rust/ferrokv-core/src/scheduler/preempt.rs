@@ -169,7 +169,7 @@ impl Scheduler {
 mod tests {
     use super::super::test_util::*;
     use super::super::*;
-    use crate::request::FinishReason;
+    use crate::request::{FinishReason, RequestState};
 
     #[test]
     fn a_prefill_at_the_back_that_runs_out_of_blocks_preempts_only_itself() {
@@ -229,14 +229,15 @@ mod tests {
         assert_eq!(s.stats().output_tokens_recomputed, 2);
     }
 
+    /// 6 usable blocks of 2 tokens, swap mode: the fourth step swaps request 2 out.
+    fn swapping() -> Scheduler {
+        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, num_cpu_blocks: 8, ..cfg(7, 2, 16) };
+        with_requests(c, [req(1, 4, 8), req(2, 4, 8)])
+    }
+
     #[test]
     fn swap_mode_emits_swap_pairs_and_resumes_without_recompute() {
-        let mut c = cfg(7, 2, 16);
-        c.preemption_mode = PreemptionMode::Swap;
-        c.num_cpu_blocks = 8;
-        let mut s = Scheduler::new(c).unwrap();
-        s.add_request(req(1, 4, 8)).unwrap();
-        s.add_request(req(2, 4, 8)).unwrap();
+        let mut s = swapping();
         for _ in 0..3 {
             step(&mut s, 1);
         }
@@ -340,5 +341,19 @@ mod tests {
         assert_eq!((o.finished_req_ids.clone(), o.num_tokens()), (vec![2], 0));
         assert_eq!((s.stats().requests_aborted, s.stats().requests_finished), (3, 0));
         assert_eq!(s.abort(2), Err(CoreError::UnknownRequest { request_id: 2 }));
+    }
+
+    #[test]
+    fn aborting_a_swapped_request_releases_its_cpu_blocks() {
+        let mut s = swapping();
+        for _ in 0..4 {
+            step(&mut s, 1);
+        }
+        let (slot, _) = s.locate_seq(only_seq(&s, 2)).unwrap();
+        assert_eq!(s.req(slot).state, RequestState::Swapped);
+        s.abort(2).unwrap();
+        s.check_invariants().unwrap(); // the CPU pool's ref counts match the tables left
+        drain(&mut s, 1);
+        assert_eq!((s.num_free_blocks(), s.kv_stats().blocks_swapped_in), (6, 0));
     }
 }
