@@ -20,7 +20,7 @@ pub(super) fn cfg(num_blocks: usize, block_size: usize, budget: usize) -> Schedu
 pub(super) fn bt(o: &SchedulerOutput) -> Vec<i32> {
     match &o.block_tables {
         BlockTables::Owned(v) => v.clone(),
-        BlockTables::Batch { .. } => panic!("copy the block tables out before update"),
+        BlockTables::Batch => panic!("copy the block tables out before update"),
     }
 }
 
