@@ -1,6 +1,7 @@
-//! Property tests: random interleavings of add, schedule, update, fork, drop and abort (also
-//! while a step is in flight) keep every block-accounting invariant, every step's arrays agree
-//! with the sequences they describe, and once every request has ended every block is free.
+//! The property test of the scheduler's invariants: random interleavings of add, schedule,
+//! update, fork, drop and abort (also while a step is in flight) keep every invariant
+//! (`check_invariants`), every step's arrays agree with the sequences they describe, and once
+//! every request has ended (run to completion or aborted) every block is free.
 
 use ferrokv_core::{NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput};
 use proptest::prelude::*;
@@ -79,6 +80,67 @@ fn live_seqs(s: &Scheduler, ids: &[u64]) -> Vec<u64> {
     ids.iter().filter_map(|&r| s.request_seq_ids(r).ok()).flatten().collect()
 }
 
+fn invariants(s: &Scheduler) -> Result<(), TestCaseError> {
+    s.check_invariants().map_err(TestCaseError::fail)
+}
+
+/// Applies one random operation; `ids` lists the requests added so far.
+fn apply(s: &mut Scheduler, op: Op, ids: &mut Vec<u64>, next_id: &mut u64) -> Result<(), TestCaseError> {
+    match op {
+        Op::Add { prompt_len, shared_prefix, max_tokens, n, priority, eos } => {
+            let base = if shared_prefix { 0 } else { 1000 * (*next_id as u32 + 1) };
+            let mut r = NewRequest::new(*next_id, (0..prompt_len as u32).map(|t| base + t % 7).collect(), max_tokens);
+            r.n = n;
+            r.priority = priority;
+            r.eos_token_id = eos.then_some(3);
+            if s.add_request(r).is_ok() {
+                ids.push(*next_id);
+            }
+            *next_id += 1;
+        }
+        Op::Step { tokens, fork_rows, drop_rows, abort_rows } => {
+            let out = s.schedule().unwrap();
+            invariants(s)?;
+            check_output(s, &out)?;
+            let rows = out.num_rows();
+            if rows > 0 {
+                for f in fork_rows {
+                    let seq = out.row_seq_ids[f as usize % rows] as u64;
+                    // Rows of n > 1 samples forked at update do not exist yet.
+                    let _ = s.fork_sequence(seq, Some(f as u32 % 5));
+                }
+                for d in drop_rows {
+                    let _ = s.drop_sequence(out.row_seq_ids[d as usize % rows] as u64);
+                }
+                for a in abort_rows {
+                    let _ = s.abort(out.row_req_ids[a as usize % rows] as u64);
+                }
+            }
+            invariants(s)?;
+            let sampled: Vec<i64> = (0..rows).map(|i| *tokens.get(i).unwrap_or(&9) as i64 % 6).collect();
+            s.update(out.step_id, &sampled).unwrap();
+        }
+        Op::Abort(k) => {
+            if !ids.is_empty() {
+                let _ = s.abort(ids[k as usize % ids.len()]);
+            }
+        }
+        Op::ForkIdle(k) => {
+            let live = live_seqs(s, ids);
+            if !live.is_empty() {
+                let _ = s.fork_sequence(live[k as usize % live.len()], None);
+            }
+        }
+        Op::Drop(k) => {
+            let live = live_seqs(s, ids);
+            if !live.is_empty() {
+                s.drop_sequence(live[k as usize % live.len()]).unwrap();
+            }
+        }
+    }
+    invariants(s)
+}
+
 proptest! {
     // PROPTEST_CASES=20000 for a stress run; CI runs 400.
     #![proptest_config(ProptestConfig {
@@ -86,104 +148,48 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
+    /// Random operations keep every invariant and every step's arrays right; then everything
+    /// ends and every block is free again. `drain` steps run first (`None`: to completion,
+    /// which must come, since forks can only shrink from here), then every request left is
+    /// aborted, with a step in flight if `abort_in_flight`.
     #[test]
-    fn block_accounting_survives_any_interleaving(cfg in config(), ops in prop::collection::vec(op(), 1..60)) {
+    fn any_interleaving_keeps_every_invariant_and_ending_everything_frees_every_block(
+        cfg in config(),
+        ops in prop::collection::vec(op(), 1..60),
+        drain in prop::option::of(0usize..8),
+        abort_in_flight in any::<bool>(),
+    ) {
         let usable = cfg.num_blocks - 1;
         let mut s = Scheduler::new(cfg).unwrap();
-        let mut ids: Vec<u64> = Vec::new();
-        let mut next_id = 0u64;
+        let (mut ids, mut next_id) = (Vec::new(), 0u64);
         for op in ops {
-            match op {
-                Op::Add { prompt_len, shared_prefix, max_tokens, n, priority, eos } => {
-                    let base = if shared_prefix { 0 } else { 1000 * (next_id as u32 + 1) };
-                    let mut r = NewRequest::new(next_id, (0..prompt_len as u32).map(|t| base + t % 7).collect(), max_tokens);
-                    r.n = n;
-                    r.priority = priority;
-                    r.eos_token_id = eos.then_some(3);
-                    if s.add_request(r).is_ok() {
-                        ids.push(next_id);
-                    }
-                    next_id += 1;
-                }
-                Op::Step { tokens, fork_rows, drop_rows, abort_rows } => {
-                    let out = s.schedule().unwrap();
-                    s.check_invariants().map_err(TestCaseError::fail)?;
-                    check_output(&s, &out)?;
-                    let rows = out.num_rows();
-                    if rows > 0 {
-                        for f in fork_rows {
-                            let seq = out.row_seq_ids[f as usize % rows] as u64;
-                            // Rows of n > 1 samples forked at update do not exist yet.
-                            let _ = s.fork_sequence(seq, Some(f as u32 % 5));
-                        }
-                        for d in drop_rows {
-                            let _ = s.drop_sequence(out.row_seq_ids[d as usize % rows] as u64);
-                        }
-                        for a in abort_rows {
-                            let _ = s.abort(out.row_req_ids[a as usize % rows] as u64);
-                        }
-                    }
-                    s.check_invariants().map_err(TestCaseError::fail)?;
-                    let sampled: Vec<i64> = (0..rows).map(|i| *tokens.get(i).unwrap_or(&9) as i64 % 6).collect();
-                    s.update(out.step_id, &sampled).unwrap();
-                }
-                Op::Abort(k) => {
-                    if !ids.is_empty() {
-                        let _ = s.abort(ids[k as usize % ids.len()]);
-                    }
-                }
-                Op::ForkIdle(k) => {
-                    let live = live_seqs(&s, &ids);
-                    if !live.is_empty() {
-                        let _ = s.fork_sequence(live[k as usize % live.len()], None);
-                    }
-                }
-                Op::Drop(k) => {
-                    let live = live_seqs(&s, &ids);
-                    if !live.is_empty() {
-                        s.drop_sequence(live[k as usize % live.len()]).unwrap();
-                    }
-                }
-            }
-            s.check_invariants().map_err(TestCaseError::fail)?;
+            apply(&mut s, op, &mut ids, &mut next_id)?;
         }
-        // Run to completion: forks can only shrink from here, so this must terminate.
-        for _ in 0..2000 {
+        for _ in 0..drain.unwrap_or(2000) {
             if !s.has_unfinished() { break; }
+            apply(&mut s, Op::Step { tokens: vec![4; 8], fork_rows: vec![], drop_rows: vec![], abort_rows: vec![] }, &mut ids, &mut next_id)?;
+        }
+        if drain.is_none() {
+            prop_assert!(!s.has_unfinished(), "requests left: {}", s.num_unfinished());
+        }
+        let in_flight = if abort_in_flight {
             let out = s.schedule().unwrap();
-            s.check_invariants().map_err(TestCaseError::fail)?;
+            invariants(&s)?;
             check_output(&s, &out)?;
-            let sampled = vec![4i64; out.num_rows()];
-            s.update(out.step_id, &sampled).unwrap();
-            s.check_invariants().map_err(TestCaseError::fail)?;
-        }
-        prop_assert!(!s.has_unfinished(), "requests left: {}", s.num_unfinished());
-        prop_assert_eq!(s.num_free_blocks(), usable);
-    }
-
-    #[test]
-    fn abort_everything_returns_every_block(cfg in config(), ops in prop::collection::vec(op(), 1..40)) {
-        let usable = cfg.num_blocks - 1;
-        let mut s = Scheduler::new(cfg).unwrap();
-        let mut ids = Vec::new();
-        for (i, op) in ops.into_iter().enumerate() {
-            match op {
-                Op::Add { prompt_len, max_tokens, n, .. } => {
-                    let mut r = NewRequest::new(i as u64, (0..prompt_len as u32).collect(), max_tokens);
-                    r.n = n;
-                    if s.add_request(r).is_ok() { ids.push(i as u64); }
-                }
-                _ => {
-                    let out = s.schedule().unwrap();
-                    s.update(out.step_id, &vec![1; out.num_rows()]).unwrap();
-                }
-            }
-        }
-        for id in ids {
+            Some(out)
+        } else {
+            None
+        };
+        for &id in &ids {
             let _ = s.abort(id);
         }
-        s.check_invariants().map_err(TestCaseError::fail)?;
+        invariants(&s)?;
         prop_assert!(!s.has_unfinished());
         prop_assert_eq!(s.num_free_blocks(), usable);
+        if let Some(out) = in_flight {
+            s.update(out.step_id, &vec![1; out.num_rows()]).unwrap();
+            invariants(&s)?;
+            prop_assert_eq!(s.num_free_blocks(), usable);
+        }
     }
 }

@@ -341,7 +341,7 @@ mod tests {
     use super::super::*;
 
     #[test]
-    fn prefix_cache_hits_across_requests_and_after_preemption() {
+    fn prefix_cache_hits_across_requests_and_only_within_a_salt() {
         let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
         let prompt: Vec<u32> = (0..13).collect();
         s.add_request(NewRequest::new(1, prompt.clone(), 2)).unwrap();
@@ -357,10 +357,31 @@ mod tests {
         // A different salt shares nothing.
         let mut r = NewRequest::new(3, prompt.clone(), 2);
         r.cache_salt = Some("tenant".into());
-        s.add_request(r).unwrap();
+        s.add_request(r.clone()).unwrap();
         let (o, _) = step(&mut s, 1);
         assert_eq!(o.req_ids, vec![2, 3]);
         assert_eq!(o.num_tokens(), 1 + 13);
+        assert_eq!(s.num_cached_tokens(3).unwrap(), 0);
+        drain(&mut s, 1);
+        // The same salt does share.
+        r.request_id = 4;
+        s.add_request(r).unwrap();
+        step(&mut s, 1);
+        assert_eq!(s.num_cached_tokens(4).unwrap(), 12);
+        let st = s.stats();
+        assert_eq!((st.cached_prompt_tokens, st.first_admission_cached_tokens), (24, 24));
+        assert_eq!(st.prompt_tokens_computed, 13 + 1 + 13 + 1);
+    }
+
+    #[test]
+    fn prefix_caching_disabled_shares_nothing() {
+        let c = SchedulerConfig { enable_prefix_caching: false, ..cfg(32, 4, 64) };
+        let mut s = with_requests(c, [NewRequest::new(1, (0..13).collect(), 2)]);
+        drain(&mut s, 1);
+        s.add_request(NewRequest::new(2, (0..13).collect(), 2)).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.num_tokens(), 13);
+        assert_eq!((s.stats().cached_prompt_tokens, s.num_cached_tokens(2).unwrap()), (0, 0));
     }
 
     #[test]
@@ -368,21 +389,21 @@ mod tests {
         let mut s = Scheduler::new(cfg(8, 4, 16)).unwrap();
         s.add_request(req(1, 3, 2)).unwrap();
         assert_eq!(s.add_request(req(1, 3, 2)), Err(CoreError::DuplicateRequest { request_id: 1 }));
-        let e = s.add_request(NewRequest::new(2, vec![], 2)).unwrap_err();
-        assert!(e.to_string().contains("prompt_token_ids"), "{e}");
-        let e = s.add_request(req(3, 3, 0)).unwrap_err();
-        assert!(e.to_string().contains("max_tokens=0"), "{e}");
+        let field = |r: CoreResult<()>| match r {
+            Err(CoreError::InvalidArgument { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(s.add_request(NewRequest::new(2, vec![], 2))), "prompt_token_ids");
+        assert_eq!(field(s.add_request(req(3, 3, 0))), "max_tokens");
+        assert_eq!(field(s.add_request(NewRequest { n: 0, ..req(3, 3, 2) })), "n");
+        assert_eq!(field(s.add_request(NewRequest { n: 9, ..req(3, 3, 2) })), "n");
+        assert_eq!(field(s.add_request(NewRequest { reserve_seqs: 9, ..req(3, 3, 2) })), "reserve_seqs");
+        assert_eq!(field(s.add_request(NewRequest { min_tokens: 3, ..req(3, 3, 2) })), "min_tokens");
         let e = s.add_request(req(4, 2000, 2)).unwrap_err();
         assert_eq!(e, CoreError::PromptTooLong { len: 2000, max_model_len: 1024 });
         let e = s.add_request(req(5, 20, 20)).unwrap_err();
         assert!(matches!(e, CoreError::ExceedsCacheCapacity { blocks_needed: 10, blocks_available: 7, .. }), "{e}");
-        assert!(s.update(1, &[]).is_err());
-        let o = s.schedule().unwrap();
-        assert!(matches!(s.schedule(), Err(CoreError::InvalidState { .. })));
-        assert!(s.update(o.step_id, &[1, 2]).is_err());
-        assert!(s.update(o.step_id, &[-1]).is_err());
-        s.update(o.step_id, &[1]).unwrap();
-        assert!(Scheduler::new(SchedulerConfig { max_num_batched_tokens: 4, max_num_seqs: 8, ..cfg(8, 4, 16) }).is_err());
+        assert_eq!((s.num_unfinished(), s.stats().requests_added), (1, 1), "a rejected request leaves no trace");
         s.check_invariants().unwrap();
     }
 }

@@ -140,3 +140,171 @@ impl Scheduler {
     }
 
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::*;
+    use super::super::*;
+    use crate::batch::SeqRef;
+    use crate::kv_cache_manager::BlockIdsMut;
+
+    /// Request 1 (prompt 6, forked: two sequences sharing blocks 1 and 2) and request 2 (prompt
+    /// 5) running, 7 and 6 tokens computed (block size 4); request 3 waiting.
+    fn busy() -> Scheduler {
+        let mut c = cfg(32, 4, 16);
+        c.max_num_seqs = 5;
+        let mut s = with_requests(c, [req(1, 6, 20), req(2, 5, 20)]);
+        step(&mut s, 1);
+        step(&mut s, 2);
+        s.fork_sequence(only_seq(&s, 1), None).unwrap();
+        s.add_request(req(3, 4, 4)).unwrap();
+        s.check_invariants().unwrap();
+        s
+    }
+
+    /// `check_invariants` after `corrupt` changed `busy()`: the error it must report.
+    fn error_after(corrupt: impl FnOnce(&mut Scheduler)) -> String {
+        let mut s = busy();
+        corrupt(&mut s);
+        s.check_invariants().expect_err("the corruption went unnoticed")
+    }
+
+    fn parent_row(s: &Scheduler) -> usize {
+        row_of(s, s.request_seq_ids(1).unwrap()[0])
+    }
+
+    #[test]
+    fn a_wrong_tail_block_is_caught() {
+        let e = error_after(|s| {
+            let r = parent_row(s);
+            s.batch.rows[r].tail_block = 7;
+        });
+        assert!(e.contains("tail block 7 != last of [1, 2]"), "{e}");
+    }
+
+    #[test]
+    fn a_tail_marked_owned_while_shared_is_caught() {
+        let e = error_after(|s| {
+            let r = parent_row(s);
+            s.batch.rows[r].tail_owned = true;
+        });
+        assert!(e.contains("tail block 2 marked owned but shared"), "{e}");
+    }
+
+    #[test]
+    fn a_stale_num_running_seqs_is_caught() {
+        let e = error_after(|s| s.num_running_seqs += 1);
+        assert!(e.contains("num_running_seqs=4 but running requests hold 3"), "{e}");
+    }
+
+    #[test]
+    fn a_row_owned_by_another_sequence_is_caught() {
+        let e = error_after(|s| s.batch.owner.swap(0, 2));
+        assert!(e.contains("row 0 of seq"), "{e}");
+    }
+
+    #[test]
+    fn two_sequences_sharing_a_row_are_caught() {
+        let e = error_after(|s| {
+            let (slot, pos) = s.locate_seq(only_seq(s, 2)).unwrap();
+            let r = parent_row(s) as u32;
+            s.requests[slot as usize].as_mut().unwrap().seqs[pos].row = r;
+        });
+        assert!(e.contains("or shares it"), "{e}");
+    }
+
+    #[test]
+    fn a_row_no_sequence_owns_is_caught() {
+        let e = error_after(|s| {
+            let (slot, pos) = s.locate_seq(only_seq(s, 3)).unwrap();
+            let (q, seq) = (s.req(slot), &s.req(slot).seqs[pos]);
+            let init = Scheduler::row_init(q, seq, 0, s.cfg.max_model_len);
+            s.batch.push(SeqRef { slot, seq_id: seq.seq_id }, init, std::iter::empty());
+        });
+        assert!(e.contains("batch row 3 belongs to no running sequence"), "{e}");
+    }
+
+    #[test]
+    fn a_ref_count_no_table_accounts_for_is_caught() {
+        let e = error_after(|s| {
+            // A fork whose child never gets a row: request 1's blocks gain a reference.
+            let r = parent_row(s);
+            let kv = &s.requests[s.by_id[&1] as usize].as_ref().unwrap().seqs[0].kv;
+            let _leaked = s.kv.fork(kv, &s.batch.ids(r));
+        });
+        assert!(e.contains("block 1: ref count 3 but 2 tables hold it"), "{e}");
+    }
+
+    #[test]
+    fn more_computed_tokens_than_tokens_are_caught() {
+        let e = error_after(|s| {
+            let r = row_of(s, only_seq(s, 2));
+            s.batch.rows[r].computed = 8;
+        });
+        assert!(e.contains("computed 8 of 7 tokens"), "{e}");
+    }
+
+    #[test]
+    fn a_table_that_does_not_cover_the_computed_tokens_is_caught() {
+        let e = error_after(|s| {
+            let r = row_of(s, only_seq(s, 2));
+            s.batch.rows[r].computed = 4;
+        });
+        assert!(e.contains("2 gpu blocks for 4 computed tokens"), "{e}");
+    }
+
+    #[test]
+    fn a_block_id_left_in_a_rows_padding_is_caught() {
+        let e = error_after(|s| {
+            let r = row_of(s, only_seq(s, 2));
+            let tail = s.batch.rows[r].tail_block;
+            s.batch.ids_mut(r).push(crate::block_pool::BlockId(9));
+            (s.batch.rows[r].num_blocks, s.batch.rows[r].tail_block) = (2, tail);
+        });
+        assert!(e.contains("block 2 is 9 past its 2 blocks"), "{e}");
+    }
+
+    #[test]
+    fn a_stale_owner_map_is_caught() {
+        let e = error_after(|s| {
+            let seq = only_seq(s, 2);
+            s.seq_owner.remove(&seq);
+        });
+        assert!(e.contains("owner map is stale"), "{e}");
+    }
+
+    #[test]
+    fn a_running_list_out_of_order_is_caught() {
+        let e = error_after(|s| s.running.swap(0, 1));
+        assert!(e.contains("not in (priority, arrival) order"), "{e}");
+    }
+
+    #[test]
+    fn a_request_in_no_queue_is_caught() {
+        let e = error_after(|s| s.waiting.clear());
+        assert!(e.contains("waiting + running != live requests"), "{e}");
+    }
+
+    #[test]
+    fn a_dead_row_left_after_update_is_caught() {
+        let e = error_after(|s| s.batch.mark_dead(0));
+        assert!(e.contains("dead batch rows outlived update()"), "{e}");
+    }
+
+    #[test]
+    fn a_planned_write_into_a_shared_block_is_caught() {
+        let mut s = busy();
+        let o = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        // A fork in flight shares the block request 2 writes this step; the checker allows
+        // it only because of the fork, so forget the fork.
+        s.fork_sequence(only_seq(&s, 2), Some(5)).unwrap();
+        s.check_invariants().unwrap();
+        s.in_flight.as_mut().unwrap().forked = false;
+        let e = s.check_invariants().unwrap_err();
+        assert!(e.contains("writes positions 6..7 into a shared block"), "{e}");
+        s.in_flight.as_mut().unwrap().forked = true;
+        s.update(o.step_id, &vec![1; o.num_rows()]).unwrap();
+        s.check_invariants().unwrap();
+    }
+}

@@ -236,3 +236,96 @@ impl Scheduler {
         self.kv.reset_prefix_cache();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::test_util::*;
+    use super::*;
+
+    fn is_state_error<T: std::fmt::Debug>(r: CoreResult<T>, fragment: &str) -> bool {
+        matches!(&r, Err(CoreError::InvalidState { message }) if message.contains(fragment))
+    }
+
+    #[test]
+    fn new_rejects_an_invalid_configuration() {
+        let c = SchedulerConfig { max_num_batched_tokens: 4, max_num_seqs: 8, ..cfg(8, 4, 16) };
+        assert!(matches!(Scheduler::new(c), Err(CoreError::InvalidArgument { field: "max_num_batched_tokens", .. })));
+    }
+
+    #[test]
+    fn schedule_twice_without_update_is_a_state_error_and_keeps_the_first_step() {
+        let mut s = with_requests(cfg(8, 4, 16), [req(1, 3, 2)]);
+        let o = s.schedule().unwrap();
+        assert!(is_state_error(s.schedule(), "in flight"));
+        assert_eq!(s.stats().steps, 1);
+        s.update(o.step_id, &[1]).unwrap();
+        assert_eq!(s.seq_tokens(only_seq(&s, 1)).unwrap().len(), 4);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn update_with_no_step_in_flight_is_a_state_error() {
+        let mut s = with_requests(cfg(8, 4, 16), [req(1, 3, 2)]);
+        assert!(is_state_error(s.update(1, &[]), "no step in flight"));
+        let o = s.schedule().unwrap();
+        s.update(o.step_id, &[1]).unwrap();
+        assert!(is_state_error(s.update(o.step_id, &[1]), "no step in flight"));
+        assert_eq!(s.seq_tokens(only_seq(&s, 1)).unwrap().len(), 4, "the second update appended nothing");
+    }
+
+    #[test]
+    fn update_with_another_steps_id_is_a_state_error_and_the_step_stays_in_flight() {
+        let mut s = with_requests(cfg(8, 4, 16), [req(1, 3, 2)]);
+        let mut other = with_requests(cfg(8, 4, 16), [req(1, 3, 2)]);
+        let o = s.schedule().unwrap();
+        let theirs = other.schedule().unwrap();
+        assert_ne!(theirs.step_id, o.step_id, "step ids are unique across schedulers");
+        let msg = format!("step {} is in flight", o.step_id);
+        assert!(is_state_error(s.update(o.step_id + 1, &[1]), &msg));
+        assert!(is_state_error(s.update(theirs.step_id, &[1]), &msg));
+        s.check_invariants().unwrap();
+        s.update(o.step_id, &[1]).unwrap();
+        assert_eq!(s.seq_tokens(only_seq(&s, 1)).unwrap().len(), 4);
+    }
+
+    #[test]
+    fn step_ids_are_consecutive_within_a_scheduler() {
+        let mut s = with_requests(cfg(8, 4, 16), [req(1, 3, 4)]);
+        let (a, _) = step(&mut s, 1);
+        let (b, _) = step(&mut s, 1);
+        let (c, _) = step(&mut s, 1);
+        assert_eq!((b.step_id, c.step_id), (a.step_id + 1, a.step_id + 2));
+    }
+
+    #[test]
+    fn an_empty_step_plans_nothing_and_still_reports_what_ended() {
+        let mut s = Scheduler::new(cfg(8, 4, 16)).unwrap();
+        let (o, done) = step(&mut s, 1);
+        assert!(o.is_empty() && done.is_empty());
+        assert_eq!((o.num_seqs(), o.num_rows(), o.max_blocks), (0, 0, 0));
+        assert_eq!((o.query_start_loc.clone(), bt(&o)), (vec![0], vec![]));
+        assert_eq!(s.stats().steps, 1);
+        s.add_request(req(4, 3, 1)).unwrap();
+        let (_, done) = step(&mut s, 1); // prefill and its one token: done
+        assert_eq!(done.len(), 1);
+        let (o, _) = step(&mut s, 1);
+        assert!(o.is_empty());
+        assert_eq!(o.finished_req_ids, vec![4]);
+        let (o, _) = step(&mut s, 1);
+        assert!(o.finished_req_ids.is_empty(), "an ended request is reported once");
+    }
+
+    #[test]
+    fn reset_prefix_cache_forgets_the_unused_cached_blocks() {
+        let prompt: Vec<u32> = (0..13).collect();
+        let mut s = with_requests(cfg(32, 4, 64), [NewRequest::new(1, prompt.clone(), 2)]);
+        drain(&mut s, 1);
+        assert_eq!(s.kv_usage().num_cached_blocks, 3);
+        s.reset_prefix_cache();
+        assert_eq!(s.kv_usage().num_cached_blocks, 0);
+        s.add_request(NewRequest::new(2, prompt, 2)).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.num_tokens(), 13, "nothing is served from the cache");
+        assert_eq!(s.num_cached_tokens(2).unwrap(), 0);
+    }
+}

@@ -169,7 +169,7 @@ impl Scheduler {
     pub fn block_tables(&self, out: &SchedulerOutput) -> CoreResult<Vec<i32>> {
         match &out.block_tables {
             BlockTables::Owned(v) => Ok(v.clone()),
-            BlockTables::Batch { .. } => {
+            BlockTables::Batch => {
                 self.check_batch_view(out.step_id)?;
                 let m = out.max_blocks;
                 Ok((0..out.num_seqs()).flat_map(|r| (0..m).map(move |i| self.batch.block(r, i))).collect())
@@ -201,6 +201,7 @@ impl Scheduler {
 mod tests {
     use super::super::test_util::*;
     use super::super::*;
+    use crate::output::BlockTables;
     use crate::request::FinishReason;
 
     #[test]
@@ -234,5 +235,43 @@ mod tests {
         let (o, _) = step(&mut s, 7);
         assert_eq!(o.finished_req_ids, vec![1]);
         assert!(o.is_empty());
+    }
+
+    #[test]
+    fn a_mixed_step_flattens_the_decode_row_then_the_prefill_chunk() {
+        let mut s = with_requests(cfg(32, 4, 6), [req(1, 3, 10)]);
+        let (first, _) = step(&mut s, 5);
+        s.add_request(req(2, 9, 10)).unwrap();
+        let (o, _) = step(&mut s, 5);
+        assert_eq!(o.step_id, first.step_id + 1);
+        assert_eq!((o.req_ids.clone(), o.query_start_loc.clone(), o.seq_lens.clone()), (vec![1, 2], vec![0, 1, 6], vec![4, 5]));
+        assert_eq!(o.input_ids, vec![5, 2100, 2101, 2102, 2103, 2104]);
+        assert_eq!(o.positions, vec![3, 0, 1, 2, 3, 4]);
+        assert_eq!((bt(&o), o.max_blocks), (vec![1, 0, 2, 3], 2), "tables padded with the null block");
+        assert_eq!(o.slot_mapping, vec![7, 8, 9, 10, 11, 12]);
+        assert_eq!((o.logits_indices.clone(), o.row_req_ids.clone(), o.row_sample_index.clone()), (vec![0], vec![1], vec![0]));
+        assert_eq!(o.row_seq_ids, vec![o.seq_ids[0]], "request 2's chunk is partial: no row");
+        assert_eq!((o.num_decode_tokens, o.num_prefill_tokens, o.block_size), (1, 5, 4));
+        let (o, _) = step(&mut s, 5); // the budget finishes the prompt: both sample
+        assert_eq!((o.query_start_loc.clone(), o.logits_indices), (vec![0, 1, 5], vec![0, 4]));
+    }
+
+    #[test]
+    fn a_step_that_leaves_a_running_sequence_out_gathers_a_compact_copy_of_the_tables() {
+        // A higher-priority prompt admitted behind a decode takes the next step's whole budget:
+        // the decode after it in the running order is left out.
+        let mut c = cfg(64, 4, 8);
+        c.policy = Policy::Priority;
+        let mut s = with_requests(c, [req(2, 3, 10)]);
+        step(&mut s, 1);
+        s.add_request(NewRequest { priority: -1, ..req(3, 20, 4) }).unwrap();
+        step(&mut s, 1); // request 2's decode + 7 prompt tokens of request 3
+        let o = s.schedule().unwrap();
+        assert_eq!((o.req_ids.clone(), o.num_tokens(), s.num_running_seqs()), (vec![3], 8, 2));
+        let table: Vec<i32> = s.seq_block_table(only_seq(&s, 3)).unwrap().iter().map(|&b| b as i32).collect();
+        assert!(matches!(&o.block_tables, BlockTables::Owned(t) if *t == table), "{:?} vs {table:?}", o.block_tables);
+        assert_eq!(o.max_blocks, table.len());
+        s.update(o.step_id, &[]).unwrap();
+        assert_eq!(s.block_tables(&o).unwrap(), table, "a copy stays readable after update");
     }
 }

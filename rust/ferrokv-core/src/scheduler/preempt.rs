@@ -169,7 +169,7 @@ impl Scheduler {
 mod tests {
     use super::super::test_util::*;
     use super::super::*;
-    use crate::request::FinishReason;
+    use crate::request::{FinishReason, RequestState};
 
     #[test]
     fn a_prefill_at_the_back_that_runs_out_of_blocks_preempts_only_itself() {
@@ -229,14 +229,15 @@ mod tests {
         assert_eq!(s.stats().output_tokens_recomputed, 2);
     }
 
+    /// 6 usable blocks of 2 tokens, swap mode: the fourth step swaps request 2 out.
+    fn swapping() -> Scheduler {
+        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, num_cpu_blocks: 8, ..cfg(7, 2, 16) };
+        with_requests(c, [req(1, 4, 8), req(2, 4, 8)])
+    }
+
     #[test]
     fn swap_mode_emits_swap_pairs_and_resumes_without_recompute() {
-        let mut c = cfg(7, 2, 16);
-        c.preemption_mode = PreemptionMode::Swap;
-        c.num_cpu_blocks = 8;
-        let mut s = Scheduler::new(c).unwrap();
-        s.add_request(req(1, 4, 8)).unwrap();
-        s.add_request(req(2, 4, 8)).unwrap();
+        let mut s = swapping();
         for _ in 0..3 {
             step(&mut s, 1);
         }
@@ -249,7 +250,8 @@ mod tests {
             let (o, _) = step(&mut s, 1);
             if !o.swap_in.is_empty() {
                 swapped_in = true;
-                assert_eq!(o.swap_in.len(), 6);
+                let cpu: Vec<i32> = o.swap_in.iter().step_by(2).copied().collect();
+                assert_eq!(cpu, vec![0, 1, 2], "(cpu, gpu) pairs, in the order they went out");
                 assert_eq!(o.positions.len(), 1, "a swapped request resumes with one decode token");
             }
             if !s.has_unfinished() {
@@ -257,6 +259,7 @@ mod tests {
             }
         }
         assert!(swapped_in);
+        assert_eq!((s.kv_stats().blocks_swapped_out, s.kv_stats().blocks_swapped_in), (3, 3));
         assert_eq!(s.stats().output_tokens_recomputed, 0);
         assert_eq!(s.num_free_blocks(), 6);
     }
@@ -316,5 +319,41 @@ mod tests {
         assert!(done.is_empty());
         assert_eq!(s.seq_tokens(s.request_seq_ids(2).unwrap()[0]).unwrap().len(), 6);
         s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn abort_frees_blocks_wherever_the_request_is_and_reports_it_once_in_order() {
+        let mut c = cfg(32, 4, 16);
+        c.max_num_seqs = 2;
+        let mut s = with_requests(c, [req(1, 6, 10), req(2, 6, 10), req(3, 6, 10)]);
+        step(&mut s, 1);
+        assert_eq!((s.num_running(), s.num_waiting()), (2, 1));
+        s.abort(3).unwrap(); // waiting
+        s.abort(1).unwrap(); // running
+        assert_eq!(s.num_free_blocks(), 31 - 2);
+        let out = s.schedule().unwrap();
+        assert_eq!(out.finished_req_ids, vec![3, 1], "ended since the previous step, in order");
+        assert_eq!(out.req_ids, vec![2]);
+        s.abort(2).unwrap(); // with a step in flight: update ignores its row
+        assert_eq!(s.num_free_blocks(), 31);
+        assert!(s.update(out.step_id, &[1]).unwrap().is_empty());
+        let (o, _) = step(&mut s, 1);
+        assert_eq!((o.finished_req_ids.clone(), o.num_tokens()), (vec![2], 0));
+        assert_eq!((s.stats().requests_aborted, s.stats().requests_finished), (3, 0));
+        assert_eq!(s.abort(2), Err(CoreError::UnknownRequest { request_id: 2 }));
+    }
+
+    #[test]
+    fn aborting_a_swapped_request_releases_its_cpu_blocks() {
+        let mut s = swapping();
+        for _ in 0..4 {
+            step(&mut s, 1);
+        }
+        let (slot, _) = s.locate_seq(only_seq(&s, 2)).unwrap();
+        assert_eq!(s.req(slot).state, RequestState::Swapped);
+        s.abort(2).unwrap();
+        s.check_invariants().unwrap(); // the CPU pool's ref counts match the tables left
+        drain(&mut s, 1);
+        assert_eq!((s.num_free_blocks(), s.kv_stats().blocks_swapped_in), (6, 0));
     }
 }

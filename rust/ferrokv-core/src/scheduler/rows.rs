@@ -137,3 +137,71 @@ impl Scheduler {
     }
 
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::*;
+    use super::super::*;
+    use crate::batch::NO_ROW;
+    use crate::kv_cache_manager::BlockIds;
+
+    /// Two running requests (block size 16) whose rows stage the tokens of their last two steps.
+    fn staged() -> Scheduler {
+        let mut s = with_requests(cfg(16, 16, 32), [req(1, 3, 10), req(2, 3, 10)]);
+        for t in 1..=3 {
+            step(&mut s, t);
+        }
+        s
+    }
+
+    #[test]
+    fn take_row_moves_the_count_and_staged_tokens_into_the_sequence_and_give_row_moves_them_back() {
+        let mut s = staged();
+        let (seq, other) = (only_seq(&s, 1), only_seq(&s, 2));
+        let (slot, pos) = s.locate_seq(seq).unwrap();
+        let row = row_of(&s, seq);
+        assert_eq!(s.batch.pending(row), [2, 3], "the tokens of the last two steps are staged");
+        let tokens = s.seq_tokens(seq).unwrap();
+        let computed = s.batch.rows[row].computed as usize;
+        let blocks = s.batch.ids(row).to_vec();
+        assert_ne!(s.req(slot).seqs[pos].num_computed, computed, "the row holds the only count");
+        s.take_row(slot, pos);
+        let q = &s.req(slot).seqs[pos];
+        assert_eq!((q.row, q.num_computed, &q.tokens), (NO_ROW, computed, &tokens));
+        assert_eq!((s.batch.len(), row_of(&s, other)), (1, row), "the last row moved into the hole");
+        s.give_row(slot, pos, &blocks);
+        let row = row_of(&s, seq);
+        let h = s.batch.rows[row];
+        assert_eq!((row, h.computed as usize, h.num_tokens as usize), (1, computed, tokens.len()));
+        assert_eq!((s.batch.last_token[row], s.batch.ids(row).to_vec()), (3, blocks));
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn take_row_while_update_runs_marks_the_row_dead_and_moves_no_other_row() {
+        let mut s = staged();
+        let (seq, other) = (only_seq(&s, 1), only_seq(&s, 2));
+        let (slot, pos) = s.locate_seq(seq).unwrap();
+        let other_row = row_of(&s, other);
+        s.defer_row_removal = true;
+        s.take_row(slot, pos);
+        assert_eq!((s.batch.len(), row_of(&s, other)), (2, other_row));
+        assert!(s.batch.has_dead());
+        assert_eq!(s.req(slot).seqs[pos].row, NO_ROW);
+    }
+
+    #[test]
+    fn a_failed_admission_gives_its_rows_back_and_the_request_keeps_waiting() {
+        // 5 usable blocks of 4 tokens: request 1 holds 3 once it decodes; request 2's prompt
+        // needs 4.
+        let mut s = with_requests(cfg(6, 4, 32), [req(1, 8, 4)]);
+        step(&mut s, 1);
+        s.add_request(req(2, 16, 1)).unwrap();
+        let o = s.schedule().unwrap();
+        assert_eq!(o.req_ids, vec![1]);
+        let (slot, pos) = s.locate_seq(only_seq(&s, 2)).unwrap();
+        assert_eq!((s.batch.len(), s.req(slot).seqs[pos].row), (1, NO_ROW));
+        assert_eq!((s.num_waiting(), s.num_running_seqs(), s.num_free_blocks()), (1, 1, 2));
+        s.check_invariants().unwrap();
+    }
+}

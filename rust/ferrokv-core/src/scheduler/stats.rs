@@ -119,3 +119,66 @@ impl Scheduler {
     }
 
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::*;
+    use crate::error::CoreError;
+
+    #[test]
+    fn kv_usage_counts_a_shared_block_once_and_used_slots_by_computed_tokens() {
+        let mut s = with_requests(cfg(16, 4, 16), [req(1, 6, 10)]);
+        step(&mut s, 1); // 6 computed tokens in blocks 1, 2
+        let u = s.kv_usage();
+        assert_eq!((u.num_blocks, u.block_size, u.num_free_blocks), (16, 4, 13));
+        assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (2, 0, 2, 6));
+        assert_eq!(u.num_cached_blocks, 1, "the full block is registered");
+        s.fork_sequence(only_seq(&s, 1), None).unwrap();
+        let u = s.kv_usage();
+        assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (2, 2, 4, 6));
+        step(&mut s, 2); // both write position 6: one copies block 2 into block 3
+        let u = s.kv_usage();
+        assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (3, 1, 4, 4 + 3 + 3));
+        assert_eq!(u.num_free_blocks, 12);
+    }
+
+    #[test]
+    fn seq_tokens_include_the_tokens_staged_in_the_row() {
+        let mut s = with_requests(cfg(16, 16, 32), [req(1, 3, 10)]);
+        for t in 1..=3 {
+            step(&mut s, t);
+        }
+        let seq = only_seq(&s, 1);
+        assert_eq!(s.batch.pending(row_of(&s, seq)), [2, 3]);
+        assert_eq!(s.seq_tokens(seq).unwrap(), vec![1100, 1101, 1102, 1, 2, 3]);
+        s.add_request(req(2, 2, 1)).unwrap();
+        assert_eq!(s.seq_tokens(only_seq(&s, 2)).unwrap(), vec![2100, 2101], "a waiting sequence's own tokens");
+        assert_eq!(s.seq_tokens(99), Err(CoreError::UnknownSequence { seq_id: 99 }));
+    }
+
+    #[test]
+    fn seq_block_table_is_the_rows_table_while_running_and_empty_once_preempted() {
+        // 6 usable blocks of 2 tokens: the fourth step preempts request 2 for recompute.
+        let mut s = with_requests(cfg(7, 2, 16), [req(1, 4, 8), req(2, 4, 8)]);
+        let (a, b) = (only_seq(&s, 1), only_seq(&s, 2));
+        assert_eq!(s.seq_block_table(a).unwrap(), Vec::<u32>::new(), "waiting: no blocks yet");
+        for _ in 0..3 {
+            step(&mut s, 1);
+        }
+        assert_eq!((s.seq_block_table(a).unwrap(), s.seq_block_table(b).unwrap()), (vec![1, 2, 5], vec![3, 4, 6]));
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.preempted_req_ids, vec![2]);
+        assert_eq!((s.seq_block_table(a).unwrap(), s.seq_block_table(b).unwrap()), (vec![1, 2, 5, 6], vec![]), "its blocks freed tail first, 6 is reused first");
+        assert_eq!(s.seq_block_table(99), Err(CoreError::UnknownSequence { seq_id: 99 }));
+    }
+
+    #[test]
+    fn request_queries_answer_for_live_requests_only() {
+        let mut s = with_requests(cfg(16, 4, 16), [req(1, 3, 1)]);
+        assert_eq!(s.num_cached_tokens(1), Ok(0), "not admitted yet");
+        assert_eq!(s.request_seq_ids(1).unwrap().len(), 1);
+        step(&mut s, 1); // its one token: done
+        assert_eq!(s.request_seq_ids(1), Err(CoreError::UnknownRequest { request_id: 1 }));
+        assert_eq!(s.num_cached_tokens(1), Err(CoreError::UnknownRequest { request_id: 1 }));
+    }
+}

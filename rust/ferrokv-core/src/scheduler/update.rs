@@ -402,9 +402,10 @@ mod tests {
         let (o, _) = step(&mut s, 9);
         assert_eq!(o.logits_indices, vec![5, 5, 5]); // the last prompt row, sampled 3 times
         assert_eq!(o.row_sample_index, vec![0, 1, 2]);
+        assert_eq!(o.row_req_ids, vec![1, 1, 1]);
         assert_eq!(bt(&o), vec![1, 2]);
         let ids = s.request_seq_ids(1).unwrap();
-        assert_eq!(ids.len(), 3);
+        assert_eq!(o.row_seq_ids, ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), "the samples' ids are known at schedule");
         let u = s.kv_usage();
         assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs), (2, 2, 6));
         let out = s.schedule().unwrap();
@@ -412,8 +413,10 @@ mod tests {
         // Each sample writes position 6 in shared block 2: the first two copy, the last owns it.
         assert_eq!(out.copy_ops, vec![2, 3, 2, 4]);
         assert_eq!(s.block_tables(&out).unwrap(), vec![1, 3, 1, 4, 1, 2]);
+        assert_eq!(out.slot_mapping, vec![3 * 4 + 2, 4 * 4 + 2, 2 * 4 + 2]);
         assert_eq!(out.num_rows(), 3);
         s.update(out.step_id, &[1, 2, 3]).unwrap();
+        assert_eq!(s.kv_stats().cow_copies, 2);
         let toks: Vec<_> = ids.iter().map(|&i| s.seq_tokens(i).unwrap()[6..].to_vec()).collect();
         assert_eq!(toks, vec![vec![9, 1], vec![9, 2], vec![9, 3]]);
         let (_, done) = step(&mut s, 0);
@@ -430,6 +433,7 @@ mod tests {
         let parent = out.row_seq_ids[0] as u64;
         assert!(s.fork_sequence(parent, None).is_err()); // in flight: a token is required
         let child = s.fork_sequence(parent, Some(42)).unwrap();
+        assert_eq!((s.request_seq_ids(1).unwrap(), s.num_running_seqs()), (vec![parent, child], 2));
         s.update(out.step_id, &[41]).unwrap();
         assert_eq!(s.seq_tokens(parent).unwrap()[5..], [41]);
         assert_eq!(s.seq_tokens(child).unwrap()[5..], [42]);
@@ -438,7 +442,8 @@ mod tests {
         assert_eq!(o.copy_ops, vec![2, 3]);
         assert_eq!(o.num_rows(), 2);
         assert!(!s.drop_sequence(parent).unwrap());
-        assert_eq!(s.seq_block_table(child).unwrap(), vec![1, 2]);
+        assert_eq!(s.seq_tokens(parent), Err(CoreError::UnknownSequence { seq_id: parent }));
+        assert_eq!((s.seq_block_table(child).unwrap(), s.num_running_seqs()), (vec![1, 2], 1));
         assert!(s.drop_sequence(child).unwrap());
         assert!(!s.has_unfinished());
         assert_eq!(s.num_free_blocks(), 15);
@@ -450,21 +455,21 @@ mod tests {
         let mut s = Scheduler::new(cfg(16, 4, 16)).unwrap();
         s.add_request(req(1, 6, 20)).unwrap();
         step(&mut s, 1); // prefill: blocks 1, 2 (tokens 0..4, 4..6)
-        let row_of = |s: &Scheduler, seq: u64| s.batch.rows[s.req(s.seq_owner[&seq]).seqs.iter().find(|q| q.seq_id == seq).unwrap().row as usize];
+        let row = |s: &Scheduler, seq: u64| s.batch.rows[row_of(s, seq)];
         let parent = s.request_seq_ids(1).unwrap()[0];
         step(&mut s, 2); // decode at position 6, inside block 2: its ref count seen at 1
-        assert_eq!((row_of(&s, parent).tail_block, row_of(&s, parent).tail_owned), (2, true));
+        assert_eq!((row(&s, parent).tail_block, row(&s, parent).tail_owned), (2, true));
         let child = s.fork_sequence(parent, None).unwrap();
-        assert!(!row_of(&s, parent).tail_owned && !row_of(&s, child).tail_owned);
+        assert!(!row(&s, parent).tail_owned && !row(&s, child).tail_owned);
         // Both write position 7 of the shared block 2: one copies it first.
         let (o, _) = step(&mut s, 3);
         assert_eq!(o.copy_ops, vec![2, 3]);
         assert_eq!(o.slot_mapping, vec![3 * 4 + 3, 2 * 4 + 3]);
-        assert_eq!((row_of(&s, parent).tail_block, row_of(&s, child).tail_block), (3, 2));
+        assert_eq!((row(&s, parent).tail_block, row(&s, child).tail_block), (3, 2));
         // Position 8 starts fresh blocks; position 9 is written where each row owns its tail.
         let (o, _) = step(&mut s, 4);
         assert!(o.copy_ops.is_empty());
-        assert!(row_of(&s, parent).tail_owned && row_of(&s, child).tail_owned);
+        assert!(row(&s, parent).tail_owned && row(&s, child).tail_owned);
         s.drop_sequence(child).unwrap();
         let (o, _) = step(&mut s, 5);
         assert_eq!((o.positions.clone(), o.copy_ops.len()), (vec![9], 0));
@@ -493,5 +498,119 @@ mod tests {
         assert_eq!(s.abort(3), Err(CoreError::UnknownRequest { request_id: 3 }));
         let o = s.schedule().unwrap();
         assert_eq!(o.finished_req_ids, vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn a_wrong_token_count_or_an_out_of_range_token_is_an_error_and_changes_nothing() {
+        let mut s = with_requests(cfg(8, 4, 16), [req(1, 3, 2)]);
+        let o = s.schedule().unwrap();
+        let field = |r: CoreResult<Vec<FinishedSeq>>| match r {
+            Err(CoreError::InvalidArgument { field, value, .. }) => format!("{field}={value}"),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(s.update(o.step_id, &[1, 2])), "sampled_token_ids=<2 tokens>");
+        assert_eq!(field(s.update(o.step_id, &[])), "sampled_token_ids=<0 tokens>");
+        assert_eq!(field(s.update(o.step_id, &[-1])), "sampled_token_ids=-1");
+        assert_eq!(field(s.update(o.step_id, &[1 << 32])), "sampled_token_ids=4294967296");
+        s.check_invariants().unwrap();
+        assert_eq!(s.seq_tokens(only_seq(&s, 1)).unwrap().len(), 3);
+        s.update(o.step_id, &[u32::MAX as i64]).unwrap();
+        assert_eq!(s.seq_tokens(only_seq(&s, 1)).unwrap()[3], u32::MAX);
+    }
+
+    #[test]
+    fn update_stops_on_eos_and_stop_ids_after_min_tokens_unless_eos_is_ignored() {
+        let stop = |eos: Option<u32>, ids: &[u32], min_tokens: usize, ignore_eos: bool| NewRequest {
+            eos_token_id: eos,
+            stop_token_ids: ids.to_vec(),
+            min_tokens,
+            ignore_eos,
+            ..req(1, 3, 4)
+        };
+        // (request, tokens sampled, tokens until it ends, reason, stop token)
+        let cases = [
+            (stop(Some(2), &[], 0, false), vec![1, 1, 2, 1], 3, FinishReason::Stop, None),
+            (stop(None, &[5, 6], 0, false), vec![1, 6, 1], 2, FinishReason::Stop, Some(6)),
+            (stop(None, &[], 0, false), vec![1; 10], 4, FinishReason::Length, None),
+            (stop(Some(2), &[], 3, false), vec![2, 2, 2, 1], 3, FinishReason::Stop, None),
+            (stop(None, &[5], 2, false), vec![5, 5], 2, FinishReason::Stop, Some(5)),
+            (stop(Some(2), &[], 0, true), vec![2, 2, 2, 2], 4, FinishReason::Length, None),
+            (stop(Some(2), &[2], 0, true), vec![2], 1, FinishReason::Stop, Some(2)),
+        ];
+        for (r, tokens, n, reason, stop_token) in cases {
+            let what = format!("{r:?}");
+            let mut s = with_requests(cfg(32, 4, 16), [r]);
+            let (mut steps, mut done) = (0, Vec::new());
+            for &t in &tokens {
+                steps += 1;
+                done = step(&mut s, t).1;
+                if !done.is_empty() {
+                    break;
+                }
+            }
+            assert_eq!((steps, done.len()), (n, 1), "{what}");
+            assert_eq!((done[0].reason, done[0].stop_token, done[0].request_finished), (reason, stop_token, true), "{what}");
+            assert_eq!((s.stats().generated_tokens, s.num_free_blocks()), (n as u64, 31), "{what}");
+        }
+    }
+
+    #[test]
+    fn a_sequence_reaching_max_model_len_finishes_with_length() {
+        let c = SchedulerConfig { max_model_len: 8, ..cfg(32, 4, 16) };
+        let mut s = with_requests(c, [req(1, 6, 100)]);
+        assert!(step(&mut s, 1).1.is_empty());
+        let (_, done) = step(&mut s, 1);
+        assert_eq!((done.len(), done[0].reason), (1, FinishReason::Length));
+        assert_eq!(s.stats().generated_tokens, 2);
+    }
+
+    #[test]
+    fn a_fork_that_stops_at_once_is_reported_by_the_next_update() {
+        let mut s = with_requests(cfg(16, 4, 16), [NewRequest { eos_token_id: Some(0), ..req(1, 5, 10) }]);
+        let out = s.schedule().unwrap();
+        let parent = only_seq(&s, 1);
+        let child = s.fork_sequence(parent, Some(0)).unwrap(); // EOS: it ends at once
+        assert_eq!(s.request_seq_ids(1).unwrap(), vec![parent]);
+        s.check_invariants().unwrap();
+        let done = s.update(out.step_id, &[3]).unwrap();
+        let d = &done[..];
+        assert_eq!(d.len(), 1);
+        assert_eq!((d[0].seq_id, d[0].reason, d[0].request_finished), (child, FinishReason::Stop, false));
+        assert_eq!(s.num_free_blocks(), 13);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_fork_is_refused_while_waiting_before_the_samples_exist_and_past_max_num_seqs() {
+        let mut c = cfg(32, 4, 16);
+        c.max_num_seqs = 3;
+        let mut s = with_requests(c, [NewRequest { n: 2, ..req(1, 4, 5) }, req(2, 4, 5), req(3, 4, 5)]);
+        let o = s.schedule().unwrap(); // requests 1 (two samples) and 2 fill the batch
+        let not_running = s.fork_sequence(only_seq(&s, 3), None);
+        assert!(matches!(not_running, Err(CoreError::InvalidState { message }) if message.contains("not running")));
+        let unborn = s.fork_sequence(only_seq(&s, 1), Some(1));
+        assert!(matches!(unborn, Err(CoreError::InvalidState { message }) if message.contains("samples do not exist yet")));
+        s.update(o.step_id, &[1, 1, 1]).unwrap();
+        let full = s.fork_sequence(only_seq(&s, 2), None);
+        assert!(matches!(full, Err(CoreError::InvalidArgument { field: "seq_id", reason, .. }) if reason.contains("max_num_seqs=3")));
+        assert_eq!((s.num_running_seqs(), s.request_seq_ids(2).unwrap().len()), (3, 1));
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn reserved_sequence_slots_let_beams_fork_in_a_full_batch() {
+        let mut c = cfg(64, 4, 16);
+        c.max_num_seqs = 4;
+        let mut s = with_requests(c, [NewRequest { reserve_seqs: 3, ..req(1, 3, 10) }, req(2, 3, 10)]);
+        let out = s.schedule().unwrap();
+        assert_eq!(s.num_running_seqs(), 4, "a beam of width 3 and one more");
+        let parent = only_seq(&s, 1);
+        s.fork_sequence(parent, Some(5)).unwrap();
+        s.fork_sequence(parent, Some(6)).unwrap(); // within the reservation
+        let over = s.fork_sequence(parent, Some(7));
+        assert!(matches!(over, Err(CoreError::InvalidArgument { reason, .. }) if reason.contains("max_num_seqs")));
+        s.update(out.step_id, &vec![1; out.num_rows()]).unwrap();
+        assert_eq!((s.num_running_seqs(), s.request_seq_ids(1).unwrap().len()), (4, 3));
+        s.check_invariants().unwrap();
     }
 }
