@@ -62,7 +62,7 @@ STATS_KEYS = {
     "preemptions", "swap_preemptions", "recompute_preemptions", "prompt_tokens",
     "prompt_tokens_computed", "output_tokens_recomputed", "cached_prompt_tokens",
     "first_admission_cached_tokens", "decode_tokens", "generated_tokens", "max_running_seqs",
-    "max_step_tokens", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "prefix_evictions",
+    "max_step_tokens", "cancelled_steps", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "prefix_evictions",
     "num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_shared_blocks",
     "num_block_refs", "num_used_token_slots", "block_size", "num_waiting", "num_running",
     "num_running_seqs",

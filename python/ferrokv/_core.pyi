@@ -161,6 +161,11 @@ class Scheduler:
         """One token per logits row of ``output``; runs with the GIL released. Rows of aborted or
         dropped sequences are ignored. Returns the sequences that ended (incl. forks that ended at
         once and requests aborted because they outgrew the cache)."""
+    def cancel_step(self, output: SchedulerOutput) -> None:
+        """Instead of ``update`` when the step's forward pass failed or was interrupted: no token is
+        appended and no computed count advances; blocks the step allocated are released, requests
+        whose block ops may not have run are recomputed, a request that forked or dropped a
+        sequence mid-step is aborted. What the output reported is reported again."""
     def abort(self, request_id: int) -> None: ...
     def fork_sequence(self, seq_id: int, next_token: int | None = None) -> int:
         """A new sequence sharing all blocks of ``seq_id`` (copy-on-write). While a step is in flight

@@ -188,6 +188,13 @@ impl BlockIdsMut for RowIds<'_> {
     fn push_fresh(&mut self, b: BlockId) {
         self.append(b, true);
     }
+    fn pop(&mut self) -> Option<BlockId> {
+        let n = self.len().checked_sub(1)?;
+        let b = BlockId(self.cells[n].swap(0, Relaxed) as u32);
+        let tail = if n == 0 { 0 } else { self.cells[n - 1].load(Relaxed) as u32 };
+        (self.h.num_blocks, self.h.tail_block, self.h.tail_owned) = (n as u32, tail, false);
+        Some(b)
+    }
 }
 
 impl RowState {

@@ -46,6 +46,8 @@ pub trait BlockIdsMut: BlockIds {
     fn push_fresh(&mut self, b: BlockId) {
         self.push(b)
     }
+    /// Removes the last block id.
+    fn pop(&mut self) -> Option<BlockId>;
 }
 
 impl BlockIds for Vec<BlockId> {
@@ -63,6 +65,9 @@ impl BlockIdsMut for Vec<BlockId> {
     }
     fn push(&mut self, b: BlockId) {
         Vec::push(self, b);
+    }
+    fn pop(&mut self) -> Option<BlockId> {
+        Vec::pop(self)
     }
 }
 
@@ -400,6 +405,16 @@ impl KvCacheManager {
         t.cpu_blocks.clear();
         t.num_registered = 0;
         t.last_link = None;
+    }
+
+    /// Releases the blocks of a running sequence past its first `keep` (a cancelled step's
+    /// allocations; they are never cached).
+    pub fn truncate(&mut self, ids: &mut impl BlockIdsMut, keep: usize) {
+        while ids.len() > keep {
+            let b = ids.pop().expect("longer than keep");
+            let cached = self.cache.as_ref().is_some_and(|c| c.is_cached(b));
+            self.gpu.decref(b, cached);
+        }
     }
 
     /// Drops one reference to each block of `ids`, tail first (cached blocks stay cached).

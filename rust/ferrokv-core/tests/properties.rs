@@ -9,7 +9,8 @@ use proptest::prelude::*;
 #[derive(Debug, Clone)]
 enum Op {
     Add { prompt_len: usize, shared_prefix: bool, max_tokens: usize, n: u32, priority: i32, eos: bool },
-    Step { tokens: Vec<u8>, fork_rows: Vec<u8>, drop_rows: Vec<u8>, abort_rows: Vec<u8> },
+    /// `cancel`: the forward pass fails and the step is cancelled instead of updated.
+    Step { tokens: Vec<u8>, fork_rows: Vec<u8>, drop_rows: Vec<u8>, abort_rows: Vec<u8>, cancel: bool },
     Abort(u8),
     ForkIdle(u8),
     Drop(u8),
@@ -25,8 +26,9 @@ fn op() -> impl Strategy<Value = Op> {
             prop::collection::vec(any::<u8>(), 0..2),
             prop::collection::vec(any::<u8>(), 0..2),
             prop::collection::vec(any::<u8>(), 0..2),
+            0u8..8, // one step in 8 is cancelled
         )
-            .prop_map(|(tokens, fork_rows, drop_rows, abort_rows)| Op::Step { tokens, fork_rows, drop_rows, abort_rows }),
+            .prop_map(|(tokens, fork_rows, drop_rows, abort_rows, cancel)| Op::Step { tokens, fork_rows, drop_rows, abort_rows, cancel: cancel == 0 }),
         1 => any::<u8>().prop_map(Op::Abort),
         1 => any::<u8>().prop_map(Op::ForkIdle),
         1 => any::<u8>().prop_map(Op::Drop),
@@ -98,7 +100,7 @@ fn apply(s: &mut Scheduler, op: Op, ids: &mut Vec<u64>, next_id: &mut u64) -> Re
             }
             *next_id += 1;
         }
-        Op::Step { tokens, fork_rows, drop_rows, abort_rows } => {
+        Op::Step { tokens, fork_rows, drop_rows, abort_rows, cancel } => {
             let out = s.schedule().unwrap();
             invariants(s)?;
             check_output(s, &out)?;
@@ -117,6 +119,12 @@ fn apply(s: &mut Scheduler, op: Op, ids: &mut Vec<u64>, next_id: &mut u64) -> Re
                 }
             }
             invariants(s)?;
+            if cancel {
+                let free = s.num_free_blocks();
+                s.cancel_step(out.step_id).unwrap();
+                prop_assert!(s.num_free_blocks() >= free, "a cancel releases, never takes");
+                return invariants(s);
+            }
             let sampled: Vec<i64> = (0..rows).map(|i| *tokens.get(i).unwrap_or(&9) as i64 % 6).collect();
             s.update(out.step_id, &sampled).unwrap();
         }
@@ -167,7 +175,7 @@ proptest! {
         }
         for _ in 0..drain.unwrap_or(2000) {
             if !s.has_unfinished() { break; }
-            apply(&mut s, Op::Step { tokens: vec![4; 8], fork_rows: vec![], drop_rows: vec![], abort_rows: vec![] }, &mut ids, &mut next_id)?;
+            apply(&mut s, Op::Step { tokens: vec![4; 8], fork_rows: vec![], drop_rows: vec![], abort_rows: vec![], cancel: false }, &mut ids, &mut next_id)?;
         }
         if drain.is_none() {
             prop_assert!(!s.has_unfinished(), "requests left: {}", s.num_unfinished());

@@ -547,6 +547,15 @@ impl PyScheduler {
         Ok(done.into_iter().map(Into::into).collect())
     }
 
+    /// Undoes the step of `output` instead of `update` (its forward pass failed or was
+    /// interrupted): no token is appended and no computed count advances (GIL released).
+    fn cancel_step(&mut self, py: Python<'_>, output: PyRef<'_, PySchedulerOutput>) -> PyResult<()> {
+        let step_id = output.step_id;
+        drop(output);
+        let inner = &mut self.inner;
+        py.detach(|| inner.cancel_step(step_id)).map_err(to_py_err)
+    }
+
     fn abort(&mut self, request_id: i64) -> PyResult<()> {
         let id = non_negative("request_id", request_id)?;
         self.inner.abort(id).map_err(to_py_err)
@@ -636,7 +645,7 @@ impl PyScheduler {
         let k = self.inner.kv_stats();
         let u = self.inner.kv_usage();
         let d = PyDict::new(py);
-        let items: [(&str, u64); 32] = [
+        let items: [(&str, u64); 33] = [
             ("steps", s.steps),
             ("requests_added", s.requests_added),
             ("requests_finished", s.requests_finished),
@@ -654,6 +663,7 @@ impl PyScheduler {
             ("generated_tokens", s.generated_tokens),
             ("max_running_seqs", s.max_running_seqs),
             ("max_step_tokens", s.max_step_tokens),
+            ("cancelled_steps", s.cancelled_steps),
             ("cow_copies", k.cow_copies),
             ("blocks_swapped_out", k.blocks_swapped_out),
             ("blocks_swapped_in", k.blocks_swapped_in),

@@ -60,16 +60,19 @@ impl Scheduler {
                 return Err("running list is not in (priority, arrival) order".into());
             }
         }
-        if let Some(i) = rows_seen.iter().position(|&seen| !seen) {
+        // Rows that left while a step is in flight stay (dead) until it ends.
+        let in_flight = self.in_flight.is_some();
+        let orphan = (0..rows_seen.len()).find(|&i| !rows_seen[i] && !(in_flight && self.batch.rows[i].is_dead));
+        if let Some(i) = orphan {
             return Err(format!("batch row {i} belongs to no running sequence"));
         }
-        if self.batch.has_dead() {
+        if self.batch.has_dead() && !in_flight {
             return Err("dead batch rows outlived update()".into());
         }
         self.batch.check_padding()?;
         if let Some(f) = &self.in_flight {
             if !f.forked {
-                for r in (0..self.batch.len()).filter(|&r| self.batch.rows[r].new_tokens > 0) {
+                for r in (0..self.batch.len()).filter(|&r| self.batch.rows[r].new_tokens > 0 && !self.batch.rows[r].is_dead) {
                     let SeqRef { slot, seq_id } = self.batch.owner[r];
                     let req = self.req(slot);
                     req.seq_pos(seq_id).ok_or("a row's sequence is gone")?;

@@ -34,6 +34,7 @@
 //! sorted running list.
 
 mod admit;
+mod cancel;
 mod config;
 mod decode;
 mod invariants;
@@ -56,13 +57,31 @@ use crate::output::{FinishedSeq, SchedulerOutput};
 use crate::request::Request;
 use std::collections::{BTreeSet, HashMap};
 
-/// A step between `schedule` and `update`. Its plan (tokens, sampling rows, fan-outs) lives in
-/// the batch rows and moves with them.
+/// A step between `schedule` and `update` (or `cancel_step`). Its plan (tokens, sampling rows,
+/// fan-outs) lives in the batch rows and moves with them.
 struct InFlight {
     step_id: u64,
     num_logits_rows: usize,
     /// A fork since `schedule` legitimately shares blocks this step wrote.
     forked: bool,
+    undo: StepUndo,
+}
+
+/// What `cancel_step` needs besides the rows' plans to undo a step whose forward pass (and
+/// maybe its block ops) never completed. Requests are named by id: a slot may be reused.
+#[derive(Debug, Default)]
+struct StepUndo {
+    /// GPU blocks the step's copy and swap-in ops were to fill.
+    filled: Vec<u32>,
+    /// Requests the step swapped out (their CPU copy may never have been made).
+    swapped_out: Vec<u64>,
+    /// Requests that forked or dropped a sequence while the step was in flight.
+    reshaped: Vec<u64>,
+    /// What the step's output reported, to report again after a cancel.
+    finished_ids: Vec<i64>,
+    preempted_ids: Vec<i64>,
+    /// Counters of computed work before the step.
+    stats: SchedulerStats,
 }
 
 
@@ -91,8 +110,13 @@ pub struct Scheduler {
     next_seq_id: u64,
     step_id: u64,
     in_flight: Option<InFlight>,
-    /// Set while `update` runs: leaving rows are marked dead and compacted at its end.
+    /// Set while `update` or `cancel_step` runs: leaving rows are marked dead and compacted at
+    /// its end (also while a step is in flight, so that its arrays stay valid).
     defer_row_removal: bool,
+    /// The undo record of the step being planned.
+    undo: StepUndo,
+    /// Preemptions a cancelled step's output reported, for the next output.
+    pending_preempted: Vec<i64>,
     batch: Batch,
     pending_finished: Vec<FinishedSeq>,
     ended_ids: Vec<i64>,
@@ -141,6 +165,8 @@ impl Scheduler {
             step_id: instance << 32,
             in_flight: None,
             defer_row_removal: false,
+            undo: StepUndo::default(),
+            pending_preempted: Vec::new(),
             pending_finished: Vec::new(),
             ended_ids: Vec::new(),
             ending: Vec::new(),
@@ -203,6 +229,7 @@ impl Scheduler {
         self.step_id += 1;
         self.stats.steps += 1;
         self.step = StepCounts::default();
+        self.undo = StepUndo { stats: self.stats, ..StepUndo::default() };
         let budget = self.cfg.max_num_batched_tokens;
         let (budget, preempted) = self.schedule_running(budget);
         if preempted.is_empty() {
@@ -211,7 +238,10 @@ impl Scheduler {
         self.stats.max_running_seqs = self.stats.max_running_seqs.max(self.num_running_seqs as u64);
         self.stats.max_step_tokens = self.stats.max_step_tokens.max(self.step.tokens as u64);
         let out = self.build_output(preempted);
-        self.in_flight = Some(InFlight { step_id: self.step_id, num_logits_rows: out.num_rows(), forked: false });
+        let mut undo = std::mem::take(&mut self.undo);
+        undo.filled.extend(out.copy_ops.iter().skip(1).step_by(2).chain(out.swap_in.iter().skip(1).step_by(2)).map(|&b| b as u32));
+        (undo.finished_ids, undo.preempted_ids) = (out.finished_req_ids.clone(), out.preempted_req_ids.clone());
+        self.in_flight = Some(InFlight { step_id: self.step_id, num_logits_rows: out.num_rows(), forked: false, undo });
         Ok(out)
     }
 
@@ -220,6 +250,18 @@ impl Scheduler {
     fn running_index(&self, slot: u32) -> usize {
         let key = self.req(slot).order_key();
         self.running.partition_point(|&s| self.req(s).order_key() < key)
+    }
+
+    /// The step in flight, if `step_id` names it (for `update` and `cancel_step`).
+    fn step_in_flight(&self, call: &str, step_id: u64) -> CoreResult<&InFlight> {
+        let Some(fl) = self.in_flight.as_ref() else {
+            return Err(CoreError::InvalidState { message: format!("{call}() called with no step in flight: call schedule() first") });
+        };
+        if fl.step_id != step_id {
+            let msg = format!("{call}() got the output of step {step_id}, but step {} is in flight", fl.step_id);
+            return Err(CoreError::InvalidState { message: msg });
+        }
+        Ok(fl)
     }
 
     fn locate_seq(&self, seq_id: u64) -> CoreResult<(u32, usize)> {

@@ -90,7 +90,8 @@ impl Scheduler {
         o.step_id = self.step_id;
         o.block_size = bs;
         o.finished_req_ids = std::mem::take(&mut self.ended_ids);
-        o.preempted_req_ids = preempted;
+        o.preempted_req_ids = std::mem::take(&mut self.pending_preempted);
+        o.preempted_req_ids.extend(preempted);
         o.num_decode_tokens = decode_tokens;
         o.num_prefill_tokens = t_count - decode_tokens;
         let b = &mut self.batch;

@@ -67,9 +67,14 @@ impl Scheduler {
     /// Takes a running request's blocks away: to the CPU pool in swap mode (when it fits),
     /// else freed for recomputation. It goes back to the waiting queue at its original place.
     pub(super) fn preempt(&mut self, slot: u32) {
+        self.preempt_as(slot, self.cfg.preemption_mode);
+    }
+
+    /// `preempt` in the given mode (swap falls back to recompute when the CPU pool is full).
+    pub(super) fn preempt_as(&mut self, slot: u32, mode: PreemptionMode) {
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         self.num_running_seqs -= req.seq_slots();
-        let swapped = self.cfg.preemption_mode == PreemptionMode::Swap && {
+        let swapped = mode == PreemptionMode::Swap && {
             let ids: Vec<_> = req.seqs.iter().map(|s| self.batch.ids(s.row as usize)).collect();
             let mut tables: Vec<&mut SeqKv> = req.seqs.iter_mut().map(|s| &mut s.kv).collect();
             self.kv.swap_out(&mut tables, &ids)
@@ -86,6 +91,7 @@ impl Scheduler {
         if swapped {
             req.state = RequestState::Swapped;
             self.stats.swap_preemptions += 1;
+            self.undo.swapped_out.push(req.request_id);
         } else {
             req.seqs.iter_mut().for_each(|s| s.num_computed = 0);
             req.state = RequestState::Waiting;
@@ -145,12 +151,17 @@ impl Scheduler {
     }
 
     /// Ends one sequence and frees its blocks. Returns true if it was its request's last, in
-    /// which case the request is gone too.
+    /// which case the request is gone too and counts as finished (its caller ended it: a stop
+    /// string, a beam search that is done).
     pub fn drop_sequence(&mut self, seq_id: u64) -> CoreResult<bool> {
         let (slot, pos) = self.locate_seq(seq_id)?;
         if self.req(slot).seqs.len() == 1 {
             self.end_request(slot, FinishReason::Abort, false);
+            self.stats.requests_finished += 1;
             return Ok(true);
+        }
+        if let Some(f) = self.in_flight.as_mut() {
+            f.undo.reshaped.push(self.requests[slot as usize].as_ref().expect("live slot").request_id);
         }
         let mut sink = Vec::new();
         let last = self.finish_seq(slot, pos, FinishReason::Abort, None, &mut sink);

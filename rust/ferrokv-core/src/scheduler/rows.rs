@@ -49,7 +49,9 @@ impl Scheduler {
     }
 
     /// Takes a sequence's row away: its staged tokens and computed count go back into the
-    /// sequence. Its blocks must be released or swapped out first.
+    /// sequence. Its blocks must be released or swapped out first. While a step is in flight
+    /// (or `update` runs) the row is only marked dead, so that the step's arrays, which index
+    /// rows, stay valid; it is compacted when the step ends.
     pub(super) fn take_row(&mut self, slot: u32, pos: usize) {
         self.flush_seq(slot, pos);
         let s = &mut self.requests[slot as usize].as_mut().expect("live slot").seqs[pos];
@@ -58,7 +60,7 @@ impl Scheduler {
             return;
         }
         s.num_computed = self.batch.rows[row as usize].computed as usize;
-        if self.defer_row_removal {
+        if self.defer_row_removal || self.in_flight.is_some() {
             self.batch.mark_dead(row);
         } else if let Some(m) = self.batch.swap_remove(row) {
             self.fix_moved(m);
@@ -128,6 +130,18 @@ impl Scheduler {
 
     pub(super) fn fix_moved(&mut self, m: Moved) {
         Self::seq_of(&mut self.requests, m.seq).row = m.to;
+    }
+
+    /// Removes the rows marked dead (the end of `update` or `cancel_step`).
+    pub(super) fn compact_dead_rows(&mut self) {
+        self.defer_row_removal = false;
+        if self.batch.has_dead() {
+            let mut moves = Vec::new();
+            self.batch.compact(|m| moves.push(m));
+            for m in moves {
+                self.fix_moved(m);
+            }
+        }
     }
 
     /// Brings a running sequence up to date with its row (`flush_row`).

@@ -36,6 +36,8 @@ pub struct SchedulerStats {
     pub generated_tokens: u64,
     pub max_running_seqs: u64,
     pub max_step_tokens: u64,
+    /// Steps undone by `cancel_step` (their computed work is not counted above).
+    pub cancelled_steps: u64,
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -53,27 +53,14 @@ impl Scheduler {
             }
         }
         self.remove_ended(&ended_slots);
-        self.defer_row_removal = false;
-        if self.batch.has_dead() {
-            let mut moves = Vec::new();
-            self.batch.compact(|m| moves.push(m));
-            for m in moves {
-                self.fix_moved(m);
-            }
-        }
+        self.compact_dead_rows();
         Ok(finished)
     }
 
     /// `update`'s arguments belong to the step in flight, one valid token per logits row; a
     /// typed error changes nothing.
     fn check_update(&self, step_id: u64, sampled: &[i64]) -> CoreResult<()> {
-        let Some(fl) = self.in_flight.as_ref() else {
-            return Err(CoreError::InvalidState { message: "update() called with no step in flight: call schedule() first".into() });
-        };
-        if fl.step_id != step_id {
-            let msg = format!("update() got the output of step {step_id}, but step {} is in flight", fl.step_id);
-            return Err(CoreError::InvalidState { message: msg });
-        }
+        let fl = self.step_in_flight("update", step_id)?;
         if sampled.len() != fl.num_logits_rows {
             return Err(CoreError::invalid(
                 "sampled_token_ids",
@@ -105,15 +92,15 @@ impl Scheduler {
         let pending = &mut b.pending[..n * PENDING_TOKENS];
         for r in 0..n {
             let h = &mut rows[r];
-            if h.new_tokens == 0 {
-                continue; // not in the step, or forked after it was scheduled
+            if h.new_tokens == 0 || h.is_dead {
+                continue; // not in the step, forked after it was scheduled, or ended mid-step
             }
             let after = h.computed as usize;
             let before = after - h.new_tokens as usize;
             if bm.block(after) != bm.block(before) || before == 0 {
                 st.blocks_done.push(r as u32);
             }
-            if !h.samples || h.is_dead || h.fan_out > 0 {
+            if !h.samples || h.fan_out > 0 {
                 if h.fan_out > 0 {
                     st.forks.push(r as u32);
                 }
@@ -367,8 +354,10 @@ impl Scheduler {
         let before = self.req(slot).seq_slots();
         let row = self.add_child(slot, pos, child_id, next_token) as usize;
         self.num_running_seqs += self.req(slot).seq_slots() - before;
+        let request_id = self.req(slot).request_id;
         if let Some(f) = self.in_flight.as_mut() {
             f.forked = true;
+            f.undo.reshaped.push(request_id);
         }
         if let Some(t) = next_token {
             let h = &self.batch.rows[row];
