@@ -612,6 +612,12 @@ def test_bad_input_raises_a_typed_error_and_changes_nothing(call, exc, fragments
         (dict(num_cpu_blocks=-1), "num_cpu_blocks=-1"),
         (dict(watermark=1.0), "watermark=1"),
         (dict(watermark=-0.1), "watermark=-0.1"),
+        # Sizes that used to abort the process (SIGABRT) or wrap around.
+        (dict(num_blocks=32, block_size=2**40), f"block_size={2**40}"),
+        (dict(num_blocks=4, block_size=2**62), f"block_size={2**62}"),
+        (dict(num_blocks=2**31), f"num_blocks={2**31}"),
+        (dict(num_blocks=8, num_cpu_blocks=2**32 - 2), f"num_cpu_blocks={2**32 - 2}"),
+        (dict(num_blocks=8, num_cpu_blocks=2**33), f"num_cpu_blocks={2**33}"),
     ],
 )
 def test_bad_config_raises_invalid_argument(kwargs, field):

@@ -74,14 +74,43 @@ pub struct BlockPool {
     first_usable: u32,
 }
 
+/// `n` copies of `v`, or `None` when that much memory cannot be had (a typed error upstream,
+/// never an abort).
+pub(crate) fn try_filled<T: Clone>(n: usize, v: T) -> Option<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).ok()?;
+    out.resize(n, v);
+    Some(out)
+}
+
+/// `n` zeros, allocated zeroed (pages never touched cost nothing) and fallibly.
+pub(crate) fn try_zeroed(n: usize) -> Option<Vec<u32>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u32>(n).ok()?;
+    // SAFETY: the layout is non-zero-sized and a null result is handled; zeroed memory is a
+    // valid u32, and a Vec may own memory the global allocator returned for
+    // `Layout::array::<u32>(n)` with length and capacity n.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout) as *mut u32;
+        (!p.is_null()).then(|| Vec::from_raw_parts(p, n, n))
+    }
+}
+
 impl BlockPool {
     /// `num_blocks` physical blocks; with `reserve_null`, block 0 is kept back as padding.
     /// Initially the free list holds the usable blocks in increasing id order.
     pub fn new(num_blocks: usize, reserve_null: bool) -> Self {
+        Self::try_new(num_blocks, reserve_null).expect("block pool allocation")
+    }
+
+    /// `new`, or `None` when its bookkeeping cannot be allocated.
+    pub fn try_new(num_blocks: usize, reserve_null: bool) -> Option<Self> {
         assert!(num_blocks < NIL as usize, "num_blocks must fit in u32");
         let first_usable = u32::from(reserve_null && num_blocks > 0);
         let mut pool = BlockPool {
-            blocks: vec![Block { ref_cnt: 0, prev: NIL, next: NIL, in_free_list: false }; num_blocks],
+            blocks: try_filled(num_blocks, Block { ref_cnt: 0, prev: NIL, next: NIL, in_free_list: false })?,
             head: NIL,
             tail: NIL,
             num_free: 0,
@@ -90,7 +119,7 @@ impl BlockPool {
         for id in first_usable..num_blocks as u32 {
             pool.push_back(id);
         }
-        pool
+        Some(pool)
     }
 
     pub fn num_blocks(&self) -> usize {

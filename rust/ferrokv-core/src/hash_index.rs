@@ -34,8 +34,13 @@ pub struct HashIndex {
 impl HashIndex {
     /// An index for up to `max_len` keys.
     pub fn new(max_len: usize) -> Self {
-        let cap = (2 * max_len.max(1)).next_power_of_two();
-        HashIndex { mask: cap - 1, slots: vec![Slot::default(); cap], len: 0, max_len }
+        Self::try_new(max_len).expect("hash index allocation")
+    }
+
+    /// `new`, or `None` when its slots cannot be allocated.
+    pub fn try_new(max_len: usize) -> Option<Self> {
+        let cap = max_len.max(1).checked_mul(2)?.checked_next_power_of_two()?;
+        Some(HashIndex { mask: cap - 1, slots: crate::block_pool::try_filled(cap, Slot::default())?, len: 0, max_len })
     }
 
     pub fn len(&self) -> usize {

@@ -23,6 +23,7 @@
 //! at most one ref-count read. Prefix lookups cost one hash per full block of the prompt.
 
 use crate::block_pool::{BlockId, BlockMath, BlockPool};
+use crate::error::{CoreError, CoreResult};
 use crate::prefix_cache::{hash_block, BlockHash, ParentLink, PrefixCache};
 use std::collections::HashMap;
 
@@ -136,14 +137,27 @@ pub struct KvCacheManager {
 
 impl KvCacheManager {
     pub fn new(num_blocks: usize, block_size: usize, num_cpu_blocks: usize, enable_prefix_caching: bool) -> Self {
-        KvCacheManager {
+        Self::try_new(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching).expect("KV-cache bookkeeping allocation")
+    }
+
+    /// `new`, or a typed error naming the field whose size cannot be allocated (never an
+    /// abort: the pools and the prefix cache are allocated fallibly).
+    pub fn try_new(num_blocks: usize, block_size: usize, num_cpu_blocks: usize, enable_prefix_caching: bool) -> CoreResult<Self> {
+        let too_big = |field: &'static str, value: usize| {
+            CoreError::invalid(field, value, "the KV-cache bookkeeping for this many blocks cannot be allocated")
+        };
+        let cache = match enable_prefix_caching {
+            true => Some(PrefixCache::try_new(num_blocks, block_size).ok_or_else(|| too_big("num_blocks", num_blocks))?),
+            false => None,
+        };
+        Ok(KvCacheManager {
             bm: BlockMath::new(block_size),
-            gpu: BlockPool::new(num_blocks, true),
-            cpu: BlockPool::new(num_cpu_blocks, false),
-            cache: enable_prefix_caching.then(|| PrefixCache::new(num_blocks, block_size)),
+            gpu: BlockPool::try_new(num_blocks, true).ok_or_else(|| too_big("num_blocks", num_blocks))?,
+            cpu: BlockPool::try_new(num_cpu_blocks, false).ok_or_else(|| too_big("num_cpu_blocks", num_cpu_blocks))?,
+            cache,
             ops: BlockOps::default(),
             stats: KvStats::default(),
-        }
+        })
     }
 
     pub fn num_free_blocks(&self) -> usize {

@@ -127,15 +127,24 @@ pub struct PrefixCache {
 
 impl PrefixCache {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        let mut tokens = vec![0; num_blocks * block_size];
-        crate::prefetch::prefault_zeroed(&mut tokens);
-        PrefixCache {
+        Self::try_new(num_blocks, block_size).expect("prefix cache allocation")
+    }
+
+    /// `new`, or `None` when its arena, records or index cannot be allocated. The arena's
+    /// first `PREFAULT_ARENA_BYTES` are mapped now (registration would fault them in during
+    /// steps); the rest of a huge one maps in as blocks are registered.
+    pub fn try_new(num_blocks: usize, block_size: usize) -> Option<Self> {
+        const PREFAULT_ARENA_BYTES: usize = 256 << 20;
+        let mut tokens = crate::block_pool::try_zeroed(num_blocks.checked_mul(block_size)?)?;
+        let head = tokens.len().min(PREFAULT_ARENA_BYTES / std::mem::size_of::<u32>());
+        crate::prefetch::prefault_zeroed(&mut tokens[..head]);
+        Some(PrefixCache {
             block_size,
-            map: HashIndex::new(num_blocks),
-            records: vec![Record::default(); num_blocks],
+            map: HashIndex::try_new(num_blocks)?,
+            records: crate::block_pool::try_filled(num_blocks, Record::default())?,
             salts: HashMap::new(),
             tokens,
-        }
+        })
     }
 
     pub fn len(&self) -> usize {

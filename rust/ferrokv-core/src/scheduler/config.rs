@@ -50,6 +50,12 @@ impl Named for Policy {
     const ALL: &'static [(Self, &'static str)] = &[(Policy::Fcfs, "fcfs"), (Policy::Priority, "priority")];
 }
 
+/// The most blocks in either pool: 2^28 (over 4 billion tokens at 16 tokens a block). Every
+/// size the core allocates up front is checked against these bounds before it is allocated.
+pub const MAX_BLOCKS: usize = 1 << 28;
+pub const MAX_BLOCK_SIZE: usize = 1 << 16;
+const MAX_TOKEN_SLOTS: u128 = 1 << 40;
+
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     pub num_blocks: usize,
@@ -91,12 +97,27 @@ impl SchedulerConfig {
         if self.num_blocks < 2 {
             return Err(CoreError::invalid("num_blocks", self.num_blocks, "must be >= 2 (block 0 is the null block)"));
         }
-        if self.num_blocks >= u32::MAX as usize || self.num_cpu_blocks >= u32::MAX as usize {
-            return Err(CoreError::invalid("num_blocks", self.num_blocks, "must fit in 32 bits"));
+        if self.num_blocks > MAX_BLOCKS {
+            return Err(CoreError::invalid("num_blocks", self.num_blocks, format!("must be <= {MAX_BLOCKS} (2^28)")));
+        }
+        if self.num_cpu_blocks > MAX_BLOCKS {
+            return Err(CoreError::invalid("num_cpu_blocks", self.num_cpu_blocks, format!("must be <= {MAX_BLOCKS} (2^28)")));
         }
         if !self.block_size.is_power_of_two() {
             // The paged-attention kernels tile a block by it, and the core's block math shifts.
             return Err(CoreError::invalid("block_size", self.block_size, "must be a power of two (1, 2, 4, ..., 16, 32, ...)"));
+        }
+        if self.block_size > MAX_BLOCK_SIZE {
+            return Err(CoreError::invalid("block_size", self.block_size, format!("must be <= {MAX_BLOCK_SIZE}")));
+        }
+        // Token slots (block * block_size + offset) are i64 in the step's arrays and index the
+        // prefix cache's token arena: the product stays far from any overflow.
+        if (self.num_blocks as u128) * (self.block_size as u128) > MAX_TOKEN_SLOTS {
+            return Err(CoreError::invalid(
+                "num_blocks",
+                self.num_blocks,
+                format!("num_blocks * block_size ({}) must be <= 2^40 token slots", self.block_size),
+            ));
         }
         if self.max_num_seqs == 0 {
             return Err(CoreError::invalid("max_num_seqs", self.max_num_seqs, "must be >= 1"));
@@ -185,6 +206,19 @@ mod tests {
         assert_eq!(field_of(SchedulerConfig { watermark: 1.0, ..d() }), "watermark");
         assert_eq!(field_of(SchedulerConfig { watermark: f64::NAN, ..d() }), "watermark");
         assert_eq!(field_of(SchedulerConfig { admission_headroom: -1.0, ..d() }), "admission_headroom");
+    }
+
+    #[test]
+    fn sizes_that_would_overflow_or_exhaust_memory_are_errors_not_aborts() {
+        let d = SchedulerConfig::default;
+        assert_eq!(field_of(SchedulerConfig { num_blocks: 32, block_size: 1 << 40, ..d() }), "block_size");
+        assert_eq!(field_of(SchedulerConfig { num_blocks: 4, block_size: 1 << 62, ..d() }), "block_size");
+        assert_eq!(field_of(SchedulerConfig { num_blocks: 1 << 31, ..d() }), "num_blocks");
+        assert_eq!(field_of(SchedulerConfig { num_blocks: 8, num_cpu_blocks: (1 << 32) - 2, ..d() }), "num_cpu_blocks");
+        assert_eq!(field_of(SchedulerConfig { num_blocks: MAX_BLOCKS, block_size: MAX_BLOCK_SIZE, ..d() }), "num_blocks");
+        // At the bounds, the configuration is valid (allocation is then fallible, see kv tests).
+        let edge = SchedulerConfig { num_blocks: MAX_BLOCKS, num_cpu_blocks: MAX_BLOCKS, block_size: 4096, ..d() };
+        edge.validate().unwrap();
     }
 
     #[test]

@@ -138,7 +138,7 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> CoreResult<Self> {
         cfg.validate()?;
-        let kv = KvCacheManager::new(cfg.num_blocks, cfg.block_size, cfg.num_cpu_blocks, cfg.enable_prefix_caching);
+        let kv = KvCacheManager::try_new(cfg.num_blocks, cfg.block_size, cfg.num_cpu_blocks, cfg.enable_prefix_caching)?;
         let watermark_blocks = ((cfg.num_blocks - 1) as f64 * cfg.watermark) as usize;
         // Step ids are unique across scheduler instances, so update() can reject another
         // scheduler's output.
