@@ -29,6 +29,10 @@ DTYPE_ALIASES: dict[str, str] = {
 }
 
 
+# Settings chosen by name whose names the core checks (EngineArgs name -> the core's).
+_CORE_NAMED = {"preemption_mode": "preemption_mode", "scheduling_policy": "policy"}
+
+
 def _arg(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, default_doc: str | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, "choices": choices, "default_doc": default_doc})
 
@@ -84,9 +88,11 @@ class EngineArgs:
 
     def validate(self) -> None:
         for f in fields(self):
-            choices = f.metadata["choices"]
-            if choices is not None and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            # The core checks its own settings' names (a string it does not know is its error).
+            core_checked = f.name in _CORE_NAMED and isinstance(value, str)
+            if choices is not None and value not in choices and not core_checked:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
         for name in ("block_size", "max_num_seqs"):
             self._check_positive(name, allow_none=False)
         for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
