@@ -1,0 +1,299 @@
+//! `SchedulerOutput` and `FinishedSequence`: a step's buffers moved into numpy arrays without
+//! copying, lazily on first access; the block tables of a step that holds every running
+//! sequence are a read-only view of the scheduler's batch matrix, which keeps it alive.
+
+use crate::*;
+use ferrokv_core::{BlockTables, CoreError, FinishedSeq, SchedulerOutput};
+use numpy::ndarray::{Array2, ArrayView2, ShapeBuilder};
+use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+// ---------------------------------------------------------------------------------------------
+// Lazily converted numpy buffers.
+
+pub(crate) struct Lazy1<T: Element> {
+    vec: Option<Vec<T>>,
+    arr: Option<Py<PyArray1<T>>>,
+}
+
+impl<T: Element> Lazy1<T> {
+    fn new(v: Vec<T>) -> Self {
+        Lazy1 { vec: Some(v), arr: None }
+    }
+    fn get(&mut self, py: Python<'_>) -> Py<PyArray1<T>> {
+        if self.arr.is_none() {
+            let v = self.vec.take().unwrap_or_default();
+            self.arr = Some(v.into_pyarray(py).unbind());
+        }
+        self.arr.as_ref().expect("just set").clone_ref(py)
+    }
+}
+
+pub(crate) struct Lazy2<T: Element> {
+    vec: Option<(Vec<T>, usize, usize)>,
+    arr: Option<Py<PyArray2<T>>>,
+}
+
+impl<T: Element> Lazy2<T> {
+    fn new(v: Vec<T>, rows: usize, cols: usize) -> Self {
+        Lazy2 {
+            vec: Some((v, rows, cols)),
+            arr: None,
+        }
+    }
+    fn get(&mut self, py: Python<'_>) -> Py<PyArray2<T>> {
+        if self.arr.is_none() {
+            let (v, r, c) = self.vec.take().expect("set once");
+            let a = Array2::from_shape_vec((r, c), v).expect("rows * cols elements");
+            self.arr = Some(a.into_pyarray(py).unbind());
+        }
+        self.arr.as_ref().expect("just set").clone_ref(py)
+    }
+}
+
+/// A step's block tables: a copy, or rows `0..rows` of the batch matrix of `owner`.
+pub(crate) enum LazyTables {
+    Owned(Lazy2<i32>),
+    Batch {
+        owner: Py<PyScheduler>,
+        rows: usize,
+        cols: usize,
+        arr: Option<Py<PyArray2<i32>>>,
+    },
+}
+
+impl LazyTables {
+    fn get(&mut self, py: Python<'_>, step_id: u64) -> PyResult<Py<PyArray2<i32>>> {
+        match self {
+            LazyTables::Owned(l) => Ok(l.get(py)),
+            LazyTables::Batch { arr: Some(a), .. } => Ok(a.clone_ref(py)),
+            LazyTables::Batch { owner, rows, cols, arr } => {
+                let sched = owner.bind(py).try_borrow().map_err(|_| {
+                    to_py_err(CoreError::InvalidState {
+                        message: "block_tables read while the scheduler is busy".into(),
+                    })
+                })?;
+                sched.inner.check_batch_view(step_id).map_err(to_py_err)?;
+                let (ptr, capacity, stride) = sched.inner.batch_table();
+                assert!(*rows <= capacity && *cols <= stride, "a step's view lies inside the batch matrix");
+                // SAFETY: the matrix is allocated once per scheduler and never moves; the array
+                // holds a reference to the scheduler, so the memory outlives the view. It is
+                // read-only: only the scheduler writes it (between steps).
+                let a = unsafe {
+                    let view = ArrayView2::from_shape_ptr((*rows, *cols).strides((stride, 1)), ptr);
+                    let a = PyArray2::borrow_from_array(&view, owner.clone_ref(py).into_bound(py).into_any());
+                    (*a.as_array_ptr()).fields.flags &= !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
+                    a
+                };
+                let a = a.unbind();
+                *arr = Some(a.clone_ref(py));
+                Ok(a)
+            }
+        }
+    }
+}
+
+/// One scheduling step: see `python/ferrokv/_core.pyi` for the layout of each array.
+#[pyclass(module = "ferrokv._core", name = "SchedulerOutput")]
+pub(crate) struct PySchedulerOutput {
+    #[pyo3(get)]
+    pub(crate) step_id: u64,
+    #[pyo3(get)]
+    num_seqs: usize,
+    #[pyo3(get)]
+    num_tokens: usize,
+    #[pyo3(get)]
+    num_rows: usize,
+    #[pyo3(get)]
+    num_prefill_tokens: usize,
+    #[pyo3(get)]
+    num_decode_tokens: usize,
+    #[pyo3(get)]
+    block_size: usize,
+    req_ids: Lazy1<i64>,
+    seq_ids: Lazy1<i64>,
+    query_start_loc: Lazy1<i32>,
+    seq_lens: Lazy1<i32>,
+    block_tables: LazyTables,
+    input_ids: Lazy1<i64>,
+    positions: Lazy1<i64>,
+    slot_mapping: Lazy1<i64>,
+    logits_indices: Lazy1<i64>,
+    row_req_ids: Lazy1<i64>,
+    row_seq_ids: Lazy1<i64>,
+    row_sample_index: Lazy1<i32>,
+    copy_ops: Lazy2<i32>,
+    swap_out: Lazy2<i32>,
+    swap_in: Lazy2<i32>,
+    finished_req_ids: Lazy1<i64>,
+    preempted_req_ids: Lazy1<i64>,
+}
+
+impl PySchedulerOutput {
+    pub(crate) fn from_core(o: SchedulerOutput, owner: Py<PyScheduler>) -> Self {
+        let (s, t, r) = (o.num_seqs(), o.num_tokens(), o.num_rows());
+        let pairs = |v: Vec<i32>| {
+            let n = v.len() / 2;
+            Lazy2::new(v, n, 2)
+        };
+        PySchedulerOutput {
+            step_id: o.step_id,
+            num_seqs: s,
+            num_tokens: t,
+            num_rows: r,
+            num_prefill_tokens: o.num_prefill_tokens,
+            num_decode_tokens: o.num_decode_tokens,
+            block_size: o.block_size,
+            req_ids: Lazy1::new(o.req_ids),
+            seq_ids: Lazy1::new(o.seq_ids),
+            query_start_loc: Lazy1::new(o.query_start_loc),
+            seq_lens: Lazy1::new(o.seq_lens),
+            block_tables: match o.block_tables {
+                BlockTables::Owned(v) => LazyTables::Owned(Lazy2::new(v, s, o.max_blocks)),
+                BlockTables::Batch { .. } => LazyTables::Batch {
+                    owner,
+                    rows: s,
+                    cols: o.max_blocks,
+                    arr: None,
+                },
+            },
+            input_ids: Lazy1::new(o.input_ids),
+            positions: Lazy1::new(o.positions),
+            slot_mapping: Lazy1::new(o.slot_mapping),
+            logits_indices: Lazy1::new(o.logits_indices),
+            row_req_ids: Lazy1::new(o.row_req_ids),
+            row_seq_ids: Lazy1::new(o.row_seq_ids),
+            row_sample_index: Lazy1::new(o.row_sample_index),
+            copy_ops: pairs(o.copy_ops),
+            swap_out: pairs(o.swap_out),
+            swap_in: pairs(o.swap_in),
+            finished_req_ids: Lazy1::new(o.finished_req_ids),
+            preempted_req_ids: Lazy1::new(o.preempted_req_ids),
+        }
+    }
+}
+
+#[pymethods]
+impl PySchedulerOutput {
+    #[getter]
+    fn req_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.req_ids.get(py)
+    }
+    #[getter]
+    fn seq_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.seq_ids.get(py)
+    }
+    #[getter]
+    fn query_start_loc(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.query_start_loc.get(py)
+    }
+    #[getter]
+    fn seq_lens(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.seq_lens.get(py)
+    }
+    /// Valid between `schedule()` and `update()`: a read-only view of the scheduler's batch
+    /// matrix when every running sequence is in the step (read it before `update`).
+    #[getter]
+    fn block_tables(&mut self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+        self.block_tables.get(py, self.step_id)
+    }
+    /// True when `block_tables` views the batch matrix (strided rows, changes with later steps):
+    /// a caller that keeps the table must copy it.
+    #[getter]
+    fn block_tables_is_view(&self) -> bool {
+        matches!(self.block_tables, LazyTables::Batch { .. })
+    }
+    #[getter]
+    fn input_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.input_ids.get(py)
+    }
+    #[getter]
+    fn positions(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.positions.get(py)
+    }
+    #[getter]
+    fn slot_mapping(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.slot_mapping.get(py)
+    }
+    #[getter]
+    fn logits_indices(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.logits_indices.get(py)
+    }
+    #[getter]
+    fn row_req_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.row_req_ids.get(py)
+    }
+    #[getter]
+    fn row_seq_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.row_seq_ids.get(py)
+    }
+    #[getter]
+    fn row_sample_index(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.row_sample_index.get(py)
+    }
+    #[getter]
+    fn copy_ops(&mut self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        self.copy_ops.get(py)
+    }
+    #[getter]
+    fn swap_out(&mut self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        self.swap_out.get(py)
+    }
+    #[getter]
+    fn swap_in(&mut self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        self.swap_in.get(py)
+    }
+    #[getter]
+    fn finished_req_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.finished_req_ids.get(py)
+    }
+    #[getter]
+    fn preempted_req_ids(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.preempted_req_ids.get(py)
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerOutput(step_id={}, num_seqs={}, num_tokens={}, num_rows={}, prefill={}, decode={})",
+            self.step_id, self.num_seqs, self.num_tokens, self.num_rows, self.num_prefill_tokens, self.num_decode_tokens
+        )
+    }
+}
+
+/// A sequence that ended, as reported by `Scheduler.update`.
+#[pyclass(module = "ferrokv._core", name = "FinishedSequence", frozen, get_all)]
+pub(crate) struct PyFinishedSequence {
+    request_id: u64,
+    seq_id: u64,
+    sample_index: u32,
+    reason: &'static str,
+    stop_token_id: Option<u32>,
+    request_finished: bool,
+}
+
+#[pymethods]
+impl PyFinishedSequence {
+    fn __repr__(&self) -> String {
+        format!(
+            "FinishedSequence(request_id={}, seq_id={}, sample_index={}, reason={:?}, stop_token_id={:?}, request_finished={})",
+            self.request_id,
+            self.seq_id,
+            self.sample_index,
+            self.reason,
+            self.stop_token_id,
+            if self.request_finished { "True" } else { "False" }
+        )
+    }
+}
+
+impl From<FinishedSeq> for PyFinishedSequence {
+    fn from(f: FinishedSeq) -> Self {
+        PyFinishedSequence {
+            request_id: f.request_id,
+            seq_id: f.seq_id,
+            sample_index: f.sample_index,
+            reason: f.reason.as_str(),
+            stop_token_id: f.stop_token,
+            request_finished: f.request_finished,
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! `Scheduler`: the core scheduler behind the GIL-free calls (`schedule`, `update`,
+//! `cancel_step` run with the GIL released).
+
+use ferrokv_core::{CoreError, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig};
+
+use crate::*;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// The iteration-level scheduler over a paged KV cache. See `_core.pyi`.
+#[pyclass(module = "ferrokv._core", name = "Scheduler")]
+pub(crate) struct PyScheduler {
+    pub(crate) inner: Scheduler,
+    /// Reused buffer for `update`'s sampled ids (no allocation per step).
+    sampled: Vec<i64>,
+}
+
+#[pymethods]
+impl PyScheduler {
+    /// Keywords left out take `SchedulerConfig::default()` (also `_core.SCHEDULER_DEFAULTS`).
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size=None, max_num_seqs=None, max_num_batched_tokens=None,
+                        max_model_len=None, enable_prefix_caching=None, preemption_mode=None,
+                        num_cpu_blocks=None, policy=None, watermark=None, admission_headroom=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: i64,
+        block_size: Option<i64>,
+        max_num_seqs: Option<i64>,
+        max_num_batched_tokens: Option<i64>,
+        max_model_len: Option<i64>,
+        enable_prefix_caching: Option<bool>,
+        preemption_mode: Option<&str>,
+        num_cpu_blocks: Option<i64>,
+        policy: Option<&str>,
+        watermark: Option<f64>,
+        admission_headroom: Option<f64>,
+    ) -> PyResult<Self> {
+        let d = SchedulerConfig::default();
+        let size = |field: &'static str, v: Option<i64>, default: usize| v.map_or(Ok(default), |v| count(field, v));
+        let cfg = SchedulerConfig {
+            num_blocks: count("num_blocks", num_blocks)?,
+            block_size: size("block_size", block_size, d.block_size)?,
+            max_num_seqs: size("max_num_seqs", max_num_seqs, d.max_num_seqs)?,
+            max_num_batched_tokens: size("max_num_batched_tokens", max_num_batched_tokens, d.max_num_batched_tokens)?,
+            max_model_len: size("max_model_len", max_model_len, d.max_model_len)?,
+            enable_prefix_caching: enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
+            preemption_mode: preemption_mode
+                .map_or(Ok(d.preemption_mode), PreemptionMode::parse)
+                .map_err(to_py_err)?,
+            num_cpu_blocks: size("num_cpu_blocks", num_cpu_blocks, d.num_cpu_blocks)?,
+            policy: policy.map_or(Ok(d.policy), Policy::parse).map_err(to_py_err)?,
+            watermark: watermark.unwrap_or(d.watermark),
+            admission_headroom: admission_headroom.unwrap_or(d.admission_headroom),
+        };
+        Ok(PyScheduler {
+            inner: Scheduler::new(cfg).map_err(to_py_err)?,
+            sampled: Vec::new(),
+        })
+    }
+
+    #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, *, n=1, priority=0, eos_token_id=None,
+                        stop_token_ids=None, min_tokens=0, ignore_eos=false, cache_salt=None, reserve_seqs=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        py: Python<'_>,
+        request_id: i64,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_tokens: i64,
+        n: i64,
+        priority: i32,
+        eos_token_id: Option<i64>,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
+        min_tokens: i64,
+        ignore_eos: bool,
+        cache_salt: Option<String>,
+        reserve_seqs: i64,
+    ) -> PyResult<()> {
+        let request_id = non_negative("request_id", request_id)?;
+        let prompt = token_ids("prompt_token_ids", prompt_token_ids)?
+            .into_iter()
+            .map(|t| token_id("prompt_token_ids", t))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let stops = match stop_token_ids {
+            Some(s) => token_ids("stop_token_ids", s)?
+                .into_iter()
+                .map(|t| token_id("stop_token_ids", t))
+                .collect::<PyResult<Vec<u32>>>()?,
+            None => Vec::new(),
+        };
+        if max_tokens < 1 {
+            return Err(invalid("max_tokens", max_tokens, "must be >= 1"));
+        }
+        if n < 1 || n > u32::MAX as i64 {
+            return Err(invalid("n", n, "must be >= 1"));
+        }
+        let req = NewRequest {
+            request_id,
+            prompt_token_ids: prompt,
+            max_tokens: max_tokens as usize,
+            n: n as u32,
+            priority,
+            eos_token_id: eos_token_id.map(|t| token_id("eos_token_id", t)).transpose()?,
+            stop_token_ids: stops,
+            min_tokens: non_negative("min_tokens", min_tokens)? as usize,
+            ignore_eos,
+            cache_salt,
+            reserve_seqs: u32::try_from(reserve_seqs).map_err(|_| invalid("reserve_seqs", reserve_seqs, "must be >= 0"))?,
+        };
+        let inner = &mut self.inner;
+        py.detach(|| inner.add_request(req)).map_err(to_py_err)
+    }
+
+    /// Decides the next batch (GIL released) and returns it as zero-copy numpy arrays.
+    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+        let py = slf.py();
+        let out = {
+            let mut me = slf.borrow_mut();
+            let inner = &mut me.inner;
+            py.detach(|| inner.schedule()).map_err(to_py_err)?
+        };
+        Ok(PySchedulerOutput::from_core(out, slf.clone().unbind()))
+    }
+
+    /// Appends one sampled token per logits row of `output` (GIL released).
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        output: PyRef<'_, PySchedulerOutput>,
+        sampled_token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<PyFinishedSequence>> {
+        let step_id = output.step_id;
+        drop(output);
+        let mut sampled = std::mem::take(&mut self.sampled);
+        sampled.clear();
+        token_ids_into("sampled_token_ids", sampled_token_ids, &mut sampled)?;
+        let inner = &mut self.inner;
+        let done = py.detach(|| inner.update(step_id, &sampled));
+        self.sampled = sampled;
+        let done = done.map_err(to_py_err)?;
+        Ok(done.into_iter().map(Into::into).collect())
+    }
+
+    /// Undoes the step of `output` instead of `update` (its forward pass failed or was
+    /// interrupted): no token is appended and no computed count advances (GIL released).
+    fn cancel_step(&mut self, py: Python<'_>, output: PyRef<'_, PySchedulerOutput>) -> PyResult<()> {
+        let step_id = output.step_id;
+        drop(output);
+        let inner = &mut self.inner;
+        py.detach(|| inner.cancel_step(step_id)).map_err(to_py_err)
+    }
+
+    fn abort(&mut self, request_id: i64) -> PyResult<()> {
+        let id = non_negative("request_id", request_id)?;
+        self.inner.abort(id).map_err(to_py_err)
+    }
+
+    #[pyo3(signature = (seq_id, next_token=None))]
+    fn fork_sequence(&mut self, seq_id: i64, next_token: Option<i64>) -> PyResult<u64> {
+        let seq_id = non_negative("seq_id", seq_id)?;
+        let tok = next_token.map(|t| token_id("next_token", t)).transpose()?;
+        self.inner.fork_sequence(seq_id, tok).map_err(to_py_err)
+    }
+
+    fn drop_sequence(&mut self, seq_id: i64) -> PyResult<bool> {
+        let seq_id = non_negative("seq_id", seq_id)?;
+        self.inner.drop_sequence(seq_id).map_err(to_py_err)
+    }
+
+    fn reset_prefix_cache(&mut self) {
+        self.inner.reset_prefix_cache();
+    }
+
+    fn request_seq_ids(&self, request_id: i64) -> PyResult<Vec<u64>> {
+        self.inner
+            .request_seq_ids(non_negative("request_id", request_id)?)
+            .map_err(to_py_err)
+    }
+
+    fn num_cached_tokens(&self, request_id: i64) -> PyResult<usize> {
+        self.inner
+            .num_cached_tokens(non_negative("request_id", request_id)?)
+            .map_err(to_py_err)
+    }
+
+    fn seq_block_table(&self, seq_id: i64) -> PyResult<Vec<u32>> {
+        self.inner.seq_block_table(non_negative("seq_id", seq_id)?).map_err(to_py_err)
+    }
+
+    fn seq_tokens(&self, seq_id: i64) -> PyResult<Vec<u32>> {
+        self.inner.seq_tokens(non_negative("seq_id", seq_id)?).map_err(to_py_err)
+    }
+
+    fn has_unfinished(&self) -> bool {
+        self.inner.has_unfinished()
+    }
+
+    /// Raises SchedulerStateError if an internal invariant is broken (O(everything)).
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner
+            .check_invariants()
+            .map_err(|m| to_py_err(CoreError::InvalidState { message: m }))
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.inner.num_free_blocks()
+    }
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.inner.num_running()
+    }
+    #[getter]
+    fn num_running_seqs(&self) -> usize {
+        self.inner.num_running_seqs()
+    }
+    #[getter]
+    fn num_unfinished(&self) -> usize {
+        self.inner.num_unfinished()
+    }
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.config().num_blocks
+    }
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.inner.config().max_model_len
+    }
+    #[getter]
+    fn max_num_seqs(&self) -> usize {
+        self.inner.config().max_num_seqs
+    }
+
+    /// Counters and the current KV usage as a dict of ints.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let k = self.inner.kv_stats();
+        let u = self.inner.kv_usage();
+        let d = PyDict::new(py);
+        let items: [(&str, u64); 33] = [
+            ("steps", s.steps),
+            ("requests_added", s.requests_added),
+            ("requests_finished", s.requests_finished),
+            ("requests_aborted", s.requests_aborted),
+            ("capacity_aborts", s.capacity_aborts),
+            ("preemptions", s.preemptions),
+            ("swap_preemptions", s.swap_preemptions),
+            ("recompute_preemptions", s.recompute_preemptions),
+            ("prompt_tokens", s.prompt_tokens),
+            ("prompt_tokens_computed", s.prompt_tokens_computed),
+            ("output_tokens_recomputed", s.output_tokens_recomputed),
+            ("cached_prompt_tokens", s.cached_prompt_tokens),
+            ("first_admission_cached_tokens", s.first_admission_cached_tokens),
+            ("decode_tokens", s.decode_tokens),
+            ("generated_tokens", s.generated_tokens),
+            ("max_running_seqs", s.max_running_seqs),
+            ("max_step_tokens", s.max_step_tokens),
+            ("cancelled_steps", s.cancelled_steps),
+            ("cow_copies", k.cow_copies),
+            ("blocks_swapped_out", k.blocks_swapped_out),
+            ("blocks_swapped_in", k.blocks_swapped_in),
+            ("prefix_evictions", k.prefix_evictions),
+            ("num_blocks", u.num_blocks as u64),
+            ("num_free_blocks", u.num_free_blocks as u64),
+            ("num_used_blocks", u.num_used_blocks as u64),
+            ("num_cached_blocks", u.num_cached_blocks as u64),
+            ("num_shared_blocks", u.num_shared_blocks as u64),
+            ("num_block_refs", u.num_block_refs as u64),
+            ("num_used_token_slots", u.num_used_token_slots as u64),
+            ("block_size", u.block_size as u64),
+            ("num_waiting", self.inner.num_waiting() as u64),
+            ("num_running", self.inner.num_running() as u64),
+            ("num_running_seqs", self.inner.num_running_seqs() as u64),
+        ];
+        for (key, v) in items {
+            d.set_item(key, v)?;
+        }
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.inner.config();
+        format!(
+            "Scheduler(num_blocks={}, block_size={}, running={}, waiting={}, free_blocks={})",
+            c.num_blocks,
+            c.block_size,
+            self.inner.num_running(),
+            self.inner.num_waiting(),
+            self.inner.num_free_blocks()
+        )
+    }
+}
