@@ -28,6 +28,14 @@ pub(super) enum DecodePlan {
     None,
 }
 
+/// Plans row `r`'s decode token (its sampled token is logits row `r` unless the output builder
+/// numbers it later).
+#[inline]
+fn advance(h: &mut RowState, r: usize) {
+    debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
+    (h.computed, h.new_tokens, h.samples, h.logits_row) = (h.computed + 1, 1, true, r as u32);
+}
+
 /// `decode_block` of a token that starts a new block: it is known once allocated.
 const NEW_BLOCK: i32 = -1;
 
@@ -83,35 +91,46 @@ impl Scheduler {
         let mut others = std::mem::take(&mut self.scratch_slots);
         others.clear();
         let mut o = Self::decode_output(n);
-        let (mut decodes, mut emitted, mut max_blocks) = (0usize, 0usize, 0u32);
+        let mut max_blocks = 0u32;
+        let mut emitted = 0usize;
         {
             let (kv, mark) = (&self.kv, &mut self.mark);
             let (rows, table, owner) = self.batch.rows_and_table();
-            // Sized first, then written through zipped iterators: no per-element capacity check.
+            // The leading rows while each decodes on its own: planned and written in one pass
+            // (sequence i = row i), through zipped iterators over presized columns.
             let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
             for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
-                let Some(blk) = decode_block(h, &table, r, kv, bm) else {
-                    (h.new_tokens, h.samples, h.fan_out) = (0, false, 0); // left to the ordered walk
-                    let req = owner[r].slot as usize;
-                    if !std::mem::replace(&mut mark[req], true) {
-                        others.push(req as u32);
-                    }
-                    continue;
-                };
-                debug_assert_eq!(h.fan_out, 0, "fan-outs happen at update");
+                let Some(blk) = decode_block(h, &table, r, kv, bm) else { break };
                 let c = h.computed as usize;
                 if blk == NEW_BLOCK {
                     new_block_rows.push(r as u32);
                 }
-                (h.computed, h.new_tokens, h.samples, h.logits_row) = (c as u32 + 1, 1, true, r as u32);
+                advance(h, r);
                 (*len, *pos, *slot) = Self::decode_columns(bm, c, blk); // a new block's slot follows
-                if emitted == r {
-                    emitted += 1;
-                    max_blocks = max_blocks.max(h.num_blocks + u32::from(blk == NEW_BLOCK));
+                max_blocks = max_blocks.max(h.num_blocks + u32::from(blk == NEW_BLOCK));
+                emitted = r + 1;
+            }
+            // The rest (a step that also plans prefill chunks): the same rule, written later.
+            for r in emitted..n {
+                let h = &mut rows[r];
+                match decode_block(h, &table, r, kv, bm) {
+                    Some(blk) => {
+                        if blk == NEW_BLOCK {
+                            new_block_rows.push(r as u32);
+                        }
+                        advance(h, r);
+                    }
+                    None => {
+                        (h.new_tokens, h.samples, h.fan_out) = (0, false, 0); // left to the ordered walk
+                        let req = owner[r].slot as usize;
+                        if !std::mem::replace(&mut mark[req], true) {
+                            others.push(req as u32);
+                        }
+                    }
                 }
-                decodes += 1;
             }
         }
+        let mut decodes = emitted + self.batch.rows[emitted..].iter().filter(|h| h.new_tokens > 0).count();
         if !others.is_empty() {
             (decodes, emitted) = self.unplan_partial_requests(&mut new_block_rows, decodes, emitted);
         }

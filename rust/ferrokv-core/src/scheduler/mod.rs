@@ -239,7 +239,9 @@ impl Scheduler {
         self.stats.max_step_tokens = self.stats.max_step_tokens.max(self.step.tokens as u64);
         let out = self.build_output(preempted);
         let mut undo = std::mem::take(&mut self.undo);
-        undo.filled.extend(out.copy_ops.iter().skip(1).step_by(2).chain(out.swap_in.iter().skip(1).step_by(2)).map(|&b| b as u32));
+        if !out.copy_ops.is_empty() || !out.swap_in.is_empty() {
+            undo.filled.extend(out.copy_ops.iter().skip(1).step_by(2).chain(out.swap_in.iter().skip(1).step_by(2)).map(|&b| b as u32));
+        }
         (undo.finished_ids, undo.preempted_ids) = (out.finished_req_ids.clone(), out.preempted_req_ids.clone());
         self.in_flight = Some(InFlight { step_id: self.step_id, num_logits_rows: out.num_rows(), forked: false, undo });
         Ok(out)

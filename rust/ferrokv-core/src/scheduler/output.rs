@@ -42,11 +42,11 @@ impl Scheduler {
     }
 
     /// A decode row's columns of the step output: context length, position and the KV slot of
-    /// its token at position `c` in block `blk`; a negative `blk` is a block not allocated yet,
-    /// whose slot `new_block_slots` writes once it is.
+    /// its token at position `c` in block `blk`. A negative `blk` is a block not allocated yet:
+    /// its slot is a placeholder that `new_block_slots` overwrites once it is.
     #[inline]
     pub(super) fn decode_columns(bm: BlockMath, c: usize, blk: i32) -> (i32, i64, i64) {
-        (c as i32 + 1, c as i64, if blk < 0 { -1 } else { bm.slot(blk, c) })
+        (c as i32 + 1, c as i64, bm.slot(blk.max(0), c))
     }
 
     /// The slots of the emitted decode rows (`< emitted`) whose token started a new block, now
@@ -94,6 +94,22 @@ impl Scheduler {
         o.preempted_req_ids.extend(preempted);
         o.num_decode_tokens = decode_tokens;
         o.num_prefill_tokens = t_count - decode_tokens;
+        // A decode prefix was sized for its rows: room for the rest of the step, once.
+        let (seqs, tokens, rows) = (o.seq_ids.len(), o.input_ids.len(), o.logits_indices.len());
+        if s_count > seqs {
+            for v in [&mut o.req_ids, &mut o.seq_ids] {
+                v.reserve(s_count - seqs);
+            }
+            o.seq_lens.reserve(s_count - seqs);
+            o.query_start_loc.reserve(s_count - seqs);
+            for v in [&mut o.input_ids, &mut o.positions, &mut o.slot_mapping] {
+                v.reserve(t_count - tokens);
+            }
+            for v in [&mut o.logits_indices, &mut o.row_req_ids, &mut o.row_seq_ids] {
+                v.reserve(r_count - rows);
+            }
+            o.row_sample_index.reserve(r_count - rows);
+        }
         let b = &mut self.batch;
         let bm = self.bm;
         let mut num_tokens = o.input_ids.len();
