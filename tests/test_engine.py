@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from ferrokv import LLM, SamplingParams
+from ferrokv import LLM, InvalidArgumentError, SamplingParams
 from ferrokv.engine import EngineArgs, LLMEngine
 from helpers.tiny_models import TINY_VOCAB
 
@@ -321,8 +321,91 @@ def test_scheduler_settings_are_checked_before_the_model_loads(tmp_path):
     """The core's checks run in EngineArgs.validate: a bad block_size fails, not the missing model."""
     with pytest.raises(ValueError, match="invalid block_size=24: must be a power of two"):
         LLMEngine(EngineArgs(model=str(tmp_path / "no-such-model"), block_size=24))
-    with pytest.raises(ValueError, match="invalid num_kv_blocks=1: must be >= 2"):
+    with pytest.raises(ValueError, match="invalid num_kv_blocks=1: must be >= 2") as e:
         EngineArgs(num_kv_blocks=1).validate()
+    # The core's error, renamed in place: its type and parts stay, under our name for the field.
+    assert type(e.value) is InvalidArgumentError and (e.value.field, e.value.value) == ("num_kv_blocks", "1")
+
+
+def test_core_errors_keep_their_type_and_name_the_callers_request_id(llama_path, monkeypatch):
+    """The engine renames the core's integer request id in the core's errors in place: the type
+    stays (an exception rebuilt as type(e)(message) became a TypeError for UnicodeEncodeError,
+    which takes five arguments), and so do the core error's field and value."""
+    from ferrokv import CacheCapacityError, InvalidArgumentError
+    from ferrokv._core import Scheduler
+
+    engine = make_engine(llama_path)
+    raised = []
+
+    def fail_unicode(core_id, *args):
+        raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+    def fail_capacity(core_id, *args):
+        raise CacheCapacityError(f"request_id={core_id} needs up to 9 KV blocks; request_id={core_id}1 is another")
+
+    def fail_field(core_id, *args):
+        try:
+            Scheduler(8).add_request(-core_id - 1, [5], 2)  # the core's own typed error, naming the id
+        except InvalidArgumentError as e:
+            e.args = (e.args[0].replace(f"={-core_id - 1}", f"={core_id}"),)
+            e.value = str(core_id)
+            raise
+
+    for fake in (fail_unicode, fail_capacity, fail_field):
+        monkeypatch.setattr(engine, "_add_to_scheduler", fake)
+        with pytest.raises(ValueError) as e:
+            engine.add_request("mine", {"prompt_token_ids": [5, 6]}, greedy())
+        raised.append(e.value)
+    assert type(raised[0]) is UnicodeEncodeError and raised[0].reason == "surrogates not allowed"
+    assert type(raised[1]) is CacheCapacityError
+    assert str(raised[1]).startswith("request_id='mine' needs") and str(raised[1]).endswith("1 is another")
+    assert type(raised[2]) is InvalidArgumentError and (raised[2].field, raised[2].value) == ("request_id", "'mine'")
+    assert "request_id='mine'" in str(raised[2])
+    assert not engine.has_unfinished_requests()
+
+
+def test_params_are_checked_and_copied_when_a_request_is_added(llama_path, hf_greedy):
+    """SamplingParams are checked again when a request is added (an assignment after construction
+    skipped every check: temperature=nan sampled token 0), and the request keeps its own copy,
+    so an assignment after add_request does not reach it."""
+    prompt = ragged_prompts(15)[1]
+    engine = make_engine(llama_path)
+    params = greedy()
+    params.temperature = float("nan")
+    with pytest.raises(ValueError, match="temperature must be >= 0 and finite, got nan"):
+        engine.add_request("nan", {"prompt_token_ids": prompt}, params)
+    params.temperature = 0.0
+    engine.add_request("g", {"prompt_token_ids": prompt}, params)
+    params.temperature = 5.0  # after the request was added: not its business
+    params.stop_token_ids.append(hf_greedy(llama_path, prompt, MAX_NEW)[2])
+    assert tokens_of(run_engine(engine)["g"]) == [hf_greedy(llama_path, prompt, MAX_NEW)]
+    assert_no_leak(engine)
+
+
+def test_huge_token_counts_are_capped_at_max_model_len(llama_path, hf_greedy):
+    """max_tokens / min_tokens larger than any context (2**70) mean "up to max_model_len", as
+    the core caps them anyway, instead of overflowing the core's integers."""
+    prompt = ragged_prompts(16)[1]
+    room = MAX_MODEL_LEN - len(prompt)
+    engine = make_engine(llama_path)
+    engine.add_request("mt", {"prompt_token_ids": prompt}, greedy(max_tokens=2**70))
+    engine.add_request("min", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=None, min_tokens=2**70))
+    outs = run_engine(engine)
+    for rid in ("mt", "min"):
+        c = outs[rid].outputs[0]
+        assert c.token_ids == hf_greedy(llama_path, prompt, room) and c.finish_reason == "length"
+    assert_no_leak(engine)
+
+
+def test_request_ids_of_any_type_can_be_aborted(llama_path):
+    """add_request takes any id (it keeps str(id)); abort_request takes the same id back."""
+    engine = make_engine(llama_path)
+    engine.add_request(2**63, {"prompt_token_ids": [5, 6, 7]}, greedy())
+    engine.add_request(7, {"prompt_token_ids": [5, 6, 7]}, greedy())
+    engine.abort_request(2**63)
+    engine.abort_request([7])
+    assert_no_leak(engine)
 
 
 # --- 6. stops, min_tokens, logprobs, abort ----------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from ferrokv import __version__
+from ferrokv.checks import check_text
 from ferrokv.engine_args import EngineArgs, engine_arg_help, help_with_default
 from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
 from ferrokv.sampling_params import SamplingParams
@@ -90,9 +91,11 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _llm(args: argparse.Namespace) -> Any:
+    engine_args = {name: getattr(args, name) for name in EngineArgs.field_names()}
+    EngineArgs(**engine_args).validate()  # a bad flag fails before torch is imported
     from ferrokv.llm import LLM
 
-    return LLM(**{name: getattr(args, name) for name in EngineArgs.field_names()})
+    return LLM(**engine_args)
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -113,7 +116,7 @@ def _inputs(llm: Any, prompts: list[str], raw: bool) -> list[Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    prompts = args.prompts or DEFAULT_PROMPTS
+    prompts = [check_text("prompt", p) for p in args.prompts or DEFAULT_PROMPTS]  # before the model loads
     params = _params(args)
     llm = _llm(args)
     inputs = _inputs(llm, prompts, args.raw)
