@@ -591,3 +591,23 @@ def test_streaming_outputs_are_cumulative(llama_path, hf_greedy):
             assert c.finish_reason == "length" and len(c.token_ids) == 30
     assert sum(c.finish_reason == "stop" for c in n_out.outputs) >= 2
     assert_no_leak(engine)
+
+
+
+def test_sampler_generator_is_on_the_engine_device(llama_path, monkeypatch):
+    """Unseeded rows draw from the sampler's shared generator on the logits' device, so the
+    engine must make it on its own device (it once made it on the CPU whatever the device: on
+    CUDA, every unseeded sample then failed). Recorded, since a CPU-only machine has one device."""
+    import ferrokv.engine as engine_module
+
+    made = []
+
+    class Recording(engine_module.Sampler):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "Sampler", Recording)
+    engine = make_engine(llama_path, seed=3)
+    assert made == [{"seed": 3, "device": engine.device}]
+    assert engine.sampler.generator.device == engine.device

@@ -360,3 +360,46 @@ def test_build_ignores_out_of_range_ids():
     assert md.banned_tokens.tolist() and set(md.banned_tokens.tolist()) == {5, 9}
     assert md.output_counts[0].sum() == 1
     sample(torch.zeros(1, 10), md)
+
+
+# --- devices --------------------------------------------------------------------------------------
+
+
+def test_check_same_device_names_both_sides():
+    from ferrokv.checks import DeviceMismatchError, check_same_device
+
+    check_same_device("a", torch.device("cpu"), "b", "cpu")
+    with pytest.raises(DeviceMismatchError, match=r"the generator is on cpu but the tensor is on meta"):
+        check_same_device("the generator", torch.device("cpu"), "the tensor", torch.device("meta"))
+
+
+def test_sampler_refuses_a_generator_on_another_device():
+    """The shared generator must be where the logits are (a CPU generator with CUDA logits was the
+    engine's bug); `meta` logits stand in for a second device."""
+    from ferrokv.checks import DeviceMismatchError
+
+    md = SamplingMetadata.build([SamplingRow(SP())], 10, device="meta")
+    with pytest.raises(DeviceMismatchError, match=r"sampler's generator is on cpu but the logits tensor is on meta"):
+        Sampler(seed=1)(torch.zeros(1, 10, device="meta"), md)
+
+
+def test_sampler_refuses_metadata_on_another_device():
+    from ferrokv.checks import DeviceMismatchError
+
+    md = SamplingMetadata.build([SamplingRow(SP(temperature=0.0))], 10, device="meta")
+    with pytest.raises(DeviceMismatchError, match=r"sampling metadata is on meta but the logits tensor is on cpu"):
+        Sampler(seed=1)(torch.zeros(1, 10), md)
+
+
+def test_gpu_check_sampling_logic_runs_on_cpu():
+    """benches/gpu_check.py's sampling check (unseeded, seeded and greedy rows in one batch) is
+    right on the CPU, so on a GPU only the device can make it fail."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benches" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    report = gpu_check.sampling_check("cpu")
+    assert report["ok"], report

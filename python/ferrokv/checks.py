@@ -2,8 +2,9 @@
 ``EngineArgs``, ``LLMEngine``, chat messages), so that each rule is written once.
 
 Invariants: every ``check_*`` raises ``ValueError`` whose message names the field and the offending
-value (shortened to ``_SHOWN`` characters), and otherwise returns the value. Importing this
-module imports neither torch nor the core, so ``ferrokv --help`` stays fast.
+value (shortened to ``_SHOWN`` characters), and otherwise returns the value; ``check_same_device``
+raises ``DeviceMismatchError`` naming both sides and both devices. Importing this module imports
+neither torch nor the core, so ``ferrokv --help`` stays fast.
 Costs: O(len(value)) for text (one UTF-8 encode), O(1) otherwise.
 """
 
@@ -14,7 +15,9 @@ import numbers
 import re
 from typing import Any
 
-__all__ = ["check_finite", "check_int", "check_text", "rename_field", "shown"]
+__all__ = [
+    "DeviceMismatchError", "check_finite", "check_int", "check_same_device", "check_text", "rename_field", "shown",
+]
 
 _SHOWN = 60  # characters of a bad value quoted in a message
 
@@ -72,3 +75,26 @@ def rename_field(e: BaseException, old: str, new: str, old_value: str | None = N
         if new_value is not None:
             e.value = new_value  # type: ignore[attr-defined]
 
+
+class DeviceMismatchError(RuntimeError):
+    """Two things that must live on one device (a generator and the tensor it fills, a model and
+    its KV cache) do not; the message names both and both devices."""
+
+
+def _canonical(device: Any) -> tuple[str, int]:
+    import torch
+
+    dev = torch.device(device)
+    index = dev.index
+    if index is None and dev.type == "cuda":
+        index = torch.cuda.current_device()  # "cuda" means the current CUDA device
+    return dev.type, index or 0
+
+
+def check_same_device(what: str, device: Any, other_what: str, other_device: Any) -> None:
+    """Raises ``DeviceMismatchError`` unless ``device`` and ``other_device`` are one device
+    (``cuda`` and ``cuda:<current>`` are the same)."""
+    if _canonical(device) != _canonical(other_device):
+        raise DeviceMismatchError(
+            f"{what} is on {device} but {other_what} is on {other_device}; they must be on the same device"
+        )

@@ -9,7 +9,7 @@ raises ``ValueError`` naming the field and leaves the engine as it was (its ``Sa
 are checked again and copied: an assignment before ``add_request`` is caught, one after it does
 not reach the request; an error of the core keeps its type, with the caller's request id in it);
 a request ended in Python (stop string, abort, finished beam search) is ended in the scheduler at
-once, so its KV blocks are freed.
+once, so its KV blocks are freed. The sampler's shared generator is on the engine's device.
 Costs per step: the model forward, plus O(rows) Python work for sampling metadata and
 detokenization; nothing that scales with the number of waiting or finished requests.
 """
@@ -145,7 +145,8 @@ class LLMEngine:
             policy=args.scheduling_policy,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
-        self.sampler = Sampler(seed=args.seed)
+        # On the model's device: unseeded rows draw their uniforms where the logits are.
+        self.sampler = Sampler(seed=args.seed, device=self.device)
         self._requests: dict[int, _Request] = {}
         self._by_name: dict[str, int] = {}
         self._next_core_id = itertools.count()
