@@ -111,8 +111,12 @@ def test_greedy_matches_transformers(model, config, tiny_model_dir, hf_greedy):
         assert [o.outputs[0].token_ids for o in outs] == refs
         after = engine.stats()["cached_prompt_tokens"]
         if config == "prefix-cache":
-            assert after > before
-            assert any(o.num_cached_tokens > 0 for o in outs)
+            # Every prompt finds all its full blocks cached, except the one holding its last token
+            # (that token is computed again to give the logits).
+            bs = engine.args.block_size
+            expected = [(len(p) - 1) // bs * bs for p in prompts]
+            assert [o.num_cached_tokens for o in outs] == expected
+            assert after - before == sum(expected)
         else:
             assert after == before == 0
         assert_no_leak(engine)
@@ -447,7 +451,7 @@ def test_stop_string_ends_early_and_frees_blocks(llama_path, hf_greedy):
     assert_no_leak(engine)
 
 
-def test_stop_token_ids_and_min_tokens(llama_path, hf_greedy):
+def test_stop_token_ids_and_min_tokens(llama_path, hf_greedy, hf_model):
     prompt = ragged_prompts(7)[2]
     full = hf_greedy(llama_path, prompt, MAX_NEW)
     engine = make_engine(llama_path)
@@ -459,15 +463,22 @@ def test_stop_token_ids_and_min_tokens(llama_path, hf_greedy):
     assert c.token_ids == full[:first + 1]  # the stop token is returned in token_ids ...
     assert c.text == engine.tokenizer.decode(full[:first])  # ... but not in the text
 
-    # min_tokens: the stop token cannot end the sequence (nor be sampled) before min_tokens tokens.
-    k = first + 3
-    engine.add_request("mt", {"prompt_token_ids": prompt}, greedy(stop_token_ids=[stop_tok], min_tokens=k))
-    c = run_engine(engine)["mt"].outputs[0]
-    assert len(c.token_ids) >= k and stop_tok not in c.token_ids[:k]
-    assert c.token_ids[:first] == full[:first]
-    assert (c.finish_reason, c.stop_reason) in (("stop", stop_tok), ("length", None))
-    if c.finish_reason == "stop":
-        assert c.token_ids[-1] == stop_tok and stop_tok not in c.token_ids[:-1]
+    # min_tokens: the stop token cannot end the sequence (nor be sampled) before min_tokens tokens:
+    # exactly transformers' min_new_tokens with the stop token as its EOS. Here the stop token ends
+    # the output right after min_tokens = first + 2, and never comes back with first + 3.
+    reasons = []
+    for k in (first + 2, first + 3):
+        with torch.no_grad():
+            ref = hf_model(llama_path).generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=k,
+                eos_token_id=stop_tok, pad_token_id=0)[0, len(prompt):].tolist()
+        stopped = ref[-1] == stop_tok
+        engine.add_request(f"mt{k}", {"prompt_token_ids": prompt}, greedy(stop_token_ids=[stop_tok], min_tokens=k))
+        c = run_engine(engine)[f"mt{k}"].outputs[0]
+        assert c.token_ids == ref
+        assert (c.finish_reason, c.stop_reason) == (("stop", stop_tok) if stopped else ("length", None))
+        reasons.append(c.finish_reason)
+    assert reasons == ["stop", "length"]  # both ways of ending are checked
 
     assert_no_leak(engine)
 
@@ -496,6 +507,36 @@ def test_eos_ends_sequence_and_min_tokens_suppresses_it(eos_model_dir, hf_greedy
     assert c.token_ids == full and c.finish_reason == "length"
     c = outs["min"].outputs[0]
     assert c.token_ids[:at] == full[:at] and 0 not in c.token_ids[:at + 2] and len(c.token_ids) >= at + 2
+    assert_no_leak(engine)
+
+
+def test_extra_eos_ids_from_generation_config(llama_path, hf_greedy, tmp_path):
+    """generation_config.json may list several EOS ids: each ends a sequence like EOS, is masked
+    during min_tokens, and none of them ends a request that sets ignore_eos."""
+    import json
+    import shutil
+
+    prompt = ragged_prompts(14)[1]
+    full = hf_greedy(llama_path, prompt, MAX_NEW)
+    extra = full[3]  # a token greedy decoding really produces: an EOS id here
+    first = full.index(extra)
+    path = tmp_path / "multi-eos"
+    shutil.copytree(llama_path, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, extra, TINY_VOCAB - 1]}))
+    engine = make_engine(path)
+    assert engine.eos_token_ids == (0, extra, TINY_VOCAB - 1)
+    engine.add_request("eos", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    engine.add_request("ign", {"prompt_token_ids": prompt}, greedy())
+    engine.add_request("min", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=first + 1, ignore_eos=False))
+    outs = run_engine(engine)
+    c = outs["eos"].outputs[0]
+    assert c.token_ids == full[:first + 1] and c.finish_reason == "stop"
+    assert c.text == engine.tokenizer.decode(full[:first])  # an EOS is not part of the text
+    c = outs["ign"].outputs[0]
+    assert c.token_ids == full and c.finish_reason == "length"
+    c = outs["min"].outputs[0]
+    assert c.token_ids[:first] == full[:first] and extra not in c.token_ids[:first + 1]
     assert_no_leak(engine)
 
 
@@ -591,7 +632,6 @@ def test_streaming_outputs_are_cumulative(llama_path, hf_greedy):
             assert c.finish_reason == "length" and len(c.token_ids) == 30
     assert sum(c.finish_reason == "stop" for c in n_out.outputs) >= 2
     assert_no_leak(engine)
-
 
 
 def test_sampler_generator_is_on_the_engine_device(llama_path, monkeypatch):

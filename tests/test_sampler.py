@@ -16,7 +16,6 @@ from ferrokv.sampler import (
     SamplingRow,
     compute_logprobs,
     make_generator,
-    sample,
     seed_for_sample,
 )
 from ferrokv.sampling_params import SamplingParams as SP
@@ -359,7 +358,14 @@ def test_build_ignores_out_of_range_ids():
     md = SamplingMetadata.build(rows, 10, eos_token_ids=[9, 77])
     assert md.banned_tokens.tolist() and set(md.banned_tokens.tolist()) == {5, 9}
     assert md.output_counts[0].sum() == 1
-    sample(torch.zeros(1, 10), md)
+    # Sampling with them: flat logits, so the banned ids never come, token 3 (presence penalty:
+    # logit -1, p = 0.05) comes less often than each of the other seven (p = 0.136).
+    draws = 700
+    md = SamplingMetadata.build(rows * draws, 10, eos_token_ids=[9, 77])
+    counts = np.bincount(Sampler(seed=0)(torch.zeros(draws, 10), md).token_ids, minlength=10)
+    assert counts[5] == counts[9] == 0
+    others = [counts[t] for t in (0, 1, 2, 4, 6, 7, 8)]
+    assert 0 < counts[3] < min(others), counts
 
 
 # --- devices --------------------------------------------------------------------------------------
