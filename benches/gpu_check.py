@@ -5,7 +5,12 @@
    CUDA when TRITON_INTERPRET is unset).
 2. Decode-attention bandwidth: batch 64 at contexts 512, 2k and 8k; bytes = the K/V actually read;
    reported in GB/s and as % of the H200's 4.8 TB/s peak.
-3. End-to-end tokens/s with the embedded SmolLM2-135M on the GPU.
+3. Sampling on the GPU (``sampling_check``): unseeded rows draw from the sampler's generator on
+   the logits' device, seeded rows from their own CPU generators, greedy rows take the argmax; the
+   same seeds replay the same tokens; every token is one the row may sample. Then unseeded and
+   seeded requests through ``LLM`` on the GPU. Its CPU-side logic runs in the test suite
+   (``sampling_check("cpu")``, tests/test_sampler.py).
+4. End-to-end tokens/s with the embedded SmolLM2-135M on the GPU.
 
 Writes JSON to ``$OUT/gpu_check.json`` when ``OUT`` is set (else benches/results/).
 Usage: ``python benches/gpu_check.py [--skip-pytest] [--skip-e2e]``.
@@ -103,6 +108,53 @@ def decode_bandwidth(dev: str) -> list[dict]:
     return res
 
 
+def sampling_check(dev: str) -> dict:
+    """Unseeded, seeded and greedy rows in one batch on ``dev``; ``ok`` when every check held."""
+    from ferrokv.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+    from ferrokv.sampling_params import SamplingParams
+
+    rows_n, vocab = 48, 3000
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logits = (torch.randn(rows_n, vocab, generator=g) * 3).to(dev)
+    kinds = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=5),
+             SamplingParams(seed=11, top_p=0.9), SamplingParams(min_p=0.1, temperature=0.7)]
+
+    def draw() -> list[int]:
+        rows = [SamplingRow(kinds[i % 5], generator=make_generator(11, i) if i % 5 == 3 else None)
+                for i in range(rows_n)]
+        md = SamplingMetadata.build(rows, vocab, device=dev)
+        return Sampler(seed=7, device=dev)(logits, md).token_ids.tolist()
+
+    first, again = draw(), draw()
+    argmax = logits.argmax(-1).tolist()
+    top5 = logits.topk(5, dim=-1).indices.tolist()
+    checks = {
+        "replayable": first == again,
+        "greedy_is_argmax": all(first[i] == argmax[i] for i in range(1, rows_n, 5)),
+        "top_k_in_top5": all(first[i] in top5[i] for i in range(2, rows_n, 5)),
+        "in_vocab": all(0 <= t < vocab for t in first),
+        "unseeded_vary": len({first[i] for i in range(0, rows_n, 5)}) > 1,
+    }
+    return {"device": dev, "checks": checks, "ok": all(checks.values())}
+
+
+def sampling_e2e() -> dict:
+    """Unseeded and seeded sampling through LLM on the GPU: runs, and a seed replays."""
+    from ferrokv import LLM, SamplingParams
+
+    llm = LLM(device="cuda", max_model_len=512)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 140 + i))} for i in range(8)]
+    unseeded = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)
+    seeded = [llm.generate(prompts, SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+                           use_tqdm=False) for _ in range(2)]
+    checks = {
+        "unseeded_ran": all(len(o.outputs[0].token_ids) == 16 for o in unseeded),
+        "seed_replays": [o.outputs[0].token_ids for o in seeded[0]] == [o.outputs[0].token_ids for o in seeded[1]],
+    }
+    return {"checks": checks, "ok": all(checks.values())}
+
+
 def e2e(num_prompts: int = 64, max_tokens: int = 128) -> dict:
     from ferrokv import LLM, SamplingParams
 
@@ -137,7 +189,12 @@ def main() -> None:
     grid = kernel_grid("cuda")
     report["kernel_grid"] = {"cases": len(grid), "failed": [g for g in grid if not g["ok"]]}
     print(f"kernel grid: {len(grid)} cases, {len(report['kernel_grid']['failed'])} failed", flush=True)
+    report["sampling"] = sampling_check("cuda")
+    print(f"sampling: {report['sampling']}", flush=True)
     report["decode_bandwidth"] = decode_bandwidth("cuda")
+    if not args.skip_e2e:
+        report["sampling_e2e"] = sampling_e2e()
+        print(f"sampling e2e: {report['sampling_e2e']}", flush=True)
     if not args.skip_e2e:
         report["e2e"] = e2e()
         print(f"e2e: {report['e2e']['output_tokens_per_s']:.0f} output tokens/s", flush=True)

@@ -42,6 +42,49 @@ def test_chat_reads_turns_from_stdin(model, capsys, monkeypatch):
     assert out.count("assistant> ") == 2
 
 
+def test_chat_goes_on_when_the_conversation_outgrows_max_model_len(model):
+    """A real `ferrokv chat` process fed turns on stdin: the history outgrows max_model_len=64, so
+    the oldest turns go (stderr says so) and every message still gets an answer; one message that
+    cannot fit even alone is refused on stderr, and the chat goes on after it."""
+    import subprocess
+
+    turns = ["the cat reads a long story today again", "my friend likes fresh bread in Paris tonight",
+             "the engine builds the paged cache very fast", "what does the scheduler do with many tokens",
+             "word " * 80, "a dog sees the blue sky", "last one please"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferrokv", "chat", "--model", model, "--max-model-len", "64", "--max-tokens", "6",
+         "--ignore-eos", "--num-kv-blocks", "64", "--block-size", "4", "--system", "Be brief."],
+        input="\n".join(turns) + "\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("assistant> ") == len(turns) - 1  # all but the one too long
+    assert "dropped its 2 oldest messages (the system prompt stays)" in proc.stderr
+    assert proc.stderr.count("does not fit in max_model_len=64 tokens with the system prompt; it was not sent") == 1
+    assert "Traceback" not in proc.stderr
+
+
+def test_fit_conversation_drops_the_oldest_turns_and_keeps_the_system_prompt():
+    from ferrokv.cli import fit_conversation
+    from ferrokv.llm import chat_token_ids
+    from helpers.tiny_tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    system = [{"role": "system", "content": "Be brief."}]
+    turns = []
+    for i in range(6):
+        turns += [{"role": "user", "content": f"question {i} about the cat"}, {"role": "assistant", "content": f"a{i}"}]
+    turns.append({"role": "user", "content": "the last question"})
+    history = list(turns)
+    need = len(chat_token_ids(tok, system + turns[-5:]))  # what the last 2 turns + the question take
+    ids, dropped = fit_conversation(tok, system, turns, need + 4, 4)
+    assert turns == history[-5:] and dropped == len(history) - 5
+    assert ids == chat_token_ids(tok, system + turns)
+    # Nothing to drop: a conversation that fits is left alone.
+    assert fit_conversation(tok, system, turns, need + 4, 4) == (ids, 0)
+    # Even the question alone leaves no room: None, and the question is still there to drop.
+    ids, dropped = fit_conversation(tok, system, turns, 10, 4)
+    assert ids is None and turns == history[-1:] and dropped == 4
+
+
 # --- every flag: help with its default, and a bad value that names it --------------------------------
 # flag -> (arguments with a bad value, text the error must contain). Every flag of `generate` must
 # be here (test_the_bad_value_table_covers_every_flag), so a new flag cannot go untested.

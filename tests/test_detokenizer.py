@@ -189,3 +189,18 @@ def test_helpers(tok):
     assert special_token_ids(tok) is special_token_ids(tok)  # cached
     assert decode_token(tok, tok.encode(" cat")[0]) == tok.decode(tok.encode(" cat")[:1])
     assert decode_token(tok, TINY_VOCAB_SIZE + 1) == ""
+
+
+@pytest.mark.parametrize("text", ["The cat 🦀 runs today.", "naïve 中文 text 😀😀 again!"])
+def test_prompt_ending_inside_a_character(tok, text):
+    """A prompt may end in the middle of a UTF-8 character (its tokens split one): the output's
+    text is still the decode of the output's own tokens, with none of its first bytes dropped
+    (the prompt's partial character is not context to complete)."""
+    full = tok.encode(text)
+    cuts = [c for c in range(1, len(full)) if tok.decode(full[:c]).endswith("\ufffd")]
+    assert cuts, "the text must split a character across tokens"
+    for cut in cuts:
+        prompt, out = full[:cut], full[cut:]
+        d = IncrementalDetokenizer(tok, prompt)
+        deltas = [d.append(t) for t in out] + [d.flush()]
+        assert "".join(deltas) == d.text == tok.decode(out), (cut, deltas)

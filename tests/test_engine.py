@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from ferrokv import LLM, SamplingParams
+from ferrokv import LLM, InvalidArgumentError, SamplingParams
 from ferrokv.engine import EngineArgs, LLMEngine
 from helpers.tiny_models import TINY_VOCAB
 
@@ -111,8 +111,12 @@ def test_greedy_matches_transformers(model, config, tiny_model_dir, hf_greedy):
         assert [o.outputs[0].token_ids for o in outs] == refs
         after = engine.stats()["cached_prompt_tokens"]
         if config == "prefix-cache":
-            assert after > before
-            assert any(o.num_cached_tokens > 0 for o in outs)
+            # Every prompt finds all its full blocks cached, except the one holding its last token
+            # (that token is computed again to give the logits).
+            bs = engine.args.block_size
+            expected = [(len(p) - 1) // bs * bs for p in prompts]
+            assert [o.num_cached_tokens for o in outs] == expected
+            assert after - before == sum(expected)
         else:
             assert after == before == 0
         assert_no_leak(engine)
@@ -321,8 +325,91 @@ def test_scheduler_settings_are_checked_before_the_model_loads(tmp_path):
     """The core's checks run in EngineArgs.validate: a bad block_size fails, not the missing model."""
     with pytest.raises(ValueError, match="invalid block_size=24: must be a power of two"):
         LLMEngine(EngineArgs(model=str(tmp_path / "no-such-model"), block_size=24))
-    with pytest.raises(ValueError, match="invalid num_kv_blocks=1: must be >= 2"):
+    with pytest.raises(ValueError, match="invalid num_kv_blocks=1: must be >= 2") as e:
         EngineArgs(num_kv_blocks=1).validate()
+    # The core's error, renamed in place: its type and parts stay, under our name for the field.
+    assert type(e.value) is InvalidArgumentError and (e.value.field, e.value.value) == ("num_kv_blocks", "1")
+
+
+def test_core_errors_keep_their_type_and_name_the_callers_request_id(llama_path, monkeypatch):
+    """The engine renames the core's integer request id in the core's errors in place: the type
+    stays (an exception rebuilt as type(e)(message) became a TypeError for UnicodeEncodeError,
+    which takes five arguments), and so do the core error's field and value."""
+    from ferrokv import CacheCapacityError, InvalidArgumentError
+    from ferrokv._core import Scheduler
+
+    engine = make_engine(llama_path)
+    raised = []
+
+    def fail_unicode(core_id, *args):
+        raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+    def fail_capacity(core_id, *args):
+        raise CacheCapacityError(f"request_id={core_id} needs up to 9 KV blocks; request_id={core_id}1 is another")
+
+    def fail_field(core_id, *args):
+        try:
+            Scheduler(8).add_request(-core_id - 1, [5], 2)  # the core's own typed error, naming the id
+        except InvalidArgumentError as e:
+            e.args = (e.args[0].replace(f"={-core_id - 1}", f"={core_id}"),)
+            e.value = str(core_id)
+            raise
+
+    for fake in (fail_unicode, fail_capacity, fail_field):
+        monkeypatch.setattr(engine, "_add_to_scheduler", fake)
+        with pytest.raises(ValueError) as e:
+            engine.add_request("mine", {"prompt_token_ids": [5, 6]}, greedy())
+        raised.append(e.value)
+    assert type(raised[0]) is UnicodeEncodeError and raised[0].reason == "surrogates not allowed"
+    assert type(raised[1]) is CacheCapacityError
+    assert str(raised[1]).startswith("request_id='mine' needs") and str(raised[1]).endswith("1 is another")
+    assert type(raised[2]) is InvalidArgumentError and (raised[2].field, raised[2].value) == ("request_id", "'mine'")
+    assert "request_id='mine'" in str(raised[2])
+    assert not engine.has_unfinished_requests()
+
+
+def test_params_are_checked_and_copied_when_a_request_is_added(llama_path, hf_greedy):
+    """SamplingParams are checked again when a request is added (an assignment after construction
+    skipped every check: temperature=nan sampled token 0), and the request keeps its own copy,
+    so an assignment after add_request does not reach it."""
+    prompt = ragged_prompts(15)[1]
+    engine = make_engine(llama_path)
+    params = greedy()
+    params.temperature = float("nan")
+    with pytest.raises(ValueError, match="temperature must be >= 0 and finite, got nan"):
+        engine.add_request("nan", {"prompt_token_ids": prompt}, params)
+    params.temperature = 0.0
+    engine.add_request("g", {"prompt_token_ids": prompt}, params)
+    params.temperature = 5.0  # after the request was added: not its business
+    params.stop_token_ids.append(hf_greedy(llama_path, prompt, MAX_NEW)[2])
+    assert tokens_of(run_engine(engine)["g"]) == [hf_greedy(llama_path, prompt, MAX_NEW)]
+    assert_no_leak(engine)
+
+
+def test_huge_token_counts_are_capped_at_max_model_len(llama_path, hf_greedy):
+    """max_tokens / min_tokens larger than any context (2**70) mean "up to max_model_len", as
+    the core caps them anyway, instead of overflowing the core's integers."""
+    prompt = ragged_prompts(16)[1]
+    room = MAX_MODEL_LEN - len(prompt)
+    engine = make_engine(llama_path)
+    engine.add_request("mt", {"prompt_token_ids": prompt}, greedy(max_tokens=2**70))
+    engine.add_request("min", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=None, min_tokens=2**70))
+    outs = run_engine(engine)
+    for rid in ("mt", "min"):
+        c = outs[rid].outputs[0]
+        assert c.token_ids == hf_greedy(llama_path, prompt, room) and c.finish_reason == "length"
+    assert_no_leak(engine)
+
+
+def test_request_ids_of_any_type_can_be_aborted(llama_path):
+    """add_request takes any id (it keeps str(id)); abort_request takes the same id back."""
+    engine = make_engine(llama_path)
+    engine.add_request(2**63, {"prompt_token_ids": [5, 6, 7]}, greedy())
+    engine.add_request(7, {"prompt_token_ids": [5, 6, 7]}, greedy())
+    engine.abort_request(2**63)
+    engine.abort_request([7])
+    assert_no_leak(engine)
 
 
 # --- 6. stops, min_tokens, logprobs, abort ----------------------------------------------------------
@@ -364,7 +451,7 @@ def test_stop_string_ends_early_and_frees_blocks(llama_path, hf_greedy):
     assert_no_leak(engine)
 
 
-def test_stop_token_ids_and_min_tokens(llama_path, hf_greedy):
+def test_stop_token_ids_and_min_tokens(llama_path, hf_greedy, hf_model):
     prompt = ragged_prompts(7)[2]
     full = hf_greedy(llama_path, prompt, MAX_NEW)
     engine = make_engine(llama_path)
@@ -376,15 +463,22 @@ def test_stop_token_ids_and_min_tokens(llama_path, hf_greedy):
     assert c.token_ids == full[:first + 1]  # the stop token is returned in token_ids ...
     assert c.text == engine.tokenizer.decode(full[:first])  # ... but not in the text
 
-    # min_tokens: the stop token cannot end the sequence (nor be sampled) before min_tokens tokens.
-    k = first + 3
-    engine.add_request("mt", {"prompt_token_ids": prompt}, greedy(stop_token_ids=[stop_tok], min_tokens=k))
-    c = run_engine(engine)["mt"].outputs[0]
-    assert len(c.token_ids) >= k and stop_tok not in c.token_ids[:k]
-    assert c.token_ids[:first] == full[:first]
-    assert (c.finish_reason, c.stop_reason) in (("stop", stop_tok), ("length", None))
-    if c.finish_reason == "stop":
-        assert c.token_ids[-1] == stop_tok and stop_tok not in c.token_ids[:-1]
+    # min_tokens: the stop token cannot end the sequence (nor be sampled) before min_tokens tokens:
+    # exactly transformers' min_new_tokens with the stop token as its EOS. Here the stop token ends
+    # the output right after min_tokens = first + 2, and never comes back with first + 3.
+    reasons = []
+    for k in (first + 2, first + 3):
+        with torch.no_grad():
+            ref = hf_model(llama_path).generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=k,
+                eos_token_id=stop_tok, pad_token_id=0)[0, len(prompt):].tolist()
+        stopped = ref[-1] == stop_tok
+        engine.add_request(f"mt{k}", {"prompt_token_ids": prompt}, greedy(stop_token_ids=[stop_tok], min_tokens=k))
+        c = run_engine(engine)[f"mt{k}"].outputs[0]
+        assert c.token_ids == ref
+        assert (c.finish_reason, c.stop_reason) == (("stop", stop_tok) if stopped else ("length", None))
+        reasons.append(c.finish_reason)
+    assert reasons == ["stop", "length"]  # both ways of ending are checked
 
     assert_no_leak(engine)
 
@@ -413,6 +507,36 @@ def test_eos_ends_sequence_and_min_tokens_suppresses_it(eos_model_dir, hf_greedy
     assert c.token_ids == full and c.finish_reason == "length"
     c = outs["min"].outputs[0]
     assert c.token_ids[:at] == full[:at] and 0 not in c.token_ids[:at + 2] and len(c.token_ids) >= at + 2
+    assert_no_leak(engine)
+
+
+def test_extra_eos_ids_from_generation_config(llama_path, hf_greedy, tmp_path):
+    """generation_config.json may list several EOS ids: each ends a sequence like EOS, is masked
+    during min_tokens, and none of them ends a request that sets ignore_eos."""
+    import json
+    import shutil
+
+    prompt = ragged_prompts(14)[1]
+    full = hf_greedy(llama_path, prompt, MAX_NEW)
+    extra = full[3]  # a token greedy decoding really produces: an EOS id here
+    first = full.index(extra)
+    path = tmp_path / "multi-eos"
+    shutil.copytree(llama_path, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, extra, TINY_VOCAB - 1]}))
+    engine = make_engine(path)
+    assert engine.eos_token_ids == (0, extra, TINY_VOCAB - 1)
+    engine.add_request("eos", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    engine.add_request("ign", {"prompt_token_ids": prompt}, greedy())
+    engine.add_request("min", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=first + 1, ignore_eos=False))
+    outs = run_engine(engine)
+    c = outs["eos"].outputs[0]
+    assert c.token_ids == full[:first + 1] and c.finish_reason == "stop"
+    assert c.text == engine.tokenizer.decode(full[:first])  # an EOS is not part of the text
+    c = outs["ign"].outputs[0]
+    assert c.token_ids == full and c.finish_reason == "length"
+    c = outs["min"].outputs[0]
+    assert c.token_ids[:first] == full[:first] and extra not in c.token_ids[:first + 1]
     assert_no_leak(engine)
 
 
@@ -508,3 +632,22 @@ def test_streaming_outputs_are_cumulative(llama_path, hf_greedy):
             assert c.finish_reason == "length" and len(c.token_ids) == 30
     assert sum(c.finish_reason == "stop" for c in n_out.outputs) >= 2
     assert_no_leak(engine)
+
+
+def test_sampler_generator_is_on_the_engine_device(llama_path, monkeypatch):
+    """Unseeded rows draw from the sampler's shared generator on the logits' device, so the
+    engine must make it on its own device (it once made it on the CPU whatever the device: on
+    CUDA, every unseeded sample then failed). Recorded, since a CPU-only machine has one device."""
+    import ferrokv.engine as engine_module
+
+    made = []
+
+    class Recording(engine_module.Sampler):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "Sampler", Recording)
+    engine = make_engine(llama_path, seed=3)
+    assert made == [{"seed": 3, "device": engine.device}]
+    assert engine.sampler.generator.device == engine.device

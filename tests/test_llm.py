@@ -89,12 +89,12 @@ def test_smollm2_chat_answers(smollm2_llm):
 BEAM_NEW = 8
 
 
-def hf_beams(model, prompt, k, eos):
+def hf_beams(model, prompt, k, eos, length_penalty=1.0):
     with torch.no_grad():
         g = model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             num_beams=k, num_return_sequences=k, do_sample=False, max_new_tokens=BEAM_NEW,
-            early_stopping=False, length_penalty=1.0, eos_token_id=eos, pad_token_id=0,
+            early_stopping=False, length_penalty=length_penalty, eos_token_id=eos, pad_token_id=0,
             output_scores=True, return_dict_in_generate=True,
         )
     seqs = []
@@ -137,6 +137,20 @@ def test_beam_search_matches_transformers(k, with_eos, llama_path, eos_model_dir
     assert_no_leak(llm)
     st = llm.llm_engine.stats()
     assert st["cow_copies"] > 0  # beams fork off shared blocks
+
+
+@pytest.mark.parametrize("prompt_len, k, length_penalty", [(14, 3, 2.0), (9, 4, 0.0)])
+def test_beam_search_length_penalty_matches_transformers(prompt_len, k, length_penalty, eos_model_dir, hf_model):
+    """A length penalty other than 1 re-ranks hypotheses of different lengths (each case is one
+    where transformers' answer differs from its answer at 1.0, so ignoring it cannot pass)."""
+    path, eos_prompt = eos_model_dir
+    prompt = eos_prompt[:prompt_len]
+    hf = hf_model(path)
+    ref, _ = hf_beams(hf, prompt, k, 0, length_penalty)
+    assert ref != hf_beams(hf, prompt, k, 0, 1.0)[0]
+    out = tiny_llm(path).beam_search([{"prompt_token_ids": prompt}], beam_width=k, max_tokens=BEAM_NEW,
+                                     length_penalty=length_penalty)[0]
+    assert [s.tokens for s in out.sequences] == ref
 
 
 # ------------------------------------------------------------------------------------------------

@@ -147,3 +147,16 @@ def test_default_model_gguf_conversion(tmp_path, monkeypatch):
         meta = AttentionMetadata.build([1], [len(seq)], [table], 16)
         logits = ours.compute_logits(ours(torch.tensor([nxt]), meta.positions(), kv, meta))
     assert "Paris" in tok.decode(out)
+
+
+@pytest.mark.parametrize("arch, name", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                        ("qwen3", "Qwen3ForCausalLM"), ("mistral", "MistralForCausalLM")])
+def test_constructor_ties_the_lm_head(arch, name):
+    """The model's own constructor ties lm_head to the embedding (load_model re-ties after
+    materialising, which would hide a constructor that did not: so build it directly)."""
+    for tie in (True, False):
+        config = make_tiny_hf_model(arch, tie_word_embeddings=tie).config.to_dict()
+        m = MODEL_REGISTRY[name](config)
+        assert (m.lm_head.weight is m.model.embed_tokens.weight) == tie
+        names = [n for n, _ in m.named_parameters()]  # a tied head is one parameter, not two
+        assert ("lm_head.weight" in names) != tie

@@ -143,3 +143,13 @@ def test_execute_matches_transformers(model, llama_path, hf_model):
     assert rows == 3 * 4
     for rid, p in prompts.items():
         assert len(tokens[rid]) == len(p) + 4
+
+
+def test_runner_refuses_a_kv_cache_on_another_device(model):
+    from ferrokv.checks import DeviceMismatchError
+
+    kv = PagedKVCache(model_kv_spec(model, BLOCK_SIZE), 4, 0, torch.device("meta"))
+    with pytest.raises(DeviceMismatchError, match="the KV cache is on meta but the model runner is on cpu"):
+        ModelRunner(model, kv, CPU)
+    with pytest.raises(DeviceMismatchError, match="the model is on cpu but the model runner is on meta"):
+        ModelRunner(model, kv, torch.device("meta"))

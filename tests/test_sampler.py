@@ -16,7 +16,6 @@ from ferrokv.sampler import (
     SamplingRow,
     compute_logprobs,
     make_generator,
-    sample,
     seed_for_sample,
 )
 from ferrokv.sampling_params import SamplingParams as SP
@@ -359,4 +358,54 @@ def test_build_ignores_out_of_range_ids():
     md = SamplingMetadata.build(rows, 10, eos_token_ids=[9, 77])
     assert md.banned_tokens.tolist() and set(md.banned_tokens.tolist()) == {5, 9}
     assert md.output_counts[0].sum() == 1
-    sample(torch.zeros(1, 10), md)
+    # Sampling with them: flat logits, so the banned ids never come, token 3 (presence penalty:
+    # logit -1, p = 0.05) comes less often than each of the other seven (p = 0.136).
+    draws = 700
+    md = SamplingMetadata.build(rows * draws, 10, eos_token_ids=[9, 77])
+    counts = np.bincount(Sampler(seed=0)(torch.zeros(draws, 10), md).token_ids, minlength=10)
+    assert counts[5] == counts[9] == 0
+    others = [counts[t] for t in (0, 1, 2, 4, 6, 7, 8)]
+    assert 0 < counts[3] < min(others), counts
+
+
+# --- devices --------------------------------------------------------------------------------------
+
+
+def test_check_same_device_names_both_sides():
+    from ferrokv.checks import DeviceMismatchError, check_same_device
+
+    check_same_device("a", torch.device("cpu"), "b", "cpu")
+    with pytest.raises(DeviceMismatchError, match=r"the generator is on cpu but the tensor is on meta"):
+        check_same_device("the generator", torch.device("cpu"), "the tensor", torch.device("meta"))
+
+
+def test_sampler_refuses_a_generator_on_another_device():
+    """The shared generator must be where the logits are (a CPU generator with CUDA logits was the
+    engine's bug); `meta` logits stand in for a second device."""
+    from ferrokv.checks import DeviceMismatchError
+
+    md = SamplingMetadata.build([SamplingRow(SP())], 10, device="meta")
+    with pytest.raises(DeviceMismatchError, match=r"sampler's generator is on cpu but the logits tensor is on meta"):
+        Sampler(seed=1)(torch.zeros(1, 10, device="meta"), md)
+
+
+def test_sampler_refuses_metadata_on_another_device():
+    from ferrokv.checks import DeviceMismatchError
+
+    md = SamplingMetadata.build([SamplingRow(SP(temperature=0.0))], 10, device="meta")
+    with pytest.raises(DeviceMismatchError, match=r"sampling metadata is on meta but the logits tensor is on cpu"):
+        Sampler(seed=1)(torch.zeros(1, 10), md)
+
+
+def test_gpu_check_sampling_logic_runs_on_cpu():
+    """benches/gpu_check.py's sampling check (unseeded, seeded and greedy rows in one batch) is
+    right on the CPU, so on a GPU only the device can make it fail."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benches" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    report = gpu_check.sampling_check("cpu")
+    assert report["ok"], report

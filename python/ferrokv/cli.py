@@ -5,7 +5,9 @@ Both use the embedded SmolLM2-135M-Instruct unless ``--model`` names a Hub id, a
 default, help) and the sampling flags from ``SamplingParams``' fields, so the CLI repeats no
 default of theirs; its own sampling defaults (greedy, 128 tokens) are in ``_SAMPLING_FLAGS``.
 Every flag's help ends with its default. A bad value exits with status 2 and a message naming
-the flag or field. Importing this module imports neither torch nor transformers: ``--help`` and
+the flag or field. ``chat`` never exits on a message: one that is refused (too long, bad) is
+reported on stderr and the conversation goes on, trimmed of its oldest turns when it outgrows
+``max_model_len`` (``fit_conversation``; the system prompt always stays). Importing this module imports neither torch nor transformers: ``--help`` and
 ``--version`` stay fast.
 """
 
@@ -20,6 +22,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from ferrokv import __version__
+from ferrokv.checks import check_text
 from ferrokv.engine_args import EngineArgs, engine_arg_help, help_with_default
 from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
 from ferrokv.sampling_params import SamplingParams
@@ -90,9 +93,11 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _llm(args: argparse.Namespace) -> Any:
+    engine_args = {name: getattr(args, name) for name in EngineArgs.field_names()}
+    EngineArgs(**engine_args).validate()  # a bad flag fails before torch is imported
     from ferrokv.llm import LLM
 
-    return LLM(**{name: getattr(args, name) for name in EngineArgs.field_names()})
+    return LLM(**engine_args)
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -113,7 +118,7 @@ def _inputs(llm: Any, prompts: list[str], raw: bool) -> list[Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    prompts = args.prompts or DEFAULT_PROMPTS
+    prompts = [check_text("prompt", p) for p in args.prompts or DEFAULT_PROMPTS]  # before the model loads
     params = _params(args)
     llm = _llm(args)
     inputs = _inputs(llm, prompts, args.raw)
@@ -145,12 +150,37 @@ def _print_stats(engine: Any, outs: list[Any], dt: float) -> None:
     )
 
 
+def fit_conversation(tokenizer: Any, system: list[dict[str, str]], turns: list[dict[str, str]], max_model_len: int,
+                     answer_room: int) -> tuple[list[int] | None, int]:
+    """Drops the oldest turns (a user message and its answer) from ``turns``, in place, until the
+    prompt of ``system + turns`` leaves ``answer_room`` tokens of ``max_model_len`` for the answer,
+    or only the newest user message is left. Returns the prompt's token ids (None when even
+    ``system`` and the newest message leave no room for one token) and how many messages went."""
+    from ferrokv.llm import chat_token_ids
+
+    dropped = 0
+    while True:
+        ids = chat_token_ids(tokenizer, system + turns)
+        if len(ids) + answer_room <= max_model_len or len(turns) <= 1:
+            return (ids if len(ids) < max_model_len else None), dropped
+        del turns[:2]
+        dropped += 2
+
+
 def _chat(args: argparse.Namespace) -> int:
+    """Reads user messages from stdin, one per line, and answers each in the conversation so far.
+    A conversation that outgrows max_model_len loses its oldest turns (never the system prompt),
+    and a message that cannot fit at all is refused: either way stderr says so, and the chat goes on."""
     llm = _llm(args)
     params = _params(args)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
+    tok = llm.get_tokenizer()
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("model: its tokenizer has no chat template, which ferrokv chat needs")
+    max_len = llm.llm_engine.max_model_len
+    # The answer's room when trimming: max_tokens, but never more than half the context.
+    answer_room = min(params.max_tokens or max_len, max_len // 2)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    turns: list[dict[str, str]] = []
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -163,10 +193,24 @@ def _chat(args: argparse.Namespace) -> int:
             continue
         if line in ("/exit", "/quit"):
             return 0
-        messages.append({"role": "user", "content": line})
-        out = llm.chat(messages, params, use_tqdm=False)[0]
+        turns.append({"role": "user", "content": line})
+        try:
+            ids, dropped = fit_conversation(tok, system, turns, max_len, answer_room)
+            if ids is None:
+                turns.pop()
+                print(f"ferrokv: this message does not fit in max_model_len={max_len} tokens"
+                      f"{' with the system prompt' if system else ''}; it was not sent", file=sys.stderr)
+                continue
+            if dropped:
+                print(f"ferrokv: the conversation outgrew max_model_len={max_len} tokens: dropped its {dropped} "
+                      f"oldest messages{' (the system prompt stays)' if system else ''}", file=sys.stderr)
+            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        except ValueError as e:  # this message is refused; the conversation goes on
+            turns.pop()
+            print(f"ferrokv: error: {e}", file=sys.stderr)
+            continue
         answer = out.outputs[0].text.strip()
-        messages.append({"role": "assistant", "content": answer})
+        turns.append({"role": "assistant", "content": answer})
         print(f"assistant> {answer}", flush=True)
 
 

@@ -5,15 +5,18 @@ rows that sample, the sampler (or the beam-search logic) picks tokens, the sched
 them and decides stops, and this module detokenizes and builds the outputs.
 
 Invariants: every request is validated in full before the scheduler sees it, so bad input
-raises ``ValueError`` naming the field and leaves the engine as it was; a request ended in
-Python (stop string, abort, finished beam search) is ended in the scheduler at once, so its
-KV blocks are freed.
+raises ``ValueError`` naming the field and leaves the engine as it was (its ``SamplingParams``
+are checked again and copied: an assignment before ``add_request`` is caught, one after it does
+not reach the request; an error of the core keeps its type, with the caller's request id in it);
+a request ended in Python (stop string, abort, finished beam search) is ended in the scheduler at
+once, so its KV blocks are freed. The sampler's shared generator is on the engine's device.
 Costs per step: the model forward, plus O(rows) Python work for sampling metadata and
 detokenization; nothing that scales with the number of waiting or finished requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -28,6 +31,7 @@ import torch
 
 from ferrokv._core import Scheduler, UnknownRequestError
 from ferrokv.beam_search import BeamSearchState
+from ferrokv.checks import check_finite, check_int, check_text, rename_field
 from ferrokv.detokenizer import IncrementalDetokenizer, decode_token
 from ferrokv.engine_args import DTYPE_ALIASES, EngineArgs
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
@@ -40,6 +44,8 @@ logger = logging.getLogger("ferrokv")
 
 _DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+# The core takes a request's priority as a 32-bit signed int.
+_PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
 
 
 @dataclass(slots=True)
@@ -139,7 +145,8 @@ class LLMEngine:
             policy=args.scheduling_policy,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
-        self.sampler = Sampler(seed=args.seed)
+        # On the model's device: unseeded rows draw their uniforms where the logits are.
+        self.sampler = Sampler(seed=args.seed, device=self.device)
         self._requests: dict[int, _Request] = {}
         self._by_name: dict[str, int] = {}
         self._next_core_id = itertools.count()
@@ -165,9 +172,9 @@ class LLMEngine:
                     ids.append(x)
         gen = self.model_path / "generation_config.json"
         if gen.is_file():
-            import json
+            from ferrokv.model_loader import read_json
 
-            v = json.loads(gen.read_text()).get("eos_token_id")
+            v = read_json(gen).get("eos_token_id")
             for x in v if isinstance(v, list) else [v]:
                 if isinstance(x, int) and x not in ids and 0 <= x < self.vocab_size:
                     ids.append(x)
@@ -202,7 +209,7 @@ class LLMEngine:
 
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, list(self.tokenizer.encode(check_text("prompt", prompt)))
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -215,7 +222,7 @@ class LLMEngine:
                     out.append(int(t))
                 return prompt.get("prompt"), out
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
+                return prompt["prompt"], list(self.tokenizer.encode(check_text("prompt", prompt["prompt"])))
         raise ValueError(
             f"prompt must be a str or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}"
         )
@@ -252,19 +259,27 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        """Queues a request; raises ValueError (naming the field) and changes nothing on bad input."""
+        """Queues a request; raises ValueError (naming the field) and changes nothing on bad input.
+
+        The request keeps its own copy of ``params``, checked again here: fields may have been
+        assigned since construction, and a later assignment must not reach a running request."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # a copy, through SamplingParams.validate
         request_id, text, ids = self._checked_prompt(request_id, prompt)
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
-        room = self.max_model_len - len(ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        # The core stops at max_model_len anyway; capping here keeps huge values in its int range.
+        room = max(self.max_model_len - len(ids), 1)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._submit(request_id, text, ids, params, max_tokens, priority, cache_salt, beam=None)
 
     def _submit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                 max_tokens: int, priority: int, cache_salt: str | None, beam: BeamSearchState | None) -> None:
+        check_int("priority", priority, _PRIORITY_MIN, _PRIORITY_MAX)
+        if cache_salt is not None:
+            check_text("cache_salt", cache_salt)
         core_id = next(self._next_core_id)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         stop_ids = list(params.stop_token_ids or [])
@@ -274,7 +289,8 @@ class LLMEngine:
             self._add_to_scheduler(core_id, ids, params, max_tokens, priority, cache_salt, beam, eos, stop_ids)
         except ValueError as e:
             # The core names its own integer id; name the caller's instead.
-            raise type(e)(str(e).replace(f"request_id={core_id}", f"request_id={request_id!r}")) from None
+            rename_field(e, "request_id", "request_id", str(core_id), repr(request_id))
+            raise
         req = _Request(request_id, core_id, text, ids, params, beam=beam)
         seq_id = self.scheduler.request_seq_ids(core_id)[0]
         req.seqs[seq_id] = self._new_seq(req, seq_id, 0)
@@ -287,7 +303,8 @@ class LLMEngine:
         self.scheduler.add_request(
             core_id, np.asarray(ids, dtype=np.int64), max_tokens,
             n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
-            min_tokens=params.min_tokens, ignore_eos=params.ignore_eos or beam is not None, cache_salt=cache_salt,
+            min_tokens=min(params.min_tokens, max_tokens), ignore_eos=params.ignore_eos or beam is not None,
+            cache_salt=cache_salt,
             reserve_seqs=beam.beam_width if beam is not None else 0,
         )
 
@@ -303,7 +320,8 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        # One id (any type add_request took, e.g. an int) or an iterable of them.
+        ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
         for rid in ids:
             core_id = self._by_name.pop(str(rid), None)
             if core_id is None:
@@ -487,10 +505,11 @@ class LLMEngine:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if beam_width > self.args.max_num_seqs:
             raise ValueError(f"beam_width={beam_width} is larger than max_num_seqs={self.args.max_num_seqs}")
+        length_penalty = check_finite("length_penalty", length_penalty)
         request_id, text, ids = self._checked_prompt(request_id, prompt)
         max_tokens = min(max_tokens, self.max_model_len - len(ids)) if len(ids) < self.max_model_len else 1
         eos = () if ignore_eos else self.eos_token_ids
-        state = BeamSearchState(beam_width, max_tokens, float(length_penalty), tuple(eos))
+        state = BeamSearchState(beam_width, max_tokens, length_penalty, tuple(eos))
         params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         self._submit(request_id, text, ids, params, max_tokens, 0, None, beam=state)
 

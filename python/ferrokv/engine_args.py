@@ -20,6 +20,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from ferrokv._core import SCHEDULER_CHOICES, SCHEDULER_DEFAULTS, InvalidArgumentError, validate_scheduler_config
+from ferrokv.checks import check_int, rename_field
 
 __all__ = ["DTYPE_ALIASES", "EngineArgs", "engine_arg_help", "help_with_default"]
 
@@ -31,6 +32,8 @@ DTYPE_ALIASES: dict[str, str] = {
 
 # Settings chosen by name whose names the core checks (EngineArgs name -> the core's).
 _CORE_NAMED = {"preemption_mode": "preemption_mode", "scheduling_policy": "policy"}
+# What torch.Generator.manual_seed accepts (the sampler's generator takes the engine seed).
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def _arg(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, default_doc: str | None = None) -> Any:
@@ -105,6 +108,8 @@ class EngineArgs:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             raise ValueError(f"revision must be a non-empty string or None, got {self.revision!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed, _SEED_MIN, _SEED_MAX)
         self._check_scheduler_rules()
 
     def _check_scheduler_rules(self) -> None:
@@ -118,9 +123,9 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode, policy=self.scheduling_policy,
             )
         except InvalidArgumentError as e:
-            if e.field not in ours:
-                raise
-            raise InvalidArgumentError(f"invalid {ours[e.field]}={e.value}: {e.reason}") from None
+            if e.field in ours:
+                rename_field(e, e.field, ours[e.field])
+            raise
 
     def _check_positive(self, name: str, allow_none: bool = True) -> None:
         v = getattr(self, name)

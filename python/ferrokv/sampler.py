@@ -26,10 +26,13 @@ Pipeline, in vLLM V1's order (each stage is skipped when no row needs it):
    (256-token blocks, then a token), so even tiny tail probabilities are honoured. Seeded rows
    draw their uniform from their own ``torch.Generator`` (exactly one draw per step), so their
    token depends only on their own logits row and generator, never on which other rows share the
-   batch; unseeded rows share one generator (the sampler's, else torch's global one).
+   batch; unseeded rows share one generator (the sampler's, else torch's global one), which must be
+   on the logits' device.
 
 Invariants: the input ``logits`` tensor is never modified; output ids are ``int32`` numpy, one per
-row; a token whose processed probability is 0 is never sampled. Batch invariance of seeded rows is
+row; a token whose processed probability is 0 is never sampled. Devices: the metadata tensors and
+the shared generator are on the logits' device (checked: ``DeviceMismatchError`` names both
+devices otherwise); seeded rows' generators may be anywhere (their one draw is moved over). Batch invariance of seeded rows is
 exact on CPU (every step is row-local and no path choice depends on other rows); on GPU it holds up
 to float rounding of row reductions.
 
@@ -51,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ferrokv.checks import check_same_device
 from ferrokv.sampling_params import GREEDY_EPS, SamplingParams
 
 __all__ = [
@@ -429,6 +433,8 @@ def _draw_uniforms(
     n: int, md: SamplingMetadata, generator: torch.Generator | None, device: torch.device
 ) -> torch.Tensor:
     """One U[0,1) per row (float64); seeded rows draw theirs from their own generator."""
+    if generator is not None:
+        check_same_device("the sampler's generator", generator.device, "the logits tensor", device)
     u = torch.rand(n, dtype=torch.float64, device=device, generator=generator)
     if md.seeded_rows:
         # Exactly one draw per step from each seeded generator, so its stream -- and the token --
@@ -499,6 +505,7 @@ def sample(
     md = metadata
     if logits.dim() != 2 or logits.shape[0] != md.num_rows:
         raise ValueError(f"logits must be [{md.num_rows}, V], got {tuple(logits.shape)}")
+    check_same_device("the sampling metadata", md.greedy.device, "the logits tensor", logits.device)
     raw = logits
     # Everything below is out-of-place on the first op, so the caller's tensor is never touched.
     x = logits.float()
@@ -530,7 +537,11 @@ def sample(
 
 
 class Sampler:
-    """Holds the shared generator for unseeded rows; ``Sampler(seed=0)`` makes runs replayable."""
+    """Holds the shared generator for unseeded rows; ``Sampler(seed=0)`` makes runs replayable.
+
+    The shared generator lives on ``device``, the device of the logits it will sample (unseeded
+    rows draw their uniforms there in one call); ``sample`` refuses a generator on another device.
+    """
 
     __slots__ = ("generator",)
 

@@ -1,6 +1,6 @@
 """Per-request sampling parameters, with vLLM's field names, defaults and semantics.
 
-Invariants (established by ``__post_init__``; every violation raises ``ValueError`` whose message
+Invariants (established by ``validate``, which construction runs; every violation raises ``ValueError`` whose message
 names the field and the offending value, e.g. ``temperature must be >= 0, got -1.0``):
 
 * ``n >= 1``; ``temperature >= 0`` and finite; ``0 < top_p <= 1``; ``0 <= min_p <= 1``;
@@ -9,7 +9,7 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
   any other value must be ``>= 1``.
 * ``max_tokens`` is ``None`` ("up to max_model_len", resolved by the engine) or ``>= 1``;
   ``0 <= min_tokens`` and ``min_tokens <= max_tokens`` when ``max_tokens`` is set.
-* ``stop`` is always a ``list[str]`` of non-empty strings afterwards (a single ``str`` or ``None``
+* ``stop`` is always a ``list[str]`` of non-empty, valid Unicode strings afterwards (a single ``str`` or ``None``
   are accepted on construction); ``stop_token_ids`` is always a ``list[int]`` of ids ``>= 0``.
 * ``logprobs`` is ``None`` or ``>= 0`` (how many top alternatives to return *in addition to* the
   sampled token's own logprob).
@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+
+from ferrokv.checks import check_text
 
 __all__ = ["GREEDY_EPS", "SamplingParams"]
 
@@ -64,10 +66,16 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
-    # window; kept in sync by __post_init__.
+    # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks every field (and normalises ``top_k``, ``stop``, ``stop_token_ids`` and the greedy
+        knobs) as the module docstring says. Runs on construction, and again when the engine takes
+        a request, since fields may have been assigned since (``params.temperature = nan``)."""
         # --- integers -------------------------------------------------------------------------
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
@@ -124,6 +132,7 @@ class SamplingParams:
                     raise ValueError(f"stop must contain only strings, got {s!r}")
             self.stop = stop
         for s in self.stop:
+            check_text("stop", s)
             if s == "":
                 raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
