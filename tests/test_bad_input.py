@@ -173,7 +173,6 @@ class Case:
     call: Callable[[World, Any], Any]
     error: type[BaseException]
     names: tuple[str, ...]  # text the message must contain: the field, and the value where sensible
-    core: bool = False  # a binding defect, fixed with the core's part of the issue
 
 
 def sp(**kw) -> Callable[[World, Any], Any]:
@@ -342,10 +341,9 @@ CASES = [
     Case("core-n-zero", core_add(n=0), InvalidArgumentError, ("n=0",)),
     Case("core-update-twice", core_update_twice, SchedulerStateError, ("update()",)),
     Case("core-request_id-huge", lambda w, c: w.scheduler.add_request(2**63, [5], 2), InvalidArgumentError,
-         ("request_id",), core=True),
-    Case("core-priority-huge", core_add(priority=2**40), InvalidArgumentError, ("priority",), core=True),
-    Case("core-cache_salt-surrogate", core_add(cache_salt=SURROGATE), InvalidArgumentError, ("cache_salt",),
-         core=True),
+         ("request_id",)),
+    Case("core-priority-huge", core_add(priority=2**40), InvalidArgumentError, ("priority",)),
+    Case("core-cache_salt-surrogate", core_add(cache_salt=SURROGATE), InvalidArgumentError, ("cache_salt",)),
     # --- the ferrokv command --------------------------------------------------------------------------------
     Case("cli-temperature", cli("cli-temperature"), CliError, ("exit status 2", "temperature", "-1.0")),
     Case("cli-dtype", cli("cli-dtype"), CliError, ("exit status 2", "--dtype", "'int8'")),
@@ -365,9 +363,7 @@ def test_the_table_is_large_and_covers_every_entry_point():
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(
-        strict=True, reason="the bindings raise OverflowError/UnicodeEncodeError: the core's part of issue 10")]
-        if c.core else []) for c in CASES],
+    [pytest.param(c, id=c.id) for c in CASES],
 )
 def test_bad_input(case: Case, world: World, cli_runs):
     with pytest.raises(case.error) as e:

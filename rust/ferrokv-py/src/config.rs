@@ -33,23 +33,24 @@ pub(crate) fn scheduler_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> 
 #[pyfunction]
 #[pyo3(signature = (*, block_size, max_num_seqs, num_blocks, max_model_len, num_cpu_blocks, preemption_mode, policy))]
 pub(crate) fn validate_scheduler_config(
-    block_size: i64,
-    max_num_seqs: i64,
-    num_blocks: Option<i64>,
-    max_model_len: Option<i64>,
-    num_cpu_blocks: i64,
+    block_size: &Bound<'_, PyAny>,
+    max_num_seqs: &Bound<'_, PyAny>,
+    num_blocks: Option<&Bound<'_, PyAny>>,
+    max_model_len: Option<&Bound<'_, PyAny>>,
+    num_cpu_blocks: &Bound<'_, PyAny>,
     preemption_mode: &str,
     policy: &str,
 ) -> PyResult<()> {
-    let max_num_seqs = count("max_num_seqs", max_num_seqs)?;
+    const SIZE: &str = "must be in [0, 2^63)";
+    let max_num_seqs = int_arg("max_num_seqs", max_num_seqs, SIZE)?;
     let cfg = SchedulerConfig {
-        num_blocks: num_blocks.map_or(Ok(2), |v| count("num_blocks", v))?,
-        block_size: count("block_size", block_size)?,
+        num_blocks: opt_int_arg("num_blocks", num_blocks, SIZE)?.unwrap_or(2),
+        block_size: int_arg("block_size", block_size, SIZE)?,
         max_num_seqs,
         max_num_batched_tokens: max_num_seqs,
-        max_model_len: max_model_len.map_or(Ok(1), |v| count("max_model_len", v))?,
+        max_model_len: opt_int_arg("max_model_len", max_model_len, SIZE)?.unwrap_or(1),
         preemption_mode: PreemptionMode::parse(preemption_mode).map_err(to_py_err)?,
-        num_cpu_blocks: count("num_cpu_blocks", num_cpu_blocks)?,
+        num_cpu_blocks: int_arg("num_cpu_blocks", num_cpu_blocks, SIZE)?,
         policy: Policy::parse(policy).map_err(to_py_err)?,
         ..SchedulerConfig::default()
     };

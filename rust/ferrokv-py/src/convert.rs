@@ -8,13 +8,33 @@ use pyo3::prelude::*;
 // ---------------------------------------------------------------------------------------------
 // Argument conversion.
 
+/// An int argument as `T`: an int outside `T`'s range is an `InvalidArgumentError` naming the
+/// field and the value (never a bare `OverflowError`); a non-int stays a `TypeError`.
+pub(crate) fn int_arg<T: TryFrom<i128>>(field: &'static str, obj: &Bound<'_, PyAny>, range: &str) -> PyResult<T> {
+    let too_big = |obj: &Bound<'_, PyAny>| invalid(field, obj.str().map(|s| s.to_string()).unwrap_or_default(), range);
+    match obj.extract::<i64>() {
+        Ok(v) => T::try_from(v as i128).map_err(|_| too_big(obj)),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => Err(too_big(obj)),
+        Err(e) => Err(e),
+    }
+}
+
+/// `int_arg` for an optional argument.
+pub(crate) fn opt_int_arg<T: TryFrom<i128>>(field: &'static str, obj: Option<&Bound<'_, PyAny>>, range: &str) -> PyResult<Option<T>> {
+    obj.filter(|o| !o.is_none()).map(|o| int_arg(field, o, range)).transpose()
+}
+
+/// A str argument: a non-str or a string with a lone surrogate is an `InvalidArgumentError`
+/// naming the field.
+pub(crate) fn str_arg(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    let s = obj.cast::<pyo3::types::PyString>().map_err(|_| invalid(field, obj.get_type().name().map(|n| n.to_string()).unwrap_or_default(), "must be a str"))?;
+    s.to_str().map(str::to_owned).map_err(|_| invalid(field, "<a lone surrogate>", "must be valid Unicode"))
+}
+
 pub(crate) fn non_negative(field: &'static str, v: i64) -> PyResult<u64> {
     u64::try_from(v).map_err(|_| invalid(field, v, "must be >= 0"))
 }
 
-pub(crate) fn count(field: &'static str, v: i64) -> PyResult<usize> {
-    non_negative(field, v).map(|v| v as usize)
-}
 
 pub(crate) fn token_id(field: &'static str, v: i64) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| invalid(field, v, "token ids must be in [0, 2^32)"))

@@ -4,6 +4,9 @@
 use ferrokv_core::{CoreError, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig};
 
 use crate::*;
+
+/// What a size argument accepts (the core then checks its own bounds).
+const SIZE_RANGE: &str = "must be in [0, 2^63)";
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -24,22 +27,24 @@ impl PyScheduler {
                         num_cpu_blocks=None, policy=None, watermark=None, admission_headroom=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: i64,
-        block_size: Option<i64>,
-        max_num_seqs: Option<i64>,
-        max_num_batched_tokens: Option<i64>,
-        max_model_len: Option<i64>,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: Option<&Bound<'_, PyAny>>,
+        max_num_seqs: Option<&Bound<'_, PyAny>>,
+        max_num_batched_tokens: Option<&Bound<'_, PyAny>>,
+        max_model_len: Option<&Bound<'_, PyAny>>,
         enable_prefix_caching: Option<bool>,
         preemption_mode: Option<&str>,
-        num_cpu_blocks: Option<i64>,
+        num_cpu_blocks: Option<&Bound<'_, PyAny>>,
         policy: Option<&str>,
         watermark: Option<f64>,
         admission_headroom: Option<f64>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
-        let size = |field: &'static str, v: Option<i64>, default: usize| v.map_or(Ok(default), |v| count(field, v));
+        let size = |field: &'static str, v: Option<&Bound<'_, PyAny>>, default: usize| {
+            opt_int_arg(field, v, SIZE_RANGE).map(|v| v.unwrap_or(default))
+        };
         let cfg = SchedulerConfig {
-            num_blocks: count("num_blocks", num_blocks)?,
+            num_blocks: int_arg("num_blocks", num_blocks, SIZE_RANGE)?,
             block_size: size("block_size", block_size, d.block_size)?,
             max_num_seqs: size("max_num_seqs", max_num_seqs, d.max_num_seqs)?,
             max_num_batched_tokens: size("max_num_batched_tokens", max_num_batched_tokens, d.max_num_batched_tokens)?,
@@ -65,19 +70,23 @@ impl PyScheduler {
     fn add_request(
         &mut self,
         py: Python<'_>,
-        request_id: i64,
+        request_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
-        max_tokens: i64,
+        max_tokens: &Bound<'_, PyAny>,
         n: i64,
-        priority: i32,
-        eos_token_id: Option<i64>,
+        priority: i64,
+        eos_token_id: Option<&Bound<'_, PyAny>>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         min_tokens: i64,
         ignore_eos: bool,
-        cache_salt: Option<String>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
         reserve_seqs: i64,
     ) -> PyResult<()> {
-        let request_id = non_negative("request_id", request_id)?;
+        let request_id: u64 = int_arg("request_id", request_id, "must be in [0, 2^63)")?;
+        let max_tokens: i64 = int_arg("max_tokens", max_tokens, "must be >= 1")?;
+        let priority = i32::try_from(priority).map_err(|_| invalid("priority", priority, "must be in [-2^31, 2^31)"))?;
+        let eos_token_id: Option<i64> = opt_int_arg("eos_token_id", eos_token_id, "token ids must be in [0, 2^32)")?;
+        let cache_salt = cache_salt.filter(|c| !c.is_none()).map(|c| str_arg("cache_salt", c)).transpose()?;
         let prompt = token_ids("prompt_token_ids", prompt_token_ids)?
             .into_iter()
             .map(|t| token_id("prompt_token_ids", t))
