@@ -16,6 +16,7 @@ from ferrokv.engine import EngineArgs, LLMEngine
 from helpers.tiny_models import TINY_VOCAB
 
 MAX_MODEL_LEN = 128
+MAX_STEPS = 2000  # drive() fails rather than hangs: the tests' runs take a few hundred steps at most
 
 
 def engine_kwargs(path: Any, **kw: Any) -> dict[str, Any]:
@@ -61,8 +62,10 @@ def drive(engine: LLMEngine, fails: type[BaseException] | None = None) -> dict[s
     """Steps until nothing is unfinished; returns each request's last output. ``fails``: exactly
     one step is expected to raise that exception (the driver goes on, as a vLLM caller may)."""
     last: dict[str, Any] = {}
-    raised = 0
+    raised = steps = 0
     while engine.has_unfinished_requests():
+        steps += 1
+        assert steps <= MAX_STEPS, f"still unfinished after {MAX_STEPS} steps: {engine.stats()}"
         try:
             outputs = engine.step()
         except BaseException as e:
