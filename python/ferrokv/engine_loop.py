@@ -27,7 +27,8 @@ Invariants:
   step, the loop shut down). Before it come its progress outputs, unless ``final_only``.
 * Only the loop's thread adds requests and steps. It starts on the first submit as a daemon
   thread, so it never keeps the interpreter alive; ``shutdown`` ends it (``LLM`` calls it when
-  collected, without waiting) and an ``atexit`` hook joins every loop still running. A caller waits on its sink, so a ``KeyboardInterrupt`` lands in the
+  collected, without waiting) and an ``atexit`` hook joins every loop still running. On CUDA
+  its current device is the model's (the current device is per thread, and kernels launch on it). A caller waits on its sink, so a ``KeyboardInterrupt`` lands in the
   caller, which aborts its requests (``LLM._run``), never inside a step.
 * Aborts are applied between steps (at most one step's wait). ``LLMEngine.abort_request`` is safe
   from any thread too; its aborts reach their sinks through ``LLMEngine.on_abort``.
@@ -51,6 +52,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import torch
 
 from ferrokv._core import FerrokvError
 from ferrokv.engine import LLMEngine
@@ -136,6 +139,7 @@ class EngineLoop:
         self._state = threading.Lock()  # orders starting/ending the thread against queuing
         self._thread: threading.Thread | None = None
         self._dead: EngineDeadError | None = None
+        self._device: torch.device = next(engine.model.parameters()).device  # with its index on CUDA
         engine.on_abort = self._on_abort
 
     # ------------------------------------------------------------------------------------------
@@ -229,6 +233,8 @@ class EngineLoop:
     def _run(self) -> None:
         cause: BaseException | None = None
         try:
+            if self._device.type == "cuda":  # CUDA's current device is per thread: the model's
+                torch.cuda.set_device(self._device)
             while self._serve_once():
                 pass
         except BaseException as e:  # a bug in the loop: end every request rather than hang them
