@@ -10,26 +10,41 @@ are checked again and copied: an assignment before ``add_request`` is caught, on
 not reach the request; an error of the core keeps its type, with the caller's request id in it);
 a request ended in Python (stop string, abort, finished beam search) is ended in the scheduler at
 once, so its KV blocks are freed. The sampler's shared generator is on the engine's device.
+Failures: any exception (``KeyboardInterrupt`` included) between ``schedule()`` and ``update()``
+cancels the step (``Scheduler.cancel_step``): no token is appended, the requests go on at the
+next ``step()`` as if the step had never been planned (a beam search that moved in Python during
+the step is aborted); one after ``update()`` aborts the step's requests, whose Python state is
+then half-applied. The exception is re-raised.
+Threads: one thread drives the engine (``add_request``/``step``; ``EngineLoop`` is that thread
+for ``LLM``); an engine lock serializes every scheduler call, since the scheduler's methods
+release the GIL while they hold it borrowed. ``abort_request`` and the getters (``stats()``,
+``num_free_blocks``, ``kv_cache_usage``, ``has_unfinished_requests``) are safe from any thread
+and never wait for a step: an abort is queued and applied when the step in progress ends (before
+the lock is released), a getter reads a snapshot refreshed whenever the lock is released.
 Costs per step: the model forward, plus O(rows) Python work for sampling metadata and
-detokenization; nothing that scales with the number of waiting or finished requests.
+detokenization; nothing that scales with the number of waiting or finished requests (the full
+``stats()`` snapshot, O(blocks), is refreshed only after someone asked for it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from ferrokv._core import Scheduler, UnknownRequestError
+from ferrokv._core import Scheduler, SchedulerStateError, UnknownRequestError
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.checks import check_finite, check_int, check_text, rename_field
 from ferrokv.detokenizer import IncrementalDetokenizer, decode_token
@@ -73,6 +88,31 @@ class _Request:
     num_cached_tokens: int = 0
     beam: BeamSearchState | None = None
     finished: bool = False
+
+
+@dataclass(slots=True)
+class _StepUndo:
+    """What a step changed in Python before ``update()``, undone if the step is cancelled."""
+
+    new_seqs: list[tuple[_Request, int]] = field(default_factory=list)  # samples forked at this update
+    beams: list[_Request] = field(default_factory=list)  # beam searches that moved (cannot be put back)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _exclusive(method: _F) -> _F:
+    """Runs an ``LLMEngine`` method holding the engine lock (released by ``_release``)."""
+
+    @functools.wraps(method)
+    def locked(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
+        self._lock.acquire()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._release()
+
+    return locked  # type: ignore[return-value]
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -152,6 +192,19 @@ class LLMEngine:
         self._next_core_id = itertools.count()
         self._beams_done: list[_Request] = []
         self.peak_used_blocks = 0
+        # Threads (module docs): the lock guards the scheduler; aborts from any thread queue in
+        # the inbox; the snapshot serves getters while another thread holds the lock.
+        self._lock = threading.Lock()
+        self._abort_inbox: deque[str] = deque()
+        self._aborted_outputs: list[RequestOutput] = []
+        self.on_abort: Callable[[RequestOutput], None] | None = None
+        """Called with the final output (``finish_reason`` "abort") of each request that
+        ``abort_request`` or a failed step ended, from the thread that applied it, after the
+        engine lock is released (``EngineLoop`` routes them). None: aborted requests report nothing."""
+        self._stats: dict[str, int] = self.scheduler.stats()
+        self._stats_wanted = False
+        self._num_free_blocks: int = self.scheduler.num_free_blocks
+        self._num_blocks = num_blocks  # a scheduler getter would borrow it, failing mid-step
         tokens_capacity = (num_blocks - 1) * args.block_size
         logger.info(
             "model %s (%s, %s, %s) loaded in %.1fs; KV cache: %d blocks x %d tokens, "
@@ -250,6 +303,7 @@ class LLMEngine:
         self._validate_ids(ids)
         return request_id, text, ids
 
+    @_exclusive
     def add_request(
         self,
         request_id: str,
@@ -320,18 +374,13 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Ends the requests (unknown or finished ids are ignored) and frees their blocks; they
+        report no more outputs (``on_abort`` aside). Safe from any thread: applied at once when no
+        step is in progress, else when the step in progress ends."""
         # One id (any type add_request took, e.g. an int) or an iterable of them.
         ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
-        for rid in ids:
-            core_id = self._by_name.pop(str(rid), None)
-            if core_id is None:
-                continue
-            req = self._requests.pop(core_id)
-            try:
-                self.scheduler.abort(core_id)
-            except UnknownRequestError:
-                pass
-            req.finished = True
+        self._abort_inbox.extend(str(rid) for rid in ids)
+        self._drain_aborts()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -340,87 +389,166 @@ class LLMEngine:
         return len(self._requests)
 
     def stats(self) -> dict[str, int]:
-        return self.scheduler.stats()
+        """The scheduler's counters: live when no other thread holds the engine, else the
+        snapshot taken when the lock was last released (refreshed at the end of the current step)."""
+        self._stats_wanted = True
+        if self._lock.acquire(blocking=False):
+            self._release()
+        return dict(self._stats)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free KV blocks (cached prefix blocks count as free); a snapshot while a step runs."""
+        if self._lock.acquire(blocking=False):
+            self._release()
+        return self._num_free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of usable KV blocks in use (0.0 to 1.0); a snapshot while a step runs."""
+        return 1.0 - self.num_free_blocks / (self._num_blocks - 1)  # block 0 is the null block
 
     # ------------------------------------------------------------------------------------------
+    # The engine lock (module docs, "Threads")
+    def _release(self) -> None:
+        """Releases the engine lock, first applying queued aborts and refreshing the getters'
+        snapshot; then reports aborted requests and drains aborts queued meanwhile."""
+        try:
+            self._apply_aborts()
+            self._num_free_blocks = self.scheduler.num_free_blocks
+            if self._stats_wanted:
+                self._stats_wanted = False
+                self._stats = self.scheduler.stats()
+        finally:
+            aborted, self._aborted_outputs = self._aborted_outputs, []
+            self._lock.release()
+        if self.on_abort is not None:
+            for o in aborted:
+                self.on_abort(o)
+        self._drain_aborts()
+
+    def _drain_aborts(self) -> None:
+        # Whoever queued an abort tries the lock; if another thread holds it, that thread sees the
+        # abort in _release (queued before this failed try, so before that release).
+        if self._abort_inbox and self._lock.acquire(blocking=False):
+            self._release()
+
+    def _apply_aborts(self) -> None:
+        while self._abort_inbox:
+            core_id = self._by_name.get(self._abort_inbox.popleft())
+            if core_id is not None:
+                self._abort_now(self._requests[core_id])
+
+    def _abort_now(self, req: _Request) -> None:
+        """Ends a request in Python and in the scheduler (lock held)."""
+        self._finish(req)
+        if self.on_abort is not None:
+            self._aborted_outputs.append(self._aborted_output(req))
+        try:
+            self.scheduler.abort(req.core_id)
+        except UnknownRequestError:
+            pass  # ended by the scheduler already (a capacity abort, a cancelled reshaped step)
+
+    def _aborted_output(self, req: _Request) -> RequestOutput:
+        if req.beam is not None:  # an unfinished beam search has no hypotheses to report
+            return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                                 prompt_token_ids=list(req.prompt_token_ids), outputs=[], finished=True,
+                                 num_cached_tokens=req.num_cached_tokens)
+        for s in req.seqs.values():
+            s.finish_reason = "abort"
+            s.detok.flush()
+        return self._output(req)
+
+    # ------------------------------------------------------------------------------------------
+    @_exclusive
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns outputs of the requests that progressed or finished."""
+        """One scheduler step; returns outputs of the requests that progressed or finished.
+
+        On any exception the step is cancelled or its requests aborted (module docs), and the
+        exception is re-raised."""
         out = self.scheduler.schedule()
         self.peak_used_blocks = max(self.peak_used_blocks, self.scheduler.num_blocks - 1 - self.scheduler.num_free_blocks)
+        undo = _StepUndo()
         try:
             logits = self.runner.execute(out)
-        except Exception:
-            # The batch's requests cannot go on: end them (freeing their blocks), close the step
-            # (their rows are then ignored) and forget cached prefixes, whose KV is suspect.
-            for cid in set(out.req_ids.tolist()):
-                req = self._requests.get(cid)
-                if req is not None:
-                    self.abort_request(req.request_id)
-            self.scheduler.update(out, np.zeros(out.num_rows, dtype=np.int32))
-            self.scheduler.reset_prefix_cache()
+            sampled, row_lp = self._sample(out, logits, undo)
+            finished = self.scheduler.update(out, sampled)
+        except BaseException:
+            self._cancel_step(out, undo)
             raise
-        touched: dict[int, _Request] = {}
+        try:
+            return self._apply_step(out, sampled, row_lp, finished)
+        except BaseException:
+            self._abort_step_requests(out)
+            raise
+
+    def _cancel_step(self, out: Any, undo: _StepUndo) -> None:
+        """Undoes a step whose forward pass, sampling or ``update()`` raised."""
+        try:
+            self.scheduler.cancel_step(out)
+        except SchedulerStateError:
+            # update() had returned (an interrupt landing right after it): its results are lost,
+            # so the step's requests cannot go on in step with the scheduler.
+            self._abort_step_requests(out)
+            return
+        for req, seq_id in undo.new_seqs:
+            req.seqs.pop(seq_id, None)
+        for req in undo.beams:
+            if not req.finished:
+                self._abort_now(req)
+        # No reset_prefix_cache(): the only KV a cancelled step may have written is in its new
+        # tokens' slots, i.e. in blocks the step allocated (released by cancel_step) or past the
+        # computed part of a sequence's own last block (rewritten when it is recomputed), plus
+        # the destinations of its copy/swap-in ops, whose requests cancel_step recomputes. Prefix
+        # blocks are registered only by update(), so no cached block holds a cancelled step's KV.
+
+    def _abort_step_requests(self, out: Any) -> None:
+        for cid in set(out.req_ids.tolist()):
+            req = self._requests.get(cid)
+            if req is not None:
+                self._abort_now(req)
+
+    def _sample(self, out: Any, logits: torch.Tensor | None, undo: _StepUndo) -> tuple[np.ndarray, Any]:
+        """The step's tokens, one per logits row (0 for rows of ended requests), and the rows'
+        logprobs; beam searches choose theirs (forking and dropping sequences)."""
         sampled = np.zeros(out.num_rows, dtype=np.int32)
         row_lp = None
-        if out.num_rows:
-            row_req = out.row_req_ids.tolist()
-            row_seq = out.row_seq_ids.tolist()
-            row_idx = out.row_sample_index.tolist()
-            sample_rows: list[int] = []
-            beam_rows: dict[int, list[int]] = {}
-            for r, (cid, sid, idx) in enumerate(zip(row_req, row_seq, row_idx)):
-                req = self._requests.get(cid)
-                if req is None:
-                    continue
-                if req.beam is not None:
-                    beam_rows.setdefault(cid, []).append(r)
-                    continue
-                if sid not in req.seqs:  # a sample of an n > 1 request, forked at update
-                    req.seqs[sid] = self._new_seq(req, sid, idx)
-                sample_rows.append(r)
-            if sample_rows:
-                rows = [self._sampling_row(self._requests[row_req[r]], row_seq[r]) for r in sample_rows]
-                md = SamplingMetadata.build(rows, self.vocab_size, self.eos_token_ids, device=logits.device)
-                sel = logits if len(sample_rows) == out.num_rows else logits[torch.tensor(sample_rows, device=logits.device)]
-                so = self.sampler(sel, md)
-                sampled[np.asarray(sample_rows)] = so.token_ids
-                row_lp = (sample_rows, so.logprobs)
-            for cid, rs in beam_rows.items():
-                self._beam_step(self._requests[cid], rs, row_seq, logits, sampled)
-        finished = self.scheduler.update(out, sampled)
-        ended = {f.seq_id: f for f in finished}
+        if not out.num_rows:
+            return sampled, row_lp
+        row_req = out.row_req_ids.tolist()
+        row_seq = out.row_seq_ids.tolist()
+        row_idx = out.row_sample_index.tolist()
+        sample_rows: list[int] = []
+        beam_rows: dict[int, list[int]] = {}
+        for r, (cid, sid, idx) in enumerate(zip(row_req, row_seq, row_idx)):
+            req = self._requests.get(cid)
+            if req is None:
+                continue
+            if req.beam is not None:
+                beam_rows.setdefault(cid, []).append(r)
+                continue
+            if sid not in req.seqs:  # a sample of an n > 1 request, forked at update
+                req.seqs[sid] = self._new_seq(req, sid, idx)
+                undo.new_seqs.append((req, sid))
+            sample_rows.append(r)
+        if sample_rows:
+            rows = [self._sampling_row(self._requests[row_req[r]], row_seq[r]) for r in sample_rows]
+            md = SamplingMetadata.build(rows, self.vocab_size, self.eos_token_ids, device=logits.device)
+            sel = logits if len(sample_rows) == out.num_rows else logits[torch.tensor(sample_rows, device=logits.device)]
+            so = self.sampler(sel, md)
+            sampled[np.asarray(sample_rows)] = so.token_ids
+            row_lp = (sample_rows, so.logprobs)
+        for cid, rs in beam_rows.items():
+            undo.beams.append(self._requests[cid])
+            self._beam_step(self._requests[cid], rs, row_seq, logits, sampled)
+        return sampled, row_lp
 
+    def _apply_step(self, out: Any, sampled: np.ndarray, row_lp: Any, finished: list[Any]) -> list[RequestOutput]:
+        """Appends the step's tokens in Python (text, logprobs, stop strings), ends what the
+        scheduler ended, and builds the outputs of the requests that progressed or finished."""
+        touched: dict[int, _Request] = {}
         if out.num_rows:
-            lp_by_row = {}
-            if row_lp is not None and row_lp[1] is not None:
-                rows, lpr = row_lp
-                for j, br in enumerate(lpr.rows.tolist()):
-                    lp_by_row[rows[br]] = (lpr, j)
-            for r, (cid, sid) in enumerate(zip(row_req, row_seq)):
-                req = self._requests.get(cid)
-                if req is None or req.beam is not None:
-                    continue
-                seq = req.seqs.get(sid)
-                if seq is None:
-                    continue
-                tok = int(sampled[r])
-                seq.token_ids.append(tok)
-                if r in lp_by_row:
-                    lpr, j = lp_by_row[r]
-                    n = int(lpr.num_top[j])
-                    seq.logprobs.append(make_logprobs_entry(
-                        tok, float(lpr.sampled_logprobs[j]), int(lpr.sampled_ranks[j]),
-                        lpr.top_ids[j, :n], lpr.top_logprobs[j, :n],
-                        decode=lambda t: decode_token(self.tokenizer, t)))
-                    seq.cumulative_logprob += float(lpr.sampled_logprobs[j])
-                f = ended.get(seq.seq_id)
-                # The stopping EOS / stop token id stays out of the text (vLLM semantics).
-                if not (f is not None and f.reason == "stop"):
-                    seq.detok.append(tok)
-                touched[cid] = req
-                if f is None and seq.detok.stopped:
-                    seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
-                    self._end_seq(req, seq)
+            self._append_tokens(out, sampled, row_lp, {f.seq_id: f for f in finished}, touched)
         for f in finished:
             req = self._requests.get(f.request_id)
             if req is None or req.beam is not None:
@@ -450,6 +578,39 @@ class LLMEngine:
                 self._finish(req)
             outputs.append(self._output(req))
         return outputs
+
+    def _append_tokens(self, out: Any, sampled: np.ndarray, row_lp: Any, ended: dict[int, Any],
+                       touched: dict[int, _Request]) -> None:
+        lp_by_row = {}
+        if row_lp is not None and row_lp[1] is not None:
+            rows, lpr = row_lp
+            for j, br in enumerate(lpr.rows.tolist()):
+                lp_by_row[rows[br]] = (lpr, j)
+        for r, (cid, sid) in enumerate(zip(out.row_req_ids.tolist(), out.row_seq_ids.tolist())):
+            req = self._requests.get(cid)
+            if req is None or req.beam is not None:
+                continue
+            seq = req.seqs.get(sid)
+            if seq is None:
+                continue
+            tok = int(sampled[r])
+            seq.token_ids.append(tok)
+            if r in lp_by_row:
+                lpr, j = lp_by_row[r]
+                n = int(lpr.num_top[j])
+                seq.logprobs.append(make_logprobs_entry(
+                    tok, float(lpr.sampled_logprobs[j]), int(lpr.sampled_ranks[j]),
+                    lpr.top_ids[j, :n], lpr.top_logprobs[j, :n],
+                    decode=lambda t: decode_token(self.tokenizer, t)))
+                seq.cumulative_logprob += float(lpr.sampled_logprobs[j])
+            f = ended.get(seq.seq_id)
+            # The stopping EOS / stop token id stays out of the text (vLLM semantics).
+            if not (f is not None and f.reason == "stop"):
+                seq.detok.append(tok)
+            touched[cid] = req
+            if f is None and seq.detok.stopped:
+                seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
+                self._end_seq(req, seq)
 
     def _aborted_seq(self, req: _Request, seq_id: int, index: int) -> _Seq:
         s = self._new_seq(req, seq_id, index)
@@ -498,6 +659,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------
     # Beam search
+    @_exclusive
     def add_beam_request(self, request_id: str, prompt: Any, beam_width: int, max_tokens: int,
                          length_penalty: float = 1.0, ignore_eos: bool = False) -> None:
         for name, v in (("beam_width", beam_width), ("max_tokens", max_tokens)):

@@ -4,12 +4,23 @@
 Hugging Face folder, or a ``.gguf`` file (converted once and cached); ``model=None`` is the embedded
 SmolLM2-135M-Instruct. Every engine argument is a keyword with the CLI flag's name and the
 ``EngineArgs`` field's default; an unknown keyword is a ``TypeError``.
+
+Threads: the engine is driven by one ``EngineLoop`` (its thread starts on the first call), so
+``generate``, ``chat`` and ``beam_search`` may be called from several threads at once, each
+getting its own outputs. A call that is interrupted (``KeyboardInterrupt``) or fails aborts its
+requests, waits until the loop has ended them (at most one step) and re-raises; the ``LLM``
+stays usable. ``llm_engine.abort_request`` from another thread ends a request of a running call,
+which then returns that request's output with ``finish_reason`` "abort". Request ids are
+``str`` of a counter from 1, as in vLLM (from 0 there).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +28,7 @@ from typing import Any
 from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
+from ferrokv.engine_loop import EngineLoop, StreamItem
 from ferrokv.outputs import RequestOutput
 from ferrokv.sampling_params import SamplingParams
 
@@ -80,6 +92,17 @@ def _prompt_list(prompts: Any) -> list[Any]:
         raise ValueError(f"prompts must be a str, a dict or a list of them, got {shown(prompts)}") from None
 
 
+def _abandon(loop: EngineLoop, ids: list[str], done: dict[str, StreamItem], sink: queue.SimpleQueue[StreamItem]) -> None:
+    """Aborts the requests of an interrupted or failed call and waits for the loop to end each
+    (one step at most), so that their blocks are free when the call raises. Another interrupt
+    stops the wait; the aborts are queued anyway."""
+    pending = [rid for rid in ids if rid not in done]
+    loop.abort(pending)
+    for _ in pending:
+        item = sink.get()
+        done[item.request_id] = item
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         """``model``: a Hub id, a local folder or a ``.gguf`` file (None: the embedded default).
@@ -92,54 +115,53 @@ class LLM:
             )
         args = EngineArgs(model=model, **engine_kwargs)
         self.llm_engine = LLMEngine(args)
-        self._counter = 0
+        self.engine_loop = EngineLoop(self.llm_engine)
+        weakref.finalize(self, self.engine_loop.shutdown, False)
+        self._request_counter = itertools.count(1)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
     def _next_id(self) -> str:
-        self._counter += 1
-        return str(self._counter)
+        return str(next(self._request_counter))  # atomic under the GIL: safe from any thread
 
     def _run(self, prompts: Sequence[Any], params: Sequence[SamplingParams] | None, use_tqdm: bool,
              beam: dict[str, Any] | None = None) -> list[RequestOutput]:
-        engine = self.llm_engine
+        """Submits every prompt to the engine loop and returns their finished outputs in order."""
+        loop = self.engine_loop
+        sink: queue.SimpleQueue[StreamItem] = queue.SimpleQueue()
         ids: list[str] = []
-        try:
-            for i, p in enumerate(prompts):
-                rid = self._next_id()
-                if beam is not None:
-                    engine.add_beam_request(rid, p, **beam)
-                else:
-                    engine.add_request(rid, p, params[i])
-                ids.append(rid)
-        except Exception:
-            engine.abort_request(ids)  # nothing half-submitted is left behind
-            raise
-        order = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
+        done: dict[str, StreamItem] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+            bar = tqdm(total=len(prompts), desc="Processed prompts", unit="req", dynamic_ncols=True)
         t0, generated = time.perf_counter(), 0
         try:
-            while engine.has_unfinished_requests():
-                for o in engine.step():
-                    if o.finished and o.request_id in order:
-                        results[order[o.request_id]] = o
-                        generated += sum(len(c.token_ids) for c in o.outputs)
-                        if bar is not None:
-                            bar.update(1)
-                            bar.set_postfix_str(f"{generated / (time.perf_counter() - t0):.1f} tok/s")
+            for i, p in enumerate(prompts):
+                rid = self._next_id()
+                if beam is not None:
+                    loop.submit_beam(rid, p, sink=sink, **beam)
+                else:
+                    loop.submit(rid, p, params[i], sink=sink, final_only=True)
+                ids.append(rid)
+            while len(done) < len(ids):
+                item = sink.get()
+                done[item.request_id] = item
+                if item.error is not None:
+                    raise item.error  # a bad prompt or a failed step: the others are aborted below
+                generated += sum(len(c.token_ids) for c in item.output.outputs)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"{generated / (time.perf_counter() - t0):.1f} tok/s")
         except BaseException:
-            engine.abort_request(ids)
+            _abandon(loop, ids, done, sink)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        return [r for r in results if r is not None]
+        return [done[rid].output for rid in ids]
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

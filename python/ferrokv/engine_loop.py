@@ -1,0 +1,316 @@
+"""EngineLoop: one thread owns an ``LLMEngine``; callers submit requests and receive their own outputs.
+
+Why a loop: ``LLMEngine.step()`` returns the outputs of every request in its batch, so two
+threads that each stepped would consume each other's outputs (and a lock alone would not fix
+that). The loop is the engine's one driver: it applies what callers queue (submits, aborts, a
+shutdown) between steps, steps while anything is unfinished, and routes each ``RequestOutput``
+to the sink its request was submitted with, by request id. ``LLM`` runs ``generate`` and
+``beam_search`` through it, from any number of threads; ``AsyncLLM`` is to wrap the same interface.
+
+Interface (every method is safe from any thread):
+
+* ``submit(request_id, prompt, params, *, sink, priority=0, cache_salt=None, final_only=False)``
+  and ``submit_beam(request_id, prompt, *, sink, beam_width, max_tokens, ...)`` queue a request;
+* ``abort(request_ids)`` queues aborts (unknown or finished ids are ignored);
+* ``stream(request_id, prompt, params)``: one request's outputs as an iterator (closing it early
+  aborts the request);
+* ``shutdown()`` ends the loop, and with it every request still in it; idempotent.
+
+A sink is anything with a non-blocking ``put(item: StreamItem)``: a ``queue.SimpleQueue``, or an
+asyncio adapter that calls ``loop.call_soon_threadsafe``. It is called from the loop's thread, or
+from a thread that called ``LLMEngine.abort_request`` itself (the abort is reported at once).
+
+Invariants:
+
+* Every submitted request gets exactly one terminal item on its sink: its finished output
+  (``finish_reason`` "abort" on the sequences an abort ended) or an error (a bad request, a failed
+  step, the loop shut down). Before it come its progress outputs, unless ``final_only``.
+* Only the loop's thread adds requests and steps. It starts on the first submit as a daemon
+  thread, so it never keeps the interpreter alive; ``shutdown`` ends it (``LLM`` calls it when
+  collected, without waiting) and an ``atexit`` hook joins every loop still running. On CUDA
+  its current device is the model's (the current device is per thread, and kernels launch on it). A caller waits on its sink, so a ``KeyboardInterrupt`` lands in the
+  caller, which aborts its requests (``LLM._run``), never inside a step.
+* Aborts are applied between steps (at most one step's wait). ``LLMEngine.abort_request`` is safe
+  from any thread too; its aborts reach their sinks through ``LLMEngine.on_abort``.
+* A step that raises (the engine has cancelled it) ends every request of the loop with that
+  exception, so nobody waits for a request the failure left behind, and the loop goes on. An error
+  in the loop itself ends every request with ``EngineDeadError`` and the loop with it.
+* Requests added to the engine directly while a loop drives it are stepped but reported nowhere.
+
+Costs: per step one ``put`` per request that progressed (``final_only``: that finished) and O(1)
+per command; an idle loop sleeps on an event.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ferrokv._core import FerrokvError
+from ferrokv.engine import LLMEngine
+from ferrokv.outputs import RequestOutput
+from ferrokv.sampling_params import SamplingParams
+
+logger = logging.getLogger("ferrokv")
+
+__all__ = ["EngineDeadError", "EngineLoop", "OutputSink", "StreamItem"]
+
+
+class EngineDeadError(FerrokvError, RuntimeError):
+    """The engine loop was shut down (or failed): it takes no more requests."""
+
+
+@dataclass(slots=True, frozen=True)
+class StreamItem:
+    """One item on a request's sink: an output, or the error that ended the request."""
+
+    request_id: str
+    output: RequestOutput | None = None  # None exactly when error is set
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.output is None or self.output.finished
+
+
+class OutputSink(Protocol):
+    def put(self, item: StreamItem, /) -> None: ...
+
+
+@dataclass(slots=True)
+class _Submit:
+    request_id: str
+    add: Callable[[LLMEngine], None]
+    sink: OutputSink
+    final_only: bool
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Aborted:
+    output: RequestOutput
+
+
+@dataclass(slots=True)
+class _Record:
+    sink: OutputSink
+    final_only: bool
+
+
+_SHUTDOWN = object()
+_running: weakref.WeakSet[EngineLoop] = weakref.WeakSet()  # loops whose thread was started
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    # The threads are daemons (nothing waits for them before atexit); joined here, so none is
+    # stopped in the middle of a step when the interpreter finalizes.
+    for loop in list(_running):
+        loop.shutdown()
+
+
+def _deliver(sink: OutputSink, item: StreamItem) -> None:
+    try:
+        sink.put(item)
+    except Exception:  # a sink that broke (e.g. its event loop closed) must not stop the loop
+        logger.exception("engine loop: the sink of request %r failed", item.request_id)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str = "ferrokv-engine-loop") -> None:
+        self.engine = engine
+        self._name = name
+        self._inbox: deque[Any] = deque()  # commands, appended by any thread
+        self._wake = threading.Event()
+        self._records: dict[str, _Record] = {}  # the loop thread's alone
+        self._state = threading.Lock()  # orders starting/ending the thread against queuing
+        self._thread: threading.Thread | None = None
+        self._dead: EngineDeadError | None = None
+        self._device: torch.device = next(engine.model.parameters()).device  # with its index on CUDA
+        engine.on_abort = self._on_abort
+
+    # ------------------------------------------------------------------------------------------
+    # Callers (any thread)
+    def submit(self, request_id: str, prompt: Any, params: SamplingParams | None = None, *, sink: OutputSink,
+               priority: int = 0, cache_salt: str | None = None, final_only: bool = False) -> None:
+        """Queues ``LLMEngine.add_request(request_id, prompt, params, ...)``; its error, if any,
+        is the request's terminal item. Raises ``EngineDeadError`` after ``shutdown``."""
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+
+        self._queue(_Submit(str(request_id), add, sink, final_only), start=True)
+
+    def submit_beam(self, request_id: str, prompt: Any, *, sink: OutputSink, beam_width: int, max_tokens: int,
+                    length_penalty: float = 1.0, ignore_eos: bool = False) -> None:
+        """Queues ``LLMEngine.add_beam_request``; its one output comes when the search ends."""
+        def add(engine: LLMEngine) -> None:
+            engine.add_beam_request(request_id, prompt, beam_width, max_tokens, length_penalty, ignore_eos)
+
+        self._queue(_Submit(str(request_id), add, sink, True), start=True)
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Queues aborts, applied between steps; each request's terminal item follows."""
+        ids = [request_ids] if isinstance(request_ids, str) else [str(r) for r in request_ids]
+        if ids:
+            self._queue(_Abort(ids), start=False)
+
+    def stream(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
+               **kwargs: Any) -> Iterator[RequestOutput]:
+        """Submits one request and returns an iterator of its outputs (the last one finished);
+        raises the request's error; closing the iterator before the end aborts the request."""
+        sink: queue.SimpleQueue[StreamItem] = queue.SimpleQueue()
+        self.submit(request_id, prompt, params, sink=sink, **kwargs)
+        return self._iterate(str(request_id), sink)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Ends the loop after the step in progress; requests still in it end with
+        ``EngineDeadError``. ``wait``: join the thread (never from the thread itself)."""
+        with self._state:
+            thread = self._thread
+            if self._dead is None:
+                self._dead = EngineDeadError("the engine loop was shut down")
+                if thread is not None:
+                    self._inbox.append(_SHUTDOWN)
+        self._wake.set()
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _iterate(self, request_id: str, sink: queue.SimpleQueue[StreamItem]) -> Iterator[RequestOutput]:
+        done = False
+        try:
+            while not done:
+                item = sink.get()
+                done = item.finished
+                if item.error is not None:
+                    raise item.error
+                assert item.output is not None
+                yield item.output
+        finally:
+            if not done:
+                self.abort([request_id])
+
+    def _queue(self, command: Any, start: bool) -> None:
+        with self._state:
+            if self._dead is not None:
+                if not start:
+                    return  # nothing is left to abort
+                raise EngineDeadError(str(self._dead))
+            if self._thread is None:
+                if not start:
+                    return
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+                _running.add(self)
+            self._inbox.append(command)
+        self._wake.set()
+
+    def _on_abort(self, output: RequestOutput) -> None:
+        # LLMEngine.on_abort: called by whichever thread applied the abort, lock-free by design
+        # (that thread may be this loop, in the middle of a command).
+        if self._thread is not None and self._dead is None:
+            self._inbox.append(_Aborted(output))
+            self._wake.set()
+
+    # ------------------------------------------------------------------------------------------
+    # The loop's thread
+    def _run(self) -> None:
+        cause: BaseException | None = None
+        try:
+            if self._device.type == "cuda":  # CUDA's current device is per thread: the model's
+                torch.cuda.set_device(self._device)
+            while self._serve_once():
+                pass
+        except BaseException as e:  # a bug in the loop: end every request rather than hang them
+            logger.exception("engine loop failed; every request in it ends with EngineDeadError")
+            cause = e
+        self._die(cause)
+
+    def _serve_once(self) -> bool:
+        """Applies queued commands, then runs one step if anything is unfinished; False once
+        the loop is to end."""
+        if not self._inbox and not self.engine.has_unfinished_requests():
+            self._wake.wait()
+        self._wake.clear()
+        while self._inbox:
+            command = self._inbox.popleft()
+            if command is _SHUTDOWN:
+                return False
+            self._apply(command)
+        if self.engine.has_unfinished_requests():
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # the engine cancelled the step (or aborted its requests)
+                self._fail_all(e)
+                return True
+            self._route(outputs)
+        return True
+
+    def _apply(self, command: Any) -> None:
+        if isinstance(command, _Submit):
+            try:
+                command.add(self.engine)
+            except BaseException as e:
+                _deliver(command.sink, StreamItem(command.request_id, error=e))
+                return
+            self._records[command.request_id] = _Record(command.sink, command.final_only)
+        elif isinstance(command, _Abort):
+            self.engine.abort_request(command.request_ids)  # reported through _on_abort
+        elif isinstance(command, _Aborted):
+            rec = self._records.pop(command.output.request_id, None)
+            if rec is not None:
+                _deliver(rec.sink, StreamItem(command.output.request_id, command.output))
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            rec = self._records.get(o.request_id)
+            if rec is None:
+                continue
+            if o.finished:
+                del self._records[o.request_id]
+                _deliver(rec.sink, StreamItem(o.request_id, o))
+            elif not rec.final_only:
+                _deliver(rec.sink, StreamItem(o.request_id, o))
+
+    def _fail_all(self, error: BaseException) -> None:
+        records, self._records = self._records, {}
+        logger.warning("engine step failed (%s: %s); ending its %d request(s)",
+                       type(error).__name__, error, len(records))
+        self.engine.abort_request(list(records))  # first: a caller told of the error finds them gone
+        for rid, rec in records.items():
+            _deliver(rec.sink, StreamItem(rid, error=error))
+
+    def _die(self, cause: BaseException | None) -> None:
+        with self._state:
+            if self._dead is None:
+                self._dead = EngineDeadError("the engine loop failed")
+            pending = [c for c in self._inbox if isinstance(c, _Submit)]
+            self._inbox.clear()
+        error = EngineDeadError(str(self._dead))
+        error.__cause__ = cause
+        records, self._records = self._records, {}
+        self.engine.on_abort = None
+        try:
+            self.engine.abort_request(list(records))  # first, as in _fail_all
+        except BaseException:
+            logger.exception("engine loop: aborting its requests failed")
+        for c in pending:
+            _deliver(c.sink, StreamItem(c.request_id, error=error))
+        for rid, rec in records.items():
+            _deliver(rec.sink, StreamItem(rid, error=error))

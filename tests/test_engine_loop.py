@@ -1,0 +1,256 @@
+"""Thread tests: one engine shared by several threads.
+
+``LLM.generate`` from several threads at once (each gets exactly its sequential outputs), aborts
+from another thread (through ``LLMEngine.abort_request`` and ``EngineLoop.abort``, landing in the
+middle of a step), getters polled during generation, an ``LLMEngine`` stepped by one thread and
+aborted by another, the per-request stream and shutdown. Every test ends with no request and no
+block left. Threads meet at events and barriers placed inside steps by
+``helpers.engine_faults.RunnerHook``; nothing waits on a clock.
+"""
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+
+import pytest
+
+from ferrokv.engine_loop import EngineDeadError
+from helpers.engine_faults import (RunnerHook, assert_idle, drive, greedy, rand_prompts, tiny_engine, tiny_llm,
+                                   token_ids)
+
+N_THREADS = 4
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_model_dir):
+    return tiny_model_dir("llama", "llama")
+
+
+def run_threads(target, n: int) -> list:
+    """Runs ``target(i)`` in n threads; returns their results, re-raising the first error."""
+    results: list = [None] * n
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = target(i)
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def in_another_thread(fn) -> None:
+    """Calls fn in a new thread and waits for it: a call from another thread, at this point."""
+    run_threads(lambda i: fn(), 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. generate from several threads at once
+# ------------------------------------------------------------------------------------------------
+def test_concurrent_generate_gets_each_thread_its_sequential_outputs(llama_path):
+    batches = [rand_prompts(20 + i, [4 + 5 * i, 30 - 3 * i, 11]) for i in range(N_THREADS)]
+    params = greedy(12)
+    sequential = [token_ids(tiny_llm(llama_path).generate(b, params, use_tqdm=False)) for b in batches]
+
+    llm = tiny_llm(llama_path)
+    total = sum(len(b) for b in batches)
+    # The first forward pass waits until every thread has taken its request ids (and so is about
+    # to submit or has submitted), so the threads' requests share steps; or until a thread has
+    # left generate (it takes no more ids), so that a failure fails rather than hangs the test.
+    next_id, taken, gate = llm._next_id, [], threading.Event()
+
+    def counted_next_id() -> str:
+        taken.append(1)
+        if len(taken) == total:
+            gate.set()
+        return next_id()
+
+    llm._next_id = counted_next_id
+    RunnerHook(llm.llm_engine, lambda n, out: gate.wait() if n == 1 else None)
+    start = threading.Barrier(N_THREADS)
+
+    def generate(i: int):
+        start.wait()
+        try:
+            return llm.generate(batches[i], params, use_tqdm=False)
+        finally:
+            gate.set()
+
+    outs = run_threads(generate, N_THREADS)
+    assert [token_ids(o) for o in outs] == sequential
+    assert llm.llm_engine.stats()["max_running_seqs"] > len(batches[0]), "the threads never shared a step"
+    assert_idle(llm.llm_engine)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. aborts from another thread, in the middle of a step
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("via", ["engine.abort_request", "engine_loop.abort"])
+def test_abort_from_another_thread_ends_the_call_promptly(llama_path, via):
+    """Request 2 of 3 is aborted from another thread during the 4th forward pass: the call returns
+    it cut short with finish_reason "abort", the others complete, and its blocks are freed."""
+    llm = tiny_llm(llama_path)
+    prompts, params = rand_prompts(30, [7, 19, 12]), greedy(30)
+    expected = token_ids(tiny_llm(llama_path).generate(prompts, params, use_tqdm=False))
+    abort = llm.llm_engine.abort_request if via == "engine.abort_request" else llm.engine_loop.abort
+
+    def abort_mid_step(n: int, out) -> None:
+        if n == 4:
+            in_another_thread(lambda: abort(["2"]))  # ids count from 1: the second prompt
+
+    RunnerHook(llm.llm_engine, abort_mid_step)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.request_id for o in outs] == ["1", "2", "3"]
+    cut = outs[1].outputs[0]
+    assert cut.finish_reason == "abort" and len(cut.token_ids) < params.max_tokens
+    assert cut.token_ids == expected[1][0][:len(cut.token_ids)]
+    assert [token_ids([outs[0]]), token_ids([outs[2]])] == [expected[:1], expected[2:]]
+    assert llm.llm_engine.stats()["requests_aborted"] == 1
+    assert_idle(llm.llm_engine)
+
+
+def test_abort_every_request_of_a_call_from_another_thread(llama_path):
+    llm = tiny_llm(llama_path)
+    prompts = rand_prompts(31, [9, 25])
+
+    def abort_all(n: int, out) -> None:
+        if n == 3:
+            in_another_thread(lambda: llm.llm_engine.abort_request(["1", "2"]))
+
+    RunnerHook(llm.llm_engine, abort_all)
+    outs = llm.generate(prompts, greedy(60), use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort", "abort"]
+    assert all(o.finished and len(o.outputs[0].token_ids) == 3 for o in outs)  # applied when step 3 ends
+    assert_idle(llm.llm_engine)
+
+
+def test_engine_stepped_by_one_thread_and_aborted_by_another(llama_path):
+    """vLLM's API driven by hand: one thread steps, another aborts in the middle of a step. The
+    abort is applied when the step ends: the request reports nothing more, the core drops it
+    (has_unfinished_requests tells the truth all along) and its blocks are freed."""
+    engine = tiny_engine(llama_path)
+    prompts = rand_prompts(32, [8, 21, 15])
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(20))
+    seen_mid_step: list = []
+
+    def abort_mid_step(n: int, out) -> None:
+        if n == 3:
+            in_another_thread(lambda: engine.abort_request("1"))
+            seen_mid_step.append(engine.get_num_unfinished_requests())
+
+    RunnerHook(engine, abort_mid_step)
+    last = drive(engine)
+    assert seen_mid_step == [3]  # queued, not yet applied: the core still holds it
+    assert last["1"].finished is False and len(last["1"].outputs[0].token_ids) == 3  # step 3 completes
+    assert last["0"].finished and last["2"].finished
+    assert engine.stats()["requests_aborted"] == 1
+    assert_idle(engine)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. getters polled from another thread never raise
+# ------------------------------------------------------------------------------------------------
+def test_stats_polled_during_generation_never_raise(llama_path):
+    """A poller spins on every getter while 48 long prompts run: the scheduler's own getters
+    raise "Already mutably borrowed" thousands of times in such a run (schedule/update hold the
+    scheduler with the GIL released); the engine's serve a snapshot instead."""
+    llm = tiny_llm(llama_path, num_kv_blocks=2048, max_num_seqs=64)
+    engine = llm.llm_engine
+    stop, in_step, polled_in_step = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    polls = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                was_in_step = in_step.is_set()
+                st = engine.stats()
+                sample = (st["num_free_blocks"], engine.num_free_blocks, engine.kv_cache_usage,
+                          engine.has_unfinished_requests(), engine.get_num_unfinished_requests())
+                polls.append(sample)
+                if was_in_step:
+                    polled_in_step.set()
+            except BaseException as e:
+                errors.append(e)
+                polled_in_step.set()  # no more polls: let the step go on, the test fails below
+                return
+
+    def wait_for_a_poll(n: int, out) -> None:
+        if n == 5:  # one step certainly polled while it runs (the snapshot path)
+            in_step.set()
+            polled_in_step.wait()
+
+    RunnerHook(engine, wait_for_a_poll)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        prompts = rand_prompts(33, [100] * 48)
+        outs = llm.generate(prompts, greedy(6), use_tqdm=False)
+    finally:
+        stop.set()
+        poller.join()
+    assert not errors, errors[:3]
+    assert len(outs) == len(prompts) and polls
+    usable = engine.scheduler.num_blocks - 1
+    assert all(0 <= a <= usable and 0 <= b <= usable and 0.0 <= u <= 1.0 for a, b, u, _, _ in polls)
+    assert_idle(engine)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. the loop's own interface: per-request stream, shutdown
+# ------------------------------------------------------------------------------------------------
+def test_stream_yields_cumulative_outputs_and_closing_it_aborts(llama_path):
+    llm = tiny_llm(llama_path)
+    prompt, params = rand_prompts(34, [10])[0], greedy(8)
+    outs = list(llm.engine_loop.stream("s", prompt, params))
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+    assert [o.finished for o in outs] == [False] * 7 + [True]
+    assert token_ids(outs[-1:]) == token_ids(llm.generate([prompt], params, use_tqdm=False))
+
+    stream = llm.engine_loop.stream("t", prompt, greedy(100))
+    assert len(next(stream).outputs[0].token_ids) == 1
+    stream.close()  # aborts "t"; the abort output goes nowhere, and nothing is left behind
+    probe: queue.SimpleQueue = queue.SimpleQueue()
+    llm.engine_loop.submit("u", prompt, greedy(1), sink=probe)  # queued after the abort
+    assert probe.get().output.finished
+    assert llm.llm_engine.stats()["requests_aborted"] == 1
+    assert_idle(llm.llm_engine)
+
+
+def test_shutdown_ends_requests_in_flight_and_refuses_new_ones(llama_path):
+    llm = tiny_llm(llama_path)
+    loop = llm.engine_loop
+
+    def shut_down_mid_step(n: int, out) -> None:
+        if n == 2:
+            in_another_thread(lambda: loop.shutdown(wait=False))
+
+    RunnerHook(llm.llm_engine, shut_down_mid_step)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.generate(rand_prompts(35, [5, 12]), greedy(30), use_tqdm=False)
+    loop.shutdown()  # joins the thread
+    assert not loop.is_running
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.generate(rand_prompts(35, [5]), greedy(3), use_tqdm=False)
+    assert_idle(llm.llm_engine)
+
+
+def test_an_llm_that_is_collected_ends_its_loop_thread(llama_path):
+    llm = tiny_llm(llama_path)
+    llm.generate(rand_prompts(36, [4]), greedy(2), use_tqdm=False)
+    thread = llm.engine_loop._thread
+    assert thread is not None and thread.is_alive()
+    del llm
+    gc.collect()
+    thread.join(timeout=300)  # a hang guard, not a timing check
+    assert not thread.is_alive()
