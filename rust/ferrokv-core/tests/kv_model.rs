@@ -16,9 +16,17 @@
 //! garbage behind, as an interrupted runner may), and `cancel_step` must make sure that nothing
 //! read later depends on them. Step misuse (`schedule` twice, `update` with another step's id,
 //! the wrong number of tokens or a bad token, `update` or `cancel_step` of a step that is over,
-//! a fork with the wrong `next_token`) must be an error that changes nothing. After every
-//! `update` the live requests, sequences and tokens and the request counters agree with the
-//! model; once everything has ended, every block is free.
+//! a fork with the wrong `next_token`) must be an error that changes nothing. Every sequence
+//! that `update` reports ended ends as the model's own statement of the stop rules says (EOS,
+//! stop token ids, `min_tokens`, `ignore_eos`, `max_tokens`, `max_model_len`), or is an abort;
+//! after every `update` the live requests, sequences and tokens and the request counters agree
+//! with the model; once everything has ended, every block is free.
+//!
+//! Operations: add (prompts that share prefixes, three salts, n > 1, beam reservations,
+//! priorities), schedule and update or cancel, fork, drop, abort and `reset_prefix_cache`
+//! between steps and mid-step. Configurations: block sizes 1 to 16, tight and roomy GPU and CPU
+//! pools, both preemption modes and policies, prefix caching on and off, watermarks, several
+//! `max_model_len`.
 //!
 //! The run counts the successes of every kind of operation (fork, drop and abort, between
 //! steps and mid-step; cancel; rejected misuse) and of what makes the model worth running
@@ -35,8 +43,6 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 const DEFAULT_CASES: u32 = 128;
 /// Below this many cases the run is too short to require every kind of operation to succeed.
 const MIN_CASES_FOR_COVERAGE: u32 = 64;
-
-const MAX_MODEL_LEN: usize = 96;
 
 /// A slot nothing was ever written to, and one an interrupted runner left half written.
 const EMPTY: u32 = u32::MAX;
@@ -83,11 +89,16 @@ struct MSeq {
 struct MReq {
     salt: Option<String>,
     root: u32,
-    /// Its stop rules (no `min_tokens`, no stop token ids): EOS, else the length
-    /// `min(prompt + max_tokens, max_model_len)`.
+    /// Its stop rules: from `min_len` tokens on, EOS (unless ignored) then the stop token ids;
+    /// then the length `min(prompt + max_tokens, max_model_len)`.
+    min_len: usize,
     eos: Option<u32>,
+    stop_ids: Vec<u32>,
     stop_len: usize,
 }
+
+/// Why a sequence ended, and the stop token id that ended it.
+type Stop = (FinishReason, Option<u32>);
 
 /// Successes over the run.
 #[derive(Debug, Default, Clone)]
@@ -152,6 +163,7 @@ enum Mid {
     Fork(u8, u8),
     Drop(u8),
     Abort(u8),
+    ResetPrefixCache,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -174,13 +186,32 @@ enum End {
     Cancel { pattern: Vec<u8> },
 }
 
+/// A request: its prompt is `len` tokens, the first `shared` of them common to its `family`.
+#[derive(Debug, Clone)]
+struct Add {
+    family: u8,
+    shared: usize,
+    len: usize,
+    max_tokens: usize,
+    min_tokens: usize,
+    n: u32,
+    /// Hold a beam width of n + 1 sequence slots.
+    reserve: bool,
+    priority: i32,
+    eos: bool,
+    ignore_eos: bool,
+    stop_id: bool,
+    salt: u8,
+}
+
 #[derive(Debug, Clone)]
 enum Op {
-    Add { family: u8, shared: usize, len: usize, max_tokens: usize, n: u32, priority: i32, eos: bool, salt: u8 },
+    Add(Add),
     Step { tokens: Vec<u8>, mid: Vec<Mid>, misuse: Vec<Misuse>, end: End },
     Abort(u8),
     ForkIdle(u8),
     Drop(u8),
+    ResetPrefixCache,
 }
 
 fn misuse() -> impl Strategy<Value = Misuse> {
@@ -200,12 +231,19 @@ fn mid() -> impl Strategy<Value = Mid> {
         (any::<u8>(), any::<u8>()).prop_map(|(k, t)| Mid::Fork(k, t)),
         any::<u8>().prop_map(Mid::Drop),
         any::<u8>().prop_map(Mid::Abort),
+        Just(Mid::ResetPrefixCache),
     ]
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    let add = (0u8..2, 0usize..24, 1usize..24, 1usize..32, prop::sample::select(vec![1u32, 1, 1, 2, 3]), -2i32..3, any::<bool>(), 0u8..4)
-        .prop_map(|(family, shared, len, max_tokens, n, priority, eos, salt)| Op::Add { family, shared, len, max_tokens, n, priority, eos, salt });
+    let add = (
+        (0u8..2, 0usize..24, 1usize..24, 1usize..32, 0usize..3),
+        (prop::sample::select(vec![1u32, 1, 1, 2, 3]), prop::bool::weighted(0.1), -2i32..3),
+        (any::<bool>(), prop::bool::weighted(0.1), prop::bool::weighted(0.2), 0u8..4),
+    )
+        .prop_map(|((family, shared, len, max_tokens, min_tokens), (n, reserve, priority), (eos, ignore_eos, stop_id, salt))| {
+            Op::Add(Add { family, shared, len, max_tokens, min_tokens, n, reserve, priority, eos, ignore_eos, stop_id, salt })
+        });
     let end = prop_oneof![7 => Just(End::Update), 1 => prop::collection::vec(0u8..3, 0..12).prop_map(|pattern| End::Cancel { pattern })];
     let step = (
         prop::collection::vec(any::<u8>(), 0..8),
@@ -220,6 +258,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(Op::Abort),
         1 => any::<u8>().prop_map(Op::ForkIdle),
         1 => any::<u8>().prop_map(Op::Drop),
+        1 => Just(Op::ResetPrefixCache),
     ]
 }
 
@@ -233,13 +272,14 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
         any::<bool>(),
         0usize..160,
         prop::sample::select(vec![0usize, 0, 1, 2]),
+        prop::sample::select(vec![24usize, 64, 96, 96]),
     )
-        .prop_map(|(block_size, gpu_tokens, budget, caching, swap, priority, cpu_tokens, slack)| SchedulerConfig {
+        .prop_map(|(block_size, gpu_tokens, budget, caching, swap, priority, cpu_tokens, slack, max_model_len)| SchedulerConfig {
             num_blocks: 2 + gpu_tokens / block_size,
             block_size,
             max_num_seqs: budget.min(6),
             max_num_batched_tokens: budget,
-            max_model_len: MAX_MODEL_LEN,
+            max_model_len,
             enable_prefix_caching: caching,
             preemption_mode: if swap { PreemptionMode::Swap } else { PreemptionMode::Recompute },
             num_cpu_blocks: cpu_tokens / block_size,
@@ -258,6 +298,7 @@ type NewSample = (u64, Vec<u32>);
 
 struct Model {
     bs: usize,
+    max_model_len: usize,
     num_blocks: usize,
     gpu: Vec<u32>,
     cpu: Vec<u32>,
@@ -269,7 +310,7 @@ struct Model {
     gone_seqs: HashSet<u64>,
     /// Sequences that ended in the scheduler (a fork that stopped at once) and that the next
     /// `update` reports, with why.
-    unreported: HashMap<u64, FinishReason>,
+    unreported: HashMap<u64, Stop>,
     /// Salted requests whose first admission's prefix hits were counted.
     salted_hits_seen: HashSet<u64>,
     next_id: u64,
@@ -280,6 +321,7 @@ impl Model {
     fn new(cfg: &SchedulerConfig) -> Self {
         Model {
             bs: cfg.block_size,
+            max_model_len: cfg.max_model_len,
             num_blocks: cfg.num_blocks,
             gpu: vec![EMPTY; cfg.num_blocks * cfg.block_size],
             cpu: vec![EMPTY; cfg.num_cpu_blocks * cfg.block_size],
@@ -310,12 +352,15 @@ impl Model {
     }
 
     /// Why a sequence stops after its last token, if it does.
-    fn stop(&self, s: &MSeq) -> Option<FinishReason> {
+    fn stop(&self, s: &MSeq) -> Option<Stop> {
         let r = &self.reqs[&s.req];
-        if r.eos.is_some() && r.eos == s.tokens.last().copied() {
-            Some(FinishReason::Stop)
+        let (len, last) = (s.tokens.len(), *s.tokens.last().expect("a sequence has tokens"));
+        if len >= r.min_len && r.eos == Some(last) {
+            Some((FinishReason::Stop, None))
+        } else if len >= r.min_len && r.stop_ids.contains(&last) {
+            Some((FinishReason::Stop, Some(last)))
         } else {
-            (s.tokens.len() >= r.stop_len).then_some(FinishReason::Length)
+            (len >= r.stop_len).then_some((FinishReason::Length, None))
         }
     }
 
@@ -335,8 +380,8 @@ impl Model {
         self.reqs.remove(&req);
     }
 
-    fn add(&mut self, s: &mut Scheduler, op: &Op) {
-        let &Op::Add { family, shared, len, max_tokens, n, priority, eos, salt } = op else { unreachable!() };
+    fn add(&mut self, s: &mut Scheduler, a: &Add) {
+        let &Add { family, shared, len, max_tokens, min_tokens, n, reserve, priority, eos, ignore_eos, stop_id, salt } = a;
         let id = self.next_id;
         self.next_id += 1;
         let prompt: Vec<u32> = (0..len as u32)
@@ -349,12 +394,16 @@ impl Model {
         };
         let mut r = NewRequest::new(id, prompt.clone(), max_tokens);
         (r.n, r.priority, r.eos_token_id, r.cache_salt) = (n, priority, eos.then_some(3), salt.clone());
+        (r.min_tokens, r.ignore_eos, r.stop_token_ids) = (min_tokens.min(max_tokens), ignore_eos, if stop_id { vec![5] } else { vec![] });
+        r.reserve_seqs = if reserve { n + 1 } else { 0 };
+        let stop_ids = r.stop_token_ids.clone();
         if s.add_request(r).is_err() {
             return;
         }
         let root = self.prefixes.root(&salt);
-        let stop_len = (len + max_tokens).min(MAX_MODEL_LEN);
-        self.reqs.insert(id, MReq { salt, root, eos: eos.then_some(3), stop_len });
+        let (min_len, stop_len) = (len + min_tokens.min(max_tokens), (len + max_tokens).min(self.max_model_len));
+        let eos = if eos && !ignore_eos { Some(3) } else { None };
+        self.reqs.insert(id, MReq { salt, root, min_len, eos, stop_ids, stop_len });
         self.added.push(id);
         let seq_id = s.request_seq_ids(id).expect("just added")[0];
         let seq = self.new_seq(id, prompt);
@@ -560,7 +609,7 @@ impl Model {
                 }
             }
         }
-        let mut stops: HashMap<u64, FinishReason> = HashMap::new();
+        let mut stops: HashMap<u64, Stop> = HashMap::new();
         for (q, tok, new) in appended {
             let mut s = match new {
                 None => self.seqs.remove(&q).expect("listed above"),
@@ -579,7 +628,7 @@ impl Model {
         // foresee (a request that outgrew the cache alone, one a cancel could not put back).
         for f in done {
             if let Some(why) = self.unreported.remove(&f.seq_id) {
-                prop_assert_eq!((f.reason, f.request_finished), (why, false), "{:?}", f);
+                prop_assert_eq!((f.reason, f.stop_token, f.request_finished), (why.0, why.1, false), "{:?}", f);
                 self.gone_seqs.insert(f.seq_id);
                 continue;
             }
@@ -587,8 +636,8 @@ impl Model {
                 return Err(fail(format!("update reports seq {} finished, which the model does not know: {f:?}", f.seq_id)));
             };
             prop_assert_eq!(s.req, f.request_id);
-            let want = stops.remove(&f.seq_id).unwrap_or(FinishReason::Abort);
-            prop_assert_eq!(f.reason, want, "{:?}", f);
+            let want = stops.remove(&f.seq_id).unwrap_or((FinishReason::Abort, None));
+            prop_assert_eq!((f.reason, f.stop_token), want, "{:?}", f);
             self.end_seq(f.seq_id);
             let left = self.seqs_of(f.request_id);
             prop_assert_eq!(f.request_finished, left.is_empty(), "{:?}: sequences left {:?}", f, left);
@@ -684,7 +733,8 @@ impl Model {
         }
     }
 
-    /// Fork, drop or abort while the step is in flight (as another thread may).
+    /// Fork, drop, abort or reset the prefix cache while the step is in flight (as another
+    /// thread may).
     fn mid_step(&mut self, s: &mut Scheduler, out: &SchedulerOutput, m: &Mid) -> Result<(), TestCaseError> {
         if out.num_seqs() == 0 {
             return Ok(());
@@ -741,6 +791,7 @@ impl Model {
                     self.counts.abort_mid_step += 1;
                 }
             }
+            Mid::ResetPrefixCache => s.reset_prefix_cache(),
         }
         Ok(())
     }
@@ -796,7 +847,8 @@ impl Model {
 
     fn apply(&mut self, s: &mut Scheduler, op: &Op) -> Result<(), TestCaseError> {
         match op {
-            Op::Add { .. } => self.add(s, op),
+            Op::Add(a) => self.add(s, a),
+            Op::ResetPrefixCache => s.reset_prefix_cache(),
             Op::Step { tokens, mid, misuse, end } => self.step(s, tokens, mid, misuse, end)?,
             Op::Abort(k) => {
                 if !self.added.is_empty() {
