@@ -739,4 +739,27 @@ mod tests {
         assert!(!swap_out(&mut m, &mut [&mut a, &mut b])); // needs 3 CPU blocks, 2 are left
         assert!(!a.kv.is_swapped());
     }
+
+    #[test]
+    fn samples_writing_the_block_they_share_need_one_copy_fewer_than_writers() {
+        let mut m = KvCacheManager::new(16, 4, 0, false);
+        let mut a = Table::default();
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 6, &[], 0)); // blocks 1 (full), 2 (2 of 4)
+        let mut b = fork(&mut m, &a);
+        let mut c = fork(&mut m, &a);
+        let write_7th = |t: &Table| (t.ids.clone(), 6usize, 1usize, &[][..]);
+        // Block 2 has three holders. All three write position 6: two copy, the last keeps it.
+        assert_eq!(m.blocks_needed_together(&[write_7th(&a), write_7th(&b), write_7th(&c)]), 2);
+        // Two of the three write: both copy (the third still holds the block).
+        assert_eq!(m.blocks_needed_together(&[write_7th(&a), write_7th(&b)]), 2);
+        free(&mut m, &mut c);
+        // Two holders, both writing: exactly one copy, which is what allocating them takes.
+        assert_eq!(m.blocks_needed_together(&[write_7th(&a), write_7th(&b)]), 1);
+        let before = m.num_free_blocks();
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 6, 1, &[], 0));
+        assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 6, 1, &[], 0));
+        assert_eq!(before - m.num_free_blocks(), 1);
+        assert_eq!((ids(&a), ids(&b), m.take_ops().copy), (vec![1, 3], vec![1, 2], vec![(2, 3)]));
+        check(&m, &[&a, &b]).unwrap();
+    }
 }

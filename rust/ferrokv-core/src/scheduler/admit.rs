@@ -339,6 +339,7 @@ impl Scheduler {
 mod tests {
     use super::super::test_util::*;
     use super::super::*;
+    use crate::request::FinishReason;
 
     #[test]
     fn prefix_cache_hits_across_requests_and_only_within_a_salt() {
@@ -405,5 +406,21 @@ mod tests {
         assert!(matches!(e, CoreError::ExceedsCacheCapacity { blocks_needed: 10, blocks_available: 7, .. }), "{e}");
         assert_eq!((s.num_unfinished(), s.stats().requests_added), (1, 1), "a rejected request leaves no trace");
         s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn samples_sharing_a_partial_block_fit_a_cache_with_just_the_one_copy_they_need() {
+        // 3 usable blocks of 4: a prompt of 6 (2 blocks) with two samples (swap mode shares
+        // the prompt, so the request fits). Both samples write position 6 in the shared block:
+        // one copy, the last writer keeps it. The one free block is enough: nobody is
+        // preempted or aborted.
+        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, ..cfg(4, 4, 16) };
+        let mut s = with_requests(c, [NewRequest { n: 2, ..req(1, 6, 2) }]);
+        step(&mut s, 5);
+        assert_eq!((s.request_seq_ids(1).unwrap().len(), s.num_free_blocks()), (2, 1));
+        let (o, done) = step(&mut s, 5);
+        assert_eq!((o.num_tokens(), o.copy_ops.len() / 2, o.preempted_req_ids.len()), (2, 1, 0));
+        assert_eq!(done.iter().map(|d| d.reason).collect::<Vec<_>>(), vec![FinishReason::Length; 2]);
+        assert_eq!((s.stats().preemptions, s.stats().capacity_aborts, s.num_free_blocks()), (0, 0, 3));
     }
 }
