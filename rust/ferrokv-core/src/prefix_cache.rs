@@ -331,8 +331,24 @@ mod tests {
         let b1 = hash_block(Some(a), &[3, 4], None);
         let other_root = hash_block(None, &[9, 9], None);
         assert_ne!(b1, hash_block(Some(other_root), &[3, 4], None));
-        // Pinned value: the hash is part of the cache's contract across runs and machines.
-        assert_eq!(hash_block(None, &[], None), hash_block(None, &[], None));
+    }
+
+    /// The hash is part of the cache's contract across runs and machines: pinned values for
+    /// the root, tokens, a salt, a parent, the 16-token fast path and the streamed path.
+    #[test]
+    fn hashes_are_pinned() {
+        let pinned = |h: BlockHash| format!("{:#018x}", h.0);
+        assert_eq!(pinned(hash_block(None, &[], None)), "0x1cdf7e3a3ae6102f");
+        let b = hash_block(None, &[1, 2], None);
+        assert_eq!(pinned(b), "0xf764434cfcb2a8a1");
+        assert_eq!(pinned(hash_block(None, &[1, 2], Some("tenant-a"))), "0x83b93a1cdc9dcdf9");
+        assert_eq!(pinned(hash_block(Some(b), &[3, 4], None)), "0x842ec4981e08e7f8");
+        let t16: Vec<u32> = (0..16).collect();
+        let e = hash_block(None, &t16, None);
+        assert_eq!(pinned(e), "0x8f90d73bc666b3ec");
+        assert_eq!(pinned(hash_block(Some(e), &t16, None)), "0xc0d86a169f895426");
+        let t100: Vec<u32> = (0..100).collect();
+        assert_eq!(pinned(hash_block(None, &t100, Some("s"))), "0x4858bf072a690847");
     }
 
     /// The streamed definition, with a first block's root marker and salt.
