@@ -423,4 +423,28 @@ mod tests {
         assert_eq!(done.iter().map(|d| d.reason).collect::<Vec<_>>(), vec![FinishReason::Length; 2]);
         assert_eq!((s.stats().preemptions, s.stats().capacity_aborts, s.num_free_blocks()), (0, 0, 3));
     }
+
+    #[test]
+    fn each_admission_is_charged_to_the_step_budget_before_the_next() {
+        // Budget 10: request 1's prompt of 6 is admitted whole; request 2 gets the 4 left.
+        let mut s = with_requests(cfg(32, 4, 10), [req(1, 6, 4), req(2, 6, 4)]);
+        let (o, _) = step(&mut s, 5);
+        assert_eq!((o.req_ids.clone(), o.query_start_loc.clone()), (vec![1, 2], vec![0, 6, 10]));
+        assert_eq!(o.logits_indices, vec![5], "request 2's chunk is partial: no logits row");
+    }
+
+    #[test]
+    fn a_swapped_request_resumed_is_charged_to_the_step_budget() {
+        // Budget 4, 6 usable blocks of 2: request 2 is swapped out at the fourth step and comes
+        // back when request 1 ends, with one decode token; request 3's prompt, admitted behind
+        // it in the same step, gets the 3 tokens left.
+        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, num_cpu_blocks: 8, ..cfg(7, 2, 4) };
+        let mut s = with_requests(c, [req(1, 4, 8), req(2, 4, 8)]);
+        for _ in 0..3 {
+            step(&mut s, 1);
+        }
+        s.add_request(req(3, 9, 2)).unwrap();
+        let resumed = (0..20).map(|_| step(&mut s, 1).0).find(|o| !o.swap_in.is_empty()).expect("request 2 comes back");
+        assert_eq!((resumed.req_ids, resumed.query_start_loc), (vec![2, 3], vec![0, 1, 4]));
+    }
 }
