@@ -19,8 +19,9 @@
 //! a fork with the wrong `next_token`) must be an error that changes nothing. Every sequence
 //! that `update` reports ended ends as the model's own statement of the stop rules says (EOS,
 //! stop token ids, `min_tokens`, `ignore_eos`, `max_tokens`, `max_model_len`), or is an abort;
-//! after every `update` the live requests, sequences and tokens and the request counters agree
-//! with the model; once everything has ended, every block is free.
+//! every output reports each request that ended since the last output that was not cancelled,
+//! once (`finished_req_ids`); after every `update` the live requests, sequences and tokens and
+//! the request counters agree with the model; once everything has ended, every block is free.
 //!
 //! Operations: add (prompts that share prefixes, three salts, n > 1, beam reservations,
 //! priorities), schedule and update or cancel, fork, drop, abort and `reset_prefix_cache`
@@ -311,6 +312,10 @@ struct Model {
     /// Sequences that ended in the scheduler (a fork that stopped at once) and that the next
     /// `update` reports, with why.
     unreported: HashMap<u64, Stop>,
+    /// Requests that ended since the last output that was not cancelled, and requests an
+    /// output reported ended before the model learnt why (from the next `update`).
+    to_report: BTreeSet<u64>,
+    reported_early: BTreeSet<u64>,
     /// Salted requests whose first admission's prefix hits were counted.
     salted_hits_seen: HashSet<u64>,
     next_id: u64,
@@ -331,6 +336,8 @@ impl Model {
             added: Vec::new(),
             gone_seqs: HashSet::new(),
             unreported: HashMap::new(),
+            to_report: BTreeSet::new(),
+            reported_early: BTreeSet::new(),
             salted_hits_seen: HashSet::new(),
             next_id: 0,
             counts: Counts::default(),
@@ -377,7 +384,15 @@ impl Model {
         for q in self.seqs_of(req) {
             self.end_seq(q);
         }
+        self.request_ended(req);
+    }
+
+    /// A request is gone: the next output reports it, unless one reported it already.
+    fn request_ended(&mut self, req: u64) {
         self.reqs.remove(&req);
+        if !self.reported_early.remove(&req) {
+            self.to_report.insert(req);
+        }
     }
 
     fn add(&mut self, s: &mut Scheduler, a: &Add) {
@@ -642,7 +657,7 @@ impl Model {
             let left = self.seqs_of(f.request_id);
             prop_assert_eq!(f.request_finished, left.is_empty(), "{:?}: sequences left {:?}", f, left);
             if f.request_finished {
-                self.reqs.remove(&f.request_id);
+                self.request_ended(f.request_id);
             }
         }
         prop_assert!(stops.is_empty(), "sequences that should have stopped: {:?}", stops);
@@ -778,7 +793,7 @@ impl Model {
                     self.end_seq(q);
                     prop_assert_eq!(last, self.seqs_of(req).is_empty());
                     if last {
-                        self.reqs.remove(&req);
+                        self.request_ended(req);
                     }
                     self.counts.drop_mid_step += 1;
                 }
@@ -796,9 +811,28 @@ impl Model {
         Ok(())
     }
 
+    /// An output reports every request that ended since the last output that was not
+    /// cancelled, once. The others it reports ended in this `schedule` or in a `cancel_step`
+    /// (they outgrew the cache alone, or could not be put back): the model learns why from the
+    /// next `update`. Returns what it reports.
+    fn check_reported(&mut self, out: &SchedulerOutput) -> Result<BTreeSet<u64>, TestCaseError> {
+        let got: BTreeSet<u64> = out.finished_req_ids.iter().map(|&r| r as u64).collect();
+        prop_assert_eq!(got.len(), out.finished_req_ids.len(), "reported twice: {:?}", out.finished_req_ids);
+        let missing: Vec<_> = self.to_report.difference(&got).collect();
+        prop_assert!(missing.is_empty(), "requests that ended but are not reported: {:?}", missing);
+        for r in got.difference(&self.to_report) {
+            prop_assert!(self.reqs.contains_key(r), "request {} reported ended again", r);
+        }
+        self.reported_early.extend(got.iter().filter(|r| self.reqs.contains_key(r)));
+        Ok(got)
+    }
+
     fn step(&mut self, s: &mut Scheduler, tokens: &[u8], mids: &[Mid], misuse: &[Misuse], end: &End) -> Result<(), TestCaseError> {
         let out = s.schedule().map_err(fail)?;
         s.check_invariants().map_err(fail)?;
+        let reported = self.check_reported(&out)?;
+        // A cancelled step's output is reported again by the next one.
+        self.to_report = if matches!(end, End::Cancel { .. }) { reported } else { BTreeSet::new() };
         let tables = s.block_tables(&out).map_err(fail)?;
         self.check_step(&out, &tables)?;
         match end {
@@ -881,7 +915,7 @@ impl Model {
                         self.end_seq(q);
                         prop_assert_eq!(last, self.seqs_of(req).is_empty());
                         if last {
-                            self.reqs.remove(&req);
+                            self.request_ended(req);
                         }
                         self.counts.drop_idle += 1;
                     }
@@ -912,6 +946,8 @@ fn run_case(cfg: SchedulerConfig, ops: &[Op], drain: Option<usize>, abort_in_fli
     }
     let in_flight = if abort_in_flight {
         let out = s.schedule().map_err(fail)?;
+        m.check_reported(&out)?;
+        m.to_report.clear();
         let tables = s.block_tables(&out).map_err(fail)?;
         m.check_step(&out, &tables)?;
         m.run_step(&out, None)?;
