@@ -364,7 +364,8 @@ mod tests {
         let long_salt = "s".repeat(300);
         for n in 0..80u32 {
             let tokens: Vec<u32> = (0..n).map(|t| t.wrapping_mul(2_654_435_761)).collect();
-            for salt in [None, Some("tenant"), Some(long_salt.as_str())] {
+            // A salt of one byte puts the one-shot limit at 62 tokens.
+            for salt in [None, Some("s"), Some("tenant"), Some(long_salt.as_str())] {
                 assert_eq!(hash_block(None, &tokens, salt), streamed(None, &tokens, salt), "{n} tokens, salt {salt:?}");
                 let p = Some(BlockHash(n as u64 * 7 + 1));
                 assert_eq!(hash_block(p, &tokens, salt), streamed(p, &tokens, None), "{n} tokens after a parent");
@@ -398,6 +399,28 @@ mod tests {
         assert!(c.insert(BlockId(1), h, None, &[1, 1], None));
         let mut hashes = Vec::new();
         assert!(c.lookup(&[7, 8, 9], None, 4, &mut hashes).is_empty());
+    }
+
+    #[test]
+    fn a_forged_collision_across_salts_is_rejected_by_the_salt_recheck() {
+        let mut c = PrefixCache::new(4, 2);
+        // Block 1 holds tenant a's [7, 8], registered under the hash tenant b's [7, 8] has.
+        let h = hash_block(None, &[7, 8], Some("b"));
+        assert!(c.insert(BlockId(1), h, None, &[7, 8], Some("a")));
+        assert!(!c.is_empty());
+        assert!(c.lookup(&[7, 8, 9], Some("b"), 4, &mut Vec::new()).is_empty());
+    }
+
+    #[test]
+    fn check_finds_a_map_entry_its_record_disagrees_with() {
+        let mut c = PrefixCache::new(4, 2);
+        assert!(c.insert(BlockId(1), hash_block(None, &[1, 2], None), None, &[1, 2], None));
+        c.check().unwrap();
+        c.records[1].hash ^= 1;
+        assert!(c.check().unwrap_err().contains("disagrees"));
+        c.records[1].hash ^= 1;
+        c.records[1].flags = 0;
+        assert!(c.check().unwrap_err().contains("disagrees"));
     }
 
     #[test]
