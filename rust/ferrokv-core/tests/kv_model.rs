@@ -41,7 +41,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 /// Cases CI runs (a few seconds in a debug build).
-const DEFAULT_CASES: u32 = 128;
+const DEFAULT_CASES: u32 = 256;
 /// Below this many cases the run is too short to require every kind of operation to succeed.
 const MIN_CASES_FOR_COVERAGE: u32 = 64;
 
