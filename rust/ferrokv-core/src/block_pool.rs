@@ -369,4 +369,29 @@ mod tests {
         assert_eq!(p.allocate(), Some(BlockId(0)));
         assert_eq!(p.num_free(), 2);
     }
+
+    #[test]
+    fn the_peeks_name_the_next_two_allocations() {
+        let mut p = BlockPool::new(4, true);
+        assert_eq!((p.peek_free(), p.peek_second_free()), (Some(BlockId(1)), Some(BlockId(2))));
+        assert!(p.is_free(BlockId(1)) && !p.is_free(BlockId(0)));
+        let a = p.allocate().unwrap();
+        assert!(!p.is_free(a));
+        assert_eq!((p.peek_free(), p.peek_second_free()), (Some(BlockId(2)), Some(BlockId(3))));
+        p.allocate();
+        assert_eq!((p.peek_free(), p.peek_second_free()), (Some(BlockId(3)), None));
+        p.allocate();
+        assert_eq!((p.peek_free(), p.peek_second_free()), (None, None));
+    }
+
+    #[test]
+    fn check_rejects_a_null_block_that_is_referenced_or_free() {
+        let mut p = BlockPool::new(3, true);
+        let refs = vec![0u32; 3];
+        p.check(&refs).unwrap();
+        p.blocks[0].ref_cnt = 1;
+        assert!(p.check(&refs).unwrap_err().contains("null block"));
+        (p.blocks[0].ref_cnt, p.blocks[0].in_free_list) = (0, true);
+        assert!(p.check(&refs).unwrap_err().contains("null block"));
+    }
 }

@@ -612,6 +612,7 @@ mod tests {
     #[test]
     fn allocation_grows_by_whole_blocks_with_exact_ids() {
         let mut m = KvCacheManager::new(8, 4, 0, false);
+        assert!(!m.prefix_caching());
         let mut t = Table::default();
         assert!(m.allocate_slots(&mut t.kv, &mut t.ids, 0, 5, &[], 0));
         assert_eq!(ids(&t), vec![1, 2]);
@@ -653,6 +654,7 @@ mod tests {
         assert!(m.take_ops().copy.is_empty());
         assert!(m.writes_are_exclusive(&a.ids, 6, 7) && m.writes_are_exclusive(&b.ids, 6, 7));
         assert!(!m.writes_are_exclusive(&a.ids, 0, 4));
+        assert!(!m.writes_are_exclusive(&a.ids, 6, 9), "position 8 is past the table");
         check(&m, &[&a, &b]).unwrap();
         free(&mut m, &mut b);
         assert_eq!(m.ref_count(BlockId(1)), 1);
@@ -669,6 +671,8 @@ mod tests {
         assert_eq!(ids(&a), vec![1, 2, 3]);
         m.register_computed(&mut a.kv, &a.ids, &toks, 5, None);
         assert_eq!(m.num_cached_blocks(), 2);
+        assert!(m.prefix_caching() && m.is_cached(BlockId(1)) && m.is_cached(BlockId(2)) && !m.is_cached(BlockId(3)));
+        assert!(m.find_cached_prefix(&mut Table::default().kv, &[], None).is_empty(), "an empty prompt hits nothing");
         // Same prompt: blocks 1 and 2 hit; the fifth token is computed.
         let mut b = Table::default();
         let hits = m.find_cached_prefix(&mut b.kv, &toks, None);
@@ -733,6 +737,7 @@ mod tests {
         assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 3, 1, &[], 0)); // COW 2 -> 3
         m.take_ops();
         assert!(swap_out(&mut m, &mut [&mut a, &mut b]));
+        assert!(a.kv.is_swapped() && b.kv.is_swapped());
         let ops = m.take_ops();
         assert_eq!(ops.swap_out, vec![(1, 0), (2, 1), (3, 2)]);
         assert_eq!(m.num_free_blocks(), 7);
@@ -752,5 +757,53 @@ mod tests {
         assert!(swap_out(&mut m, &mut [&mut c]));
         assert!(!swap_out(&mut m, &mut [&mut a, &mut b])); // needs 3 CPU blocks, 2 are left
         assert!(!a.kv.is_swapped());
+    }
+
+    #[test]
+    fn samples_writing_the_block_they_share_need_one_copy_fewer_than_writers() {
+        let mut m = KvCacheManager::new(16, 4, 0, false);
+        let mut a = Table::default();
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 6, &[], 0)); // blocks 1 (full), 2 (2 of 4)
+        let mut b = fork(&mut m, &a);
+        let mut c = fork(&mut m, &a);
+        let write_7th = |t: &Table| (t.ids.clone(), 6usize, 1usize, &[][..]);
+        // Block 2 has three holders. All three write position 6: two copy, the last keeps it.
+        assert_eq!(m.blocks_needed_together(&[write_7th(&a), write_7th(&b), write_7th(&c)]), 2);
+        // Two of the three write: both copy (the third still holds the block).
+        assert_eq!(m.blocks_needed_together(&[write_7th(&a), write_7th(&b)]), 2);
+        free(&mut m, &mut c);
+        // Two holders, both writing: exactly one copy, which is what allocating them takes.
+        assert_eq!(m.blocks_needed_together(&[write_7th(&a), write_7th(&b)]), 1);
+        let before = m.num_free_blocks();
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 6, 1, &[], 0));
+        assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 6, 1, &[], 0));
+        assert_eq!(before - m.num_free_blocks(), 1);
+        assert_eq!((ids(&a), ids(&b), m.take_ops().copy), (vec![1, 3], vec![1, 2], vec![(2, 3)]));
+        check(&m, &[&a, &b]).unwrap();
+    }
+
+    #[test]
+    fn truncate_releases_the_blocks_past_keep_tail_first() {
+        let mut m = KvCacheManager::new(8, 4, 0, false);
+        let mut t = Table::default();
+        assert!(m.allocate_slots(&mut t.kv, &mut t.ids, 0, 10, &[], 0)); // blocks 1, 2, 3
+        m.truncate(&mut t.ids, 1);
+        assert_eq!((ids(&t), m.num_free_blocks()), (vec![1], 6));
+        assert_eq!(m.free_list()[..3], [BlockId(2), BlockId(3), BlockId(4)], "uncached: reused first, in table order");
+        check(&m, &[&t]).unwrap();
+    }
+
+    #[test]
+    fn swaps_that_fit_exactly_go_ahead_and_the_watermark_counts() {
+        let mut m = KvCacheManager::new(5, 2, 2, false); // 4 usable GPU blocks, 2 CPU blocks
+        let mut a = Table::default();
+        assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 4, &[], 0)); // blocks 1, 2
+        assert!(swap_out(&mut m, &mut [&mut a]), "2 blocks fit 2 free CPU blocks");
+        let mut b = Table::default();
+        assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 0, 4, &[], 0));
+        assert_eq!(m.num_free_blocks(), 2);
+        assert!(!swap_in(&mut m, &mut [&mut a], 1), "2 blocks and a watermark of 1 do not fit 2 free");
+        assert!(swap_in(&mut m, &mut [&mut a], 0), "2 blocks fit 2 free");
+        check(&m, &[&a, &b]).unwrap();
     }
 }

@@ -340,8 +340,24 @@ mod tests {
         let b1 = hash_block(Some(a), &[3, 4], None);
         let other_root = hash_block(None, &[9, 9], None);
         assert_ne!(b1, hash_block(Some(other_root), &[3, 4], None));
-        // Pinned value: the hash is part of the cache's contract across runs and machines.
-        assert_eq!(hash_block(None, &[], None), hash_block(None, &[], None));
+    }
+
+    /// The hash is part of the cache's contract across runs and machines: pinned values for
+    /// the root, tokens, a salt, a parent, the 16-token fast path and the streamed path.
+    #[test]
+    fn hashes_are_pinned() {
+        let pinned = |h: BlockHash| format!("{:#018x}", h.0);
+        assert_eq!(pinned(hash_block(None, &[], None)), "0x1cdf7e3a3ae6102f");
+        let b = hash_block(None, &[1, 2], None);
+        assert_eq!(pinned(b), "0xf764434cfcb2a8a1");
+        assert_eq!(pinned(hash_block(None, &[1, 2], Some("tenant-a"))), "0x83b93a1cdc9dcdf9");
+        assert_eq!(pinned(hash_block(Some(b), &[3, 4], None)), "0x842ec4981e08e7f8");
+        let t16: Vec<u32> = (0..16).collect();
+        let e = hash_block(None, &t16, None);
+        assert_eq!(pinned(e), "0x8f90d73bc666b3ec");
+        assert_eq!(pinned(hash_block(Some(e), &t16, None)), "0xc0d86a169f895426");
+        let t100: Vec<u32> = (0..100).collect();
+        assert_eq!(pinned(hash_block(None, &t100, Some("s"))), "0x4858bf072a690847");
     }
 
     /// The streamed definition, with a first block's root marker and salt.
@@ -357,7 +373,8 @@ mod tests {
         let long_salt = "s".repeat(300);
         for n in 0..80u32 {
             let tokens: Vec<u32> = (0..n).map(|t| t.wrapping_mul(2_654_435_761)).collect();
-            for salt in [None, Some("tenant"), Some(long_salt.as_str())] {
+            // A salt of one byte puts the one-shot limit at 62 tokens.
+            for salt in [None, Some("s"), Some("tenant"), Some(long_salt.as_str())] {
                 assert_eq!(hash_block(None, &tokens, salt), streamed(None, &tokens, salt), "{n} tokens, salt {salt:?}");
                 let p = Some(BlockHash(n as u64 * 7 + 1));
                 assert_eq!(hash_block(p, &tokens, salt), streamed(p, &tokens, None), "{n} tokens after a parent");
@@ -391,6 +408,28 @@ mod tests {
         assert!(c.insert(BlockId(1), h, None, &[1, 1], None));
         let mut hashes = Vec::new();
         assert!(c.lookup(&[7, 8, 9], None, 4, &mut hashes).is_empty());
+    }
+
+    #[test]
+    fn a_forged_collision_across_salts_is_rejected_by_the_salt_recheck() {
+        let mut c = PrefixCache::new(4, 2);
+        // Block 1 holds tenant a's [7, 8], registered under the hash tenant b's [7, 8] has.
+        let h = hash_block(None, &[7, 8], Some("b"));
+        assert!(c.insert(BlockId(1), h, None, &[7, 8], Some("a")));
+        assert!(!c.is_empty());
+        assert!(c.lookup(&[7, 8, 9], Some("b"), 4, &mut Vec::new()).is_empty());
+    }
+
+    #[test]
+    fn check_finds_a_map_entry_its_record_disagrees_with() {
+        let mut c = PrefixCache::new(4, 2);
+        assert!(c.insert(BlockId(1), hash_block(None, &[1, 2], None), None, &[1, 2], None));
+        c.check().unwrap();
+        c.records[1].hash ^= 1;
+        assert!(c.check().unwrap_err().contains("disagrees"));
+        c.records[1].hash ^= 1;
+        c.records[1].flags = 0;
+        assert!(c.check().unwrap_err().contains("disagrees"));
     }
 
     #[test]

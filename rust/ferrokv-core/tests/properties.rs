@@ -1,10 +1,22 @@
 //! The property test of the scheduler's invariants: random interleavings of add, schedule,
 //! update, fork, drop and abort (also while a step is in flight) keep every invariant
 //! (`check_invariants`), every step's arrays agree with the sequences they describe, and once
-//! every request has ended (run to completion or aborted) every block is free.
+//! every request has ended (run to completion or aborted) every block is free. The run counts
+//! how often fork, drop, abort and cancel succeed, and fails if one of them never does.
 
 use ferrokv_core::{NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput};
 use proptest::prelude::*;
+use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError, TestRunner};
+use std::cell::RefCell;
+
+/// Successes over the run, by kind (mid-step ones included).
+#[derive(Debug, Default, Clone, Copy)]
+struct Successes {
+    fork: u64,
+    drop: u64,
+    abort: u64,
+    cancel: u64,
+}
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -87,7 +99,7 @@ fn invariants(s: &Scheduler) -> Result<(), TestCaseError> {
 }
 
 /// Applies one random operation; `ids` lists the requests added so far.
-fn apply(s: &mut Scheduler, op: Op, ids: &mut Vec<u64>, next_id: &mut u64) -> Result<(), TestCaseError> {
+fn apply(s: &mut Scheduler, op: Op, ids: &mut Vec<u64>, next_id: &mut u64, n: &mut Successes) -> Result<(), TestCaseError> {
     match op {
         Op::Add { prompt_len, shared_prefix, max_tokens, n, priority, eos } => {
             let base = if shared_prefix { 0 } else { 1000 * (*next_id as u32 + 1) };
@@ -109,19 +121,20 @@ fn apply(s: &mut Scheduler, op: Op, ids: &mut Vec<u64>, next_id: &mut u64) -> Re
                 for f in fork_rows {
                     let seq = out.row_seq_ids[f as usize % rows] as u64;
                     // Rows of n > 1 samples forked at update do not exist yet.
-                    let _ = s.fork_sequence(seq, Some(f as u32 % 5));
+                    n.fork += u64::from(s.fork_sequence(seq, Some(f as u32 % 5)).is_ok());
                 }
                 for d in drop_rows {
-                    let _ = s.drop_sequence(out.row_seq_ids[d as usize % rows] as u64);
+                    n.drop += u64::from(s.drop_sequence(out.row_seq_ids[d as usize % rows] as u64).is_ok());
                 }
                 for a in abort_rows {
-                    let _ = s.abort(out.row_req_ids[a as usize % rows] as u64);
+                    n.abort += u64::from(s.abort(out.row_req_ids[a as usize % rows] as u64).is_ok());
                 }
             }
             invariants(s)?;
             if cancel {
                 let free = s.num_free_blocks();
                 s.cancel_step(out.step_id).unwrap();
+                n.cancel += 1;
                 prop_assert!(s.num_free_blocks() >= free, "a cancel releases, never takes");
                 return invariants(s);
             }
@@ -130,74 +143,95 @@ fn apply(s: &mut Scheduler, op: Op, ids: &mut Vec<u64>, next_id: &mut u64) -> Re
         }
         Op::Abort(k) => {
             if !ids.is_empty() {
-                let _ = s.abort(ids[k as usize % ids.len()]);
+                n.abort += u64::from(s.abort(ids[k as usize % ids.len()]).is_ok());
             }
         }
         Op::ForkIdle(k) => {
             let live = live_seqs(s, ids);
             if !live.is_empty() {
-                let _ = s.fork_sequence(live[k as usize % live.len()], None);
+                n.fork += u64::from(s.fork_sequence(live[k as usize % live.len()], None).is_ok());
             }
         }
         Op::Drop(k) => {
             let live = live_seqs(s, ids);
             if !live.is_empty() {
                 s.drop_sequence(live[k as usize % live.len()]).unwrap();
+                n.drop += 1;
             }
         }
     }
     invariants(s)
 }
 
-proptest! {
-    // PROPTEST_CASES=20000 for a stress run; CI runs 400.
-    #![proptest_config(ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(400),
-        ..ProptestConfig::default()
-    })]
-
-    /// Random operations keep every invariant and every step's arrays right; then everything
-    /// ends and every block is free again. `drain` steps run first (`None`: to completion,
-    /// which must come, since forks can only shrink from here), then every request left is
-    /// aborted, with a step in flight if `abort_in_flight`.
-    #[test]
-    fn any_interleaving_keeps_every_invariant_and_ending_everything_frees_every_block(
-        cfg in config(),
-        ops in prop::collection::vec(op(), 1..60),
-        drain in prop::option::of(0usize..8),
-        abort_in_flight in any::<bool>(),
-    ) {
-        let usable = cfg.num_blocks - 1;
-        let mut s = Scheduler::new(cfg).unwrap();
-        let (mut ids, mut next_id) = (Vec::new(), 0u64);
-        for op in ops {
-            apply(&mut s, op, &mut ids, &mut next_id)?;
+/// Random operations keep every invariant and every step's arrays right; then everything ends
+/// and every block is free again. `drain` steps run first (`None`: to completion, which must
+/// come, since forks can only shrink from here), then every request left is aborted, with a
+/// step in flight if `abort_in_flight`.
+fn run_case(cfg: SchedulerConfig, ops: Vec<Op>, drain: Option<usize>, abort_in_flight: bool, n: &mut Successes) -> Result<(), TestCaseError> {
+    let usable = cfg.num_blocks - 1;
+    let mut s = Scheduler::new(cfg).unwrap();
+    let (mut ids, mut next_id) = (Vec::new(), 0u64);
+    for op in ops {
+        apply(&mut s, op, &mut ids, &mut next_id, n)?;
+    }
+    for _ in 0..drain.unwrap_or(2000) {
+        if !s.has_unfinished() {
+            break;
         }
-        for _ in 0..drain.unwrap_or(2000) {
-            if !s.has_unfinished() { break; }
-            apply(&mut s, Op::Step { tokens: vec![4; 8], fork_rows: vec![], drop_rows: vec![], abort_rows: vec![], cancel: false }, &mut ids, &mut next_id)?;
-        }
-        if drain.is_none() {
-            prop_assert!(!s.has_unfinished(), "requests left: {}", s.num_unfinished());
-        }
-        let in_flight = if abort_in_flight {
-            let out = s.schedule().unwrap();
-            invariants(&s)?;
-            check_output(&s, &out)?;
-            Some(out)
-        } else {
-            None
-        };
-        for &id in &ids {
-            let _ = s.abort(id);
-        }
+        let plain = Op::Step { tokens: vec![4; 8], fork_rows: vec![], drop_rows: vec![], abort_rows: vec![], cancel: false };
+        apply(&mut s, plain, &mut ids, &mut next_id, n)?;
+    }
+    if drain.is_none() {
+        prop_assert!(!s.has_unfinished(), "requests left: {}", s.num_unfinished());
+    }
+    let in_flight = if abort_in_flight {
+        let out = s.schedule().unwrap();
         invariants(&s)?;
-        prop_assert!(!s.has_unfinished());
+        check_output(&s, &out)?;
+        Some(out)
+    } else {
+        None
+    };
+    for &id in &ids {
+        let _ = s.abort(id);
+    }
+    invariants(&s)?;
+    prop_assert!(!s.has_unfinished());
+    prop_assert_eq!(s.num_free_blocks(), usable);
+    if let Some(out) = in_flight {
+        s.update(out.step_id, &vec![1; out.num_rows()]).unwrap();
+        invariants(&s)?;
         prop_assert_eq!(s.num_free_blocks(), usable);
-        if let Some(out) = in_flight {
-            s.update(out.step_id, &vec![1; out.num_rows()]).unwrap();
-            invariants(&s)?;
-            prop_assert_eq!(s.num_free_blocks(), usable);
-        }
+    }
+    Ok(())
+}
+
+/// PROPTEST_CASES=20000 for a stress run; CI runs 400.
+#[test]
+fn any_interleaving_keeps_every_invariant_and_ending_everything_frees_every_block() {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
+    let rc = Config {
+        cases,
+        source_file: Some(file!()),
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..Config::default()
+    };
+    let total = RefCell::new(Successes::default());
+    let strategy = (config(), prop::collection::vec(op(), 1..60), prop::option::of(0usize..8), any::<bool>());
+    let result = TestRunner::new(rc).run(&strategy, |(cfg, ops, drain, abort_in_flight)| {
+        let mut n = Successes::default();
+        run_case(cfg, ops, drain, abort_in_flight, &mut n)?;
+        let mut t = total.borrow_mut();
+        (t.fork, t.drop, t.abort, t.cancel) = (t.fork + n.fork, t.drop + n.drop, t.abort + n.abort, t.cancel + n.cancel);
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    let t = total.into_inner();
+    eprintln!("{cases} cases, successes: {t:?}");
+    // A run of 64 cases or more has each of them hundreds of times.
+    if cases >= 64 {
+        assert!(t.fork > 0 && t.drop > 0 && t.abort > 0 && t.cancel > 0, "an operation never succeeded in {cases} cases: {t:?}");
     }
 }

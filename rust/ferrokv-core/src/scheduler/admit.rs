@@ -339,6 +339,7 @@ impl Scheduler {
 mod tests {
     use super::super::test_util::*;
     use super::super::*;
+    use crate::request::FinishReason;
 
     #[test]
     fn prefix_cache_hits_across_requests_and_only_within_a_salt() {
@@ -405,5 +406,155 @@ mod tests {
         assert!(matches!(e, CoreError::ExceedsCacheCapacity { blocks_needed: 10, blocks_available: 7, .. }), "{e}");
         assert_eq!((s.num_unfinished(), s.stats().requests_added), (1, 1), "a rejected request leaves no trace");
         s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn samples_sharing_a_partial_block_fit_a_cache_with_just_the_one_copy_they_need() {
+        // 3 usable blocks of 4: a prompt of 6 (2 blocks) with two samples (swap mode shares
+        // the prompt, so the request fits). Both samples write position 6 in the shared block:
+        // one copy, the last writer keeps it. The one free block is enough: nobody is
+        // preempted or aborted.
+        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, ..cfg(4, 4, 16) };
+        let mut s = with_requests(c, [NewRequest { n: 2, ..req(1, 6, 2) }]);
+        step(&mut s, 5);
+        assert_eq!((s.request_seq_ids(1).unwrap().len(), s.num_free_blocks()), (2, 1));
+        let (o, done) = step(&mut s, 5);
+        assert_eq!((o.num_tokens(), o.copy_ops.len() / 2, o.preempted_req_ids.len()), (2, 1, 0));
+        assert_eq!(done.iter().map(|d| d.reason).collect::<Vec<_>>(), vec![FinishReason::Length; 2]);
+        assert_eq!((s.stats().preemptions, s.stats().capacity_aborts, s.num_free_blocks()), (0, 0, 3));
+    }
+
+    #[test]
+    fn each_admission_is_charged_to_the_step_budget_before_the_next() {
+        // Budget 10: request 1's prompt of 6 is admitted whole; request 2 gets the 4 left.
+        let mut s = with_requests(cfg(32, 4, 10), [req(1, 6, 4), req(2, 6, 4)]);
+        let (o, _) = step(&mut s, 5);
+        assert_eq!((o.req_ids.clone(), o.query_start_loc.clone()), (vec![1, 2], vec![0, 6, 10]));
+        assert_eq!(o.logits_indices, vec![5], "request 2's chunk is partial: no logits row");
+    }
+
+    #[test]
+    fn a_swapped_request_resumed_is_charged_to_the_step_budget() {
+        // Budget 4, 6 usable blocks of 2: request 2 is swapped out at the fourth step and comes
+        // back when request 1 ends, with one decode token; request 3's prompt, admitted behind
+        // it in the same step, gets the 3 tokens left.
+        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, num_cpu_blocks: 8, ..cfg(7, 2, 4) };
+        let mut s = with_requests(c, [req(1, 4, 8), req(2, 4, 8)]);
+        for _ in 0..3 {
+            step(&mut s, 1);
+        }
+        s.add_request(req(3, 9, 2)).unwrap();
+        let resumed = (0..20).map(|_| step(&mut s, 1).0).find(|o| !o.swap_in.is_empty()).expect("request 2 comes back");
+        assert_eq!((resumed.req_ids, resumed.query_start_loc), (vec![2, 3], vec![0, 1, 4]));
+    }
+
+    #[test]
+    fn admission_keeps_the_watermark_and_the_headroom_of_running_sequences_free() {
+        // 10 usable blocks of 4, a watermark of 10 % (1 block) and 1 block of headroom per
+        // running sequence: with request 1 running (2 blocks, its next token inside block 2),
+        // a prompt is admitted only if 1 + 1 of the 8 free blocks stay free.
+        let c = SchedulerConfig { watermark: 0.1, admission_headroom: 1.0, ..cfg(11, 4, 64) };
+        for (prompt, admitted) in [(24, true), (25, false)] {
+            let mut s = with_requests(c.clone(), [req(1, 7, 8)]);
+            step(&mut s, 5); // alone: no watermark
+            s.add_request(req(2, prompt, 1)).unwrap();
+            let (o, _) = step(&mut s, 5);
+            assert_eq!(o.req_ids.contains(&2), admitted, "a prompt of {prompt} tokens");
+        }
+    }
+
+    #[test]
+    fn a_swapped_request_comes_back_only_with_a_block_to_grow_per_sequence() {
+        // 3 usable blocks of 4: request 2 is swapped out (1 block) when both decodes need a new
+        // block. The next step leaves 1 block free, which request 2's swap-in would take and
+        // leave it none to grow into: it stays out until request 1 ends.
+        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, num_cpu_blocks: 4, ..cfg(4, 4, 16) };
+        let mut s = with_requests(c, [req(1, 4, 8), req(2, 4, 8)]);
+        step(&mut s, 5);
+        let (o, _) = step(&mut s, 5);
+        assert_eq!((o.preempted_req_ids.clone(), s.num_free_blocks()), (vec![2], 1));
+        let (o, _) = step(&mut s, 5);
+        assert_eq!((o.req_ids, o.swap_in), (vec![1], vec![]));
+        drain(&mut s, 5);
+        assert_eq!((s.kv_stats().blocks_swapped_in, s.num_free_blocks()), (1, 3));
+    }
+
+    #[test]
+    fn every_limit_of_a_new_request_is_inclusive() {
+        // 7 usable blocks of 4, max_num_seqs 4, max_model_len 16.
+        let c = SchedulerConfig { max_num_seqs: 4, max_model_len: 16, ..cfg(8, 4, 16) };
+        let mut s = Scheduler::new(c).unwrap();
+        s.add_request(req(1, 16, 1)).unwrap(); // a prompt of max_model_len
+        s.add_request(NewRequest { n: 4, ..req(2, 2, 2) }).unwrap(); // n = max_num_seqs: 4 blocks
+        s.add_request(NewRequest { reserve_seqs: 4, ..req(3, 2, 1) }).unwrap();
+        s.add_request(NewRequest { min_tokens: 3, ..req(4, 2, 3) }).unwrap();
+        s.add_request(req(5, 12, 8)).unwrap(); // 12 + 8 > max_model_len: 4 blocks
+        assert_eq!((s.stats().requests_added, s.stats().prompt_tokens), (5, 16 + 2 + 2 + 2 + 12));
+        // A worst case of exactly the 7 usable blocks.
+        let mut s = Scheduler::new(cfg(8, 4, 16)).unwrap();
+        s.add_request(req(1, 20, 8)).unwrap();
+        assert!(matches!(s.add_request(req(2, 20, 9)), Err(CoreError::ExceedsCacheCapacity { blocks_needed: 8, .. })));
+    }
+
+    #[test]
+    fn the_worst_case_shares_the_prompt_of_samples_only_in_swap_mode() {
+        // Blocks of 4, a prompt of 10 (2 full blocks), 6 new tokens: 4 blocks per sequence.
+        let recompute = Scheduler::new(cfg(64, 4, 16)).unwrap();
+        let swap = Scheduler::new(SchedulerConfig { preemption_mode: PreemptionMode::Swap, ..cfg(64, 4, 16) }).unwrap();
+        assert_eq!((recompute.worst_case_blocks(10, 6, 1), recompute.worst_case_blocks(10, 6, 3)), (4, 12));
+        assert_eq!((swap.worst_case_blocks(10, 6, 1), swap.worst_case_blocks(10, 6, 3)), (4, 2 + 3 * 2));
+        assert_eq!(swap.worst_case_blocks(10, 2000, 1), 1024 / 4, "capped at max_model_len");
+    }
+
+    #[test]
+    fn a_waiting_request_whose_sequences_no_longer_fit_alone_is_aborted_not_spun_on() {
+        // 4 usable blocks of 2, no prefix cache. The request grows to 6 tokens (3 blocks),
+        // forks, and the step whose copy-on-write copy would give the two their own last block
+        // is cancelled: it waits to recompute two sequences of 6 tokens (6 blocks), which
+        // never fit, even alone.
+        let c = SchedulerConfig { enable_prefix_caching: false, ..cfg(5, 2, 16) };
+        let mut s = with_requests(c, [req(1, 3, 5)]);
+        for _ in 0..3 {
+            step(&mut s, 1);
+        }
+        s.fork_sequence(only_seq(&s, 1), None).unwrap();
+        let o = s.schedule().unwrap();
+        assert_eq!(o.copy_ops.len(), 2);
+        s.cancel_step(o.step_id).unwrap();
+        assert_eq!((s.num_running(), s.num_waiting()), (0, 1));
+        let (_, done) = step(&mut s, 1);
+        assert_eq!(done.iter().map(|d| (d.reason, d.request_finished)).collect::<Vec<_>>(), vec![(FinishReason::Abort, false), (FinishReason::Abort, true)]);
+        assert_eq!((s.stats().capacity_aborts, s.has_unfinished(), s.num_free_blocks()), (1, false, 4));
+    }
+
+    #[test]
+    fn decode_tokens_count_single_token_decodes_planned_as_chunks_and_not_recomputes() {
+        // Two samples writing the block they share are planned by the chunk planner: 2 decodes.
+        let mut s = with_requests(cfg(16, 4, 16), [NewRequest { n: 2, ..req(1, 6, 3) }]);
+        let (o, _) = step(&mut s, 9);
+        assert_eq!((o.num_prefill_tokens, o.num_decode_tokens, s.stats().decode_tokens), (6, 0, 0));
+        let (o, _) = step(&mut s, 9);
+        assert_eq!(o.copy_ops.len(), 2, "planned by the chunk planner (copy-on-write)");
+        assert_eq!((o.num_prefill_tokens, o.num_decode_tokens, s.stats().decode_tokens), (0, 2, 2));
+        // A recompute that ends at the last token computes the next token, but is no decode row.
+        let mut s = with_requests(cfg(7, 2, 16), [req(1, 4, 8), req(2, 4, 8)]);
+        let back = (0..20).map(|_| step(&mut s, 1).0).find(|o| o.req_ids == [2] && o.num_tokens() > 1).expect("request 2 recomputes");
+        assert_eq!((back.num_prefill_tokens, back.num_decode_tokens, back.num_tokens()), (7, 0, 7));
+    }
+
+    #[test]
+    fn first_admission_counters_ignore_the_cache_hits_of_a_recompute() {
+        // A prompt of 13 with two samples, no hit at first. The step where the samples copy
+        // their shared last block is cancelled, so both recompute, each hitting the 3 blocks
+        // the prompt registered.
+        let mut s = with_requests(cfg(32, 4, 64), [NewRequest { n: 2, ..req(1, 13, 4) }]);
+        step(&mut s, 5);
+        let o = s.schedule().unwrap();
+        assert_eq!(o.copy_ops.len(), 2);
+        s.cancel_step(o.step_id).unwrap();
+        let (o, _) = step(&mut s, 5);
+        assert_eq!(o.num_tokens(), 2 * 2, "each sample recomputes 2 of its 14 tokens");
+        let st = s.stats();
+        assert_eq!((st.cached_prompt_tokens, st.first_admission_cached_tokens, s.num_cached_tokens(1).unwrap()), (24, 0, 0));
     }
 }

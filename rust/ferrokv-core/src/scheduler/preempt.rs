@@ -297,6 +297,35 @@ mod tests {
     }
 
     #[test]
+    fn the_victim_is_the_latest_arrival_of_three_or_more_running() {
+        // 6 usable blocks of 2 tokens: three prompts of 4 fill them, then each decode needs a
+        // block. Request 1 preempts the back of the running list: request 3, not request 2.
+        let mut s = with_requests(cfg(7, 2, 16), [req(1, 4, 8), req(2, 4, 8), req(3, 4, 8)]);
+        let (o, _) = step(&mut s, 1);
+        assert_eq!((o.req_ids.clone(), s.num_free_blocks()), (vec![1, 2, 3], 0));
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.preempted_req_ids, vec![3]);
+        assert_eq!(o.req_ids, vec![1, 2], "the freed blocks serve both earlier arrivals");
+        assert_eq!((s.num_running(), s.num_waiting()), (2, 1));
+    }
+
+    #[test]
+    fn victims_go_by_lowest_priority_then_latest_arrival() {
+        // Arrivals 1..4 with priorities 0, 5, 0, 5: the running order is 1, 3, 2, 4. Each
+        // decode needs a block and none is free: request 1 preempts 4 (the lowest priority,
+        // latest arrival); then request 2, at the back and out of blocks, preempts itself.
+        let mut c = cfg(9, 2, 16);
+        c.policy = Policy::Priority;
+        let reqs = [(1, 0), (2, 5), (3, 0), (4, 5)].map(|(id, priority)| NewRequest { priority, ..req(id, 4, 8) });
+        let mut s = with_requests(c, reqs);
+        let (o, _) = step(&mut s, 1);
+        assert_eq!((o.req_ids.clone(), s.num_free_blocks()), (vec![1, 3, 2, 4], 0));
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.preempted_req_ids, vec![4, 2]);
+        assert_eq!(o.req_ids, vec![1, 3]);
+    }
+
+    #[test]
     fn a_request_that_outgrows_the_cache_alone_is_aborted_not_spun_on() {
         let mut s = Scheduler::new(cfg(5, 2, 16)).unwrap(); // 4 usable blocks
         s.add_request(req(1, 3, 5)).unwrap(); // worst case 4 blocks: accepted

@@ -339,6 +339,16 @@ impl Scheduler {
                 format!("forking it would exceed max_num_seqs={} running sequences", self.cfg.max_num_seqs),
             ));
         }
+        if self.in_flight.is_some() {
+            // Rows of sequences that ended mid-step stay in place (dead) until `update`, and the
+            // step's n > 1 prompts fan out into new rows at `update`: a fork must leave room.
+            let fanning: usize = self.batch.rows.iter().filter(|h| !h.is_dead).map(|h| h.fan_out as usize).sum();
+            if self.batch.len() + fanning >= self.batch.capacity() {
+                return Err(CoreError::InvalidState {
+                    message: format!("fork_sequence(seq_id={seq_id}): the batch has no free row until update() (sequences that ended mid-step keep theirs while the step is in flight)"),
+                });
+            }
+        }
         let parent_row = req.seqs[pos].row as usize;
         let in_flight = self.in_flight.is_some() && self.batch.rows[parent_row].samples;
         match (in_flight, next_token) {
@@ -601,5 +611,50 @@ mod tests {
         s.update(out.step_id, &vec![1; out.num_rows()]).unwrap();
         assert_eq!((s.num_running_seqs(), s.request_seq_ids(1).unwrap().len()), (4, 3));
         s.check_invariants().unwrap();
+    }
+
+    /// A request that ends mid-step keeps its row (dead) until `update`, so that the step's
+    /// arrays stay valid: a fork after it must not need a row past `max_num_seqs`. Found by
+    /// the KV model test (it panicked in `Batch::push`).
+    #[test]
+    fn a_fork_mid_step_after_an_abort_mid_step_never_needs_a_row_past_max_num_seqs() {
+        let c = SchedulerConfig { max_num_seqs: 2, ..cfg(32, 4, 16) };
+        let mut s = with_requests(c, [req(1, 3, 8), req(2, 3, 8)]);
+        step(&mut s, 5);
+        let seq = only_seq(&s, 2);
+        let o = s.schedule().unwrap();
+        s.abort(1).unwrap(); // its row stays in place, dead, while the step is in flight
+        match s.fork_sequence(seq, Some(9)) {
+            Ok(_) | Err(CoreError::InvalidState { .. }) => {}
+            Err(e) => panic!("{e}"),
+        }
+        s.check_invariants().unwrap();
+        s.update(o.step_id, &[5, 5]).unwrap();
+        s.check_invariants().unwrap();
+        drain(&mut s, 5);
+        assert_eq!(s.num_free_blocks(), 31);
+    }
+
+    /// The same with the rows an `n > 1` prompt fans out at `update`: they were counted at
+    /// admission, and a fork into the slot an abort freed mid-step must leave room for them.
+    #[test]
+    fn a_fork_mid_step_after_an_abort_leaves_rows_for_the_samples_that_fan_out_at_update() {
+        let c = SchedulerConfig { max_num_seqs: 4, ..cfg(32, 4, 16) };
+        let mut s = with_requests(c, [req(2, 3, 8), req(3, 3, 8)]);
+        step(&mut s, 5);
+        s.add_request(NewRequest { n: 2, ..req(1, 3, 8) }).unwrap();
+        let o = s.schedule().unwrap(); // two decodes and request 1's prompt: 3 rows, 4 slots
+        assert_eq!((o.num_rows(), s.num_running_seqs()), (4, 4));
+        s.abort(2).unwrap();
+        match s.fork_sequence(only_seq(&s, 3), Some(9)) {
+            Ok(_) | Err(CoreError::InvalidState { .. }) => {}
+            Err(e) => panic!("{e}"),
+        }
+        s.check_invariants().unwrap();
+        s.update(o.step_id, &[5, 5, 5, 5]).unwrap(); // request 1's second sample forks now
+        s.check_invariants().unwrap();
+        assert_eq!(s.request_seq_ids(1).unwrap().len(), 2);
+        drain(&mut s, 5);
+        assert_eq!(s.num_free_blocks(), 31);
     }
 }
