@@ -116,7 +116,9 @@ class LLM:
         args = EngineArgs(model=model, **engine_kwargs)
         self.llm_engine = LLMEngine(args)
         self.engine_loop = EngineLoop(self.llm_engine)
-        weakref.finalize(self, self.engine_loop.shutdown, False)
+        # Joined (not only told to stop): a loop thread still ending while the interpreter
+        # finalizes aborts the process (torch's threads are torn down under it).
+        weakref.finalize(self, self.engine_loop.shutdown, True)
         self._request_counter = itertools.count(1)
 
     def get_tokenizer(self) -> Any:
