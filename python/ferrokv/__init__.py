@@ -25,7 +25,7 @@ from ferrokv._core import (
     __version__,
 )
 from ferrokv.logger import configure_logging
-from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput
+from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, RequestStateStats
 from ferrokv.sampling_params import SamplingParams
 
 configure_logging()
@@ -59,6 +59,8 @@ __all__ = [
     "Logprob",
     "PromptTooLongError",
     "RequestOutput",
+    "RequestOutputKind",
+    "RequestStateStats",
     "SamplingParams",
     "Scheduler",
     "SchedulerOutput",

@@ -119,7 +119,18 @@ class FinishedSequence:
     sample_index: int
     reason: str  # "stop" | "length" | "abort"
     stop_token_id: int | None  # set when a stop_token_ids entry ended it
+    stop_str_index: int | None  # set when one of the request's stop strings ended it
     request_finished: bool  # the request's last sequence: the request is gone
+    text: str | None  # the final text (None without a text layer)
+    text_delta: str | None  # text not yet taken by a streaming output
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated token ids (moved out of the core as the sequence ended)."""
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's ``stop_reason``: the stop string, else the stop token id, else None."""
+    def with_text(self, text: str, text_delta: str, stop_string: str | None = None) -> FinishedSequence:
+        """A copy with the text fields set (for a text layer written in Python)."""
 
 class Scheduler:
     def __init__(
@@ -166,7 +177,14 @@ class Scheduler:
         appended and no computed count advances; blocks the step allocated are released, requests
         whose block ops may not have run are recomputed, a request that forked or dropped a
         sequence mid-step is aborted. What the output reported is reported again."""
-    def abort(self, request_id: int) -> None: ...
+    def abort(self, request_id: int) -> list[FinishedSequence]:
+        """Ends a request anywhere (waiting, running, swapped, mid-step); returns its sequences as
+        aborted, with the tokens each generated."""
+    def stop_sequence(self, seq_id: int, stop_str_index: int) -> FinishedSequence:
+        """Ends a running sequence because stop string ``stop_str_index`` of its request appeared
+        in its text; between steps only (after ``update``)."""
+    def output_tokens(self, seq_id: int) -> list[int]:
+        """The tokens a live sequence has generated so far (O(output length))."""
     def fork_sequence(self, seq_id: int, next_token: int | None = None) -> int:
         """A new sequence sharing all blocks of ``seq_id`` (copy-on-write). While a step is in flight
         for ``seq_id``, ``next_token`` is the child's sampled token for that step; otherwise None."""

@@ -12,12 +12,21 @@ Invariants:
   ``None`` when logprobs were not computed.
 * ``RequestOutput.request_id`` is a ``str``; ``finished`` is True once every completion has a
   ``finish_reason``.
+* What an output holds depends on its request's ``SamplingParams.output_kind``, as in vLLM:
+  ``CUMULATIVE`` every text, token and logprob so far (the ``token_ids`` and ``logprobs`` lists are
+  shared by the request's successive outputs and grow), ``DELTA`` only what is new since the
+  request's previous output (the pieces concatenate to the cumulative ones), ``FINAL_ONLY`` one
+  output, when the request has finished.
+* ``RequestOutput.metrics`` holds the request's timestamps (``RequestStateStats``): ``*_ts`` on
+  ``time.monotonic()``'s clock, recorded once by the scheduler core; ``arrival_time`` is
+  ``time.time()`` when the engine took the request.
 
 Costs: plain containers; ``__repr__`` is O(1) in the sequence length (long lists are elided).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -28,9 +37,40 @@ __all__ = [
     "Logprob",
     "PromptLogprobs",
     "RequestOutput",
+    "RequestOutputKind",
+    "RequestStateStats",
     "SampleLogprobs",
     "make_logprobs_entry",
 ]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a request carries (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the previous output, every step
+    FINAL_ONLY = 2  # one output, when the request has finished
+
+
+@dataclass(slots=True)
+class RequestStateStats:
+    """A request's timestamps, in the shape of vLLM's ``RequestStateStats``.
+
+    ``arrival_time`` is wall-clock (``time.time()``) when the engine took the request; the
+    ``*_ts`` fields are ``time.monotonic()`` seconds recorded once by the scheduler core (0.0 =
+    not yet): queued (``add_request``), first scheduled, first and latest generated token, and
+    finished. ``first_token_latency`` is ``first_token_ts - queued_ts`` (0.0 before the first
+    token). ``num_generation_tokens`` counts the tokens generated for the request so far (all
+    its samples)."""
+
+    num_generation_tokens: int = 0
+    arrival_time: float = 0.0
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    finished_ts: float = 0.0
+    first_token_latency: float = 0.0
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -120,6 +160,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    metrics: RequestStateStats | None = None
 
     def __repr__(self) -> str:
         plp = "None" if self.prompt_logprobs is None else f"<{len(self.prompt_logprobs)} positions>"
@@ -128,5 +169,5 @@ class RequestOutput:
             f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
             f"prompt_token_ids={_short(self.prompt_token_ids)}, outputs=[{outs}], "
             f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens}, "
-            f"prompt_logprobs={plp})"
+            f"prompt_logprobs={plp}, metrics={self.metrics!r})"
         )

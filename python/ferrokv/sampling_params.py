@@ -13,6 +13,8 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
   are accepted on construction); ``stop_token_ids`` is always a ``list[int]`` of ids ``>= 0``.
 * ``logprobs`` is ``None`` or ``>= 0`` (how many top alternatives to return *in addition to* the
   sampled token's own logprob).
+* ``output_kind`` is a ``RequestOutputKind`` (an int 0-2 is accepted and converted): what each
+  output of the request carries (``ferrokv.outputs``). ``LLM.generate`` sets ``FINAL_ONLY``.
 * Greedy means ``temperature < GREEDY_EPS``; for greedy requests top_p/top_k/min_p are reset to
   their neutral values (as vLLM does) because they cannot change an argmax.
 
@@ -27,6 +29,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from ferrokv.checks import check_text
+from ferrokv.outputs import RequestOutputKind
 
 __all__ = ["GREEDY_EPS", "SamplingParams"]
 
@@ -65,6 +68,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
     # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -146,6 +150,13 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+        kind = self.output_kind
+        if isinstance(kind, bool) or not isinstance(kind, (RequestOutputKind, numbers.Integral)) \
+                or kind not in tuple(RequestOutputKind):
+            names = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be a RequestOutputKind ({names}), got {kind!r}")
+        self.output_kind = RequestOutputKind(kind)
 
         if self.is_greedy:
             # These cannot change an argmax; neutralising them lets the sampler take fast paths.

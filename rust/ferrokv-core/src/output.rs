@@ -88,6 +88,17 @@ pub struct FinishedSeq {
     pub reason: FinishReason,
     /// The stop token id when a `stop_token_ids` entry ended the sequence.
     pub stop_token: Option<u32>,
+    /// Which of the request's stop strings ended it (`Scheduler::stop_sequence`): the core
+    /// never sees text, its caller's text layer decides these.
+    pub stop_str: Option<u32>,
     /// True for the last sequence of its request: the request is gone from the scheduler.
     pub request_finished: bool,
+    /// Its generated tokens, moved out of the sequence as it ends (their only home until then).
+    pub output_tokens: Vec<u32>,
+}
+
+/// The generated part of a sequence's token list: its prompt dropped, in place.
+pub(crate) fn output_part(mut tokens: Vec<u32>, prompt_len: usize) -> Vec<u32> {
+    tokens.drain(..prompt_len.min(tokens.len()));
+    tokens
 }

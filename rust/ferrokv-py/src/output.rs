@@ -260,27 +260,74 @@ impl PySchedulerOutput {
 }
 
 /// A sequence that ended, as reported by `Scheduler.update`.
-#[pyclass(module = "ferrokv._core", name = "FinishedSequence", frozen, get_all)]
+#[pyclass(module = "ferrokv._core", name = "FinishedSequence", frozen)]
 pub(crate) struct PyFinishedSequence {
+    #[pyo3(get)]
     request_id: u64,
+    #[pyo3(get)]
     seq_id: u64,
+    #[pyo3(get)]
     sample_index: u32,
+    #[pyo3(get)]
     reason: &'static str,
+    #[pyo3(get)]
     stop_token_id: Option<u32>,
+    /// Index of the request's stop string that ended it.
+    #[pyo3(get)]
+    stop_str_index: Option<u32>,
+    #[pyo3(get)]
     request_finished: bool,
+    output_tokens: Vec<u32>,
+    /// Set by the text layer: the stop string itself, the final text, and the text not yet
+    /// taken as a delta.
+    pub(crate) stop_string: Option<String>,
+    #[pyo3(get)]
+    pub(crate) text: Option<String>,
+    #[pyo3(get)]
+    pub(crate) text_delta: Option<String>,
 }
 
 #[pymethods]
 impl PyFinishedSequence {
+    /// The generated token ids (a new list per access).
+    #[getter]
+    fn output_token_ids(&self) -> Vec<u32> {
+        self.output_tokens.clone()
+    }
+
+    /// vLLM's ``stop_reason``: the stop string, else the stop token id, else None.
+    #[getter]
+    fn stop_reason(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(match (&self.stop_string, self.stop_token_id) {
+            (Some(s), _) => s.into_pyobject(py)?.into_any().unbind(),
+            (None, Some(t)) => t.into_pyobject(py)?.into_any().unbind(),
+            (None, None) => py.None(),
+        })
+    }
+
+    /// A copy with text set (a text layer written in Python fills these in).
+    #[pyo3(signature = (text, text_delta, stop_string=None))]
+    fn with_text(&self, text: String, text_delta: String, stop_string: Option<String>) -> Self {
+        PyFinishedSequence {
+            output_tokens: self.output_tokens.clone(),
+            text: Some(text),
+            text_delta: Some(text_delta),
+            stop_string: stop_string.or_else(|| self.stop_string.clone()),
+            ..*self
+        }
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "FinishedSequence(request_id={}, seq_id={}, sample_index={}, reason={:?}, stop_token_id={:?}, request_finished={})",
+            "FinishedSequence(request_id={}, seq_id={}, sample_index={}, reason={:?}, stop_token_id={:?}, stop_string={:?}, request_finished={}, <{} tokens>)",
             self.request_id,
             self.seq_id,
             self.sample_index,
             self.reason,
             self.stop_token_id,
-            if self.request_finished { "True" } else { "False" }
+            self.stop_string,
+            if self.request_finished { "True" } else { "False" },
+            self.output_tokens.len(),
         )
     }
 }
@@ -293,7 +340,12 @@ impl From<FinishedSeq> for PyFinishedSequence {
             sample_index: f.sample_index,
             reason: f.reason.as_str(),
             stop_token_id: f.stop_token,
+            stop_str_index: f.stop_str,
             request_finished: f.request_finished,
+            output_tokens: f.output_tokens,
+            stop_string: None,
+            text: None,
+            text_delta: None,
         }
     }
 }

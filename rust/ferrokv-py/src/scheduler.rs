@@ -160,9 +160,23 @@ impl PyScheduler {
         py.detach(|| inner.cancel_step(step_id)).map_err(to_py_err)
     }
 
-    fn abort(&mut self, request_id: i64) -> PyResult<()> {
+    /// Ends a request anywhere; returns its sequences as aborted, with what they generated.
+    fn abort(&mut self, request_id: i64) -> PyResult<Vec<PyFinishedSequence>> {
         let id = non_negative("request_id", request_id)?;
-        self.inner.abort(id).map_err(to_py_err)
+        let ended = self.inner.abort(id).map_err(to_py_err)?;
+        Ok(ended.into_iter().map(Into::into).collect())
+    }
+
+    /// Ends a running sequence on stop string `stop_str_index` between steps.
+    fn stop_sequence(&mut self, seq_id: i64, stop_str_index: i64) -> PyResult<PyFinishedSequence> {
+        let seq_id = non_negative("seq_id", seq_id)?;
+        let index = u32::try_from(stop_str_index).map_err(|_| invalid("stop_str_index", stop_str_index, "must be in [0, 2^32)"))?;
+        self.inner.stop_sequence(seq_id, index).map(Into::into).map_err(to_py_err)
+    }
+
+    /// The tokens a sequence has generated so far (its prompt left out).
+    fn output_tokens(&self, seq_id: i64) -> PyResult<Vec<u32>> {
+        self.inner.output_tokens(non_negative("seq_id", seq_id)?).map_err(to_py_err)
     }
 
     #[pyo3(signature = (seq_id, next_token=None))]

@@ -46,7 +46,7 @@ impl Scheduler {
                 let mut tables: Vec<&mut SeqKv> = req.seqs.iter_mut().map(|s| &mut s.kv).collect();
                 let Some(ids) = self.kv.swap_in(&mut tables, extra) else {
                     if alone {
-                        self.end_request(slot, FinishReason::Abort, true);
+                        self.end_request_reported(slot, FinishReason::Abort);
                         self.stats.capacity_aborts += 1;
                         continue;
                     }
@@ -74,7 +74,7 @@ impl Scheduler {
                 Attempt::NoSpace if alone => {
                     // Nothing else holds a block, yet its next chunk does not fit: it never
                     // will (beam forks grew it past the cache). End it rather than spin.
-                    self.end_request(slot, FinishReason::Abort, true);
+                    self.end_request_reported(slot, FinishReason::Abort);
                     self.stats.capacity_aborts += 1;
                 }
                 Attempt::NoBudget | Attempt::NoSpace => {

@@ -26,7 +26,7 @@ impl Scheduler {
         self.defer_row_removal = true;
         for id in undo.reshaped {
             if let Some(&slot) = self.by_id.get(&id) {
-                self.end_request(slot, FinishReason::Abort, true);
+                self.end_request_reported(slot, FinishReason::Abort);
                 self.stats.requests_aborted += 1;
             }
         }

@@ -11,7 +11,7 @@ use super::decode::DecodePlan;
 use super::{PreemptionMode, Scheduler};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::SeqKv;
-use crate::output::FinishedSeq;
+use crate::output::{output_part, FinishedSeq};
 use crate::request::{FinishReason, RequestState};
 
 impl Scheduler {
@@ -50,7 +50,7 @@ impl Scheduler {
                         self.preempt(victim);
                     } else if i == 0 {
                         // Alone and still out of blocks: it can never fit. End it rather than spin.
-                        self.end_request(slot, FinishReason::Abort, true);
+                        self.end_request_reported(slot, FinishReason::Abort);
                         self.stats.capacity_aborts += 1;
                     } else {
                         self.running.pop();
@@ -102,9 +102,9 @@ impl Scheduler {
         self.waiting.insert((k.0, k.1, slot));
     }
 
-    /// Removes a request wherever it is, freeing all of its blocks. With `report`, its
-    /// sequences are reported as finished by the next `update`.
-    pub(super) fn end_request(&mut self, slot: u32, reason: FinishReason, report: bool) {
+    /// Removes a request wherever it is, freeing all of its blocks; returns its sequences as
+    /// finished, with their tokens (the callers report them or drop them).
+    pub(super) fn end_request(&mut self, slot: u32, reason: FinishReason) -> Vec<FinishedSeq> {
         for pos in 0..self.req(slot).seqs.len() {
             self.free_seq_blocks(slot, pos);
             self.take_row(slot, pos);
@@ -123,31 +123,66 @@ impl Scheduler {
             }
         }
         let n = req.seqs.len();
-        for (i, s) in req.seqs.iter().enumerate() {
+        let (request_id, prompt_len) = (req.request_id, req.prompt_len);
+        let mut ended = Vec::with_capacity(n);
+        for (i, s) in req.seqs.drain(..).enumerate() {
             self.seq_owner.remove(&s.seq_id);
-            if report {
-                self.pending_finished.push(FinishedSeq {
-                    request_id: req.request_id,
-                    seq_id: s.seq_id,
-                    sample_index: s.sample_index,
-                    reason,
-                    stop_token: None,
-                    request_finished: i + 1 == n,
-                });
-            }
+            ended.push(FinishedSeq {
+                request_id,
+                seq_id: s.seq_id,
+                sample_index: s.sample_index,
+                reason,
+                stop_token: None,
+                stop_str: None,
+                request_finished: i + 1 == n,
+                output_tokens: output_part(s.tokens, prompt_len),
+            });
         }
-        self.by_id.remove(&req.request_id);
-        self.ended_ids.push(req.request_id as i64);
+        self.by_id.remove(&request_id);
+        self.ended_ids.push(request_id as i64);
         self.release_slot(slot);
+        ended
+    }
+
+    /// Like `end_request`, its sequences reported by the next `update` (the scheduler ended it:
+    /// capacity, a cancelled step it cannot go on from).
+    pub(super) fn end_request_reported(&mut self, slot: u32, reason: FinishReason) {
+        let ended = self.end_request(slot, reason);
+        self.pending_finished.extend(ended);
     }
 
     /// Ends a request at any time (waiting, running, swapped, or with a step in flight; the
-    /// in-flight rows of an aborted request are ignored by `update`). Frees its blocks at once.
-    pub fn abort(&mut self, request_id: u64) -> CoreResult<()> {
+    /// in-flight rows of an aborted request are ignored by `update`). Frees its blocks at once
+    /// and returns its sequences as aborted, with the tokens each had generated.
+    pub fn abort(&mut self, request_id: u64) -> CoreResult<Vec<FinishedSeq>> {
         let slot = *self.by_id.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
-        self.end_request(slot, FinishReason::Abort, false);
+        let ended = self.end_request(slot, FinishReason::Abort);
         self.stats.requests_aborted += 1;
-        Ok(())
+        Ok(ended)
+    }
+
+    /// Ends running sequence `seq_id` with `FinishReason::Stop` because its caller's text layer
+    /// found stop string `stop_str` in its text, between steps (after `update`, before the next
+    /// `schedule`), and returns its record: the stop is decided without the model's runner.
+    pub fn stop_sequence(&mut self, seq_id: u64, stop_str: u32) -> CoreResult<FinishedSeq> {
+        if self.in_flight.is_some() {
+            return Err(CoreError::InvalidState {
+                message: format!("stop_sequence(seq_id={seq_id}): a step is in flight (call it after update)"),
+            });
+        }
+        let (slot, pos) = self.locate_seq(seq_id)?;
+        if self.req(slot).state != RequestState::Running {
+            return Err(CoreError::InvalidState {
+                message: format!("stop_sequence(seq_id={seq_id}): its request is not running"),
+            });
+        }
+        let mut out = Vec::with_capacity(1);
+        if self.finish_seq(slot, pos, FinishReason::Stop, None, &mut out) {
+            self.remove_ended(&[slot]);
+        }
+        let mut f = out.pop().expect("finish_seq reports the sequence");
+        f.stop_str = Some(stop_str);
+        Ok(f)
     }
 
     /// Ends one sequence and frees its blocks. Returns true if it was its request's last, in
@@ -156,7 +191,7 @@ impl Scheduler {
     pub fn drop_sequence(&mut self, seq_id: u64) -> CoreResult<bool> {
         let (slot, pos) = self.locate_seq(seq_id)?;
         if self.req(slot).seqs.len() == 1 {
-            self.end_request(slot, FinishReason::Abort, false);
+            self.end_request(slot, FinishReason::Abort);
             self.stats.requests_finished += 1;
             return Ok(true);
         }
@@ -180,7 +215,48 @@ impl Scheduler {
 mod tests {
     use super::super::test_util::*;
     use super::super::*;
+    use crate::error::CoreError;
     use crate::request::{FinishReason, RequestState};
+
+    #[test]
+    fn finished_and_aborted_sequences_carry_their_generated_tokens() {
+        let mut s = with_requests(cfg(32, 4, 64), [req(1, 5, 3), req(2, 6, 50)]);
+        let mut done = Vec::new();
+        for t in 1..=3 {
+            done.extend(step(&mut s, t).1);
+        }
+        assert_eq!(done.len(), 1);
+        assert_eq!((done[0].request_id, done[0].reason, done[0].request_finished), (1, FinishReason::Length, true));
+        assert_eq!(done[0].output_tokens, vec![1, 2, 3]);
+        // Request 2 has generated 3 tokens (some still staged in its row): the abort reports them.
+        let ended = s.abort(2).unwrap();
+        assert_eq!(ended.len(), 1);
+        assert_eq!((ended[0].reason, ended[0].request_finished), (FinishReason::Abort, true));
+        assert_eq!(ended[0].output_tokens, vec![1, 2, 3]);
+        assert!(!s.has_unfinished());
+        assert_eq!(s.num_free_blocks(), 31);
+    }
+
+    #[test]
+    fn stop_sequence_ends_a_running_sequence_between_steps_only() {
+        let mut s = with_requests(cfg(32, 4, 64), [req(1, 5, 50), req(2, 5, 50)]);
+        step(&mut s, 7);
+        step(&mut s, 8);
+        let seq = only_seq(&s, 1);
+        let out = s.schedule().unwrap();
+        assert!(matches!(s.stop_sequence(seq, 0), Err(CoreError::InvalidState { .. })), "not with a step in flight");
+        s.update(out.step_id, &vec![9; out.num_rows()]).unwrap();
+        let f = s.stop_sequence(seq, 2).unwrap();
+        assert_eq!((f.reason, f.stop_str, f.stop_token, f.request_finished), (FinishReason::Stop, Some(2), None, true));
+        assert_eq!(f.output_tokens, vec![7, 8, 9]);
+        assert!(matches!(s.stop_sequence(seq, 0), Err(CoreError::UnknownSequence { .. })));
+        s.check_invariants().unwrap();
+        // The other request goes on alone; nothing leaks once it ends.
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.req_ids, vec![2]);
+        s.abort(2).unwrap();
+        assert_eq!(s.num_free_blocks(), 31);
+    }
 
     #[test]
     fn a_prefill_at_the_back_that_runs_out_of_blocks_preempts_only_itself() {

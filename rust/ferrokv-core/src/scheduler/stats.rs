@@ -91,6 +91,15 @@ impl Scheduler {
         Ok(tokens)
     }
 
+    /// The tokens sequence `seq_id` has generated so far (its prompt left out): O(output).
+    pub fn output_tokens(&self, seq_id: u64) -> CoreResult<Vec<u32>> {
+        let (slot, _) = self.locate_seq(seq_id)?;
+        let prompt_len = self.req(slot).prompt_len;
+        let mut tokens = self.seq_tokens(seq_id)?;
+        tokens.drain(..prompt_len.min(tokens.len()));
+        Ok(tokens)
+    }
+
     pub fn kv_usage(&self) -> KvUsage {
         let bs = self.cfg.block_size;
         let mut seen = vec![false; self.cfg.num_blocks];

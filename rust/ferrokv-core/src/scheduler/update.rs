@@ -9,7 +9,7 @@
 use super::Scheduler;
 use crate::batch::{SeqRef, NO_ROW, PENDING_TOKENS};
 use crate::error::{CoreError, CoreResult};
-use crate::output::FinishedSeq;
+use crate::output::{output_part, FinishedSeq};
 use crate::request::{FinishReason, RequestState, Sequence};
 
 /// What the row pass of `update` leaves for the passes that need a sequence.
@@ -217,7 +217,7 @@ impl Scheduler {
     }
 
     /// Takes the requests that ended out of the running list and frees their slots.
-    fn remove_ended(&mut self, ended_slots: &[u32]) {
+    pub(super) fn remove_ended(&mut self, ended_slots: &[u32]) {
         if ended_slots.len() <= 8 {
             // The usual handful: found by binary search in the ordered running list.
             for &slot in ended_slots {
@@ -303,7 +303,9 @@ impl Scheduler {
             sample_index: s.sample_index,
             reason,
             stop_token,
+            stop_str: None,
             request_finished: last,
+            output_tokens: output_part(s.tokens, req.prompt_len),
         });
         if last {
             self.by_id.remove(&req.request_id);
