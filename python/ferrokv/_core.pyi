@@ -121,6 +121,7 @@ class FinishedSequence:
     stop_token_id: int | None  # set when a stop_token_ids entry ended it
     stop_str_index: int | None  # set when one of the request's stop strings ended it
     request_finished: bool  # the request's last sequence: the request is gone
+    num_cached_tokens: int  # its request's prompt tokens served from the prefix cache
     text: str | None  # the final text (None without a text layer)
     text_delta: str | None  # text not yet taken by a streaming output
     @property
@@ -129,8 +130,10 @@ class FinishedSequence:
     @property
     def stop_reason(self) -> int | str | None:
         """vLLM's ``stop_reason``: the stop string, else the stop token id, else None."""
-    def with_text(self, text: str, text_delta: str, stop_string: str | None = None) -> FinishedSequence:
-        """A copy with the text fields set (for a text layer written in Python)."""
+    def with_text(self, text: str, text_delta: str, stop_str_index: int | None = None,
+                  stop_string: str | None = None) -> FinishedSequence:
+        """A copy with the text fields set (for a text layer written in Python); with
+        ``stop_string``, it ended on that string (reason "stop")."""
 
 class Scheduler:
     def __init__(

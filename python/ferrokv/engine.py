@@ -2,13 +2,15 @@
 
 One ``step()``: the Rust scheduler picks the batch, the model runner computes logits for the
 rows that sample, the sampler (or the beam-search logic) picks tokens, the scheduler appends
-them and decides stops, and this module detokenizes and builds the outputs.
+them, decides stops and (its text layer, ``ferrokv.text``) detokenizes them and ends sequences
+on stop strings, and ``ferrokv.output_processor`` builds the outputs each request's
+``output_kind`` asks for. The core is the one home of a sequence's tokens.
 
 Invariants: every request is validated in full before the scheduler sees it, so bad input
 raises ``ValueError`` naming the field and leaves the engine as it was (its ``SamplingParams``
 are checked again and copied: an assignment before ``add_request`` is caught, one after it does
 not reach the request; an error of the core keeps its type, with the caller's request id in it);
-a request ended in Python (stop string, abort, finished beam search) is ended in the scheduler at
+a request ended by the caller (abort) or by a finished beam search is ended in the scheduler at
 once, so its KV blocks are freed. The sampler's shared generator is on the engine's device.
 Failures: any exception (``KeyboardInterrupt`` included) between ``schedule()`` and ``update()``
 cancels the step (``Scheduler.cancel_step``): no token is appended, the requests go on at the
@@ -21,8 +23,9 @@ release the GIL while they hold it borrowed. ``abort_request`` and the getters (
 ``num_free_blocks``, ``kv_cache_usage``, ``has_unfinished_requests``) are safe from any thread
 and never wait for a step: an abort is queued and applied when the step in progress ends (before
 the lock is released), a getter reads a snapshot refreshed whenever the lock is released.
-Costs per step: the model forward, plus O(rows) Python work for sampling metadata and
-detokenization; nothing that scales with the number of waiting or finished requests (the full
+Costs per step: the model forward, plus O(rows) Python work for sampling metadata, O(1) Python
+per streaming row or logprobs row, and O(its output) once per ending sequence; nothing that
+grows with output length, or with the number of waiting or finished requests (the full
 ``stats()`` snapshot, O(blocks), is refreshed only after someone asked for it).
 """
 
@@ -47,13 +50,23 @@ import torch
 from ferrokv._core import Scheduler, SchedulerStateError, UnknownRequestError
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.checks import check_finite, check_int, check_text, rename_field
-from ferrokv.detokenizer import IncrementalDetokenizer, decode_token
+from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import DTYPE_ALIASES, EngineArgs
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 from ferrokv.model_runner import ModelRunner
-from ferrokv.outputs import CompletionOutput, RequestOutput, make_logprobs_entry
+from ferrokv.output_processor import (
+    RequestState,
+    append_logprobs,
+    build_outputs,
+    fill_metrics,
+    final_completion,
+    new_stats,
+    stream_rows,
+)
+from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from ferrokv.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs, make_generator
 from ferrokv.sampling_params import SamplingParams
+from ferrokv.text import make_text_layer
 
 logger = logging.getLogger("ferrokv")
 
@@ -64,38 +77,11 @@ _PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
 
 
 @dataclass(slots=True)
-class _Seq:
-    seq_id: int
-    index: int
-    token_ids: list[int]
-    detok: IncrementalDetokenizer
-    generator: torch.Generator | None
-    logprobs: list[dict] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    core_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: dict[int, _Seq] = field(default_factory=dict)
-    done_seqs: list[_Seq] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    beam: BeamSearchState | None = None
-    finished: bool = False
-
-
-@dataclass(slots=True)
 class _StepUndo:
     """What a step changed in Python before ``update()``, undone if the step is cancelled."""
 
-    new_seqs: list[tuple[_Request, int]] = field(default_factory=list)  # samples forked at this update
-    beams: list[_Request] = field(default_factory=list)  # beam searches that moved (cannot be put back)
+    new_seqs: list[tuple[RequestState, int]] = field(default_factory=list)  # samples forked at this update
+    beams: list[RequestState] = field(default_factory=list)  # beam searches that moved (cannot be put back)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -184,13 +170,14 @@ class LLMEngine:
             num_cpu_blocks=args.num_cpu_blocks,
             policy=args.scheduling_policy,
         )
+        self.text = make_text_layer(self.tokenizer, self.scheduler)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         # On the model's device: unseeded rows draw their uniforms where the logits are.
         self.sampler = Sampler(seed=args.seed, device=self.device)
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, RequestState] = {}
         self._by_name: dict[str, int] = {}
         self._next_core_id = itertools.count()
-        self._beams_done: list[_Request] = []
+        self._beams_done: list[RequestState] = []
         self.peak_used_blocks = 0
         # Threads (module docs): the lock guards the scheduler; aborts from any thread queue in
         # the inbox; the snapshot serves getters while another thread holds the lock.
@@ -345,33 +332,32 @@ class LLMEngine:
             # The core names its own integer id; name the caller's instead.
             rename_field(e, "request_id", "request_id", str(core_id), repr(request_id))
             raise
-        req = _Request(request_id, core_id, text, ids, params, beam=beam)
+        kind = RequestOutputKind.FINAL_ONLY if beam is not None else params.output_kind
+        req = RequestState(request_id, core_id, text, ids, params, kind, new_stats(), beam=beam)
+        if beam is None:
+            self.text.add_request(core_id, params, ids, kind != RequestOutputKind.FINAL_ONLY)
         seq_id = self.scheduler.request_seq_ids(core_id)[0]
-        req.seqs[seq_id] = self._new_seq(req, seq_id, 0)
+        req.seqs[seq_id] = self._new_seq(req, 0)
         self._requests[core_id] = req
         self._by_name[request_id] = core_id
 
     def _add_to_scheduler(self, core_id: int, ids: list[int], params: SamplingParams, max_tokens: int,
                           priority: int, cache_salt: str | None, beam: BeamSearchState | None,
                           eos: int | None, stop_ids: list[int]) -> None:
+        text = {} if beam is not None else self.text.request_kwargs(
+            params, params.output_kind != RequestOutputKind.FINAL_ONLY)
         self.scheduler.add_request(
             core_id, np.asarray(ids, dtype=np.int64), max_tokens,
             n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
             min_tokens=min(params.min_tokens, max_tokens), ignore_eos=params.ignore_eos or beam is not None,
             cache_salt=cache_salt,
-            reserve_seqs=beam.beam_width if beam is not None else 0,
+            reserve_seqs=beam.beam_width if beam is not None else 0, **text,
         )
 
-    def _new_seq(self, req: _Request, seq_id: int, index: int, tokens: list[int] | None = None) -> _Seq:
+    def _new_seq(self, req: RequestState, index: int) -> Any:
         p = req.params
         gen = make_generator(p.seed, index) if p.seed is not None and not p.is_greedy else None
-        want_lp = p.logprobs is not None
-        detok = IncrementalDetokenizer.from_params(self.tokenizer, p, req.prompt_token_ids)
-        seq = _Seq(seq_id, index, [], detok, gen, [] if want_lp else None, 0.0 if want_lp else None)
-        for t in tokens or []:
-            seq.token_ids.append(t)
-            seq.detok.append(t)
-        return seq
+        return req.new_seq(index, gen)
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Ends the requests (unknown or finished ids are ignored) and frees their blocks; they
@@ -439,30 +425,39 @@ class LLMEngine:
             if core_id is not None:
                 self._abort_now(self._requests[core_id])
 
-    def _abort_now(self, req: _Request) -> None:
+    def _abort_now(self, req: RequestState) -> None:
         """Ends a request in Python and in the scheduler (lock held)."""
+        try:
+            ended = self.text.after_abort(self.scheduler.abort(req.core_id))
+        except UnknownRequestError:
+            ended = []  # ended by the scheduler already (a capacity abort, a cancelled reshaped step)
         self._finish(req)
         if self.on_abort is not None:
-            self._aborted_outputs.append(self._aborted_output(req))
-        try:
-            self.scheduler.abort(req.core_id)
-        except UnknownRequestError:
-            pass  # ended by the scheduler already (a capacity abort, a cancelled reshaped step)
+            self._aborted_outputs.append(self._aborted_output(req, ended))
 
-    def _aborted_output(self, req: _Request) -> RequestOutput:
+    def _aborted_output(self, req: RequestState, ended: list[Any]) -> RequestOutput:
         if req.beam is not None:  # an unfinished beam search has no hypotheses to report
             return RequestOutput(request_id=req.request_id, prompt=req.prompt,
-                                 prompt_token_ids=list(req.prompt_token_ids), outputs=[], finished=True,
-                                 num_cached_tokens=req.num_cached_tokens)
-        for s in req.seqs.values():
-            s.finish_reason = "abort"
-            s.detok.flush()
-        return self._output(req)
+                                 prompt_token_ids=req.prompt_token_ids, outputs=[], finished=True,
+                                 num_cached_tokens=req.num_cached_tokens,
+                                 metrics=fill_metrics(req.stats, None, req.num_generated_done))
+        now: dict[int, list[CompletionOutput]] = {}
+        for f in ended:
+            self._end_completion(req, f, now)
+        for seq_id, seq in list(req.seqs.items()):  # sequences the scheduler had ended already
+            req.seqs.pop(seq_id)
+            c = CompletionOutput(index=seq.index, text=seq.text, token_ids=list(seq.token_ids or []),
+                                 cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
+                                 finish_reason="abort")
+            req.done.append(c)
+            now.setdefault(req.core_id, []).append(c)
+        return build_outputs([req], now, self._times_of)[0]
 
     # ------------------------------------------------------------------------------------------
     @_exclusive
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns outputs of the requests that progressed or finished.
+        """One scheduler step; returns outputs of the requests that progressed or finished, as
+        their ``output_kind`` asks (none for an unfinished ``FINAL_ONLY`` request).
 
         On any exception the step is cancelled or its requests aborted (module docs), and the
         exception is re-raised."""
@@ -477,7 +472,8 @@ class LLMEngine:
             self._cancel_step(out, undo)
             raise
         try:
-            return self._apply_step(out, sampled, row_lp, finished)
+            rows, deltas = self.text.after_update(self.scheduler, out, sampled, finished)
+            return self._apply_step(out, sampled, row_lp, finished, rows, deltas)
         except BaseException:
             self._abort_step_requests(out)
             raise
@@ -496,11 +492,8 @@ class LLMEngine:
         for req in undo.beams:
             if not req.finished:
                 self._abort_now(req)
-        # No reset_prefix_cache(): the only KV a cancelled step may have written is in its new
-        # tokens' slots, i.e. in blocks the step allocated (released by cancel_step) or past the
-        # computed part of a sequence's own last block (rewritten when it is recomputed), plus
-        # the destinations of its copy/swap-in ops, whose requests cancel_step recomputes. Prefix
-        # blocks are registered only by update(), so no cached block holds a cancelled step's KV.
+        # No reset_prefix_cache(): cancel_step unregisters the prefix blocks the step registered
+        # (their KV was never written); the text layer saw nothing of the step.
 
     def _abort_step_requests(self, out: Any) -> None:
         for cid in set(out.req_ids.tolist()):
@@ -518,7 +511,10 @@ class LLMEngine:
         row_req = out.row_req_ids.tolist()
         row_seq = out.row_seq_ids.tolist()
         row_idx = out.row_sample_index.tolist()
+        # Each row's context length after the step: its output so far is that minus its prompt.
+        row_ctx = out.seq_lens[np.searchsorted(out.query_start_loc, out.logits_indices, side="right") - 1].tolist()
         sample_rows: list[int] = []
+        rows: list[SamplingRow] = []
         beam_rows: dict[int, list[int]] = {}
         for r, (cid, sid, idx) in enumerate(zip(row_req, row_seq, row_idx)):
             req = self._requests.get(cid)
@@ -527,12 +523,13 @@ class LLMEngine:
             if req.beam is not None:
                 beam_rows.setdefault(cid, []).append(r)
                 continue
-            if sid not in req.seqs:  # a sample of an n > 1 request, forked at update
-                req.seqs[sid] = self._new_seq(req, sid, idx)
+            seq = req.seqs.get(sid)
+            if seq is None:  # a sample of an n > 1 request, forked at update
+                seq = req.seqs[sid] = self._new_seq(req, idx)
                 undo.new_seqs.append((req, sid))
             sample_rows.append(r)
+            rows.append(self._sampling_row(req, sid, seq.generator, row_ctx[r] - len(req.prompt_token_ids)))
         if sample_rows:
-            rows = [self._sampling_row(self._requests[row_req[r]], row_seq[r]) for r in sample_rows]
             md = SamplingMetadata.build(rows, self.vocab_size, self.eos_token_ids, device=logits.device)
             sel = logits if len(sample_rows) == out.num_rows else logits[torch.tensor(sample_rows, device=logits.device)]
             so = self.sampler(sel, md)
@@ -543,119 +540,80 @@ class LLMEngine:
             self._beam_step(self._requests[cid], rs, row_seq, logits, sampled)
         return sampled, row_lp
 
-    def _apply_step(self, out: Any, sampled: np.ndarray, row_lp: Any, finished: list[Any]) -> list[RequestOutput]:
-        """Appends the step's tokens in Python (text, logprobs, stop strings), ends what the
-        scheduler ended, and builds the outputs of the requests that progressed or finished."""
-        touched: dict[int, _Request] = {}
-        if out.num_rows:
-            self._append_tokens(out, sampled, row_lp, {f.seq_id: f for f in finished}, touched)
+    def _sampling_row(self, req: RequestState, seq_id: int, generator: Any, num_output: int) -> SamplingRow:
+        p = req.params
+        # Penalties need the output's tokens: read from the core (their one home), O(output).
+        history = self.scheduler.output_tokens(seq_id) if p.has_penalties and num_output > 0 else ()
+        return SamplingRow(p, history, req.prompt_token_ids, generator, num_output)
+
+    def _row_seq(self, out: Any) -> Callable[[int], tuple[RequestState, Any] | None]:
+        """Row -> (request, live sequence state), for the rows of the step."""
+        row_req, row_seq = out.row_req_ids, out.row_seq_ids
+        requests = self._requests
+
+        def find(r: int) -> tuple[RequestState, Any] | None:
+            req = requests.get(int(row_req[r]))
+            if req is None or req.beam is not None:
+                return None
+            seq = req.seqs.get(int(row_seq[r]))
+            return None if seq is None else (req, seq)
+
+        return find
+
+    def _apply_step(self, out: Any, sampled: np.ndarray, row_lp: Any, finished: list[Any], rows: np.ndarray,
+                    deltas: list[str]) -> list[RequestOutput]:
+        """Hands the step's logprobs and streaming rows to the requests' output states, ends what
+        the scheduler ended, and builds the outputs."""
+        touched: dict[int, RequestState] = {}
+        find = self._row_seq(out)
+        if row_lp is not None and row_lp[1] is not None:
+            append_logprobs(find, row_lp[0], row_lp[1], sampled, lambda t: decode_token(self.tokenizer, t))
+        stream_rows(find, rows, deltas, sampled, touched)
+        ended_now: dict[int, list[CompletionOutput]] = {}
         for f in finished:
             req = self._requests.get(f.request_id)
             if req is None or req.beam is not None:
                 continue
-            seq = req.seqs.get(f.seq_id)
-            if seq is None:
-                if f.reason == "abort" and f.seq_id not in {s.seq_id for s in req.done_seqs}:
-                    # Aborted by the scheduler before this engine saw the sequence (capacity).
-                    req.done_seqs.append(self._aborted_seq(req, f.seq_id, f.sample_index))
-                    touched[f.request_id] = req
-                continue
-            seq.finish_reason = f.reason
-            seq.stop_reason = f.stop_token_id
-            if f.reason != "stop":
-                seq.detok.flush()
-            req.seqs.pop(seq.seq_id)
-            req.done_seqs.append(seq)
+            self._end_completion(req, f, ended_now)
             touched[f.request_id] = req
-            if f.request_finished and not req.seqs:
+            if f.request_finished:
                 self._finish(req)
-        for req in self._beams_done:
-            touched[req.core_id] = req
+        outputs = build_outputs(touched.values(), ended_now, self._times_of)
+        outputs += [self._beam_output(req) for req in self._beams_done]
         self._beams_done = []
-        outputs = []
-        for req in touched.values():
-            if req.beam is None and not req.seqs and not req.finished:
-                self._finish(req)
-            outputs.append(self._output(req))
         return outputs
 
-    def _append_tokens(self, out: Any, sampled: np.ndarray, row_lp: Any, ended: dict[int, Any],
-                       touched: dict[int, _Request]) -> None:
-        lp_by_row = {}
-        if row_lp is not None and row_lp[1] is not None:
-            rows, lpr = row_lp
-            for j, br in enumerate(lpr.rows.tolist()):
-                lp_by_row[rows[br]] = (lpr, j)
-        for r, (cid, sid) in enumerate(zip(out.row_req_ids.tolist(), out.row_seq_ids.tolist())):
-            req = self._requests.get(cid)
-            if req is None or req.beam is not None:
-                continue
-            seq = req.seqs.get(sid)
-            if seq is None:
-                continue
-            tok = int(sampled[r])
-            seq.token_ids.append(tok)
-            if r in lp_by_row:
-                lpr, j = lp_by_row[r]
-                n = int(lpr.num_top[j])
-                seq.logprobs.append(make_logprobs_entry(
-                    tok, float(lpr.sampled_logprobs[j]), int(lpr.sampled_ranks[j]),
-                    lpr.top_ids[j, :n], lpr.top_logprobs[j, :n],
-                    decode=lambda t: decode_token(self.tokenizer, t)))
-                seq.cumulative_logprob += float(lpr.sampled_logprobs[j])
-            f = ended.get(seq.seq_id)
-            # The stopping EOS / stop token id stays out of the text (vLLM semantics).
-            if not (f is not None and f.reason == "stop"):
-                seq.detok.append(tok)
-            touched[cid] = req
-            if f is None and seq.detok.stopped:
-                seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
-                self._end_seq(req, seq)
+    def _end_completion(self, req: RequestState, f: Any, ended_now: dict[int, list[CompletionOutput]]) -> None:
+        """Records the completion of a sequence that ended (``f``, a ``FinishedSequence``)."""
+        seq = req.seqs.pop(f.seq_id, None)
+        if seq is None:  # ended by the scheduler before this engine saw it (a capacity abort)
+            seq = self._new_seq(req, f.sample_index)
+        c = final_completion(req, seq, f)
+        req.done.append(c)
+        req.num_generated_done += len(f.output_token_ids)
+        ended_now.setdefault(req.core_id, []).append(c)
+        if f.request_finished:
+            req.final_times = getattr(f, 'times', None)  # TODO(merge)
+            req.num_cached_tokens = f.num_cached_tokens
 
-    def _aborted_seq(self, req: _Request, seq_id: int, index: int) -> _Seq:
-        s = self._new_seq(req, seq_id, index)
-        s.finish_reason = "abort"
-        return s
-
-    def _sampling_row(self, req: _Request, seq_id: int) -> SamplingRow:
-        seq = req.seqs[seq_id]
-        return SamplingRow(req.params, seq.token_ids, req.prompt_token_ids, seq.generator)
-
-    def _end_seq(self, req: _Request, seq: _Seq) -> None:
-        """Ends a sequence decided in Python (stop string) in the scheduler too."""
-        req.seqs.pop(seq.seq_id, None)
-        req.done_seqs.append(seq)
-        try:
-            self.scheduler.drop_sequence(seq.seq_id)
-        except ValueError:
-            pass  # already gone
-        if not req.seqs:
-            self._finish(req)
-
-    def _finish(self, req: _Request) -> None:
-        req.finished = True
-        self._requests.pop(req.core_id, None)
-        self._by_name.pop(req.request_id, None)
-
-    def _output(self, req: _Request) -> RequestOutput:
-        if req.beam is not None:
-            return self._beam_output(req)
-        comps = []
-        for s in sorted([*req.done_seqs, *req.seqs.values()], key=lambda s: s.index):
-            comps.append(CompletionOutput(
-                index=s.index, text=s.detok.text, token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-            ))
+    def _times_of(self, req: RequestState) -> Any:
+        """The core's timestamps of a request (kept from its last record once it has ended)."""
+        if req.finished:
+            return req.final_times
         if req.num_cached_tokens == 0:
             try:
                 req.num_cached_tokens = self.scheduler.num_cached_tokens(req.core_id)
             except ValueError:
                 pass
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-            outputs=comps, finished=req.finished, num_cached_tokens=req.num_cached_tokens,
-        )
+        try:
+            return self.scheduler.request_times(req.core_id)
+        except (ValueError, AttributeError):  # TODO(merge)
+            return None
+
+    def _finish(self, req: RequestState) -> None:
+        req.finished = True
+        self._requests.pop(req.core_id, None)
+        self._by_name.pop(req.request_id, None)
 
     # ------------------------------------------------------------------------------------------
     # Beam search
@@ -675,14 +633,17 @@ class LLMEngine:
         params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         self._submit(request_id, text, ids, params, max_tokens, 0, None, beam=state)
 
-    def _beam_step(self, req: _Request, rows: list[int], row_seq: list[int], logits: torch.Tensor,
+    def _beam_step(self, req: RequestState, rows: list[int], row_seq: list[int], logits: torch.Tensor,
                    sampled: np.ndarray) -> None:
         st = req.beam
         seq_ids = [row_seq[r] for r in rows]
         lp = compute_logprobs(logits[torch.tensor(rows, device=logits.device)]).cpu()
         res = st.step(seq_ids, lp)
         if res.done:
-            self.scheduler.abort(req.core_id)
+            ended = self.scheduler.abort(req.core_id)
+            if ended:
+                req.final_times = getattr(ended[-1], 'times', None)  # TODO(merge)
+                req.num_cached_tokens = ended[-1].num_cached_tokens
             self._finish(req)
             self._beams_done.append(req)
             return
@@ -703,16 +664,17 @@ class LLMEngine:
                 self.scheduler.drop_sequence(sid)
         st.beams = new_beams
 
-    def _beam_output(self, req: _Request) -> RequestOutput:
+    def _beam_output(self, req: RequestState) -> RequestOutput:
         comps = []
         eos = set(req.beam.eos_token_ids)
         for i, h in enumerate(req.beam.hypotheses() if req.finished else []):
             comps.append(CompletionOutput(
-                index=i, text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                index=i, text=self.text.decode(h.token_ids, True),
                 token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob, logprobs=None,
                 finish_reason="stop" if h.token_ids and h.token_ids[-1] in eos else "length", stop_reason=None,
             ))
         return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=comps, finished=req.finished, num_cached_tokens=req.num_cached_tokens,
+            metrics=fill_metrics(req.stats, req.final_times, sum(len(c.token_ids) for c in comps)),
         )

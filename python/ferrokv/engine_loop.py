@@ -9,7 +9,7 @@ to the sink its request was submitted with, by request id. ``LLM`` runs ``genera
 
 Interface (every method is safe from any thread):
 
-* ``submit(request_id, prompt, params, *, sink, priority=0, cache_salt=None, final_only=False)``
+* ``submit(request_id, prompt, params, *, sink, priority=0, cache_salt=None)``
   and ``submit_beam(request_id, prompt, *, sink, beam_width, max_tokens, ...)`` queue a request;
 * ``abort(request_ids)`` queues aborts (unknown or finished ids are ignored);
 * ``stream(request_id, prompt, params)``: one request's outputs as an iterator (closing it early
@@ -24,7 +24,8 @@ Invariants:
 
 * Every submitted request gets exactly one terminal item on its sink: its finished output
   (``finish_reason`` "abort" on the sequences an abort ended) or an error (a bad request, a failed
-  step, the loop shut down). Before it come its progress outputs, unless ``final_only``.
+  step, the loop shut down). Before it come the progress outputs its ``output_kind`` asks for
+  (none for ``FINAL_ONLY``: the engine builds none).
 * Only the loop's thread adds requests and steps. It starts on the first submit as a daemon
   thread, so it never keeps the interpreter alive; ``shutdown`` ends it (``LLM`` calls it when
   collected, without waiting) and an ``atexit`` hook joins every loop still running. On CUDA
@@ -37,7 +38,7 @@ Invariants:
   in the loop itself ends every request with ``EngineDeadError`` and the loop with it.
 * Requests added to the engine directly while a loop drives it are stepped but reported nowhere.
 
-Costs: per step one ``put`` per request that progressed (``final_only``: that finished) and O(1)
+Costs: per step one ``put`` per output the engine built and O(1)
 per command; an idle loop sleeps on an event.
 """
 
@@ -91,7 +92,6 @@ class _Submit:
     request_id: str
     add: Callable[[LLMEngine], None]
     sink: OutputSink
-    final_only: bool
 
 
 @dataclass(slots=True)
@@ -107,7 +107,6 @@ class _Aborted:
 @dataclass(slots=True)
 class _Record:
     sink: OutputSink
-    final_only: bool
 
 
 _SHUTDOWN = object()
@@ -145,13 +144,13 @@ class EngineLoop:
     # ------------------------------------------------------------------------------------------
     # Callers (any thread)
     def submit(self, request_id: str, prompt: Any, params: SamplingParams | None = None, *, sink: OutputSink,
-               priority: int = 0, cache_salt: str | None = None, final_only: bool = False) -> None:
+               priority: int = 0, cache_salt: str | None = None) -> None:
         """Queues ``LLMEngine.add_request(request_id, prompt, params, ...)``; its error, if any,
         is the request's terminal item. Raises ``EngineDeadError`` after ``shutdown``."""
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
 
-        self._queue(_Submit(str(request_id), add, sink, final_only), start=True)
+        self._queue(_Submit(str(request_id), add, sink), start=True)
 
     def submit_beam(self, request_id: str, prompt: Any, *, sink: OutputSink, beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, ignore_eos: bool = False) -> None:
@@ -159,7 +158,7 @@ class EngineLoop:
         def add(engine: LLMEngine) -> None:
             engine.add_beam_request(request_id, prompt, beam_width, max_tokens, length_penalty, ignore_eos)
 
-        self._queue(_Submit(str(request_id), add, sink, True), start=True)
+        self._queue(_Submit(str(request_id), add, sink), start=True)
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Queues aborts, applied between steps; each request's terminal item follows."""
@@ -269,7 +268,7 @@ class EngineLoop:
             except BaseException as e:
                 _deliver(command.sink, StreamItem(command.request_id, error=e))
                 return
-            self._records[command.request_id] = _Record(command.sink, command.final_only)
+            self._records[command.request_id] = _Record(command.sink)
         elif isinstance(command, _Abort):
             self.engine.abort_request(command.request_ids)  # reported through _on_abort
         elif isinstance(command, _Aborted):
@@ -284,9 +283,7 @@ class EngineLoop:
                 continue
             if o.finished:
                 del self._records[o.request_id]
-                _deliver(rec.sink, StreamItem(o.request_id, o))
-            elif not rec.final_only:
-                _deliver(rec.sink, StreamItem(o.request_id, o))
+            _deliver(rec.sink, StreamItem(o.request_id, o))
 
     def _fail_all(self, error: BaseException) -> None:
         records, self._records = self._records, {}

@@ -16,6 +16,7 @@ which then returns that request's output with ``finish_reason`` "abort". Request
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -29,7 +30,7 @@ from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineLoop, StreamItem
-from ferrokv.outputs import RequestOutput
+from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrokv")
@@ -92,6 +93,14 @@ def _prompt_list(prompts: Any) -> list[Any]:
         raise ValueError(f"prompts must be a str, a dict or a list of them, got {shown(prompts)}") from None
 
 
+def _final_only(params: Any) -> Any:
+    """``params`` asking for one output, when the request ends: no step builds the others
+    (anything else is passed on for the engine to reject)."""
+    if isinstance(params, SamplingParams):
+        return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return params
+
+
 def _abandon(loop: EngineLoop, ids: list[str], done: dict[str, StreamItem], sink: queue.SimpleQueue[StreamItem]) -> None:
     """Aborts the requests of an interrupted or failed call and waits for the loop to end each
     (one step at most), so that their blocks are free when the call raises. Another interrupt
@@ -146,7 +155,7 @@ class LLM:
                 if beam is not None:
                     loop.submit_beam(rid, p, sink=sink, **beam)
                 else:
-                    loop.submit(rid, p, params[i], sink=sink, final_only=True)
+                    loop.submit(rid, p, _final_only(params[i]), sink=sink)
                 ids.append(rid)
             while len(done) < len(ids):
                 item = sink.get()

@@ -119,6 +119,9 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()
     prompt_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None
+    # Tokens generated so far (min_tokens); None: len(output_token_ids). The engine passes the
+    # count and reads the history from the core only for rows with penalties.
+    num_output_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -240,7 +243,8 @@ class SamplingMetadata:
         b_rows: list[int] = []
         b_toks: list[int] = []
         for i, (row, p) in enumerate(zip(rows, params)):
-            if len(row.output_token_ids) < p.min_tokens:
+            n_out = len(row.output_token_ids) if row.num_output_tokens is None else row.num_output_tokens
+            if n_out < p.min_tokens:
                 stop_ids = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     stop_ids.update(eos_token_ids)

@@ -34,8 +34,8 @@ def tiny_engine(path: Any, **kw: Any) -> LLMEngine:
     return LLMEngine(EngineArgs(**engine_kwargs(path, **kw)))
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def rand_prompts(seed: int, lengths: list[int]) -> list[dict[str, list[int]]]:

@@ -95,6 +95,9 @@ pub struct FinishedSeq {
     pub request_finished: bool,
     /// Its generated tokens, moved out of the sequence as it ends (their only home until then).
     pub output_tokens: Vec<u32>,
+    /// Its request's prompt tokens served from the prefix cache at first admission (0 if never
+    /// admitted).
+    pub num_cached_tokens: usize,
 }
 
 /// The generated part of a sequence's token list: its prompt dropped, in place.

@@ -277,6 +277,8 @@ pub(crate) struct PyFinishedSequence {
     stop_str_index: Option<u32>,
     #[pyo3(get)]
     request_finished: bool,
+    #[pyo3(get)]
+    num_cached_tokens: usize,
     output_tokens: Vec<u32>,
     /// Set by the text layer: the stop string itself, the final text, and the text not yet
     /// taken as a delta.
@@ -305,14 +307,18 @@ impl PyFinishedSequence {
         })
     }
 
-    /// A copy with text set (a text layer written in Python fills these in).
-    #[pyo3(signature = (text, text_delta, stop_string=None))]
-    fn with_text(&self, text: String, text_delta: String, stop_string: Option<String>) -> Self {
+    /// A copy with its text set (a text layer written in Python fills these in); with a stop
+    /// string, it ended on that string (index `stop_str_index` of its request's).
+    #[pyo3(signature = (text, text_delta, stop_str_index=None, stop_string=None))]
+    fn with_text(&self, text: String, text_delta: String, stop_str_index: Option<u32>, stop_string: Option<String>) -> Self {
+        let stopped = stop_string.is_some();
         PyFinishedSequence {
             output_tokens: self.output_tokens.clone(),
             text: Some(text),
             text_delta: Some(text_delta),
-            stop_string: stop_string.or_else(|| self.stop_string.clone()),
+            reason: if stopped { "stop" } else { self.reason },
+            stop_str_index: if stopped { stop_str_index } else { self.stop_str_index },
+            stop_string: if stopped { stop_string } else { self.stop_string.clone() },
             ..*self
         }
     }
@@ -342,6 +348,7 @@ impl From<FinishedSeq> for PyFinishedSequence {
             stop_token_id: f.stop_token,
             stop_str_index: f.stop_str,
             request_finished: f.request_finished,
+            num_cached_tokens: f.num_cached_tokens,
             output_tokens: f.output_tokens,
             stop_string: None,
             text: None,

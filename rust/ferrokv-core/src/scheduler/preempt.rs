@@ -123,7 +123,7 @@ impl Scheduler {
             }
         }
         let n = req.seqs.len();
-        let (request_id, prompt_len) = (req.request_id, req.prompt_len);
+        let (request_id, prompt_len, cached) = (req.request_id, req.prompt_len, req.num_cached_tokens.unwrap_or(0));
         let mut ended = Vec::with_capacity(n);
         for (i, s) in req.seqs.drain(..).enumerate() {
             self.seq_owner.remove(&s.seq_id);
@@ -136,6 +136,7 @@ impl Scheduler {
                 stop_str: None,
                 request_finished: i + 1 == n,
                 output_tokens: output_part(s.tokens, prompt_len),
+                num_cached_tokens: cached,
             });
         }
         self.by_id.remove(&request_id);

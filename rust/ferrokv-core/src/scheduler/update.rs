@@ -306,6 +306,7 @@ impl Scheduler {
             stop_str: None,
             request_finished: last,
             output_tokens: output_part(s.tokens, req.prompt_len),
+            num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
         });
         if last {
             self.by_id.remove(&req.request_id);

@@ -1,0 +1,200 @@
+"""From a step's arrays to ``RequestOutput``s: each request's output state and output kinds.
+
+The scheduler core is the one home of a sequence's tokens and the text layer (``ferrokv.text``)
+the home of its text; this module keeps only what a request hands to its caller and cannot get
+from them cheaply: per sequence its logprobs (computed by the sampler, one entry per token), a
+CUMULATIVE output's token list and text (shared by its successive outputs and grown, as vLLM
+does: nothing in the engine reads them back) and how many tokens were handed out; per request
+its finished completions and timestamps (``RequestStateStats``).
+
+Invariants: a request gets an output at a step only if it progressed or ended in it, and a
+``FINAL_ONLY`` request only when it has finished; a ``DELTA`` output holds only the tokens,
+text and logprobs since its previous output (concatenated, they equal the ``CUMULATIVE``
+ones); a finished completion's tokens and text are the core's and the text layer's.
+Costs per step: nothing for a ``FINAL_ONLY`` request until it ends (then O(its output) once),
+O(1) per streaming row and per row that asked for logprobs; no step copies a request's prompt
+or output (``prompt_token_ids`` is the request's own list, shared by its outputs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrokv.beam_search import BeamSearchState
+from ferrokv.outputs import (
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    RequestStateStats,
+    make_logprobs_entry,
+)
+from ferrokv.sampling_params import SamplingParams
+
+__all__ = ["RequestState", "SeqState", "build_outputs", "final_completion", "fill_metrics"]
+
+_CUMULATIVE, _DELTA, _FINAL = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
+@dataclass(slots=True)
+class SeqState:
+    """One live sequence's sampling and output state (its tokens are the core's)."""
+
+    index: int
+    generator: torch.Generator | None
+    logprobs: list[dict] | None  # one entry per generated token, when the request asked
+    cumulative_logprob: float | None
+    token_ids: list[int] | None = None  # CUMULATIVE only: the list its outputs share
+    text: str = ""  # CUMULATIVE only: the text so far
+    num_emitted: int = 0  # tokens handed out in outputs (streaming kinds)
+    step_tokens: list[int] | None = None  # DELTA: what this step added, until the output is built
+    step_text: str = ""
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    core_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kind: RequestOutputKind
+    stats: RequestStateStats
+    seqs: dict[int, SeqState] = field(default_factory=dict)
+    done: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_generated_done: int = 0  # tokens of its sequences that ended
+    final_times: Any = None  # the core's timestamps, from its last record once it has ended
+    beam: BeamSearchState | None = None
+    finished: bool = False
+
+    def new_seq(self, index: int, generator: torch.Generator | None) -> SeqState:
+        want_lp = self.params.logprobs is not None
+        seq = SeqState(index, generator, [] if want_lp else None, 0.0 if want_lp else None)
+        if self.kind == _CUMULATIVE:
+            seq.token_ids = []
+        return seq
+
+
+def new_stats() -> RequestStateStats:
+    return RequestStateStats(arrival_time=time.time())
+
+
+def fill_metrics(stats: RequestStateStats, times: tuple[float, float, float, float, float] | None,
+                 num_generated: int) -> RequestStateStats:
+    """The request's stats with the core's timestamps (queued, scheduled, first token, last
+    token, finished) copied in; a new object, so outputs already handed out keep theirs."""
+    s = RequestStateStats(num_generated, stats.arrival_time)
+    if times is not None:
+        s.queued_ts, s.scheduled_ts, s.first_token_ts, s.last_token_ts, s.finished_ts = times
+        if s.first_token_ts:
+            s.first_token_latency = s.first_token_ts - s.queued_ts
+    return s
+
+
+def append_logprobs(req_of_row: Callable[[int], tuple[RequestState, SeqState] | None], rows: list[int],
+                    lpr: Any, sampled: np.ndarray, decode: Callable[[int], str]) -> None:
+    """Appends the step's logprob entries (``lpr``: the sampler's ``LogprobsResult`` over the
+    sampled rows ``rows``) to their sequences."""
+    for j, br in enumerate(lpr.rows.tolist()):
+        r = rows[br]
+        found = req_of_row(r)
+        if found is None:
+            continue
+        _, seq = found
+        n = int(lpr.num_top[j])
+        lp = float(lpr.sampled_logprobs[j])
+        seq.logprobs.append(make_logprobs_entry(
+            int(sampled[r]), lp, int(lpr.sampled_ranks[j]), lpr.top_ids[j, :n], lpr.top_logprobs[j, :n],
+            decode=decode))
+        seq.cumulative_logprob += lp
+
+
+def stream_rows(req_of_row: Callable[[int], tuple[RequestState, SeqState] | None], rows: np.ndarray,
+                deltas: list[str], sampled: np.ndarray, touched: dict[int, RequestState]) -> None:
+    """Applies the streaming rows' new tokens and text deltas (rows of requests that did not
+    end at this step; the text layer lists only CUMULATIVE and DELTA requests)."""
+    for r, delta in zip(rows.tolist(), deltas):
+        found = req_of_row(r)
+        if found is None:
+            continue
+        req, seq = found
+        tok = int(sampled[r])
+        if req.kind == _CUMULATIVE:
+            seq.token_ids.append(tok)
+            seq.text += delta
+        else:
+            if seq.step_tokens is None:
+                seq.step_tokens, seq.step_text = [], ""
+            seq.step_tokens.append(tok)
+            seq.step_text += delta
+        touched[req.core_id] = req
+
+
+def final_completion(req: RequestState, seq: SeqState, f: Any) -> CompletionOutput:
+    """The completion of a sequence that ended (``f``: the core's ``FinishedSequence``, its text
+    filled in by the text layer): its whole output, or for DELTA what was not handed out yet."""
+    tokens = f.output_token_ids
+    logprobs = seq.logprobs
+    text = f.text if f.text is not None else ""
+    if seq.token_ids is not None:  # CUMULATIVE: its outputs' shared list ends complete too
+        seq.token_ids.extend(tokens[len(seq.token_ids):])
+        tokens = seq.token_ids
+    elif req.kind == _DELTA:
+        tokens = tokens[seq.num_emitted:]
+        text = f.text_delta if f.text_delta is not None else ""
+        if logprobs is not None:
+            logprobs = logprobs[seq.num_emitted:]
+    return CompletionOutput(
+        index=seq.index, text=text, token_ids=tokens, cumulative_logprob=seq.cumulative_logprob,
+        logprobs=logprobs, finish_reason=f.reason, stop_reason=f.stop_reason,
+    )
+
+
+def _live_completion(req: RequestState, seq: SeqState) -> CompletionOutput | None:
+    """A live sequence's completion in a streaming output (None: nothing new for DELTA)."""
+    if req.kind == _CUMULATIVE:
+        seq.num_emitted = len(seq.token_ids)
+        return CompletionOutput(index=seq.index, text=seq.text, token_ids=seq.token_ids,
+                                cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs)
+    if seq.step_tokens is None:
+        return None
+    start = seq.num_emitted
+    seq.num_emitted += len(seq.step_tokens)
+    out = CompletionOutput(
+        index=seq.index, text=seq.step_text, token_ids=seq.step_tokens,
+        cumulative_logprob=seq.cumulative_logprob,
+        logprobs=None if seq.logprobs is None else seq.logprobs[start:seq.num_emitted])
+    seq.step_tokens, seq.step_text = None, ""
+    return out
+
+
+def build_outputs(touched: Iterable[RequestState], ended_now: dict[int, list[CompletionOutput]],
+                  times_of: Callable[[RequestState], Any]) -> list[RequestOutput]:
+    """The step's outputs: one per touched request that has something for its kind.
+    ``ended_now``: per request, the completions that ended at this step (already in ``done``)."""
+    outputs = []
+    for req in touched:
+        if req.kind == _FINAL and not req.finished:
+            continue
+        if req.kind == _DELTA:
+            comps = list(ended_now.get(req.core_id, ()))
+        else:
+            comps = list(req.done)
+        for seq in req.seqs.values():
+            c = _live_completion(req, seq)
+            if c is not None:
+                comps.append(c)
+        comps.sort(key=lambda c: c.index)
+        generated = req.num_generated_done + sum(s.num_emitted for s in req.seqs.values())
+        outputs.append(RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=comps, finished=req.finished, num_cached_tokens=req.num_cached_tokens,
+            metrics=fill_metrics(req.stats, times_of(req), generated),
+        ))
+    return outputs
