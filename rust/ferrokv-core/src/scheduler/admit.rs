@@ -275,7 +275,8 @@ impl Scheduler {
         Attempt::Scheduled { tokens: sum, full }
     }
 
-    /// Writes the plan just allocated for `slot` into its sequences' rows.
+    /// Writes the plan just allocated for `slot` into its sequences' rows, and registers the
+    /// blocks it completes (before anything else is planned: the next admission may hit them).
     pub(super) fn record(&mut self, slot: u32, full: bool) {
         let req = self.requests[slot as usize].as_ref().expect("live slot");
         let p = req.prompt_len;
@@ -308,6 +309,7 @@ impl Scheduler {
                 }
             }
         }
+        self.register_request(slot);
     }
 
     /// A request whose sequences have rows starts running: it joins the running list in order.

@@ -36,6 +36,11 @@ impl Scheduler {
                 if have != want {
                     return Err(format!("seq {}: {have} {what} blocks for {} computed tokens", s.seq_id, computed));
                 }
+                // Registered blocks are computed (by the step in flight at the latest): a
+                // cancelled step's registrations were put back.
+                if s.kv.num_registered() > computed / bs {
+                    return Err(format!("seq {}: {} blocks registered, {computed} tokens computed", s.seq_id, s.kv.num_registered()));
+                }
                 if self.seq_owner.get(&s.seq_id) != self.by_id.get(&r.request_id) {
                     return Err(format!("seq {} owner map is stale", s.seq_id));
                 }

@@ -17,10 +17,13 @@
 //!    (`output.rs`); when every running sequence is in the step the block tables are the batch
 //!    matrix itself.
 //!
+//! Full blocks are registered in the prefix cache as soon as the step that computes them is
+//! planned, in plan order, so that a request admitted later in the same step hits them
+//! (`register.rs`; `cancel_step` undoes it).
+//!
 //! `update()` (`update.rs`) then appends one sampled token per logits row (staged in the rows),
-//! decides stop conditions from per-row thresholds, frees finished sequences at once and
-//! registers newly computed full blocks in the prefix cache. Only rows that need their sequence
-//! (a completed block, a stop, a full stage, a fan-out) reach it.
+//! decides stop conditions from per-row thresholds and frees finished sequences at once. Only
+//! rows that need their sequence (a stop, a full stage, a fan-out) reach it.
 //!
 //! Invariants: the scheduler never touches reference counts or writes a block table (the
 //! KV-cache manager does); a request that could never fit is rejected when added, so no step
@@ -40,6 +43,7 @@ mod decode;
 mod invariants;
 mod output;
 mod preempt;
+mod register;
 mod rows;
 mod stats;
 mod update;
@@ -52,8 +56,9 @@ pub use stats::{KvUsage, SchedulerStats};
 use crate::batch::Batch;
 use crate::block_pool::{BlockId, BlockMath};
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache_manager::{KvCacheManager, KvStats};
+use crate::kv_cache_manager::{KvCacheManager, KvStats, Registration};
 use crate::output::{FinishedSeq, SchedulerOutput};
+use crate::prefix_cache::ParentLink;
 use crate::request::Request;
 use std::collections::{BTreeSet, HashMap};
 
@@ -80,6 +85,10 @@ struct StepUndo {
     /// What the step's output reported, to report again after a cancel.
     finished_ids: Vec<i64>,
     preempted_ids: Vec<i64>,
+    /// Sequences that registered blocks in the prefix cache, with their progress before.
+    marks: Vec<(u64, Registration)>,
+    /// Blocks the step registered (with their cache incarnation): their KV is the step's.
+    registered: Vec<ParentLink>,
     /// Counters of computed work before the step.
     stats: SchedulerStats,
 }
@@ -125,8 +134,10 @@ pub struct Scheduler {
     step: StepCounts,
     /// The output the all-decode path emitted: (buffers, rows emitted, widest table).
     emitted: Option<(SchedulerOutput, usize, usize)>,
-    /// Reused list of rows that need per-sequence work in `update`.
+    /// Reused list of rows the decode row pass gives a fresh block.
     scratch_rows: Vec<u32>,
+    /// Reused list of planned rows that complete a block (registered in plan order).
+    completing: Vec<u32>,
     /// Reused list of request slots, and a mark per slot (both empty between uses).
     scratch_slots: Vec<u32>,
     mark: Vec<bool>,
@@ -174,6 +185,7 @@ impl Scheduler {
             step: StepCounts::default(),
             emitted: None,
             scratch_rows: Vec::new(),
+            completing: Vec::new(),
             scratch_slots: Vec::new(),
             mark: Vec::new(),
             hits: Vec::new(),

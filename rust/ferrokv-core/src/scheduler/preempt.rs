@@ -25,6 +25,7 @@ impl Scheduler {
         // walk plans the requests it left.
         let plan = self.plan_decode_rows(budget);
         budget -= self.step.tokens;
+        self.register_decoded_rows();
         let mut i = match plan {
             DecodePlan::All => return (budget, preempted),
             DecodePlan::Front { generic_from } => generic_from,
@@ -73,6 +74,9 @@ impl Scheduler {
     /// `preempt` in the given mode (swap falls back to recompute when the CPU pool is full).
     pub(super) fn preempt_as(&mut self, slot: u32, mode: PreemptionMode) {
         let req = self.requests[slot as usize].as_mut().expect("live slot");
+        // What a request planned this step is registered already (its KV is the step's): it
+        // must run. The walk preempts only requests it has not planned yet.
+        debug_assert!(req.seqs.iter().all(|s| self.batch.rows[s.row as usize].new_tokens == 0), "a planned request is preempted");
         self.num_running_seqs -= req.seq_slots();
         let swapped = mode == PreemptionMode::Swap && {
             let ids: Vec<_> = req.seqs.iter().map(|s| self.batch.ids(s.row as usize)).collect();
