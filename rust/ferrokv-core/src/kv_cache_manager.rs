@@ -567,16 +567,21 @@ impl KvCacheManager {
         Some(out)
     }
 
-    /// True when every block covering token positions `from..to` has exactly one reference,
-    /// or is full after the write and cached (registered by this writer when its write was
-    /// planned: the others holding it took it as a cache hit and only read it).
+    /// True when every block covering token positions `from..to` has exactly one reference.
     pub fn writes_are_exclusive(&self, ids: &impl BlockIds, from: usize, to: usize) -> bool {
-        if from >= to {
-            return true;
-        }
-        let (a, b) = (self.bm.block(from), self.bm.block(to - 1));
-        let filled_and_cached = |i: usize| (i + 1) * self.bm.size() <= to && self.is_cached(ids.at(i));
-        b < ids.len() && (a..=b).all(|i| self.gpu.ref_count(ids.at(i)) == 1 || filled_and_cached(i))
+        self.shared_writes(ids, from, to).next().is_none()
+    }
+
+    /// The blocks covering positions `from..to` that another table holds too (all of them
+    /// when the range runs past the table), with whether the write fills them.
+    pub fn shared_writes<'a>(&'a self, ids: &'a impl BlockIds, from: usize, to: usize) -> impl Iterator<Item = (BlockId, bool)> + 'a {
+        let (a, b) = if from >= to { (1, 0) } else { (self.bm.block(from), self.bm.block(to - 1)) };
+        let past = b >= ids.len() && a <= b;
+        (a..=b).filter_map(move |i| {
+            let blk = if i < ids.len() { ids.at(i) } else { BlockId(0) };
+            let shared = past || self.gpu.ref_count(blk) != 1;
+            shared.then_some((blk, (i + 1) * self.bm.size() <= to))
+        })
     }
 
     /// Drops every cached prefix that no sequence uses (e.g. after the runner failed a step).
