@@ -90,4 +90,25 @@ pub struct FinishedSeq {
     pub stop_token: Option<u32>,
     /// True for the last sequence of its request: the request is gone from the scheduler.
     pub request_finished: bool,
+    /// The request's timestamps, on the record with `request_finished` (it is gone after it).
+    pub times: Option<RequestTimes>,
 }
+
+/// When a request reached each stage, in seconds on `clock::now()`'s scale (Python's
+/// `time.monotonic()`); 0.0 = not yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RequestTimes {
+    /// `add_request`.
+    pub queued_ts: f64,
+    /// The first step that scheduled any of its tokens (a readmission keeps it).
+    pub scheduled_ts: f64,
+    /// The `update` that appended its first output token.
+    pub first_token_ts: f64,
+    /// The latest `update` that appended a token to it.
+    pub last_token_ts: f64,
+    /// When it ended (stop, length, abort).
+    pub finished_ts: f64,
+}
+
+/// Timestamps are finite (never NaN), so equality is an equivalence (`FinishedSeq` is `Eq`).
+impl Eq for RequestTimes {}

@@ -137,6 +137,7 @@ impl Scheduler {
                     reason,
                     stop_token: None,
                     request_finished: i + 1 == n,
+                    times: (i + 1 == n).then(|| req.times(self.last_token_ts[slot as usize], self.ts)),
                 });
             }
         }

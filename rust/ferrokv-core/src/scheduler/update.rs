@@ -15,6 +15,8 @@ use crate::request::{FinishReason, RequestState, Sequence};
 
 /// What the row pass of `update` leaves for the passes that need a sequence.
 struct Staged {
+    /// Rows whose token is their sequence's first output token.
+    first_tokens: Vec<u32>,
     /// Rows of n > 1 prompts whose samples fork off now.
     forks: Vec<u32>,
     /// Rows whose stage was full: their token is staged after the stage is flushed.
@@ -33,9 +35,11 @@ impl Scheduler {
     pub fn update(&mut self, step_id: u64, sampled: &[i64]) -> CoreResult<Vec<FinishedSeq>> {
         self.check_update(step_id, sampled)?;
         self.in_flight = None;
+        self.ts = crate::clock::now();
         // Rows that leave are compacted at the end, so row numbers hold through every pass.
         self.defer_row_removal = true;
         let mut st = self.stage_sampled(sampled);
+        self.mark_first_tokens(&st.first_tokens);
         let mut stops = self.decide_stops(&st.maybe_stops);
         self.flush_full_stages(&st.full_stage);
         st.generated += self.fan_out_rows(&st.forks, sampled, &mut stops);
@@ -77,12 +81,14 @@ impl Scheduler {
     /// alone. Rows that need their sequence are listed for the passes after it: n > 1 prompts
     /// whose samples fork off now (their own token is appended after the fork), and full stages.
     fn stage_sampled(&mut self, sampled: &[i64]) -> Staged {
-        let mut st = Staged { forks: Vec::new(), full_stage: Vec::new(), maybe_stops: Vec::new(), generated: 0 };
+        let mut st = Staged { first_tokens: Vec::new(), forks: Vec::new(), full_stage: Vec::new(), maybe_stops: Vec::new(), generated: 0 };
+        let (now, last_ts) = (self.ts, &mut self.last_token_ts);
         let b = &mut self.batch;
         let n = b.rows.len();
         let rows = &mut b.rows[..n];
         let last = &mut b.last_token[..n];
         let pending = &mut b.pending[..n * PENDING_TOKENS];
+        let owner = &b.owner[..n];
         for r in 0..n {
             let h = &mut rows[r];
             if h.new_tokens == 0 || h.is_dead {
@@ -98,6 +104,10 @@ impl Scheduler {
             let tok = sampled[h.logits_row as usize] as u32;
             h.num_tokens += 1;
             last[r] = tok as i64;
+            last_ts[owner[r].slot as usize] = now;
+            if h.num_tokens == h.prompt_len + 1 {
+                st.first_tokens.push(r as u32);
+            }
             let k = h.num_pending as usize;
             if k < PENDING_TOKENS {
                 pending[r * PENDING_TOKENS + k] = tok;
@@ -110,6 +120,16 @@ impl Scheduler {
             }
         }
         st
+    }
+
+    /// Requests that got their first output token (rows from the row pass): its time.
+    fn mark_first_tokens(&mut self, rows: &[u32]) {
+        for &r in rows {
+            let req = self.requests[self.batch.owner[r as usize].slot as usize].as_mut().expect("a live row's request is live");
+            if req.first_token_ts == 0.0 {
+                req.first_token_ts = self.ts;
+            }
+        }
     }
 
     /// The stops among the rows the filter let through (`RowStop::check`, the one decider).
@@ -158,6 +178,10 @@ impl Scheduler {
                 s.tokens.push(tok);
                 let h = &mut self.batch.rows[row];
                 h.num_tokens += 1;
+                self.last_token_ts[self.batch.owner[row].slot as usize] = self.ts;
+                if req.first_token_ts == 0.0 {
+                    req.first_token_ts = self.ts;
+                }
                 self.batch.last_token[row] = tok as i64;
                 let stop_ids = || req.stop.stop_token_ids.contains(&tok);
                 if let Some((reason, stop_token)) = h.stop.check(tok, h.num_tokens, stop_ids) {
@@ -256,6 +280,7 @@ impl Scheduler {
             reason,
             stop_token,
             request_finished: last,
+            times: last.then(|| req.times(self.last_token_ts[slot as usize], self.ts)),
         });
         if last {
             self.by_id.remove(&req.request_id);
