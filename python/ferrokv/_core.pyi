@@ -120,6 +120,9 @@ class FinishedSequence:
     reason: str  # "stop" | "length" | "abort"
     stop_token_id: int | None  # set when a stop_token_ids entry ended it
     request_finished: bool  # the request's last sequence: the request is gone
+    # (queued, scheduled, first token, last token, finished), time.monotonic() seconds (0.0 =
+    # not yet); set on the record with request_finished
+    times: tuple[float, float, float, float, float] | None
 
 class Scheduler:
     def __init__(
@@ -175,6 +178,9 @@ class Scheduler:
     def reset_prefix_cache(self) -> None: ...
     def request_seq_ids(self, request_id: int) -> list[int]: ...
     def num_cached_tokens(self, request_id: int) -> int: ...
+    def request_times(self, request_id: int) -> tuple[float, float, float, float, float]:
+        """(queued, scheduled, first token, last token, finished) of a live request, in
+        time.monotonic() seconds; 0.0 = not yet."""
     def seq_block_table(self, seq_id: int) -> list[int]: ...
     def seq_tokens(self, seq_id: int) -> list[int]: ...
     def has_unfinished(self) -> bool: ...

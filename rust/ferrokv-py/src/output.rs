@@ -268,6 +268,16 @@ pub(crate) struct PyFinishedSequence {
     reason: &'static str,
     stop_token_id: Option<u32>,
     request_finished: bool,
+    /// (queued, scheduled, first token, last token, finished) on `time.monotonic()`'s scale,
+    /// on the record that ends the request.
+    times: Option<TimesTuple>,
+}
+
+/// `RequestTimes` as Python sees it: a 5-tuple of floats (0.0 = not yet).
+pub(crate) type TimesTuple = (f64, f64, f64, f64, f64);
+
+pub(crate) fn times_tuple(t: ferrokv_core::RequestTimes) -> TimesTuple {
+    (t.queued_ts, t.scheduled_ts, t.first_token_ts, t.last_token_ts, t.finished_ts)
 }
 
 #[pymethods]
@@ -294,6 +304,7 @@ impl From<FinishedSeq> for PyFinishedSequence {
             reason: f.reason.as_str(),
             stop_token_id: f.stop_token,
             request_finished: f.request_finished,
+            times: f.times.map(times_tuple),
         }
     }
 }
