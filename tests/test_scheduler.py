@@ -783,7 +783,7 @@ def test_request_times_are_on_time_monotonic_and_travel_with_the_finished_record
     done = []
     while s.has_unfinished():
         out = s.schedule()
-        done += s.update(out.step_id, [7] * out.num_rows)
+        done += s.update(out, np.full(out.num_rows, 7, np.int64))
     end = time.monotonic()
     (f,) = done
     assert f.request_finished and f.times is not None
