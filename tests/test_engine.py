@@ -37,8 +37,9 @@ CONFIGS = {
     "prefix-cache": dict(enable_prefix_caching=True),
     "no-prefix-cache": dict(enable_prefix_caching=False),
     "chunked-16": dict(max_num_batched_tokens=16, max_num_seqs=4),
-    "preempt-recompute": dict(block_size=4, num_kv_blocks=30, preemption_mode="recompute"),
-    "preempt-swap": dict(block_size=8, num_kv_blocks=16, preemption_mode="swap", num_cpu_blocks=64),
+    # Two prompts share 24 tokens (hits in the step that computes them): these sizes still preempt.
+    "preempt-recompute": dict(block_size=4, num_kv_blocks=24, preemption_mode="recompute"),
+    "preempt-swap": dict(block_size=8, num_kv_blocks=13, preemption_mode="swap", num_cpu_blocks=64),
 }
 
 

@@ -338,3 +338,37 @@ def test_kernels_import_nothing_from_the_rest_of_ferrokv():
         if module.split(".")[0] == "ferrokv" and not module.startswith("ferrokv.kernels")
     ]
     assert not bad, bad
+
+
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("writer_first", [True, False])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_backends_write_every_kv_of_the_step_before_any_attention_reads_it(backend, writer_first, block_size):
+    """The scheduler registers a block in the prefix cache when the step that computes it is
+    planned, so a sequence admitted in the same step (B) may read blocks another (A) writes in
+    that step. Every backend must write all of the step's K/V before attending: B's output
+    equals the reference computed with A's K/V already in place, whichever row comes first."""
+    from ferrokv.attention import get_attention_backend
+    from ferrokv.kernels.reference import paged_attention_prefill_reference, reshape_and_cache_reference
+
+    bs, hkv, group, d = block_size, 2, 2, 16
+    a_table, b_tail, c_tail = [3, 1, 5], 2, 4
+    # A: a fresh prompt of 2 blocks + 3 tokens. B: took A's 2 full blocks as cache hits, computes
+    # 3 tokens. C: a decode whose context is A's first block (a hit) and one of its own.
+    rows = [("A", 0, 2 * bs + 3, a_table), ("B", 2 * bs, 3, a_table[:2] + [b_tail]), ("C", bs + 1, 1, a_table[:1] + [c_tail])]
+    if not writer_first:
+        rows = rows[1:] + rows[:1]
+    meta = AttentionMetadata.build([q for _, _, q, _ in rows], [c + q for _, c, q, _ in rows], [t for *_, t in rows],
+                                   bs, device=DEVICE)
+    # C's own block holds its first position, computed in an earlier step.
+    k_cache, v_cache = _caches(6, bs, hkv, d, torch.float32, seed=bs)
+    T = meta.slot_mapping.shape[0]
+    g = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(T, n, d, generator=g).to(DEVICE) for n in (hkv * group, hkv, hkv))
+    scale = d**-0.5
+    ref_k, ref_v = reshape_and_cache_reference(key, value, k_cache, v_cache, meta.slot_mapping)
+    ref = paged_attention_prefill_reference(query, ref_k, ref_v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, None)
+    out = get_attention_backend(backend).forward(query, key, value, k_cache, v_cache, meta, scale=scale)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    _close(out, ref, torch.float32)

@@ -124,6 +124,9 @@ class FinishedSequence:
     num_cached_tokens: int  # its request's prompt tokens served from the prefix cache
     text: str | None  # the final text (None without a text layer)
     text_delta: str | None  # text not yet taken by a streaming output
+    # (queued, scheduled, first token, last token, finished), time.monotonic() seconds (0.0 =
+    # not yet); set on the record with request_finished
+    times: tuple[float, float, float, float, float] | None
     @property
     def output_token_ids(self) -> list[int]:
         """The generated token ids (moved out of the core as the sequence ended)."""
@@ -196,6 +199,9 @@ class Scheduler:
     def reset_prefix_cache(self) -> None: ...
     def request_seq_ids(self, request_id: int) -> list[int]: ...
     def num_cached_tokens(self, request_id: int) -> int: ...
+    def request_times(self, request_id: int) -> tuple[float, float, float, float, float]:
+        """(queued, scheduled, first token, last token, finished) of a live request, in
+        time.monotonic() seconds; 0.0 = not yet."""
     def seq_block_table(self, seq_id: int) -> list[int]: ...
     def seq_tokens(self, seq_id: int) -> list[int]: ...
     def has_unfinished(self) -> bool: ...

@@ -593,7 +593,7 @@ class LLMEngine:
         req.num_generated_done += len(f.output_token_ids)
         ended_now.setdefault(req.core_id, []).append(c)
         if f.request_finished:
-            req.final_times = getattr(f, 'times', None)  # TODO(merge)
+            req.final_times = f.times
             req.num_cached_tokens = f.num_cached_tokens
 
     def _times_of(self, req: RequestState) -> Any:
@@ -607,7 +607,7 @@ class LLMEngine:
                 pass
         try:
             return self.scheduler.request_times(req.core_id)
-        except (ValueError, AttributeError):  # TODO(merge)
+        except ValueError:
             return None
 
     def _finish(self, req: RequestState) -> None:
@@ -642,7 +642,7 @@ class LLMEngine:
         if res.done:
             ended = self.scheduler.abort(req.core_id)
             if ended:
-                req.final_times = getattr(ended[-1], 'times', None)  # TODO(merge)
+                req.final_times = ended[-1].times
                 req.num_cached_tokens = ended[-1].num_cached_tokens
             self._finish(req)
             self._beams_done.append(req)

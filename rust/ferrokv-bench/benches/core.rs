@@ -70,7 +70,7 @@ fn prefix_lookup(c: &mut Criterion) {
         let tokens: Vec<u32> = (1000..1000 + (nb * BS + 1) as u32).collect();
         let (mut t, mut ids) = (SeqKv::default(), Vec::<BlockId>::new());
         assert!(m.allocate_slots(&mut t, &mut ids, 0, tokens.len(), &[], 0));
-        m.register_computed(&mut t, &ids, &tokens, tokens.len(), None);
+        m.register_computed(&mut t, &ids, &tokens, tokens.len(), None, &mut Vec::new());
         m.free(&mut t, &ids); // cached, unreferenced: what a later identical prompt finds
         assert_eq!(m.num_cached_blocks(), nb);
         g.throughput(Throughput::Elements(nb as u64));

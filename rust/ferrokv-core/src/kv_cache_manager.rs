@@ -14,8 +14,13 @@
 //!   reads tables and moves a table's ids with its row.
 //! - A block about to be written (positions `num_computed..num_computed+num_new`) has exactly
 //!   one reference: a shared block is copied first and a `(src, dst)` copy op is queued.
-//! - Only full blocks whose KV has been computed are registered in the prefix cache, and a
-//!   cached block that is reused for other tokens is evicted from the cache first.
+//! - Only full blocks whose KV is computed are registered in the prefix cache: by an earlier
+//!   step, or by the step being planned, whose forward pass writes every K/V of the step
+//!   before any attention reads it (the scheduler registers at planning time and undoes the
+//!   registrations of a step that is cancelled, `Registration` and `unregister`). A cached
+//!   block that is reused for other tokens is evicted from the cache first.
+//! - A block being written is held by its writer alone, except a full block the writer
+//!   registered this step: sequences that took it as a cache hit only read it.
 //! - Capacity checks (`blocks_needed`) never under-count, so an allocation that passed its
 //!   check cannot fail halfway.
 //!
@@ -104,6 +109,28 @@ impl SeqKv {
     pub fn cpu_blocks(&self) -> &[BlockId] {
         &self.cpu_blocks
     }
+
+    /// Its registration progress, to put back with `restore_registration` if the step that
+    /// registers further is cancelled.
+    pub fn registration(&self) -> Registration {
+        Registration { num_registered: self.num_registered, last_link: self.last_link }
+    }
+
+    pub fn restore_registration(&mut self, r: Registration) {
+        (self.num_registered, self.last_link) = (r.num_registered, r.last_link);
+    }
+
+    /// Leading blocks registered in (or found in) the prefix cache.
+    pub fn num_registered(&self) -> usize {
+        self.num_registered
+    }
+}
+
+/// A sequence's registration progress at one point (opaque outside this module).
+#[derive(Debug, Clone, Copy)]
+pub struct Registration {
+    num_registered: usize,
+    last_link: Option<ParentLink>,
 }
 
 /// Block-copy operations the model runner must perform before this step's forward pass,
@@ -353,9 +380,19 @@ impl KvCacheManager {
         Some(b)
     }
 
-    /// Registers the full blocks whose KV is computed (the first `num_computed` tokens) in the
-    /// prefix cache. `tokens` are the sequence's tokens; `salt` only affects block 0.
-    pub fn register_computed(&mut self, t: &mut SeqKv, ids: &impl BlockIds, tokens: &[u32], num_computed: usize, salt: Option<&str>) {
+    /// Registers the full blocks whose KV is computed (the first `num_computed` tokens, this
+    /// step's included) in the prefix cache. `tokens` are the sequence's tokens; `salt` only
+    /// affects block 0. Each block it caches is appended to `inserted` (with its incarnation),
+    /// for `unregister`.
+    pub fn register_computed(
+        &mut self,
+        t: &mut SeqKv,
+        ids: &impl BlockIds,
+        tokens: &[u32],
+        num_computed: usize,
+        salt: Option<&str>,
+        inserted: &mut Vec<ParentLink>,
+    ) {
         if self.cache.is_none() {
             return;
         }
@@ -372,6 +409,7 @@ impl KvCacheManager {
             }
             let b = ids.at(i);
             let canonical = if cache.insert(b, t.hashes[i], parent, chunk, salt) {
+                inserted.push(cache.link_to(b));
                 Some(b)
             } else {
                 // Already cached: as this very block (a sibling registered it), or as an
@@ -385,6 +423,16 @@ impl KvCacheManager {
                     t.num_registered += 1;
                 }
                 None => break,
+            }
+        }
+    }
+
+    /// Forgets the blocks `register_computed` cached (`inserted`) whose KV will never be
+    /// written (a cancelled step), unless they were evicted and re-cached since.
+    pub fn unregister(&mut self, inserted: &[ParentLink]) {
+        if let Some(cache) = &mut self.cache {
+            for &link in inserted {
+                cache.unregister(link);
             }
         }
     }
@@ -521,11 +569,19 @@ impl KvCacheManager {
 
     /// True when every block covering token positions `from..to` has exactly one reference.
     pub fn writes_are_exclusive(&self, ids: &impl BlockIds, from: usize, to: usize) -> bool {
-        if from >= to {
-            return true;
-        }
-        let (a, b) = (self.bm.block(from), self.bm.block(to - 1));
-        b < ids.len() && (a..=b).all(|i| self.gpu.ref_count(ids.at(i)) == 1)
+        self.shared_writes(ids, from, to).next().is_none()
+    }
+
+    /// The blocks covering positions `from..to` that another table holds too (all of them
+    /// when the range runs past the table), with whether the write fills them.
+    pub fn shared_writes<'a>(&'a self, ids: &'a impl BlockIds, from: usize, to: usize) -> impl Iterator<Item = (BlockId, bool)> + 'a {
+        let (a, b) = if from >= to { (1, 0) } else { (self.bm.block(from), self.bm.block(to - 1)) };
+        let past = b >= ids.len() && a <= b;
+        (a..=b).filter_map(move |i| {
+            let blk = if i < ids.len() { ids.at(i) } else { BlockId(0) };
+            let shared = past || self.gpu.ref_count(blk) != 1;
+            shared.then_some((blk, (i + 1) * self.bm.size() <= to))
+        })
     }
 
     /// Drops every cached prefix that no sequence uses (e.g. after the runner failed a step).
@@ -669,7 +725,7 @@ mod tests {
         let mut a = Table::default();
         assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 5, &[], 0));
         assert_eq!(ids(&a), vec![1, 2, 3]);
-        m.register_computed(&mut a.kv, &a.ids, &toks, 5, None);
+        m.register_computed(&mut a.kv, &a.ids, &toks, 5, None, &mut Vec::new());
         assert_eq!(m.num_cached_blocks(), 2);
         assert!(m.prefix_caching() && m.is_cached(BlockId(1)) && m.is_cached(BlockId(2)) && !m.is_cached(BlockId(3)));
         assert!(m.find_cached_prefix(&mut Table::default().kv, &[], None).is_empty(), "an empty prompt hits nothing");
@@ -700,7 +756,7 @@ mod tests {
         let toks = vec![1, 2, 3, 4];
         let mut a = Table::default();
         assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 4, &[], 0));
-        m.register_computed(&mut a.kv, &a.ids, &toks, 4, None);
+        m.register_computed(&mut a.kv, &a.ids, &toks, 4, None, &mut Vec::new());
         free(&mut m, &mut a);
         assert_eq!(m.num_cached_blocks(), 2);
         let mut b = Table::default();
@@ -720,8 +776,8 @@ mod tests {
         let (mut a, mut b) = (Table::default(), Table::default());
         assert!(m.allocate_slots(&mut a.kv, &mut a.ids, 0, 4, &[], 0));
         assert!(m.allocate_slots(&mut b.kv, &mut b.ids, 0, 7, &[], 0));
-        m.register_computed(&mut a.kv, &a.ids, &a_toks, 4, None);
-        m.register_computed(&mut b.kv, &b.ids, &b_toks, 7, None);
+        m.register_computed(&mut a.kv, &a.ids, &a_toks, 4, None, &mut Vec::new());
+        m.register_computed(&mut b.kv, &b.ids, &b_toks, 7, None, &mut Vec::new());
         // b's third block chains from a's copy of the shared prefix.
         let mut c = Table::default();
         let hits = m.find_cached_prefix(&mut c.kv, &[1, 2, 3, 4, 7, 8, 0], None);

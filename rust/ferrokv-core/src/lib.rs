@@ -6,6 +6,7 @@
 
 pub mod batch;
 pub mod block_pool;
+pub mod clock;
 pub mod error;
 pub mod hash_index;
 pub mod kv_cache_manager;
@@ -17,6 +18,6 @@ pub mod scheduler;
 
 pub use block_pool::{BlockId, NULL_BLOCK};
 pub use error::{CoreError, CoreResult};
-pub use output::{BlockTables, FinishedSeq, SchedulerOutput};
+pub use output::{BlockTables, FinishedSeq, RequestTimes, SchedulerOutput};
 pub use request::FinishReason;
 pub use scheduler::{KvUsage, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerStats};

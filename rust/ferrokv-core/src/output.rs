@@ -98,6 +98,8 @@ pub struct FinishedSeq {
     /// Its request's prompt tokens served from the prefix cache at first admission (0 if never
     /// admitted).
     pub num_cached_tokens: usize,
+    /// The request's timestamps, on the record with `request_finished` (it is gone after it).
+    pub times: Option<RequestTimes>,
 }
 
 /// The generated part of a sequence's token list: its prompt dropped, in place.
@@ -105,3 +107,22 @@ pub(crate) fn output_part(mut tokens: Vec<u32>, prompt_len: usize) -> Vec<u32> {
     tokens.drain(..prompt_len.min(tokens.len()));
     tokens
 }
+
+/// When a request reached each stage, in seconds on `clock::now()`'s scale (Python's
+/// `time.monotonic()`); 0.0 = not yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RequestTimes {
+    /// `add_request`.
+    pub queued_ts: f64,
+    /// The first step that scheduled any of its tokens (a readmission keeps it).
+    pub scheduled_ts: f64,
+    /// The `update` that appended its first output token.
+    pub first_token_ts: f64,
+    /// The latest `update` that appended a token to it.
+    pub last_token_ts: f64,
+    /// When it ended (stop, length, abort).
+    pub finished_ts: f64,
+}
+
+/// Timestamps are finite (never NaN), so equality is an equivalence (`FinishedSeq` is `Eq`).
+impl Eq for RequestTimes {}

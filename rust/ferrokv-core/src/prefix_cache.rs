@@ -298,6 +298,13 @@ impl PrefixCache {
         true
     }
 
+    /// Forgets block `b = link.block` if it is still cached as the incarnation `link` names (a
+    /// registration being undone); false when it was evicted or re-cached since.
+    pub fn unregister(&mut self, link: ParentLink) -> bool {
+        let r = &self.records[link.block.0 as usize];
+        r.cached() && r.generation == link.generation && self.evict(link.block)
+    }
+
     /// Drops every cached prefix.
     pub fn clear(&mut self) {
         self.map.clear();
@@ -466,6 +473,20 @@ mod tests {
         c.clear();
         c.check().unwrap();
         assert!(c.is_empty() && !c.is_cached(BlockId(1)));
+    }
+
+    #[test]
+    fn unregister_forgets_only_the_incarnation_it_names() {
+        let mut c = PrefixCache::new(4, 2);
+        let h = hash_block(None, &[1, 2], None);
+        assert!(c.insert(BlockId(1), h, None, &[1, 2], None));
+        let old = c.link_to(BlockId(1));
+        assert!(c.unregister(old) && !c.is_cached(BlockId(1)) && c.is_empty());
+        assert!(!c.unregister(old), "already gone");
+        assert!(c.insert(BlockId(1), h, None, &[1, 2], None));
+        assert!(!c.unregister(old), "re-cached since: a newer incarnation");
+        assert!(c.is_cached(BlockId(1)));
+        c.check().unwrap();
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! unless swapped out). A sequence's table covers `ceil(computed / block_size)` blocks.
 
 use crate::kv_cache_manager::SeqKv;
+use crate::output::RequestTimes;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -128,9 +129,21 @@ pub struct Request {
     pub next_sample_index: u32,
     /// Prompt tokens served from the prefix cache at first admission.
     pub num_cached_tokens: Option<usize>,
+    /// When it was added, first scheduled and got its first output token (`clock` seconds,
+    /// 0.0 = not yet); its last token's time is the scheduler's (per slot, written by the row
+    /// pass of `update`).
+    pub queued_ts: f64,
+    pub scheduled_ts: f64,
+    pub first_token_ts: f64,
 }
 
 impl Request {
+    /// Its timestamps, given the ones the scheduler keeps for it.
+    pub fn times(&self, last_token_ts: f64, finished_ts: f64) -> RequestTimes {
+        let (queued_ts, scheduled_ts, first_token_ts) = (self.queued_ts, self.scheduled_ts, self.first_token_ts);
+        RequestTimes { queued_ts, scheduled_ts, first_token_ts, last_token_ts, finished_ts }
+    }
+
     /// Sequence slots the request occupies once running (its `n` samples count before they exist).
     pub fn seq_slots(&self) -> usize {
         let held = if self.fanned_out { self.seqs.len() } else { self.seqs.len().max(self.n as usize) };

@@ -26,6 +26,9 @@ use pyo3::types::PyDict;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // The core's timestamps are on time.monotonic()'s scale, so the engine can compare them.
+    let monotonic: f64 = py.import("time")?.getattr("monotonic")?.call0()?.extract()?;
+    ferrokv_core::clock::anchor(monotonic);
     let x = exceptions(py);
     for (name, cls) in [
         ("FerrokvError", &x.base),

@@ -287,6 +287,17 @@ pub(crate) struct PyFinishedSequence {
     pub(crate) text: Option<String>,
     #[pyo3(get)]
     pub(crate) text_delta: Option<String>,
+    /// (queued, scheduled, first token, last token, finished) on `time.monotonic()`'s scale,
+    /// on the record that ends the request.
+    #[pyo3(get)]
+    times: Option<TimesTuple>,
+}
+
+/// `RequestTimes` as Python sees it: a 5-tuple of floats (0.0 = not yet).
+pub(crate) type TimesTuple = (f64, f64, f64, f64, f64);
+
+pub(crate) fn times_tuple(t: ferrokv_core::RequestTimes) -> TimesTuple {
+    (t.queued_ts, t.scheduled_ts, t.first_token_ts, t.last_token_ts, t.finished_ts)
 }
 
 #[pymethods]
@@ -353,6 +364,7 @@ impl From<FinishedSeq> for PyFinishedSequence {
             stop_string: None,
             text: None,
             text_delta: None,
+            times: f.times.map(times_tuple),
         }
     }
 }

@@ -207,6 +207,13 @@ impl PyScheduler {
             .map_err(to_py_err)
     }
 
+    /// (queued, scheduled, first token, last token, finished) of a live request, seconds on
+    /// `time.monotonic()`'s scale, 0.0 = not yet.
+    fn request_times(&self, request_id: i64) -> PyResult<TimesTuple> {
+        let t = self.inner.request_times(non_negative("request_id", request_id)?).map_err(to_py_err)?;
+        Ok(times_tuple(t))
+    }
+
     fn seq_block_table(&self, seq_id: i64) -> PyResult<Vec<u32>> {
         self.inner.seq_block_table(non_negative("seq_id", seq_id)?).map_err(to_py_err)
     }

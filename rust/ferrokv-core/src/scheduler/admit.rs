@@ -174,17 +174,22 @@ impl Scheduler {
             reserved_seqs: r.reserve_seqs,
             next_sample_index: 1,
             num_cached_tokens: None,
+            queued_ts: crate::clock::now(),
+            scheduled_ts: 0.0,
+            first_token_ts: 0.0,
         };
         let key = req.order_key();
         let slot = match self.free_slots.pop() {
             Some(s) => {
                 self.requests[s as usize] = Some(req);
+                self.last_token_ts[s as usize] = 0.0;
                 s
             }
             None => {
                 self.requests.push(Some(req));
                 self.ending.push(false);
                 self.mark.push(false);
+                self.last_token_ts.push(0.0);
                 (self.requests.len() - 1) as u32
             }
         };
@@ -275,7 +280,8 @@ impl Scheduler {
         Attempt::Scheduled { tokens: sum, full }
     }
 
-    /// Writes the plan just allocated for `slot` into its sequences' rows.
+    /// Writes the plan just allocated for `slot` into its sequences' rows, and registers the
+    /// blocks it completes (before anything else is planned: the next admission may hit them).
     pub(super) fn record(&mut self, slot: u32, full: bool) {
         let req = self.requests[slot as usize].as_ref().expect("live slot");
         let p = req.prompt_len;
@@ -308,6 +314,7 @@ impl Scheduler {
                 }
             }
         }
+        self.register_request(slot);
     }
 
     /// A request whose sequences have rows starts running: it joins the running list in order.
@@ -321,6 +328,9 @@ impl Scheduler {
         self.waiting.remove(&key);
         let req = self.requests[slot as usize].as_mut().expect("live slot");
         req.state = RequestState::Running;
+        if req.scheduled_ts == 0.0 {
+            req.scheduled_ts = self.ts;
+        }
         self.num_running_seqs += req.seq_slots();
         let longest = (req.prompt_len + req.stop.max_tokens).min(self.cfg.max_model_len);
         for s in req.seqs.iter_mut() {

@@ -3,9 +3,11 @@
 //! had never been planned.
 //!
 //! Invariants: after it, no sampled token was appended and no computed count advanced; every
-//! block the step allocated for its tokens is released; a request whose KV the step's block ops
-//! were to make valid (a copy-on-write copy, a swap-in, a swap-out) is recomputed from scratch,
-//! since those ops may not have run; a request that forked or dropped a sequence mid-step
+//! block the step allocated for its tokens is released; no block the step registered in the
+//! prefix cache stays registered, and every sequence's registration progress is what it was; a
+//! request whose KV the step was to make valid (a copy-on-write copy, a swap-in, a swap-out, a
+//! block it took as a cache hit that the step itself computes) is recomputed from scratch,
+//! since those ops and writes may not have run; a request that forked or dropped a sequence mid-step
 //! cannot be put back and is aborted (reported by the next `update`). What the cancelled output
 //! reported (ended and preempted requests) is reported again by the next output.
 //! Costs: O(rows) plus O(blocks) of the requests it resets; never on the normal path.
@@ -15,6 +17,7 @@ use crate::batch::NO_ROW;
 use crate::block_pool::BlockId;
 use crate::error::CoreResult;
 use crate::kv_cache_manager::BlockIds;
+use crate::prefix_cache::ParentLink;
 use crate::request::{FinishReason, RequestState};
 
 impl Scheduler {
@@ -23,6 +26,7 @@ impl Scheduler {
     pub fn cancel_step(&mut self, step_id: u64) -> CoreResult<()> {
         self.step_in_flight("cancel_step", step_id)?;
         let undo = self.in_flight.take().expect("checked").undo;
+        self.ts = crate::clock::now();
         self.defer_row_removal = true;
         for id in undo.reshaped {
             if let Some(&slot) = self.by_id.get(&id) {
@@ -30,8 +34,9 @@ impl Scheduler {
                 self.stats.requests_aborted += 1;
             }
         }
+        self.undo_registrations(&undo.marks, &undo.registered);
         self.roll_back_rows();
-        self.recompute_filled(&undo.filled);
+        self.recompute_untrusted(&undo.filled, &undo.registered);
         for id in undo.swapped_out {
             self.forget_swap(id);
         }
@@ -61,16 +66,26 @@ impl Scheduler {
         }
     }
 
-    /// Requests whose rows hold a block the step's copy or swap-in ops were to fill: their KV
-    /// cannot be trusted, so they are recomputed.
-    fn recompute_filled(&mut self, filled: &[u32]) {
-        if filled.is_empty() {
+    /// Requests whose rows hold a block the step's copy or swap-in ops were to fill, or count
+    /// as computed a block the step registered (a cache hit taken in the step; its writer's
+    /// count is rolled back below it already): their KV cannot be trusted, so they are
+    /// recomputed.
+    fn recompute_untrusted(&mut self, filled: &[u32], registered: &[ParentLink]) {
+        if filled.is_empty() && registered.is_empty() {
             return;
         }
+        let mut fresh: Vec<u32> = registered.iter().map(|l| l.block.0).collect();
+        fresh.sort_unstable();
+        let bs = self.cfg.block_size;
         let mut slots: Vec<u32> = Vec::new();
         for r in (0..self.batch.len()).filter(|&r| !self.batch.rows[r].is_dead) {
             let ids = self.batch.ids(r);
-            if (0..ids.len()).any(|i| filled.contains(&ids.at(i).0)) {
+            let computed = self.batch.rows[r].computed as usize;
+            let untrusted = |i: usize| {
+                let b = ids.at(i).0;
+                filled.contains(&b) || ((i + 1) * bs <= computed && fresh.binary_search(&b).is_ok())
+            };
+            if (0..ids.len()).any(untrusted) {
                 slots.push(self.batch.owner[r].slot);
             }
         }
@@ -134,7 +149,8 @@ mod tests {
             let o = s.schedule().unwrap();
             s.check_invariants().unwrap();
             plans.push(plan_of(&o));
-            done.extend(s.update(o.step_id, &tokens_for(&o, k as i64)).unwrap());
+            // Timestamps differ between the runs; everything else must not.
+            done.extend(s.update(o.step_id, &tokens_for(&o, k as i64)).unwrap().into_iter().map(|d| FinishedSeq { times: None, ..d }));
             s.check_invariants().unwrap();
         }
         (plans, done)

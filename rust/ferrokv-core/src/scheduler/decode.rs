@@ -79,8 +79,10 @@ impl Scheduler {
     /// the step, sequence i is row i). It stands only where the running order cannot change
     /// the outcome: every such decode fits (budget, free blocks) and the requests it leaves to
     /// the ordered walk are at the back of the running order, where that walk would have left
-    /// them anyway. Otherwise it changes nothing and returns `None`.
+    /// them anyway. Otherwise it changes nothing and returns `None`. The planned rows whose
+    /// token completes a block are left in `completing`, for registration.
     pub(super) fn plan_decode_rows(&mut self, budget: usize) -> DecodePlan {
+        self.completing.clear();
         let n = self.batch.len();
         if n == 0 {
             return DecodePlan::None;
@@ -88,6 +90,7 @@ impl Scheduler {
         let bm = self.bm;
         let mut new_block_rows = std::mem::take(&mut self.scratch_rows);
         new_block_rows.clear();
+        let mut completing = std::mem::take(&mut self.completing);
         let mut others = std::mem::take(&mut self.scratch_slots);
         others.clear();
         let mut o = Self::decode_output(n);
@@ -105,6 +108,9 @@ impl Scheduler {
                 if blk == NEW_BLOCK {
                     new_block_rows.push(r as u32);
                 }
+                if bm.offset(c + 1) == 0 {
+                    completing.push(r as u32);
+                }
                 advance(h, r);
                 (*len, *pos, *slot) = Self::decode_columns(bm, c, blk); // a new block's slot follows
                 max_blocks = max_blocks.max(h.num_blocks + u32::from(blk == NEW_BLOCK));
@@ -117,6 +123,9 @@ impl Scheduler {
                     Some(blk) => {
                         if blk == NEW_BLOCK {
                             new_block_rows.push(r as u32);
+                        }
+                        if bm.offset(h.computed as usize + 1) == 0 {
+                            completing.push(r as u32);
                         }
                         advance(h, r);
                     }
@@ -133,6 +142,7 @@ impl Scheduler {
         let mut decodes = emitted + self.batch.rows[emitted..].iter().filter(|h| h.new_tokens > 0).count();
         if !others.is_empty() {
             (decodes, emitted) = self.unplan_partial_requests(&mut new_block_rows, decodes, emitted);
+            completing.retain(|&r| self.batch.rows[r as usize].new_tokens > 0);
         }
         let k = others.len();
         let len = self.running.len();
@@ -148,8 +158,11 @@ impl Scheduler {
                 (h.computed, h.new_tokens, h.samples) = (h.computed - 1, 0, false);
             }
             self.scratch_rows = new_block_rows;
+            completing.clear();
+            self.completing = completing;
             return DecodePlan::None;
         }
+        self.completing = completing;
         self.append_new_blocks(&new_block_rows);
         self.new_block_slots(&mut o, &new_block_rows, emitted);
         self.scratch_rows = new_block_rows;

@@ -36,6 +36,11 @@ impl Scheduler {
                 if have != want {
                     return Err(format!("seq {}: {have} {what} blocks for {} computed tokens", s.seq_id, computed));
                 }
+                // Registered blocks are computed (by the step in flight at the latest): a
+                // cancelled step's registrations were put back.
+                if s.kv.num_registered() > computed / bs {
+                    return Err(format!("seq {}: {} blocks registered, {computed} tokens computed", s.seq_id, s.kv.num_registered()));
+                }
                 if self.seq_owner.get(&s.seq_id) != self.by_id.get(&r.request_id) {
                     return Err(format!("seq {} owner map is stale", s.seq_id));
                 }
@@ -72,21 +77,39 @@ impl Scheduler {
         self.batch.check_padding()?;
         if let Some(f) = &self.in_flight {
             if !f.forked {
-                for r in (0..self.batch.len()).filter(|&r| self.batch.rows[r].new_tokens > 0 && !self.batch.rows[r].is_dead) {
-                    let SeqRef { slot, seq_id } = self.batch.owner[r];
-                    let req = self.req(slot);
-                    req.seq_pos(seq_id).ok_or("a row's sequence is gone")?;
-                    let after = self.batch.rows[r].computed as usize;
-                    let before = after - self.batch.rows[r].new_tokens as usize;
-                    let ids = self.batch.ids(r);
-                    if !self.kv.writes_are_exclusive(&ids, before, after) {
-                        let t = ids.to_vec();
-                        let refs: Vec<u32> = t.iter().map(|&b| self.kv.ref_count(b)).collect();
-                        return Err(format!(
-                            "seq {seq_id} writes positions {before}..{after} into a shared block (table {t:?}, refs {refs:?})"
-                        ));
-                    }
-                }
+                self.check_writes()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every block the step in flight writes is held by its writer alone, except a block the
+    /// write fills, which sequences that took it as a cache hit (registered when the step was
+    /// planned) may hold too: they only read it, and nobody else writes it.
+    fn check_writes(&self) -> Result<(), String> {
+        let live = |r: &usize| self.batch.rows[*r].new_tokens > 0 && !self.batch.rows[*r].is_dead;
+        let range = |r: usize| {
+            let after = self.batch.rows[r].computed as usize;
+            (after - self.batch.rows[r].new_tokens as usize, after)
+        };
+        let mut writers: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        for r in (0..self.batch.len()).filter(live) {
+            let (before, after) = range(r);
+            let ids = self.batch.ids(r);
+            for i in self.bm.block(before)..self.bm.blocks_for(after).min(ids.len()) {
+                *writers.entry(ids.at(i).0).or_default() += 1;
+            }
+        }
+        for r in (0..self.batch.len()).filter(live) {
+            let SeqRef { slot, seq_id } = self.batch.owner[r];
+            self.req(slot).seq_pos(seq_id).ok_or("a row's sequence is gone")?;
+            let (before, after) = range(r);
+            let ids = self.batch.ids(r);
+            let read_only_hit = |(b, filled): (BlockId, bool)| filled && b.0 != 0 && writers.get(&b.0) == Some(&1);
+            if !self.kv.shared_writes(&ids, before, after).all(read_only_hit) {
+                let t = ids.to_vec();
+                let refs: Vec<u32> = t.iter().map(|&b| self.kv.ref_count(b)).collect();
+                return Err(format!("seq {seq_id} writes positions {before}..{after} into a shared block (table {t:?}, refs {refs:?})"));
             }
         }
         Ok(())

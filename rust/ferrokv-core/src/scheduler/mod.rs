@@ -17,10 +17,13 @@
 //!    (`output.rs`); when every running sequence is in the step the block tables are the batch
 //!    matrix itself.
 //!
+//! Full blocks are registered in the prefix cache as soon as the step that computes them is
+//! planned, in plan order, so that a request admitted later in the same step hits them
+//! (`register.rs`; `cancel_step` undoes it).
+//!
 //! `update()` (`update.rs`) then appends one sampled token per logits row (staged in the rows),
-//! decides stop conditions from per-row thresholds, frees finished sequences at once and
-//! registers newly computed full blocks in the prefix cache. Only rows that need their sequence
-//! (a completed block, a stop, a full stage, a fan-out) reach it.
+//! decides stop conditions from per-row thresholds and frees finished sequences at once. Only
+//! rows that need their sequence (a stop, a full stage, a fan-out) reach it.
 //!
 //! Invariants: the scheduler never touches reference counts or writes a block table (the
 //! KV-cache manager does); a request that could never fit is rejected when added, so no step
@@ -40,6 +43,7 @@ mod decode;
 mod invariants;
 mod output;
 mod preempt;
+mod register;
 mod rows;
 mod stats;
 mod update;
@@ -52,8 +56,9 @@ pub use stats::{KvUsage, SchedulerStats};
 use crate::batch::Batch;
 use crate::block_pool::{BlockId, BlockMath};
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache_manager::{KvCacheManager, KvStats};
-use crate::output::{FinishedSeq, SchedulerOutput};
+use crate::kv_cache_manager::{KvCacheManager, KvStats, Registration};
+use crate::output::{FinishedSeq, RequestTimes, SchedulerOutput};
+use crate::prefix_cache::ParentLink;
 use crate::request::Request;
 use std::collections::{BTreeSet, HashMap};
 
@@ -80,6 +85,10 @@ struct StepUndo {
     /// What the step's output reported, to report again after a cancel.
     finished_ids: Vec<i64>,
     preempted_ids: Vec<i64>,
+    /// Sequences that registered blocks in the prefix cache, with their progress before.
+    marks: Vec<(u64, Registration)>,
+    /// Blocks the step registered (with their cache incarnation): their KV is the step's.
+    registered: Vec<ParentLink>,
     /// Counters of computed work before the step.
     stats: SchedulerStats,
 }
@@ -125,14 +134,21 @@ pub struct Scheduler {
     step: StepCounts,
     /// The output the all-decode path emitted: (buffers, rows emitted, widest table).
     emitted: Option<(SchedulerOutput, usize, usize)>,
-    /// Reused list of rows that need per-sequence work in `update`.
+    /// Reused list of rows the decode row pass gives a fresh block.
     scratch_rows: Vec<u32>,
+    /// Reused list of planned rows that complete a block (registered in plan order).
+    completing: Vec<u32>,
     /// Reused list of request slots, and a mark per slot (both empty between uses).
     scratch_slots: Vec<u32>,
     mark: Vec<bool>,
     bm: BlockMath,
     hits: Vec<Vec<BlockId>>,
     stats: SchedulerStats,
+    /// The clock, read once at the start of `schedule`, `update` and `cancel_step`.
+    ts: f64,
+    /// Per request slot: when `update` last appended a token to it (its only home; the row
+    /// pass writes it without reaching the request).
+    last_token_ts: Vec<f64>,
 }
 
 impl Scheduler {
@@ -174,10 +190,13 @@ impl Scheduler {
             step: StepCounts::default(),
             emitted: None,
             scratch_rows: Vec::new(),
+            completing: Vec::new(),
             scratch_slots: Vec::new(),
             mark: Vec::new(),
             hits: Vec::new(),
             stats: SchedulerStats::default(),
+            ts: 0.0,
+            last_token_ts: Vec::new(),
         })
     }
 
@@ -226,6 +245,7 @@ impl Scheduler {
             });
         }
         debug_assert!(!self.batch.has_dead());
+        self.ts = crate::clock::now();
         self.step_id += 1;
         self.stats.steps += 1;
         self.step = StepCounts::default();
@@ -264,6 +284,13 @@ impl Scheduler {
             return Err(CoreError::InvalidState { message: msg });
         }
         Ok(fl)
+    }
+
+    /// A live request's timestamps (`finished_ts` is 0.0: an ended request is gone; its
+    /// times travel with its last `FinishedSeq`).
+    pub fn request_times(&self, request_id: u64) -> CoreResult<RequestTimes> {
+        let slot = *self.by_id.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        Ok(self.req(slot).times(self.last_token_ts[slot as usize], 0.0))
     }
 
     fn locate_seq(&self, seq_id: u64) -> CoreResult<(u32, usize)> {
@@ -371,5 +398,77 @@ mod tests {
         let (o, _) = step(&mut s, 1);
         assert_eq!(o.num_tokens(), 13, "nothing is served from the cache");
         assert_eq!(s.num_cached_tokens(2).unwrap(), 0);
+    }
+
+    fn ordered(t: &RequestTimes) -> bool {
+        0.0 < t.queued_ts && t.queued_ts <= t.scheduled_ts && t.scheduled_ts <= t.first_token_ts && t.first_token_ts <= t.last_token_ts && t.last_token_ts <= t.finished_ts
+    }
+
+    #[test]
+    fn request_times_are_recorded_in_order_and_travel_with_the_last_finished_record() {
+        let mut s = with_requests(cfg(16, 4, 16), [NewRequest { n: 2, ..req(1, 3, 3) }, req(2, 5, 2)]);
+        let t = s.request_times(1).unwrap();
+        assert!(t.queued_ts > 0.0 && (t.scheduled_ts, t.first_token_ts, t.last_token_ts, t.finished_ts) == (0.0, 0.0, 0.0, 0.0));
+        step(&mut s, 1); // both prefill and sample (request 1 fans out at update)
+        let (t1, t2) = (s.request_times(1).unwrap(), s.request_times(2).unwrap());
+        assert!(t1.first_token_ts > 0.0 && t1.first_token_ts == t1.last_token_ts && t1.first_token_ts == t2.first_token_ts);
+        let (_, done) = step(&mut s, 1);
+        let last = done.iter().find(|d| d.request_id == 2).unwrap();
+        let t = last.times.expect("the request's last record carries its times");
+        assert!(ordered(&t) && t.first_token_ts < t.last_token_ts && t.last_token_ts == t.finished_ts, "{t:?}");
+        assert_eq!(t.queued_ts, t2.queued_ts);
+        assert!(s.request_times(2).is_err(), "gone");
+        let done = drain(&mut s, 1);
+        assert_eq!(done.iter().map(|d| d.times.is_some()).collect::<Vec<_>>(), vec![false, true], "only on the record that ends the request");
+        assert!(ordered(&done[1].times.unwrap()));
+    }
+
+    #[test]
+    fn a_preempted_and_readmitted_request_keeps_its_first_scheduled_ts() {
+        let mut s = with_requests(cfg(7, 2, 16), [req(1, 4, 8), req(2, 4, 8)]);
+        step(&mut s, 1);
+        let first = s.request_times(2).unwrap();
+        assert!(first.scheduled_ts > 0.0);
+        let mut readmitted = false;
+        for _ in 0..20 {
+            let (o, _) = step(&mut s, 1);
+            if !o.preempted_req_ids.is_empty() {
+                assert_eq!(s.request_times(2).unwrap().scheduled_ts, first.scheduled_ts);
+            }
+            if s.stats().recompute_preemptions > 0 && o.req_ids.contains(&2) {
+                readmitted = true;
+                let t = s.request_times(2).unwrap();
+                assert_eq!((t.scheduled_ts, t.first_token_ts), (first.scheduled_ts, first.first_token_ts));
+                assert!(t.last_token_ts >= first.last_token_ts);
+                break;
+            }
+        }
+        assert!(readmitted);
+    }
+
+    #[test]
+    fn an_abort_sets_finished_ts() {
+        // A request that forked mid-step is aborted by a cancel of the step, and reported.
+        let mut s = with_requests(cfg(32, 4, 16), [req(1, 3, 8)]);
+        step(&mut s, 5);
+        let o = s.schedule().unwrap();
+        s.fork_sequence(only_seq(&s, 1), Some(9)).unwrap();
+        s.cancel_step(o.step_id).unwrap();
+        let (_, done) = step(&mut s, 1);
+        let t = done.iter().find(|d| d.request_finished).and_then(|d| d.times).unwrap();
+        assert_eq!(done[1].reason, crate::request::FinishReason::Abort);
+        assert!(ordered(&t), "{t:?}");
+        // An abort before anything was scheduled: only queued and finished are set.
+        let c = SchedulerConfig { enable_prefix_caching: false, ..cfg(5, 2, 16) };
+        let mut s = with_requests(c, [req(1, 3, 5)]);
+        for _ in 0..3 {
+            step(&mut s, 1);
+        }
+        s.fork_sequence(only_seq(&s, 1), None).unwrap();
+        let o = s.schedule().unwrap();
+        s.cancel_step(o.step_id).unwrap(); // it waits to recompute two sequences that never fit
+        let (_, done) = step(&mut s, 1);
+        let t = done.last().and_then(|d| d.times).unwrap();
+        assert!(ordered(&t) && t.finished_ts > t.last_token_ts, "a capacity abort: {t:?}");
     }
 }

@@ -25,6 +25,7 @@ impl Scheduler {
         // walk plans the requests it left.
         let plan = self.plan_decode_rows(budget);
         budget -= self.step.tokens;
+        self.register_decoded_rows();
         let mut i = match plan {
             DecodePlan::All => return (budget, preempted),
             DecodePlan::Front { generic_from } => generic_from,
@@ -73,6 +74,9 @@ impl Scheduler {
     /// `preempt` in the given mode (swap falls back to recompute when the CPU pool is full).
     pub(super) fn preempt_as(&mut self, slot: u32, mode: PreemptionMode) {
         let req = self.requests[slot as usize].as_mut().expect("live slot");
+        // What a request planned this step is registered already (its KV is the step's): it
+        // must run. The walk preempts only requests it has not planned yet.
+        debug_assert!(req.seqs.iter().all(|s| self.batch.rows[s.row as usize].new_tokens == 0), "a planned request is preempted");
         self.num_running_seqs -= req.seq_slots();
         let swapped = mode == PreemptionMode::Swap && {
             let ids: Vec<_> = req.seqs.iter().map(|s| self.batch.ids(s.row as usize)).collect();
@@ -124,6 +128,7 @@ impl Scheduler {
         }
         let n = req.seqs.len();
         let (request_id, prompt_len, cached) = (req.request_id, req.prompt_len, req.num_cached_tokens.unwrap_or(0));
+        let times = req.times(self.last_token_ts[slot as usize], self.ts);
         let mut ended = Vec::with_capacity(n);
         for (i, s) in req.seqs.drain(..).enumerate() {
             self.seq_owner.remove(&s.seq_id);
@@ -137,6 +142,7 @@ impl Scheduler {
                 request_finished: i + 1 == n,
                 output_tokens: output_part(s.tokens, prompt_len),
                 num_cached_tokens: cached,
+                times: (i + 1 == n).then_some(times),
             });
         }
         self.by_id.remove(&request_id);
@@ -157,6 +163,7 @@ impl Scheduler {
     /// and returns its sequences as aborted, with the tokens each had generated.
     pub fn abort(&mut self, request_id: u64) -> CoreResult<Vec<FinishedSeq>> {
         let slot = *self.by_id.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        self.ts = crate::clock::now(); // its finished time
         let ended = self.end_request(slot, FinishReason::Abort);
         self.stats.requests_aborted += 1;
         Ok(ended)

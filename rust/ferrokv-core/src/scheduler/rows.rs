@@ -159,7 +159,7 @@ mod tests {
     use crate::batch::NO_ROW;
     use crate::kv_cache_manager::BlockIds;
 
-    /// Two running requests (block size 16) whose rows stage the tokens of their last two steps.
+    /// Two running requests (block size 16) whose rows stage the tokens of their three steps.
     fn staged() -> Scheduler {
         let mut s = with_requests(cfg(16, 16, 32), [req(1, 3, 10), req(2, 3, 10)]);
         for t in 1..=3 {
@@ -174,7 +174,7 @@ mod tests {
         let (seq, other) = (only_seq(&s, 1), only_seq(&s, 2));
         let (slot, pos) = s.locate_seq(seq).unwrap();
         let row = row_of(&s, seq);
-        assert_eq!(s.batch.pending(row), [2, 3], "the tokens of the last two steps are staged");
+        assert_eq!(s.batch.pending(row), [1, 2, 3], "the tokens of the three steps are staged");
         let tokens = s.seq_tokens(seq).unwrap();
         let computed = s.batch.rows[row].computed as usize;
         let blocks = s.batch.ids(row).to_vec();

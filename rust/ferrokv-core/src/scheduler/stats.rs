@@ -160,7 +160,7 @@ mod tests {
             step(&mut s, t);
         }
         let seq = only_seq(&s, 1);
-        assert_eq!(s.batch.pending(row_of(&s, seq)), [2, 3]);
+        assert_eq!(s.batch.pending(row_of(&s, seq)), [1, 2, 3]);
         assert_eq!(s.seq_tokens(seq).unwrap(), vec![1100, 1101, 1102, 1, 2, 3]);
         s.add_request(req(2, 2, 1)).unwrap();
         assert_eq!(s.seq_tokens(only_seq(&s, 2)).unwrap(), vec![2100, 2101], "a waiting sequence's own tokens");

@@ -1,10 +1,11 @@
-//! `update`: sampled tokens in, stops decided, finished sequences freed, computed blocks
-//! registered in the prefix cache; forks (n > 1 fan-out and beam-style `fork_sequence`).
+//! `update`: sampled tokens in, stops decided, finished sequences freed; forks (n > 1 fan-out
+//! and beam-style `fork_sequence`). The step's blocks were registered in the prefix cache when
+//! it was planned (`register.rs`).
 //!
 //! Invariants: one token per logits row of the step in flight, or a typed error and nothing
 //! changed; rows leaving during `update` are compacted at its end, so row numbers hold through
-//! it. Costs: one pass over the rows; only rows that complete a block, stop, fill their stage
-//! or fan out reach their sequence.
+//! it. Costs: one pass over the rows; only rows that stop, fill their stage or fan out reach
+//! their sequence.
 
 use super::Scheduler;
 use crate::batch::{SeqRef, NO_ROW, PENDING_TOKENS};
@@ -14,8 +15,8 @@ use crate::request::{FinishReason, RequestState, Sequence};
 
 /// What the row pass of `update` leaves for the passes that need a sequence.
 struct Staged {
-    /// Rows that completed a block (registered now that their KV is computed).
-    blocks_done: Vec<u32>,
+    /// Rows whose token is their sequence's first output token.
+    first_tokens: Vec<u32>,
     /// Rows of n > 1 prompts whose samples fork off now.
     forks: Vec<u32>,
     /// Rows whose stage was full: their token is staged after the stage is flushed.
@@ -29,18 +30,18 @@ struct Staged {
 type Stop = (u32, FinishReason, Option<u32>);
 
 impl Scheduler {
-    /// Appends one sampled token per logits row of step `step_id`, decides stops, frees what
-    /// finished and registers computed blocks in the prefix cache.
+    /// Appends one sampled token per logits row of step `step_id`, decides stops and frees what
+    /// finished.
     pub fn update(&mut self, step_id: u64, sampled: &[i64]) -> CoreResult<Vec<FinishedSeq>> {
         self.check_update(step_id, sampled)?;
         self.in_flight = None;
+        self.ts = crate::clock::now();
         // Rows that leave are compacted at the end, so row numbers hold through every pass.
         self.defer_row_removal = true;
         let mut st = self.stage_sampled(sampled);
+        self.mark_first_tokens(&st.first_tokens);
         let mut stops = self.decide_stops(&st.maybe_stops);
         self.flush_full_stages(&st.full_stage);
-        self.register_completed_blocks(&st.blocks_done);
-        self.scratch_rows = std::mem::take(&mut st.blocks_done);
         st.generated += self.fan_out_rows(&st.forks, sampled, &mut stops);
         self.stats.generated_tokens += st.generated;
         let mut finished = std::mem::take(&mut self.pending_finished);
@@ -77,28 +78,21 @@ impl Scheduler {
     }
 
     /// One tight pass over the rows stages each sampled token and filters stops from the row
-    /// alone. Rows that need their sequence are listed for the passes after it: those that
-    /// completed a block (about one row in block_size per step), n > 1 prompts whose samples
-    /// fork off now (their own token is appended after the fork), and full stages.
+    /// alone. Rows that need their sequence are listed for the passes after it: n > 1 prompts
+    /// whose samples fork off now (their own token is appended after the fork), and full stages.
     fn stage_sampled(&mut self, sampled: &[i64]) -> Staged {
-        let bm = self.bm;
-        let mut blocks_done = std::mem::take(&mut self.scratch_rows);
-        blocks_done.clear();
-        let mut st = Staged { blocks_done, forks: Vec::new(), full_stage: Vec::new(), maybe_stops: Vec::new(), generated: 0 };
+        let mut st = Staged { first_tokens: Vec::new(), forks: Vec::new(), full_stage: Vec::new(), maybe_stops: Vec::new(), generated: 0 };
+        let (now, last_ts) = (self.ts, &mut self.last_token_ts);
         let b = &mut self.batch;
         let n = b.rows.len();
         let rows = &mut b.rows[..n];
         let last = &mut b.last_token[..n];
         let pending = &mut b.pending[..n * PENDING_TOKENS];
+        let owner = &b.owner[..n];
         for r in 0..n {
             let h = &mut rows[r];
             if h.new_tokens == 0 || h.is_dead {
                 continue; // not in the step, forked after it was scheduled, or ended mid-step
-            }
-            let after = h.computed as usize;
-            let before = after - h.new_tokens as usize;
-            if bm.block(after) != bm.block(before) || before == 0 {
-                st.blocks_done.push(r as u32);
             }
             if !h.samples || h.fan_out > 0 {
                 if h.fan_out > 0 {
@@ -110,6 +104,10 @@ impl Scheduler {
             let tok = sampled[h.logits_row as usize] as u32;
             h.num_tokens += 1;
             last[r] = tok as i64;
+            last_ts[owner[r].slot as usize] = now;
+            if h.num_tokens == h.prompt_len + 1 {
+                st.first_tokens.push(r as u32);
+            }
             let k = h.num_pending as usize;
             if k < PENDING_TOKENS {
                 pending[r * PENDING_TOKENS + k] = tok;
@@ -121,10 +119,17 @@ impl Scheduler {
                 st.maybe_stops.push(r as u32);
             }
         }
-        if !self.kv.prefix_caching() {
-            st.blocks_done.clear();
-        }
         st
+    }
+
+    /// Requests that got their first output token (rows from the row pass): its time.
+    fn mark_first_tokens(&mut self, rows: &[u32]) {
+        for &r in rows {
+            let req = self.requests[self.batch.owner[r as usize].slot as usize].as_mut().expect("a live row's request is live");
+            if req.first_token_ts == 0.0 {
+                req.first_token_ts = self.ts;
+            }
+        }
     }
 
     /// The stops among the rows the filter let through (`RowStop::check`, the one decider).
@@ -156,39 +161,6 @@ impl Scheduler {
         }
     }
 
-    /// Registers the blocks the step completed in the prefix cache, in two passes. The first
-    /// brings the sequences' tokens up to date with their rows, pipelined so that the misses
-    /// of the chain request -> sequence -> lists overlap (see `prefetch_ahead`). The second
-    /// hashes row i while row i-2 is inserted (its index slot, record and token slot fetched
-    /// meanwhile). Hashing a block right after appending its tokens stalled on those stores.
-    fn register_completed_blocks(&mut self, blocks_done: &[u32]) {
-        let n = blocks_done.len();
-        for i in 0..n {
-            self.prefetch_ahead(blocks_done, i);
-            let r = blocks_done[i] as usize;
-            let s = Self::seq_of(&mut self.requests, self.batch.owner[r]);
-            Self::flush_row(&mut self.batch, s);
-        }
-        for i in 0..n + 2 {
-            for (j, prepare) in [(i, true), (i.wrapping_sub(2), false)] {
-                if j >= n {
-                    continue;
-                }
-                let r = blocks_done[j] as usize;
-                let (req, pos) = Self::row_req(&mut self.requests, self.batch.owner[r]);
-                let s = &mut req.seqs[pos];
-                let computed = self.batch.rows[r].computed as usize;
-                let salt = req.cache_salt.as_deref();
-                let ids = self.batch.ids(r);
-                if prepare {
-                    self.kv.prepare_register(&mut s.kv, &ids, &s.tokens, computed, salt);
-                } else {
-                    self.kv.register_computed(&mut s.kv, &ids, &s.tokens, computed, salt);
-                }
-            }
-        }
-    }
-
     /// Forks the samples of the n > 1 prompts in `forks` and appends every sample's token
     /// (the children's rows come after the rows staged above); their stops join `stops`.
     /// Returns the tokens appended.
@@ -206,6 +178,10 @@ impl Scheduler {
                 s.tokens.push(tok);
                 let h = &mut self.batch.rows[row];
                 h.num_tokens += 1;
+                self.last_token_ts[self.batch.owner[row].slot as usize] = self.ts;
+                if req.first_token_ts == 0.0 {
+                    req.first_token_ts = self.ts;
+                }
                 self.batch.last_token[row] = tok as i64;
                 let stop_ids = || req.stop.stop_token_ids.contains(&tok);
                 if let Some((reason, stop_token)) = h.stop.check(tok, h.num_tokens, stop_ids) {
@@ -307,6 +283,7 @@ impl Scheduler {
             request_finished: last,
             output_tokens: output_part(s.tokens, req.prompt_len),
             num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
+            times: last.then(|| req.times(self.last_token_ts[slot as usize], self.ts)),
         });
         if last {
             self.by_id.remove(&req.request_id);
