@@ -11,6 +11,9 @@
 //! * The text is final once emitted (see stop.rs for held-back stop-string prefixes); the
 //!   concatenation of all `take_delta` results is `text()`.
 //! * After a stop string no token is accepted (`append` is a no-op, a debug assertion).
+//! * Like the Python path (and vLLM), the caller does not append the EOS / `stop_token_ids`
+//!   token that ended a sequence (it is not part of the text and is not counted here), and calls
+//!   `flush` when a sequence ends for any reason other than a stop string.
 //!
 //! Costs per appended token: two window decodes over at most ~`MAX_PENDING + 5` tokens (on the
 //! byte-level path: byte copies and a UTF-8 check, no allocation for valid text) plus the stop

@@ -125,6 +125,20 @@ fn bad_json_is_a_typed_error() {
 }
 
 #[test]
+fn huge_ids_are_refused_and_types_are_thread_safe() {
+    let mut v: serde_json::Value = serde_json::from_str(BYTE_LEVEL).unwrap();
+    // (Added tokens get sequential ids on load whatever the file says; a model vocab keeps them.)
+    v["model"]["vocab"]["<|huge|>"] = serde_json::json!(1u32 << 27);
+    let e = TextModel::from_json(&v.to_string()).unwrap_err();
+    assert!(matches!(e, TextError::IdTooLarge { id, .. } if id == 1 << 27), "{e}");
+    assert!(e.to_string().contains("<|huge|>"), "{e}");
+    fn check<T: Send + Sync>() {}
+    check::<TextModel>();
+    check::<SeqText>();
+    check::<StopStrings>();
+}
+
+#[test]
 fn byte_level_equals_one_shot_decode() {
     let (bl, _, tok, _) = models();
     let mut rng = Rng(1);
