@@ -239,3 +239,41 @@ def validate_scheduler_config(
     """Raises ``InvalidArgumentError`` where ``Scheduler(...)`` with these settings would, using the
     core's own checks, so an engine can reject a bad value before it loads a model. The token
     budget is taken as ``max_num_seqs``; settings not listed take the core's defaults."""
+
+class TextModel:
+    """A tokenizer.json loaded once for decoding (ferrokv-text); shared by any number of
+    ``SeqText``. A file that does not load raises ``InvalidArgumentError`` naming
+    ``tokenizer_json``."""
+    def __init__(self, tokenizer_json: str) -> None: ...
+    def decode(self, ids: TokenIds, skip_special_tokens: bool = True) -> str:
+        """One-shot decode, exactly ``tokenizers``' ``decode``; unknown ids decode to nothing."""
+    @property
+    def vocab_size(self) -> int: ...  # distinct tokens, added ones included (len(tokenizer))
+
+class SeqText:
+    """One sequence's incremental detokenizer with stop strings: the Rust port of
+    ``ferrokv.detokenizer.IncrementalDetokenizer`` (same text, same deltas). ``prompt_tail``: the
+    last prompt ids (up to 7 are used; the last 5 kept ones are decoding context)."""
+    def __init__(
+        self,
+        model: TextModel,
+        prompt_tail: TokenIds,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,  # stop strings are searched once more tokens than this were appended
+        skip_special_tokens: bool = True,
+    ) -> None: ...
+    def append(self, token: int) -> int | None:
+        """Appends one generated token; returns the index (into ``stop``) of the stop string it
+        completed: the text is then cut and further appends raise ``RuntimeError``."""
+    def flush(self) -> None:
+        """End of the sequence for any reason but a stop string: releases held-back text and
+        decodes pending incomplete bytes as U+FFFD."""
+    def take_delta(self) -> str:
+        """Text emitted since the previous call."""
+    @property
+    def text(self) -> str: ...  # all text emitted so far
+    @property
+    def num_tokens(self) -> int: ...  # tokens appended (skipped ones included)
+    @property
+    def stop_index(self) -> int | None: ...

@@ -1,4 +1,5 @@
-//! `ferrokv._core`: thin PyO3 bindings over `ferrokv-core`.
+//! `ferrokv._core`: thin PyO3 bindings over `ferrokv-core` (and `ferrokv-text`: `TextModel`,
+//! `SeqText`).
 //!
 //! Only conversions live here: arguments become owned Rust values, the work runs with the GIL
 //! released (`py.detach`), each `CoreError` variant maps to one Python exception class, and
@@ -12,12 +13,14 @@ mod convert;
 mod errors;
 mod output;
 mod scheduler;
+mod text;
 
 pub(crate) use config::*;
 pub(crate) use convert::*;
 pub(crate) use errors::*;
 pub(crate) use output::*;
 pub(crate) use scheduler::*;
+pub(crate) use text::*;
 
 use ferrokv_core::{Named, Policy, PreemptionMode};
 use pyo3::prelude::*;
@@ -45,6 +48,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PySchedulerOutput>()?;
     m.add_class::<PyFinishedSequence>()?;
+    m.add_class::<PyTextModel>()?;
+    m.add_class::<PySeqText>()?;
     m.add_function(wrap_pyfunction!(validate_scheduler_config, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("SCHEDULER_DEFAULTS", scheduler_defaults(py)?)?;

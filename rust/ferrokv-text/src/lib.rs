@@ -1,0 +1,24 @@
+//! ferrokv-text: vLLM-semantics incremental detokenization and stop-string detection over a
+//! model's tokenizer.json, independent of the scheduler (ferrokv-core does not depend on it, nor
+//! it on ferrokv-core).
+//!
+//! * [`TextModel`]: the tokenizer, loaded once, shared by all sequences (`Send + Sync`).
+//! * [`StopStrings`]: one request's text parameters (stop strings, include_stop_str_in_output,
+//!   min_tokens, skip_special_tokens), built once and shared by its sequences through an `Arc`.
+//! * [`SeqText`]: one sequence's incremental state; `append` per generated token, `flush` when
+//!   the sequence ends for any reason other than a stop string, `take_delta` for streaming.
+//!
+//! The semantics are those of `IncrementalDetokenizer` in python/ferrokv/detokenizer.py: for a
+//! byte-level BPE tokenizer the text equals `decode(output_ids, skip_special_tokens)`; for a
+//! SentencePiece-style one it equals `decode(context + output) - decode(context)` where the
+//! context is the last 5 kept prompt ids. A character split across tokens is never emitted
+//! half-formed (held until complete, or emitted as U+FFFD once more than `MAX_PENDING` tokens
+//! pend). Costs per token are independent of the output length (see each module's header).
+
+mod model;
+mod seq;
+mod stop;
+
+pub use model::{TextError, TextModel};
+pub use seq::{SeqText, MAX_PENDING, PROMPT_CONTEXT};
+pub use stop::StopStrings;

@@ -1,0 +1,189 @@
+//! `SeqText`: one sequence's incremental detokenizer, a line-for-line port of
+//! `IncrementalDetokenizer` (python/ferrokv/detokenizer.py, the spec).
+//!
+//! Invariants:
+//! * `window` holds kept ids only (known, and not a skipped special); `window[..read]` is context
+//!   already emitted (at first: up to 5 prompt ids), `window[read..]` is pending. A new token
+//!   decodes `window[..read]` (cached as its character count) and `window`; the new text is the
+//!   characters past the prefix's count. It is held back while the decode ends in U+FFFD (an
+//!   incomplete character) and fewer than `MAX_PENDING` tokens pend, or while it adds no
+//!   character; otherwise it is emitted and the window slides to the just-emitted ids.
+//! * The text is final once emitted (see stop.rs for held-back stop-string prefixes); the
+//!   concatenation of all `take_delta` results is `text()`.
+//! * After a stop string no token is accepted (`append` is a no-op, a debug assertion).
+//! * Like the Python path (and vLLM), the caller does not append the EOS / `stop_token_ids`
+//!   token that ended a sequence (it is not part of the text and is not counted here), and calls
+//!   `flush` when a sequence ends for any reason other than a stop string.
+//!
+//! Costs per appended token: two window decodes over at most ~`MAX_PENDING + 5` tokens (on the
+//! byte-level path: byte copies and a UTF-8 check, no allocation for valid text) plus the stop
+//! search of stop.rs. Memory: the window, a few small buffers and the emitted text.
+
+use std::sync::Arc;
+
+use crate::model::TextModel;
+use crate::stop::{StopScan, StopStrings};
+
+/// Prompt ids used as decoding context (vLLM uses 5).
+pub const PROMPT_CONTEXT: usize = 5;
+/// Extra prompt ids looked at in case some are skipped specials (Python takes the last 7).
+const PROMPT_LOOKBACK: usize = PROMPT_CONTEXT + 2;
+/// Pending tokens after which an undecodable tail is emitted as U+FFFD.
+pub const MAX_PENDING: usize = 8;
+const REPLACEMENT: char = '\u{FFFD}';
+
+/// One sequence's incremental text state (see the module header).
+#[derive(Debug)]
+pub struct SeqText {
+    params: Arc<StopStrings>,
+    window: Vec<u32>,
+    read: usize,
+    /// Character count of decode(window[..read]); None until needed after a slide.
+    prefix_chars: Option<usize>,
+    scratch: Vec<u8>,
+    /// The last newly decoded text (reused buffer).
+    delta: String,
+    scan: StopScan,
+    text: String,
+    /// `text[..taken]` was returned by take_delta already.
+    taken: usize,
+    num_tokens: u32,
+    stop_index: Option<u32>,
+}
+
+/// Byte offset of the `n`-th char of `s` (`s.len()` when `s` is shorter).
+fn char_offset(s: &str, n: usize) -> usize {
+    if n == 0 {
+        return 0;
+    }
+    s.char_indices().nth(n).map_or(s.len(), |(i, _)| i)
+}
+
+impl SeqText {
+    /// A sequence whose prompt ends with `prompt_tail` (pass the last few ids, up to 7 are used:
+    /// the last 5 kept ones become decoding context, unless they end mid-character).
+    pub fn new(model: &TextModel, params: Arc<StopStrings>, prompt_tail: &[u32]) -> SeqText {
+        let mut seq = SeqText {
+            params,
+            window: Vec::with_capacity(PROMPT_CONTEXT + MAX_PENDING),
+            read: 0,
+            prefix_chars: Some(0),
+            scratch: Vec::new(),
+            delta: String::new(),
+            scan: StopScan::default(),
+            text: String::new(),
+            taken: 0,
+            num_tokens: 0,
+            stop_index: None,
+        };
+        let skip = seq.params.skip_special_tokens();
+        let from = prompt_tail.len().saturating_sub(PROMPT_LOOKBACK);
+        let mut ctx: Vec<u32> = prompt_tail[from..].iter().copied().filter(|&id| model.keeps(id, skip)).collect();
+        ctx.drain(..ctx.len().saturating_sub(PROMPT_CONTEXT));
+        if !ctx.is_empty() {
+            let text = model.decode_window(&ctx, &mut seq.scratch);
+            // A prompt ending mid-character would misattribute its completion: no context then.
+            if !text.ends_with(REPLACEMENT) {
+                seq.prefix_chars = Some(text.chars().count());
+                seq.read = ctx.len();
+                seq.window = ctx;
+            }
+        }
+        seq
+    }
+
+    /// Appends one generated token. Returns `Some(i)` when stop string `i` (an index into the
+    /// params' `stop`) completed with this token: the text is cut and the sequence is finished.
+    pub fn append(&mut self, model: &TextModel, token: u32) -> Option<u32> {
+        if self.stop_index.is_some() {
+            debug_assert!(false, "SeqText::append after stop string {:?}", self.stop_index);
+            return None;
+        }
+        self.num_tokens = self.num_tokens.saturating_add(1);
+        if !self.decode_step(model, token) {
+            return None;
+        }
+        let hit = self.scan.emit(&self.params, self.num_tokens, &self.delta, &mut self.text);
+        if hit.is_some() {
+            self.stop_index = hit;
+            self.window.clear();
+            self.read = 0;
+        }
+        hit
+    }
+
+    /// Adds `token` to the window; true when `self.delta` holds newly completed text.
+    fn decode_step(&mut self, model: &TextModel, token: u32) -> bool {
+        if !model.keeps(token, self.params.skip_special_tokens()) {
+            return false;
+        }
+        self.window.push(token);
+        let prefix_chars = self.prefix_chars(model);
+        let new_text = model.decode_window(&self.window, &mut self.scratch);
+        let pending = self.window.len() - self.read;
+        let incomplete = new_text.ends_with(REPLACEMENT) && pending < MAX_PENDING;
+        // Python: len(new_text) <= len(prefix_text); only count as far as needed.
+        let start = match new_text.char_indices().nth(prefix_chars) {
+            Some((i, _)) if !incomplete => i,
+            _ => return false,
+        };
+        self.delta.clear();
+        self.delta.push_str(&new_text[start..]);
+        self.window.drain(..self.read);
+        self.read = self.window.len();
+        self.prefix_chars = None;
+        true
+    }
+
+    fn prefix_chars(&mut self, model: &TextModel) -> usize {
+        match self.prefix_chars {
+            Some(n) => n,
+            None => {
+                let n = model.decode_window(&self.window[..self.read], &mut self.scratch).chars().count();
+                self.prefix_chars = Some(n);
+                n
+            }
+        }
+    }
+
+    /// End of the sequence for any reason but a stop string: releases held-back text and decodes
+    /// pending tokens as they are (an incomplete character becomes U+FFFD).
+    pub fn flush(&mut self, model: &TextModel) {
+        self.scan.flush(&mut self.text);
+        if self.stop_index.is_none() && self.window.len() > self.read {
+            let prefix_chars = self.prefix_chars(model);
+            let new_text = model.decode_window(&self.window, &mut self.scratch);
+            self.text.push_str(&new_text[char_offset(&new_text, prefix_chars)..]);
+            self.window.drain(..self.read);
+            self.read = self.window.len();
+            self.prefix_chars = None;
+        }
+    }
+
+    /// All text emitted so far (after `flush`: the complete output text).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Text emitted since the previous call (an offset into `text`, no copy).
+    pub fn take_delta(&mut self) -> &str {
+        let from = self.taken;
+        self.taken = self.text.len();
+        &self.text[from..]
+    }
+
+    /// Tokens appended (skipped and unknown ids included).
+    pub fn num_tokens(&self) -> u32 {
+        self.num_tokens
+    }
+
+    /// Index of the stop string that ended the sequence, if any.
+    pub fn stop_index(&self) -> Option<u32> {
+        self.stop_index
+    }
+
+    /// The shared text parameters.
+    pub fn params(&self) -> &Arc<StopStrings> {
+        &self.params
+    }
+}
