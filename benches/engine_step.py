@@ -10,7 +10,7 @@ greedy pick, ``update``, detokenization and the ``RequestOutput`` objects.
 
 Workload per size N (``--sizes``, default 64,256,1024): N requests with distinct random 128-token
 prompts (ids < 512, given as ``{"prompt_token_ids": [...]}``), all added at once, all running
-together (``max_num_seqs=N``, KV blocks for N sequences of 128 + max_tokens tokens, computed
+together (``max_num_seqs=N``, step budget N + 2048 tokens, KV blocks for N sequences of 128 + max_tokens tokens, computed
 exactly, prefix caching off). The engine is stepped until no step holds prefill tokens; from
 then on every step adds one token to every sequence. Timed windows (``time.perf_counter()``
 around each ``step()``; GC stays on since it is part of the host cost, but ``gc.collect()`` runs
@@ -153,7 +153,7 @@ class StubbedEngine:
         self.num_kv_blocks = n * blocks_per_seq + 1 + 8  # + the null block + a little slack
         self.engine = LLMEngine(EngineArgs(
             model=str(model_dir), device="cpu", block_size=BLOCK_SIZE, max_num_seqs=n,
-            max_num_batched_tokens=max(n, 2048), num_kv_blocks=self.num_kv_blocks,
+            max_num_batched_tokens=n + 2048, num_kv_blocks=self.num_kv_blocks,
             max_model_len=max_model_len, enable_prefix_caching=False, seed=seed,
         ))
         gen = torch.Generator().manual_seed(seed)
@@ -171,10 +171,11 @@ class StubbedEngine:
 
 
 def max_tokens_for(n: int, long_len: int, window: int) -> int:
-    """No request may finish before the long window ends (output lengths differ by up to the
-    number of prefill steps, ceil(N*128 / step budget))."""
-    prefill_steps = math.ceil(n * PROMPT_LEN / max(n, 2048))
-    return long_len + window + prefill_steps + 8
+    """No request may finish before the long window ends: output lengths differ by up to the
+    number of prefill steps, at most ~ceil(N*128 / 2048) since the step budget is N + 2048 (the
+    decodes of the sequences already prefilled never squeeze the prefills out); twice that, + 16."""
+    prefill_steps = math.ceil(n * PROMPT_LEN / 2048)
+    return long_len + window + 2 * prefill_steps + 16
 
 
 def run_size(model_dir: Path, n: int, kind: str, long_len: int, window: int, seed: int) -> dict:
@@ -212,6 +213,9 @@ def run_size(model_dir: Path, n: int, kind: str, long_len: int, window: int, see
     stats = engine.stats()
     if stats["num_running_seqs"] != n or stats["num_waiting"] != 0:
         raise RuntimeError(f"size {n}: expected {n} running sequences, stats {stats}")
+    # The first-prefilled sequence has at most `steps` tokens: it must not reach max_tokens.
+    if steps - out_len + long_len + window > max_tokens:
+        raise RuntimeError(f"size {n}: prefill took {steps} steps; max_tokens={max_tokens} is too small")
 
     def advance_to(target: int) -> None:
         nonlocal out_len
@@ -230,7 +234,8 @@ def run_size(model_dir: Path, n: int, kind: str, long_len: int, window: int, see
             times.append(time.perf_counter() - t0)
             out_len += 1
             if stub.last_prefill_tokens or stub.last_decode_tokens != n:
-                raise RuntimeError(f"size {n}: a timed step was not a pure decode of {n} sequences")
+                raise RuntimeError(f"size {n}: a timed step was not a pure decode of {n} sequences "
+                                   f"({stub.last_prefill_tokens} prefill, {stub.last_decode_tokens} decode tokens)")
         return start, times
 
     setup_s = time.perf_counter() - t_setup

@@ -168,7 +168,21 @@ class Scheduler:
         ignore_eos: bool = False,
         cache_salt: str | None = None,
         reserve_seqs: int = 0,  # batch slots held for life, e.g. a beam width (0 = n)
+        # Text (only with a text layer attached): stop strings end sequences in update.
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        stream_text: bool = False,  # text deltas every step (text_deltas)
     ) -> None: ...
+    def attach_text(self, model: TextModel) -> None:
+        """Gives the scheduler a text layer: requests added from now on are detokenized in
+        ``update`` (GIL released), which ends sequences on their stop strings; every ended
+        sequence's record then carries its text."""
+    def text_deltas(self) -> tuple[npt.NDArray[np.int64], list[str]]:
+        """The last ``update``'s streaming rows (``stream_text`` requests whose sequence got a
+        token and goes on) and their text deltas; taken once."""
+    def text_state(self) -> tuple[int, int]:
+        """(requests, sequences) holding text state (0, 0 once every request has ended)."""
     def schedule(self) -> SchedulerOutput:
         """The next batch; runs with the GIL released. When every running sequence decodes one
         token, the step is planned over the persistent batch rows without visiting a request

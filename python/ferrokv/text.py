@@ -24,12 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ferrokv._core import FinishedSequence, Scheduler
-
-try:  # until the Rust text layer is built in
-    from ferrokv._core import TextModel
-except ImportError:
-    TextModel = None
+from ferrokv._core import FinishedSequence, Scheduler, TextModel
 from ferrokv.detokenizer import IncrementalDetokenizer
 from ferrokv.sampling_params import SamplingParams
 
@@ -146,7 +141,7 @@ def make_text_layer(tokenizer: Any, scheduler: Scheduler) -> RustText | PythonTe
     """``RustText`` when the tokenizer has a ``tokenizer.json`` the Rust crate loads, else
     ``PythonText`` (logged)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or TextModel is None:
+    if backend is None:
         logger.info("tokenizer %s has no tokenizers backend: detokenizing in Python", type(tokenizer).__name__)
         return PythonText(tokenizer)
     try:

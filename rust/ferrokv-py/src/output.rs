@@ -5,7 +5,7 @@
 use crate::*;
 use ferrokv_core::{BlockTables, CoreError, FinishedSeq, SchedulerOutput};
 use numpy::ndarray::{Array2, ArrayView2, ShapeBuilder};
-use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyUntypedArrayMethods};
+use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -16,9 +16,18 @@ pub(crate) struct Lazy1<T: Element> {
     arr: Option<Py<PyArray1<T>>>,
 }
 
-impl<T: Element> Lazy1<T> {
+impl<T: Element + Copy> Lazy1<T> {
     fn new(v: Vec<T>) -> Self {
         Lazy1 { vec: Some(v), arr: None }
+    }
+    /// Its elements, wherever they are now (the Vec, or the numpy array it became).
+    pub(crate) fn copy_into(&self, py: Python<'_>, out: &mut Vec<T>) {
+        out.clear();
+        match (&self.vec, &self.arr) {
+            (Some(v), _) => out.extend_from_slice(v),
+            (None, Some(a)) => out.extend(a.bind(py).readonly().as_array().iter().copied()),
+            (None, None) => {}
+        }
     }
     fn get(&mut self, py: Python<'_>) -> Py<PyArray1<T>> {
         if self.arr.is_none() {
@@ -119,8 +128,8 @@ pub(crate) struct PySchedulerOutput {
     positions: Lazy1<i64>,
     slot_mapping: Lazy1<i64>,
     logits_indices: Lazy1<i64>,
-    row_req_ids: Lazy1<i64>,
-    row_seq_ids: Lazy1<i64>,
+    pub(crate) row_req_ids: Lazy1<i64>,
+    pub(crate) row_seq_ids: Lazy1<i64>,
     row_sample_index: Lazy1<i32>,
     copy_ops: Lazy2<i32>,
     swap_out: Lazy2<i32>,
@@ -346,6 +355,19 @@ impl PyFinishedSequence {
             if self.request_finished { "True" } else { "False" },
             self.output_tokens.len(),
         )
+    }
+}
+
+impl PyFinishedSequence {
+    /// The record with its text (from the scheduler's text layer), if it has one.
+    pub(crate) fn with_ended_text(f: FinishedSeq, text: Option<ferrokv_text::EndedText>) -> Self {
+        let mut me = PyFinishedSequence::from(f);
+        if let Some(t) = text {
+            me.text = Some(t.text);
+            me.text_delta = Some(t.delta);
+            me.stop_string = t.stop_string;
+        }
+        me
     }
 }
 

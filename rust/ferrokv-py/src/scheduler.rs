@@ -1,7 +1,10 @@
 //! `Scheduler`: the core scheduler behind the GIL-free calls (`schedule`, `update`,
-//! `cancel_step` run with the GIL released).
+//! `cancel_step` run with the GIL released), with its text layer once one is attached
+//! (`attach_text`): `update` then detokenizes the step and ends sequences on stop strings, and
+//! every ended sequence's record carries its text.
 
-use ferrokv_core::{CoreError, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig};
+use ferrokv_core::{CoreError, FinishedSeq, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig};
+use ferrokv_text::{EndedText, SchedulerText, StepDeltas, StopStrings};
 
 use crate::*;
 
@@ -16,6 +19,21 @@ pub(crate) struct PyScheduler {
     pub(crate) inner: Scheduler,
     /// Reused buffer for `update`'s sampled ids (no allocation per step).
     sampled: Vec<i64>,
+    /// The text layer (`attach_text`), its last step's streaming deltas, and reused row buffers.
+    text: Option<SchedulerText>,
+    deltas: StepDeltas,
+    row_reqs: Vec<i64>,
+    row_seqs: Vec<i64>,
+}
+
+impl PyScheduler {
+    /// Records as Python objects, with their text when the text layer gave some.
+    fn with_text(done: Vec<FinishedSeq>, texts: Option<Vec<Option<EndedText>>>) -> Vec<PyFinishedSequence> {
+        match texts {
+            None => done.into_iter().map(Into::into).collect(),
+            Some(texts) => done.into_iter().zip(texts).map(|(f, t)| PyFinishedSequence::with_ended_text(f, t)).collect(),
+        }
+    }
 }
 
 #[pymethods]
@@ -61,11 +79,16 @@ impl PyScheduler {
         Ok(PyScheduler {
             inner: Scheduler::new(cfg).map_err(to_py_err)?,
             sampled: Vec::new(),
+            text: None,
+            deltas: StepDeltas::default(),
+            row_reqs: Vec::new(),
+            row_seqs: Vec::new(),
         })
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, *, n=1, priority=0, eos_token_id=None,
-                        stop_token_ids=None, min_tokens=0, ignore_eos=false, cache_salt=None, reserve_seqs=0))]
+                        stop_token_ids=None, min_tokens=0, ignore_eos=false, cache_salt=None, reserve_seqs=0,
+                        stop=None, include_stop_str_in_output=false, skip_special_tokens=true, stream_text=false))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -81,7 +104,12 @@ impl PyScheduler {
         ignore_eos: bool,
         cache_salt: Option<&Bound<'_, PyAny>>,
         reserve_seqs: i64,
+        stop: Option<&Bound<'_, PyAny>>,
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+        stream_text: bool,
     ) -> PyResult<()> {
+        let stop = stop_strings(stop, self.text.is_some())?;
         let request_id: u64 = int_arg("request_id", request_id, "must be in [0, 2^63)")?;
         let max_tokens: i64 = int_arg("max_tokens", max_tokens, "must be >= 1")?;
         let priority = i32::try_from(priority).map_err(|_| invalid("priority", priority, "must be in [-2^31, 2^31)"))?;
@@ -117,8 +145,33 @@ impl PyScheduler {
             cache_salt,
             reserve_seqs: u32::try_from(reserve_seqs).map_err(|_| invalid("reserve_seqs", reserve_seqs, "must be >= 0"))?,
         };
+        let prompt = self.text.as_ref().map(|_| req.prompt_token_ids.clone());
+        let min_tokens = req.min_tokens;
         let inner = &mut self.inner;
-        py.detach(|| inner.add_request(req)).map_err(to_py_err)
+        py.detach(|| inner.add_request(req)).map_err(to_py_err)?;
+        if let (Some(text), Some(prompt)) = (self.text.as_mut(), prompt) {
+            let min_tokens = u32::try_from(min_tokens).unwrap_or(u32::MAX);
+            let params = StopStrings::new(stop, include_stop_str_in_output, min_tokens, skip_special_tokens);
+            text.add_request(request_id, params, &prompt, stream_text);
+        }
+        Ok(())
+    }
+
+    /// Attaches a text layer over `model` (requests added from now on get text).
+    fn attach_text(&mut self, model: PyRef<'_, PyTextModel>) {
+        self.text = Some(SchedulerText::new(model.inner.clone()));
+    }
+
+    /// The last `update`'s streaming rows (of `stream_text` requests whose sequence got a
+    /// token and goes on) and their text deltas.
+    fn text_deltas<'py>(&mut self, py: Python<'py>) -> (Bound<'py, numpy::PyArray1<i64>>, Vec<String>) {
+        let d = std::mem::take(&mut self.deltas);
+        (numpy::IntoPyArray::into_pyarray(d.rows, py), d.deltas)
+    }
+
+    /// (requests, sequences) holding text state: both 0 once every request has ended.
+    fn text_state(&self) -> (usize, usize) {
+        self.text.as_ref().map_or((0, 0), |t| t.len())
     }
 
     /// Decides the next batch (GIL released) and returns it as zero-copy numpy arrays.
@@ -140,15 +193,28 @@ impl PyScheduler {
         sampled_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<PyFinishedSequence>> {
         let step_id = output.step_id;
+        if self.text.is_some() {
+            output.row_req_ids.copy_into(py, &mut self.row_reqs);
+            output.row_seq_ids.copy_into(py, &mut self.row_seqs);
+        }
         drop(output);
         let mut sampled = std::mem::take(&mut self.sampled);
         sampled.clear();
         token_ids_into("sampled_token_ids", sampled_token_ids, &mut sampled)?;
-        let inner = &mut self.inner;
-        let done = py.detach(|| inner.update(step_id, &sampled));
+        let (inner, text) = (&mut self.inner, &mut self.text);
+        let (rows, seqs) = (&self.row_reqs, &self.row_seqs);
+        let done = py.detach(|| {
+            let mut done = inner.update(step_id, &sampled)?;
+            let step = text.as_mut().map(|t| t.after_update(inner, rows, seqs, &sampled, &mut done));
+            Ok::<_, CoreError>((done, step))
+        });
         self.sampled = sampled;
-        let done = done.map_err(to_py_err)?;
-        Ok(done.into_iter().map(Into::into).collect())
+        let (done, step) = done.map_err(to_py_err)?;
+        let texts = step.map(|(deltas, texts)| {
+            self.deltas = deltas; // taken by text_deltas()
+            texts
+        });
+        Ok(Self::with_text(done, texts))
     }
 
     /// Undoes the step of `output` instead of `update` (its forward pass failed or was
@@ -164,7 +230,8 @@ impl PyScheduler {
     fn abort(&mut self, request_id: i64) -> PyResult<Vec<PyFinishedSequence>> {
         let id = non_negative("request_id", request_id)?;
         let ended = self.inner.abort(id).map_err(to_py_err)?;
-        Ok(ended.into_iter().map(Into::into).collect())
+        let texts = self.text.as_mut().map(|t| t.end(&ended));
+        Ok(Self::with_text(ended, texts))
     }
 
     /// Ends a running sequence on stop string `stop_str_index` between steps.
@@ -188,7 +255,12 @@ impl PyScheduler {
 
     fn drop_sequence(&mut self, seq_id: i64) -> PyResult<bool> {
         let seq_id = non_negative("seq_id", seq_id)?;
-        self.inner.drop_sequence(seq_id).map_err(to_py_err)
+        let request_id = self.inner.seq_request_id(seq_id);
+        let last = self.inner.drop_sequence(seq_id).map_err(to_py_err)?;
+        if let (Some(t), Some(rid)) = (self.text.as_mut(), request_id) {
+            t.forget(rid, seq_id, last);
+        }
+        Ok(last)
     }
 
     fn reset_prefix_cache(&mut self) {

@@ -20,7 +20,7 @@ const TOKEN_RANGE: &str = "token ids must be in [0, 2^32)";
 /// A tokenizer.json loaded for decoding. See `_core.pyi`.
 #[pyclass(module = "ferrokv._core", name = "TextModel", frozen)]
 pub(crate) struct PyTextModel {
-    inner: Arc<TextModel>,
+    pub(crate) inner: Arc<TextModel>,
 }
 
 /// The first characters of a (long) argument, for an error message.
@@ -118,4 +118,19 @@ impl PySeqText {
     fn stop_index(&self) -> Option<u32> {
         self.inner.stop_index()
     }
+}
+
+/// A request's stop strings (`stop`: None, or a list of non-empty str); they need a text layer.
+pub(crate) fn stop_strings(stop: Option<&Bound<'_, PyAny>>, has_text: bool) -> PyResult<Vec<String>> {
+    let Some(stop) = stop.filter(|s| !s.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let list: Vec<String> = stop.extract().map_err(|_| invalid("stop", stop.repr().map_or_else(|_| "?".into(), |r| r.to_string()), "must be a list of str"))?;
+    if let Some(s) = list.iter().find(|s| s.is_empty()) {
+        return Err(invalid("stop", format!("{s:?}"), "stop strings must not be empty"));
+    }
+    if !list.is_empty() && !has_text {
+        return Err(invalid("stop", format!("{list:?}"), "stop strings need a text layer (Scheduler.attach_text)"));
+    }
+    Ok(list)
 }

@@ -91,6 +91,11 @@ impl Scheduler {
         Ok(tokens)
     }
 
+    /// The request live sequence `seq_id` belongs to.
+    pub fn seq_request_id(&self, seq_id: u64) -> Option<u64> {
+        self.locate_seq(seq_id).ok().map(|(slot, _)| self.req(slot).request_id)
+    }
+
     /// The tokens sequence `seq_id` has generated so far (its prompt left out): O(output).
     pub fn output_tokens(&self, seq_id: u64) -> CoreResult<Vec<u32>> {
         let (slot, _) = self.locate_seq(seq_id)?;

@@ -1,0 +1,163 @@
+//! `SchedulerText`: the text layer of a `ferrokv_core::Scheduler`. It keeps each text request's
+//! parameters and prompt tail and each live sequence's `SeqText`; run right after
+//! `Scheduler::update` with the step's sampled tokens, it detokenizes them, ends the sequences
+//! whose text reached a stop string (`Scheduler::stop_sequence`, no round trip through the
+//! caller) and gives the text of every sequence that ended.
+//!
+//! Invariants: the tokens are the ones the core appended (the step's sampled ids of its logits
+//! rows), so a sequence's tokens have one home, the core; this layer keeps no token list, only
+//! each sequence's small decoding window and its emitted text. A request registered here keeps
+//! its state until the record that ends it (`request_finished`) passes through `end`; a sequence
+//! has a `SeqText` from its first token until its record passes. The token that ended a sequence
+//! by EOS or a stop token id is not decoded (vLLM keeps it out of the text); a sequence that
+//! reached its length on the token that completed a stop string ends on the string ("stop").
+//! Costs per step: per sampling row one hash lookup and one `SeqText::append`; per ended
+//! sequence its text is moved out once. Nothing grows with the output length but the text.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferrokv_core::{FinishReason, FinishedSeq, Scheduler};
+
+use crate::{SeqText, StopStrings, TextModel};
+
+/// Prompt ids kept per request as decoding context for its sequences' first tokens.
+const PROMPT_TAIL: usize = 7;
+
+struct RequestText {
+    params: Arc<StopStrings>,
+    prompt_tail: Vec<u32>,
+    /// It wants text deltas every step (CUMULATIVE / DELTA outputs).
+    stream: bool,
+}
+
+/// The text of one sequence that ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedText {
+    pub text: String,
+    /// What `take_delta` had not handed out yet.
+    pub delta: String,
+    pub stop_string: Option<String>,
+}
+
+/// One step's streaming rows (of requests that stream, whose sequence got a token and goes on)
+/// and their text deltas.
+#[derive(Debug, Default)]
+pub struct StepDeltas {
+    pub rows: Vec<i64>,
+    pub deltas: Vec<String>,
+}
+
+/// The text layer of one scheduler (see the module header).
+pub struct SchedulerText {
+    model: Arc<TextModel>,
+    requests: HashMap<u64, RequestText>,
+    seqs: HashMap<u64, SeqText>,
+}
+
+impl SchedulerText {
+    pub fn new(model: Arc<TextModel>) -> Self {
+        SchedulerText { model, requests: HashMap::new(), seqs: HashMap::new() }
+    }
+
+    pub fn model(&self) -> &Arc<TextModel> {
+        &self.model
+    }
+
+    /// Registers a request the scheduler has just taken.
+    pub fn add_request(&mut self, request_id: u64, params: StopStrings, prompt: &[u32], stream: bool) {
+        let tail = prompt[prompt.len().saturating_sub(PROMPT_TAIL)..].to_vec();
+        self.requests.insert(request_id, RequestText { params: Arc::new(params), prompt_tail: tail, stream });
+    }
+
+    /// Requests and sequences with text state (for leak checks).
+    pub fn len(&self) -> (usize, usize) {
+        (self.requests.len(), self.seqs.len())
+    }
+
+    /// Detokenizes the tokens `update` appended (`sampled[r]` for the sequence `row_seqs[r]` of
+    /// request `row_reqs[r]`), ends sequences on stop strings (their records join `finished`;
+    /// a length stop on the same token becomes the string's stop) and returns the streaming
+    /// rows' deltas and, per record of `finished`, its text.
+    pub fn after_update(
+        &mut self,
+        sched: &mut Scheduler,
+        row_reqs: &[i64],
+        row_seqs: &[i64],
+        sampled: &[i64],
+        finished: &mut Vec<FinishedSeq>,
+    ) -> (StepDeltas, Vec<Option<EndedText>>) {
+        let mut step = StepDeltas::default();
+        let mut ended: HashMap<u64, usize> = finished.iter().enumerate().map(|(i, f)| (f.seq_id, i)).collect();
+        for r in 0..row_seqs.len().min(row_reqs.len()).min(sampled.len()) {
+            let (rid, sid) = (row_reqs[r] as u64, row_seqs[r] as u64);
+            let Some(req) = self.requests.get(&rid) else {
+                continue; // not a text request (beam search), or already ended
+            };
+            let f = ended.get(&sid).copied();
+            if f.is_some_and(|i| finished[i].reason == FinishReason::Stop && finished[i].stop_str.is_none()) {
+                continue; // EOS or a stop token id: kept out of the text
+            }
+            let model = &self.model;
+            let seq = self.seqs.entry(sid).or_insert_with(|| SeqText::new(model, req.params.clone(), &req.prompt_tail));
+            if seq.stop_index().is_some() {
+                continue;
+            }
+            if let Some(k) = seq.append(model, sampled[r] as u32) {
+                match f {
+                    Some(i) => {
+                        let rec = &mut finished[i];
+                        (rec.reason, rec.stop_str, rec.stop_token) = (FinishReason::Stop, Some(k), None);
+                    }
+                    None => match sched.stop_sequence(sid, k) {
+                        Ok(rec) => {
+                            ended.insert(sid, finished.len());
+                            finished.push(rec);
+                        }
+                        Err(e) => debug_assert!(false, "stop_sequence({sid}) after update: {e}"),
+                    },
+                }
+            } else if f.is_none() && req.stream {
+                step.rows.push(r as i64);
+                step.deltas.push(seq.take_delta().to_owned());
+            }
+        }
+        let texts = self.end(finished);
+        (step, texts)
+    }
+
+    /// The text of each ended sequence of `finished` (None for a request without text), its
+    /// state dropped; a sequence that did not stop on a string is flushed first.
+    pub fn end(&mut self, finished: &[FinishedSeq]) -> Vec<Option<EndedText>> {
+        finished.iter().map(|f| self.end_one(f)).collect()
+    }
+
+    fn end_one(&mut self, f: &FinishedSeq) -> Option<EndedText> {
+        let seq = self.seqs.remove(&f.seq_id);
+        let req = if f.request_finished { self.requests.remove(&f.request_id) } else { None };
+        let params = match (&seq, &req) {
+            (Some(s), _) => s.params().clone(),
+            (None, Some(r)) => r.params.clone(),
+            (None, None) => self.requests.get(&f.request_id)?.params.clone(),
+        };
+        let Some(mut seq) = seq else {
+            // It ended before its first token (an abort, a capacity abort).
+            return Some(EndedText { text: String::new(), delta: String::new(), stop_string: None });
+        };
+        if seq.stop_index().is_none() {
+            seq.flush(&self.model);
+        }
+        let delta = seq.take_delta().to_owned();
+        let stop_string = seq.stop_index().map(|k| params.stop()[k as usize].clone());
+        Some(EndedText { text: seq.text().to_owned(), delta, stop_string })
+    }
+
+    /// Forgets a sequence ended without a record (`Scheduler::drop_sequence`); and its request
+    /// when it was the last.
+    pub fn forget(&mut self, request_id: u64, seq_id: u64, request_ended: bool) {
+        self.seqs.remove(&seq_id);
+        if request_ended {
+            self.requests.remove(&request_id);
+        }
+    }
+}
