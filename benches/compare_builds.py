@@ -37,6 +37,8 @@ Usage::
     python benches/compare_builds.py --quick             # smoke: 64,256, --quick bench, 2 rounds
     python benches/compare_builds.py --json --out /tmp/cmp.json
     python benches/compare_builds.py --bench "benches/my_bench.py --json" --metric step.p50_us
+    python benches/compare_builds.py --bench "benches/engine_step.py --json" --metric long.per_seq_step_us \
+        --also short.per_seq_step_us                     # two metrics from the same runs
 """
 
 from __future__ import annotations
@@ -244,20 +246,23 @@ def check_import(build: Build) -> None:
         raise RuntimeError(f"{build.name}: ferrokv._core imported from {out}, not from {build.python_dir}")
 
 
-def run_bench(build: Build, cmd: list[str], metric: str, sizes: list[int]) -> dict[int, float]:
+def run_bench(build: Build, cmd: list[str], metrics: list[str], sizes: list[int]) -> dict[str, dict[int, float]]:
+    """One run of the benchmark: {metric: {size: value}} for each of ``metrics``."""
     proc = subprocess.run(cmd, env=bench_env(build), cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{build.name}: {shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return parse_results(proc.stdout, metric, sizes)
+    return {m: parse_results(proc.stdout, m, sizes) for m in metrics}
 
 
-def run_rounds(builds: dict[str, Build], cmd: list[str], metric: str, sizes: list[int],
-               rounds: int) -> dict[str, list[dict[int, float]]]:
-    runs: dict[str, list[dict[int, float]]] = {b: [] for b in BUILDS}
+def run_rounds(builds: dict[str, Build], cmd: list[str], metrics: list[str], sizes: list[int],
+               rounds: int) -> dict[str, dict[str, list[dict[int, float]]]]:
+    """``runs[metric][build][round][size]``: every metric comes from the same runs."""
+    runs: dict[str, dict[str, list[dict[int, float]]]] = {m: {b: [] for b in BUILDS} for m in metrics}
     for r, name in alternation(rounds):
-        result = run_bench(builds[name], cmd, metric, sizes)
-        runs[name].append(result)
-        shown = " ".join(f"{s}:{v:.2f}" for s, v in result.items())
+        result = run_bench(builds[name], cmd, metrics, sizes)
+        for m in metrics:
+            runs[m][name].append(result[m])
+        shown = " ".join(f"{s}:{v:.2f}" for s, v in result[metrics[0]].items())
         print(f"[compare] round {r + 1}/{rounds} {name:<4} {shown}", file=sys.stderr, flush=True)
     return runs
 
@@ -273,6 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bench", default=DEFAULT_BENCH,
                     help="benchmark script (relative to the repository root) and its arguments, one string")
     ap.add_argument("--metric", default=DEFAULT_METRIC, help="dotted path of the timing in each JSON line")
+    ap.add_argument("--also", default="", help="more comma-separated metric paths read from the same runs")
     ap.add_argument("--tolerance", type=float, default=0.05, help="new/base above 1 + this is flagged (default 0.05)")
     ap.add_argument("--quick", action="store_true", help="smoke run: small sizes, the benchmark's --quick, 2 rounds")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"base builds by commit (default {DEFAULT_CACHE})")
@@ -281,6 +287,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.sizes = [int(x) for x in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",") if x]
+    args.metrics = [args.metric] + [m for m in args.also.split(",") if m and m != args.metric]
     return args
 
 
@@ -306,15 +313,16 @@ def main(argv: list[str] | None = None) -> dict:
             check_import(build)
         cmd = bench_command(args)
         print(f"[compare] {args.rounds} rounds of: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        runs = run_rounds(builds, cmd, args.metric, args.sizes, args.rounds)
+        runs = run_rounds(builds, cmd, args.metrics, args.sizes, args.rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    rows = summarize(runs, args.sizes, args.tolerance)
+    rows = summarize(runs[args.metric], args.sizes, args.tolerance)
+    also = {m: summarize(runs[m], args.sizes, args.tolerance) for m in args.metrics[1:]}
     report = {
         "base": {"rev": args.base, "build": builds["base"].label},
         "new": {"tree": str(ROOT), "build": builds["new"].label},
         "bench": args.bench, "quick": args.quick, "metric": args.metric, "rounds": args.rounds,
-        "tolerance": args.tolerance, "rows": rows,
+        "tolerance": args.tolerance, "rows": rows, "also": also,
     }
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
@@ -324,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"base {builds['base'].label} ({args.base}) vs new {builds['new'].label} (working tree), "
               f"{args.rounds} alternating rounds")
         print(format_table(rows, args.metric, args.tolerance))
+        for m, more in also.items():
+            print(format_table(more, m, args.tolerance))
     return report
 
 

@@ -181,6 +181,10 @@ class Scheduler:
     def text_deltas(self) -> tuple[npt.NDArray[np.int64], list[str]]:
         """The last ``update``'s streaming rows (``stream_text`` requests whose sequence got a
         token and goes on) and their text deltas; taken once."""
+    @property
+    def clock_ts(self) -> float:
+        """The core's clock (``time.monotonic()`` scale) at its last schedule, update,
+        cancel_step or abort: after ``update``, when its tokens were appended."""
     def text_state(self) -> tuple[int, int]:
         """(requests, sequences) holding text state (0, 0 once every request has ended)."""
     def schedule(self) -> SchedulerOutput:

@@ -548,14 +548,14 @@ class LLMEngine:
 
     def _row_seq(self, out: Any) -> Callable[[int], tuple[RequestState, Any] | None]:
         """Row -> (request, live sequence state), for the rows of the step."""
-        row_req, row_seq = out.row_req_ids, out.row_seq_ids
+        row_req, row_seq = out.row_req_ids.tolist(), out.row_seq_ids.tolist()
         requests = self._requests
 
         def find(r: int) -> tuple[RequestState, Any] | None:
-            req = requests.get(int(row_req[r]))
+            req = requests.get(row_req[r])
             if req is None or req.beam is not None:
                 return None
-            seq = req.seqs.get(int(row_seq[r]))
+            seq = req.seqs.get(row_seq[r])
             return None if seq is None else (req, seq)
 
         return find
@@ -565,10 +565,12 @@ class LLMEngine:
         """Hands the step's logprobs and streaming rows to the requests' output states, ends what
         the scheduler ended, and builds the outputs."""
         touched: dict[int, RequestState] = {}
-        find = self._row_seq(out)
         if row_lp is not None and row_lp[1] is not None:
-            append_logprobs(find, row_lp[0], row_lp[1], sampled, lambda t: decode_token(self.tokenizer, t))
-        stream_rows(find, rows, deltas, sampled, touched)
+            append_logprobs(self._row_seq(out), row_lp[0], row_lp[1], sampled,
+                            lambda t: decode_token(self.tokenizer, t))
+        if len(rows):
+            stream_rows(self._requests, out.row_req_ids[rows].tolist(), out.row_seq_ids[rows].tolist(),
+                        sampled[rows].tolist(), deltas, touched)
         ended_now: dict[int, list[CompletionOutput]] = {}
         for f in finished:
             req = self._requests.get(f.request_id)
@@ -597,18 +599,22 @@ class LLMEngine:
             req.num_cached_tokens = f.num_cached_tokens
 
     def _times_of(self, req: RequestState) -> Any:
-        """The core's timestamps of a request (kept from its last record once it has ended)."""
+        """The core's timestamps of a request: from its last record once it has ended; read
+        from the core until its first token (with its cache hits), then only the last-token
+        time moves, and it is this step's (the request got a token in it)."""
         if req.finished:
             return req.final_times
-        if req.num_cached_tokens == 0:
+        if req.live_times is None:
             try:
                 req.num_cached_tokens = self.scheduler.num_cached_tokens(req.core_id)
+                times = self.scheduler.request_times(req.core_id)
             except ValueError:
-                pass
-        try:
-            return self.scheduler.request_times(req.core_id)
-        except ValueError:
-            return None
+                return None
+            if times[2]:
+                req.live_times = times
+            return times
+        queued, scheduled, first, _, _ = req.live_times
+        return queued, scheduled, first, self.scheduler.clock_ts, 0.0
 
     def _finish(self, req: RequestState) -> None:
         req.finished = True

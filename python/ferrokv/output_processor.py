@@ -70,6 +70,7 @@ class RequestState:
     num_cached_tokens: int = 0
     num_generated_done: int = 0  # tokens of its sequences that ended
     final_times: Any = None  # the core's timestamps, from its last record once it has ended
+    live_times: Any = None  # the core's timestamps once its first token is out (engine._times_of)
     beam: BeamSearchState | None = None
     finished: bool = False
 
@@ -89,12 +90,11 @@ def fill_metrics(stats: RequestStateStats, times: tuple[float, float, float, flo
                  num_generated: int) -> RequestStateStats:
     """The request's stats with the core's timestamps (queued, scheduled, first token, last
     token, finished) copied in; a new object, so outputs already handed out keep theirs."""
-    s = RequestStateStats(num_generated, stats.arrival_time)
-    if times is not None:
-        s.queued_ts, s.scheduled_ts, s.first_token_ts, s.last_token_ts, s.finished_ts = times
-        if s.first_token_ts:
-            s.first_token_latency = s.first_token_ts - s.queued_ts
-    return s
+    if times is None:
+        return RequestStateStats(num_generated, stats.arrival_time)
+    queued, scheduled, first, last, finished = times
+    return RequestStateStats(num_generated, stats.arrival_time, queued, scheduled, first, last, finished,
+                             first - queued if first else 0.0)
 
 
 def append_logprobs(req_of_row: Callable[[int], tuple[RequestState, SeqState] | None], rows: list[int],
@@ -115,17 +115,17 @@ def append_logprobs(req_of_row: Callable[[int], tuple[RequestState, SeqState] | 
         seq.cumulative_logprob += lp
 
 
-def stream_rows(req_of_row: Callable[[int], tuple[RequestState, SeqState] | None], rows: np.ndarray,
-                deltas: list[str], sampled: np.ndarray, touched: dict[int, RequestState]) -> None:
-    """Applies the streaming rows' new tokens and text deltas (rows of requests that did not
-    end at this step; the text layer lists only CUMULATIVE and DELTA requests)."""
-    for r, delta in zip(rows.tolist(), deltas):
-        found = req_of_row(r)
-        if found is None:
+def stream_rows(requests: dict[int, RequestState], req_ids: list[int], seq_ids: list[int], tokens: list[int],
+                deltas: list[str], touched: dict[int, RequestState]) -> None:
+    """Applies the streaming rows' new tokens and text deltas (per row: its request's core id,
+    its sequence id, its token, its text delta; rows of sequences that go on, of CUMULATIVE
+    and DELTA requests: the text layer lists only those)."""
+    for cid, sid, tok, delta in zip(req_ids, seq_ids, tokens, deltas):
+        req = requests.get(cid)
+        seq = None if req is None else req.seqs.get(sid)
+        if seq is None:
             continue
-        req, seq = found
-        tok = int(sampled[r])
-        if req.kind == _CUMULATIVE:
+        if seq.token_ids is not None:  # CUMULATIVE
             seq.token_ids.append(tok)
             seq.text += delta
         else:
@@ -133,7 +133,7 @@ def stream_rows(req_of_row: Callable[[int], tuple[RequestState, SeqState] | None
                 seq.step_tokens, seq.step_text = [], ""
             seq.step_tokens.append(tok)
             seq.step_text += delta
-        touched[req.core_id] = req
+        touched[cid] = req
 
 
 def final_completion(req: RequestState, seq: SeqState, f: Any) -> CompletionOutput:
@@ -160,18 +160,20 @@ def _live_completion(req: RequestState, seq: SeqState) -> CompletionOutput | Non
     """A live sequence's completion in a streaming output (None: nothing new for DELTA)."""
     if req.kind == _CUMULATIVE:
         seq.num_emitted = len(seq.token_ids)
-        return CompletionOutput(index=seq.index, text=seq.text, token_ids=seq.token_ids,
-                                cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs)
+        # Positional: these run once per streaming output per step.
+        return CompletionOutput(seq.index, seq.text, seq.token_ids, seq.cumulative_logprob, seq.logprobs)
     if seq.step_tokens is None:
         return None
     start = seq.num_emitted
     seq.num_emitted += len(seq.step_tokens)
-    out = CompletionOutput(
-        index=seq.index, text=seq.step_text, token_ids=seq.step_tokens,
-        cumulative_logprob=seq.cumulative_logprob,
-        logprobs=None if seq.logprobs is None else seq.logprobs[start:seq.num_emitted])
+    out = CompletionOutput(seq.index, seq.step_text, seq.step_tokens, seq.cumulative_logprob,
+                           None if seq.logprobs is None else seq.logprobs[start:seq.num_emitted])
     seq.step_tokens, seq.step_text = None, ""
     return out
+
+
+def _by_index(c: CompletionOutput) -> int:
+    return c.index
 
 
 def build_outputs(touched: Iterable[RequestState], ended_now: dict[int, list[CompletionOutput]],
@@ -190,11 +192,11 @@ def build_outputs(touched: Iterable[RequestState], ended_now: dict[int, list[Com
             c = _live_completion(req, seq)
             if c is not None:
                 comps.append(c)
-        comps.sort(key=lambda c: c.index)
-        generated = req.num_generated_done + sum(s.num_emitted for s in req.seqs.values())
-        outputs.append(RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=comps, finished=req.finished, num_cached_tokens=req.num_cached_tokens,
-            metrics=fill_metrics(req.stats, times_of(req), generated),
-        ))
+        if len(comps) > 1:
+            comps.sort(key=_by_index)
+        generated = req.num_generated_done
+        for s in req.seqs.values():
+            generated += s.num_emitted
+        outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished,
+                                     req.num_cached_tokens, None, fill_metrics(req.stats, times_of(req), generated)))
     return outputs

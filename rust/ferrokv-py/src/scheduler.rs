@@ -169,6 +169,12 @@ impl PyScheduler {
         (numpy::IntoPyArray::into_pyarray(d.rows, py), d.deltas)
     }
 
+    /// The core's clock at its last `schedule`/`update`/`cancel_step`/`abort`.
+    #[getter]
+    fn clock_ts(&self) -> f64 {
+        self.inner.clock_ts()
+    }
+
     /// (requests, sequences) holding text state: both 0 once every request has ended.
     fn text_state(&self) -> (usize, usize) {
         self.text.as_ref().map_or((0, 0), |t| t.len())

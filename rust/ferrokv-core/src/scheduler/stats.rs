@@ -91,6 +91,12 @@ impl Scheduler {
         Ok(tokens)
     }
 
+    /// The clock reading of the last `schedule`, `update`, `cancel_step` or `abort` (after
+    /// `update`: the time its tokens were appended).
+    pub fn clock_ts(&self) -> f64 {
+        self.ts
+    }
+
     /// The request live sequence `seq_id` belongs to.
     pub fn seq_request_id(&self, seq_id: u64) -> Option<u64> {
         self.locate_seq(seq_id).ok().map(|(slot, _)| self.req(slot).request_id)
