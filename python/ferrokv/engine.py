@@ -35,11 +35,10 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,7 +50,9 @@ from ferrokv._core import Scheduler, SchedulerStateError, UnknownRequestError
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.checks import check_finite, check_int, check_text, rename_field
 from ferrokv.detokenizer import decode_token
-from ferrokv.engine_args import DTYPE_ALIASES, EngineArgs
+from ferrokv.engine_args import EngineArgs
+from ferrokv.engine_setup import eos_token_ids, num_kv_blocks, resolve_device, resolve_dtype
+from ferrokv.inputs import prompt_ids, validate_prompt_ids
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 from ferrokv.model_runner import ModelRunner
 from ferrokv.output_processor import (
@@ -70,8 +71,6 @@ from ferrokv.text import make_text_layer
 
 logger = logging.getLogger("ferrokv")
 
-_DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_ALIASES.items()}
-_CPU_DEFAULT_KV_BYTES = 1 << 30
 # The core takes a request's priority as a 32-bit signed int.
 _PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
 
@@ -101,24 +100,6 @@ def _exclusive(method: _F) -> _F:
     return locked  # type: ignore[return-value]
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but no CUDA device is available")
-    return dev
-
-
-def _resolve_dtype(name: str, config: Mapping[str, Any], device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # half precision matmuls are slow (and bf16 is inexact) on CPUs
-    cfg = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").replace("torch.", "")
-    return _DTYPES.get(cfg, torch.bfloat16) if cfg in ("float16", "bfloat16") else torch.bfloat16
-
-
 class LLMEngine:
     """Owns the tokenizer, the model runner, the KV cache and the Rust scheduler."""
 
@@ -135,8 +116,8 @@ class LLMEngine:
         # Resolved before the weights load, so a bad tokenizer fails fast.
         tokenizer_path = resolve_tokenizer_path(args.tokenizer, **hub) if args.tokenizer else self.model_path
         config = load_config(self.model_path)
-        self.device = _resolve_device(args.device)
-        self.dtype = _resolve_dtype(args.dtype, config, self.device)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, config, self.device)
         backend = args.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -144,7 +125,7 @@ class LLMEngine:
         self.model_config = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         self.vocab_size = int(self.model_config.vocab_size)
-        self.eos_token_ids = self._eos_ids(config)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, config, self.model_path, self.vocab_size)
 
         max_len = args.max_model_len or int(self.model_config.max_position_embeddings)
         self.max_model_len = max_len
@@ -155,7 +136,7 @@ class LLMEngine:
             block_size=args.block_size,
             dtype=self.dtype,
         )
-        num_blocks = self._num_blocks(spec)
+        num_blocks = num_kv_blocks(args, spec, self.device, max_len)
         self.kv_cache = PagedKVCache(spec, num_blocks, args.num_cpu_blocks, self.device)
         budget = args.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         budget = max(budget, args.max_num_seqs)
@@ -204,81 +185,8 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------------------------------
-    def _eos_ids(self, config: Mapping[str, Any]) -> tuple[int, ...]:
-        ids: list[int] = []
-        for v in (self.tokenizer.eos_token_id, config.get("eos_token_id")):
-            for x in v if isinstance(v, list) else [v]:
-                if isinstance(x, int) and x not in ids and 0 <= x < self.vocab_size:
-                    ids.append(x)
-        gen = self.model_path / "generation_config.json"
-        if gen.is_file():
-            from ferrokv.model_loader import read_json
-
-            v = read_json(gen).get("eos_token_id")
-            for x in v if isinstance(v, list) else [v]:
-                if isinstance(x, int) and x not in ids and 0 <= x < self.vocab_size:
-                    ids.append(x)
-        return tuple(ids)
-
-    def _num_blocks(self, spec: KVCacheSpec) -> int:
-        a = self.args
-        per_block = spec.bytes_per_block
-        if a.num_kv_blocks is not None:
-            return a.num_kv_blocks
-        if a.kv_cache_memory is not None:
-            budget = a.kv_cache_memory
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * a.gpu_memory_utilization) - used
-        else:
-            budget = _CPU_DEFAULT_KV_BYTES
-        n = budget // per_block
-        if self.device.type == "cpu" and a.kv_cache_memory is None:
-            # No point in reserving more than every sequence at full length could use.
-            n = min(n, a.max_num_seqs * math.ceil(self.max_model_len / a.block_size) + 1)
-        if n < 2:
-            raise ValueError(
-                f"kv_cache_memory: {budget} bytes hold {n} KV blocks of {per_block} bytes; at least 2 are needed"
-            )
-        return int(n)
-
-    # ------------------------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
         return self.tokenizer
-
-    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(check_text("prompt", prompt)))
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
-                    raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-                out = []
-                for i, t in enumerate(ids):
-                    if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                        raise ValueError(f"prompt_token_ids[{i}] must be an int, got {t!r}")
-                    out.append(int(t))
-                return prompt.get("prompt"), out
-            if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], list(self.tokenizer.encode(check_text("prompt", prompt["prompt"])))
-        raise ValueError(
-            f"prompt must be a str or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}"
-        )
-
-    def _validate_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt_token_ids: the prompt is empty (at least one token is needed)")
-        for i, t in enumerate(ids):
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        if len(ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids: the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
-            )
 
     def _checked_prompt(self, request_id: Any, prompt: Any) -> tuple[str, str | None, list[int]]:
         """The request id as a string (checked not to be in use) and the prompt's text and
@@ -286,8 +194,8 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self._by_name:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        self._validate_ids(ids)
+        text, ids = prompt_ids(self.tokenizer, prompt)
+        validate_prompt_ids(ids, self.vocab_size, self.max_model_len)
         return request_id, text, ids
 
     @_exclusive
