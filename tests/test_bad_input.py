@@ -37,7 +37,7 @@ from ferrokv import (
     UnknownRequestError,
     UnknownSequenceError,
 )
-from ferrokv._core import Scheduler
+from ferrokv._core import Scheduler, TextModel
 from helpers.tiny_models import TINY_VOCAB
 
 MAX_MODEL_LEN = 64
@@ -271,6 +271,7 @@ CASES = [
     Case("sp-seed-str", sp(seed="7"), ValueError, ("seed", "'7'")),
     Case("sp-ignore_eos-str", sp(ignore_eos="yes"), ValueError, ("ignore_eos", "'yes'")),
     Case("sp-repetition_penalty-zero", sp(repetition_penalty=0.0), ValueError, ("repetition_penalty", "0.0")),
+    Case("sp-output_kind", sp(output_kind=7), ValueError, ("output_kind", "7")),
     # --- LLM.generate --------------------------------------------------------------------------------
     Case("generate-token-outside-vocab", gen({"prompt_token_ids": [3, TINY_VOCAB + 7]}), ValueError,
          ("prompt_token_ids[1]", str(TINY_VOCAB + 7))),
@@ -344,6 +345,14 @@ CASES = [
          ("request_id",)),
     Case("core-priority-huge", core_add(priority=2**40), InvalidArgumentError, ("priority",)),
     Case("core-cache_salt-surrogate", core_add(cache_salt=SURROGATE), InvalidArgumentError, ("cache_salt",)),
+    Case("core-stop-empty", core_add(stop=[""]), InvalidArgumentError, ("stop", "empty")),
+    Case("core-stop-not-a-list", core_add(stop=5), InvalidArgumentError, ("stop=5",)),
+    Case("core-stop-without-text-layer", lambda w, c: Scheduler(32).add_request(0, [5], 2, stop=["x"]),
+         InvalidArgumentError, ("stop", "text layer")),
+    Case("core-stop_sequence-unknown", lambda w, c: w.scheduler.stop_sequence(10**9, 0), UnknownSequenceError,
+         ("seq_id=1000000000",)),
+    Case("core-text-model-garbage", lambda w, c: TextModel('{"model": 1}'), InvalidArgumentError,
+         ("tokenizer_json",)),
     # --- the ferrokv command --------------------------------------------------------------------------------
     Case("cli-temperature", cli("cli-temperature"), CliError, ("exit status 2", "temperature", "-1.0")),
     Case("cli-dtype", cli("cli-dtype"), CliError, ("exit status 2", "--dtype", "'int8'")),
