@@ -652,3 +652,21 @@ def test_sampler_generator_is_on_the_engine_device(llama_path, monkeypatch):
     engine = make_engine(llama_path, seed=3)
     assert made == [{"seed": 3, "device": engine.device}]
     assert engine.sampler.generator.device == engine.device
+
+
+def test_requests_admitted_together_hit_the_prefix_their_first_computes(llama_path, hf_greedy):
+    """Prefix blocks are registered when scheduled: followers admitted in the same step as the
+    request that computes a shared prefix hit it (their attention reads KV written in that very
+    step), and every output still equals transformers'."""
+    rng = random.Random(77)
+    shared = [rng.randrange(3, TINY_VOCAB) for _ in range(10)]  # 2 full blocks of 4 + 2 tokens
+    prompts = [shared + [rng.randrange(3, TINY_VOCAB) for _ in range(3 + i)] for i in range(4)]
+    engine = make_engine(llama_path, block_size=4, enable_prefix_caching=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"f{i}", {"prompt_token_ids": p}, greedy(8))
+    last = run_engine(engine)
+    assert [last[f"f{i}"].num_cached_tokens for i in range(4)] == [0, 8, 8, 8]
+    for i, p in enumerate(prompts):
+        assert last[f"f{i}"].outputs[0].token_ids == hf_greedy(llama_path, p, 8), i
+    assert engine.stats()["cached_prompt_tokens"] == 24
+    assert_no_leak(engine)
