@@ -22,3 +22,17 @@ def test_completion_and_request_output():
     assert "text='Paris'" in text and "(100 total)" in text and "finish_reason='stop'" in text
     assert len(text) < 400  # long token lists are elided
     assert r.prompt_logprobs is None
+
+
+def test_text_so_far_snapshots_stay_valid_as_it_grows_and_compacts():
+    from ferrokv.outputs import TextSoFar
+
+    t, snaps, want = TextSoFar(), [], []
+    for i in range(100):  # past several compactions (every 32 pieces)
+        t.append(f"{i},")
+        t.append("")  # empty pieces are no-ops
+        snaps.append(CompletionOutput(0, t.snapshot(), []))
+        want.append("".join(f"{j}," for j in range(i + 1)))
+    assert [s.text for s in snaps] == want
+    assert snaps[5] == CompletionOutput(0, want[5], []) and snaps[5] != snaps[6]
+    assert "text='0,1,2,3,4,5,'" in repr(snaps[5])

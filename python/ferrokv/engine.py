@@ -354,7 +354,8 @@ class LLMEngine:
             self._end_completion(req, f, now)
         for seq_id, seq in list(req.seqs.items()):  # sequences the scheduler had ended already
             req.seqs.pop(seq_id)
-            c = CompletionOutput(index=seq.index, text=seq.text, token_ids=list(seq.token_ids or []),
+            c = CompletionOutput(index=seq.index, text=seq.text.snapshot() if seq.text is not None else "",
+                                 token_ids=list(seq.token_ids or []),
                                  cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
                                  finish_reason="abort")
             req.done.append(c)

@@ -32,6 +32,7 @@ from ferrokv.outputs import (
     RequestOutput,
     RequestOutputKind,
     RequestStateStats,
+    TextSoFar,
     make_logprobs_entry,
 )
 from ferrokv.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ class SeqState:
     logprobs: list[dict] | None  # one entry per generated token, when the request asked
     cumulative_logprob: float | None
     token_ids: list[int] | None = None  # CUMULATIVE only: the list its outputs share
-    text: str = ""  # CUMULATIVE only: the text so far
+    text: TextSoFar | None = None  # CUMULATIVE only: the text so far
     num_emitted: int = 0  # tokens handed out in outputs (streaming kinds)
     step_tokens: list[int] | None = None  # DELTA: what this step added, until the output is built
     step_text: str = ""
@@ -78,7 +79,7 @@ class RequestState:
         want_lp = self.params.logprobs is not None
         seq = SeqState(index, generator, [] if want_lp else None, 0.0 if want_lp else None)
         if self.kind == _CUMULATIVE:
-            seq.token_ids = []
+            seq.token_ids, seq.text = [], TextSoFar()
         return seq
 
 
@@ -127,7 +128,7 @@ def stream_rows(requests: dict[int, RequestState], req_ids: list[int], seq_ids: 
             continue
         if seq.token_ids is not None:  # CUMULATIVE
             seq.token_ids.append(tok)
-            seq.text += delta
+            seq.text.append(delta)
         else:
             if seq.step_tokens is None:
                 seq.step_tokens, seq.step_text = [], ""
@@ -161,7 +162,7 @@ def _live_completion(req: RequestState, seq: SeqState) -> CompletionOutput | Non
     if req.kind == _CUMULATIVE:
         seq.num_emitted = len(seq.token_ids)
         # Positional: these run once per streaming output per step.
-        return CompletionOutput(seq.index, seq.text, seq.token_ids, seq.cumulative_logprob, seq.logprobs)
+        return CompletionOutput(seq.index, seq.text.snapshot(), seq.token_ids, seq.cumulative_logprob, seq.logprobs)
     if seq.step_tokens is None:
         return None
     start = seq.num_emitted

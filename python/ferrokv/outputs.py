@@ -40,6 +40,7 @@ __all__ = [
     "RequestOutputKind",
     "RequestStateStats",
     "SampleLogprobs",
+    "TextSoFar",
     "make_logprobs_entry",
 ]
 
@@ -124,17 +125,78 @@ def make_logprobs_entry(
     return entry
 
 
-@dataclass(slots=True)
-class CompletionOutput:
-    """One of the ``n`` completions of a request (cumulative: text/token_ids so far)."""
+class TextSoFar:
+    """A sequence's text as it grows, for CUMULATIVE outputs: appended pieces, joined only when
+    an output's ``text`` is read, so that building an output per step costs O(1) however long
+    the text is. Snapshots stay valid as it grows (pieces are only appended; every 32 pieces
+    are joined into a new list, amortized O(1) per piece)."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None = None
-    logprobs: SampleLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
+    __slots__ = ("_pieces",)
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            if len(self._pieces) >= 32:
+                self._pieces = ["".join(self._pieces)]
+
+    def snapshot(self) -> _TextSnapshot:
+        return _TextSnapshot(self._pieces, len(self._pieces))
+
+
+class _TextSnapshot:
+    __slots__ = ("pieces", "n")
+
+    def __init__(self, pieces: list[str], n: int) -> None:
+        self.pieces, self.n = pieces, n
+
+    def join(self) -> str:
+        return "".join(self.pieces[: self.n])
+
+
+class CompletionOutput:
+    """One of the ``n`` completions of a request (cumulative: text/token_ids so far).
+
+    A plain attribute class with vLLM's fields (``index``, ``text``, ``token_ids``,
+    ``cumulative_logprob``, ``logprobs``, ``finish_reason``, ``stop_reason``); ``text`` may be
+    given as a ``TextSoFar`` snapshot, joined the first time it is read."""
+
+    __slots__ = ("index", "_text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason")
+
+    def __init__(self, index: int, text: str | _TextSnapshot, token_ids: list[int],
+                 cumulative_logprob: float | None = None, logprobs: SampleLogprobs | None = None,
+                 finish_reason: FinishReason | None = None, stop_reason: int | str | None = None) -> None:
+        self.index = index
+        self._text = text
+        self.token_ids = token_ids
+        self.cumulative_logprob = cumulative_logprob
+        self.logprobs = logprobs
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+
+    @property
+    def text(self) -> str:
+        t = self._text
+        if t.__class__ is not str:
+            t = self._text = t.join()
+        return t
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
+
+    def _key(self) -> tuple:
+        return (self.index, self.text, self.token_ids, self.cumulative_logprob, self.logprobs,
+                self.finish_reason, self.stop_reason)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key() == other._key()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
 
     def finished(self) -> bool:
         return self.finish_reason is not None
