@@ -159,7 +159,7 @@ impl PySchedulerOutput {
             seq_lens: Lazy1::new(o.seq_lens),
             block_tables: match o.block_tables {
                 BlockTables::Owned(v) => LazyTables::Owned(Lazy2::new(v, s, o.max_blocks)),
-                BlockTables::Batch { .. } => LazyTables::Batch {
+                BlockTables::Batch => LazyTables::Batch {
                     owner,
                     rows: s,
                     cols: o.max_blocks,

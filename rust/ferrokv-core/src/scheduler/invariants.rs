@@ -67,7 +67,7 @@ impl Scheduler {
         }
         // Rows that left while a step is in flight stay (dead) until it ends.
         let in_flight = self.in_flight.is_some();
-        let orphan = (0..rows_seen.len()).find(|&i| !rows_seen[i] && !(in_flight && self.batch.rows[i].is_dead));
+        let orphan = (0..rows_seen.len()).find(|&i| !(rows_seen[i] || in_flight && self.batch.rows[i].is_dead));
         if let Some(i) = orphan {
             return Err(format!("batch row {i} belongs to no running sequence"));
         }
