@@ -263,6 +263,9 @@ fn stop_strings_cut_and_report() {
         // Earliest wins, then shortest.
         let (t, stop, _) = stream_text(model, tok, text, &params(&["runs", "world", "wor"], false, 0, true));
         assert_eq!((t.as_str(), stop), ("Hello ", Some(2)));
+        // Duplicates: the first one's index.
+        let (_, stop, _) = stream_text(model, tok, text, &params(&["zebra", "cat", "cat"], false, 0, true));
+        assert_eq!(stop, Some(1));
         // Not found: all text, after flush.
         let (t, stop, _) = stream_text(model, tok, text, &params(&["zebra"], false, 0, true));
         assert_eq!((t.as_str(), stop), (text, None));
