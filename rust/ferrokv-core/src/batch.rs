@@ -31,6 +31,7 @@
 use crate::block_pool::BlockId;
 use crate::kv_cache_manager::{BlockIds, BlockIdsMut};
 use crate::request::RowStop;
+use crate::sampling::SamplingSpec;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 /// Sampled tokens a row stages before they are appended to its sequence.
@@ -72,6 +73,7 @@ pub struct RowInit {
     pub num_tokens: usize,
     pub last_token: u32,
     pub stop: RowStop,
+    pub sampling: SamplingSpec,
 }
 
 /// The no-row marker of a sequence that is not running.
@@ -221,6 +223,8 @@ pub struct Batch {
     pub last_token: Vec<i64>,
     /// Seq id of the first fanned-out sample (see `RowState::fan_out`).
     pub fan_out_first: Vec<u64>,
+    /// The request's sampling parameters, copied in when the row is given.
+    pub sampling: Vec<SamplingSpec>,
     /// `capacity * PENDING_TOKENS` staged tokens; row `r` has `rows[r].num_pending` of them.
     pub(crate) pending: Vec<u32>,
     dead: Vec<u32>,
@@ -241,6 +245,7 @@ impl Batch {
             sample_index: Vec::with_capacity(capacity),
             last_token: Vec::with_capacity(capacity),
             fan_out_first: Vec::with_capacity(capacity),
+            sampling: Vec::with_capacity(capacity),
             pending: vec![0; capacity * PENDING_TOKENS],
             dead: Vec::new(),
         })
@@ -321,6 +326,7 @@ impl Batch {
         self.sample_index.push(init.sample_index as i32);
         self.last_token.push(init.last_token as i64);
         self.fan_out_first.push(0);
+        self.sampling.push(init.sampling);
         r as u32
     }
 
@@ -417,6 +423,7 @@ impl Batch {
         self.sample_index.swap_remove(r);
         self.last_token.swap_remove(r);
         self.fan_out_first.swap_remove(r);
+        self.sampling.swap_remove(r);
         (r != last).then(|| Moved { from: last as u32, to: r as u32, seq: self.owner[r] })
     }
 
@@ -446,7 +453,7 @@ mod tests {
 
     fn init(req_id: u64, computed: usize, num_tokens: usize) -> RowInit {
         let stop = RowStop { min_len: 0, stop_len: 100, eos: None, has_stop_ids: false };
-        RowInit { req_id, sample_index: 0, prompt_len: 1, computed, num_tokens, last_token: 0, stop }
+        RowInit { req_id, sample_index: 0, prompt_len: 1, computed, num_tokens, last_token: 0, stop, sampling: SamplingSpec::default() }
     }
 
     #[test]

@@ -14,10 +14,12 @@ pub mod output;
 pub mod prefetch;
 pub mod prefix_cache;
 pub mod request;
+pub mod sampling;
 pub mod scheduler;
 
 pub use block_pool::{BlockId, NULL_BLOCK};
 pub use error::{CoreError, CoreResult};
 pub use output::{BlockTables, FinishedSeq, RequestTimes, SchedulerOutput};
 pub use request::FinishReason;
+pub use sampling::{SamplingColumns, SamplingSpec};
 pub use scheduler::{KvUsage, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerStats};

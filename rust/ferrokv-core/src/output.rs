@@ -16,6 +16,7 @@
 //! Every other buffer is a plain `Vec` so the bindings can hand it to numpy without copying.
 
 use crate::request::FinishReason;
+use crate::sampling::SamplingColumns;
 
 #[derive(Debug, Default, Clone)]
 pub struct SchedulerOutput {
@@ -35,6 +36,8 @@ pub struct SchedulerOutput {
     pub row_req_ids: Vec<i64>,
     pub row_seq_ids: Vec<i64>,
     pub row_sample_index: Vec<i32>,
+    /// Per sampling row: its sampling parameters, uniform draw and `min_tokens` bans.
+    pub sampling: SamplingColumns,
     /// Flattened (src, dst) pairs.
     pub copy_ops: Vec<i32>,
     /// Flattened (gpu_block, cpu_block) pairs.

@@ -11,6 +11,7 @@
 
 use crate::kv_cache_manager::SeqKv;
 use crate::output::RequestTimes;
+use crate::sampling::SamplingSpec;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -119,6 +120,8 @@ pub struct Request {
     pub n: u32,
     pub prompt_len: usize,
     pub stop: StopParams,
+    /// How its sequences sample (copied into their batch rows).
+    pub sampling: SamplingSpec,
     pub cache_salt: Option<Box<str>>,
     pub seqs: Vec<Sequence>,
     pub state: RequestState,

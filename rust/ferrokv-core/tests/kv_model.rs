@@ -287,6 +287,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             policy: if priority { Policy::Priority } else { Policy::Fcfs },
             watermark: [0.0, 0.05, 0.1][slack],
             admission_headroom: [0.0, 0.5, 1.0][slack],
+            sampling_seed: 0,
         })
 }
 

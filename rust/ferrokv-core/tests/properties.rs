@@ -61,6 +61,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             policy: if priority { Policy::Priority } else { Policy::Fcfs },
             watermark: 0.05,
             admission_headroom: 0.5,
+            sampling_seed: 0,
         })
 }
 

@@ -11,6 +11,7 @@ use crate::batch::NO_ROW;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::SeqKv;
 use crate::request::{FinishReason, Request, RequestState, Sequence, StopParams};
+use crate::sampling::{rng_key, SamplingSpec};
 
 /// How much of a new running sequence's token list is mapped at admission (16,384 tokens): all
 /// of a typical reservation, and a bounded cost when `max_tokens` is huge.
@@ -131,6 +132,7 @@ impl Scheduler {
         if r.min_tokens > r.max_tokens {
             return Err(CoreError::invalid("min_tokens", r.min_tokens, format!("must be <= max_tokens ({})", r.max_tokens)));
         }
+        r.sampling.validate()?;
         let usable = self.kv.num_usable_blocks();
         let needed = self.worst_case_blocks(p, r.max_tokens, r.n.max(r.reserve_seqs) as usize);
         if needed > usable {
@@ -160,6 +162,7 @@ impl Scheduler {
                 stop_token_ids: r.stop_token_ids,
                 ignore_eos: r.ignore_eos,
             },
+            sampling: SamplingSpec { rng_key: rng_key(r.seed, r.request_id, self.cfg.sampling_seed), ..r.sampling },
             cache_salt: r.cache_salt.map(String::into_boxed_str),
             seqs: vec![Sequence {
                 seq_id,

@@ -7,6 +7,7 @@
 //! Costs: O(1).
 
 use crate::error::{CoreError, CoreResult};
+use crate::sampling::SamplingSpec;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreemptionMode {
@@ -72,6 +73,8 @@ pub struct SchedulerConfig {
     /// Extra free blocks admission keeps back per running sequence, so that the batch can grow
     /// for a while before anyone must be preempted (the cure for admit-then-preempt thrash).
     pub admission_headroom: f64,
+    /// The key of unseeded requests' random draws (with their ids): an engine seed replays them.
+    pub sampling_seed: u64,
 }
 
 impl Default for SchedulerConfig {
@@ -88,6 +91,7 @@ impl Default for SchedulerConfig {
             policy: Policy::Fcfs,
             watermark: 0.01,
             admission_headroom: 1.0,
+            sampling_seed: 0,
         }
     }
 }
@@ -167,6 +171,10 @@ pub struct NewRequest {
     pub cache_salt: Option<String>,
     /// Sequence slots to hold for the request's whole life (e.g. a beam width), 0 = `n`.
     pub reserve_seqs: u32,
+    /// How it samples; `rng_key` is set by `add_request` (from `seed`, else the request id).
+    pub sampling: SamplingSpec,
+    /// Its own sampling seed: its draws then depend on nothing else.
+    pub seed: Option<u64>,
 }
 
 impl NewRequest {

@@ -9,6 +9,9 @@ use super::{Scheduler, StepCounts};
 use crate::block_pool::BlockMath;
 use crate::error::{CoreError, CoreResult};
 use crate::output::{BlockTables, SchedulerOutput};
+use crate::batch::Batch;
+use crate::request::Request;
+use crate::sampling::SamplingColumns;
 
 impl Scheduler {
     /// Output buffers with room for a step, `query_start_loc` started.
@@ -25,6 +28,7 @@ impl Scheduler {
             row_req_ids: Vec::with_capacity(rows),
             row_seq_ids: Vec::with_capacity(rows),
             row_sample_index: Vec::with_capacity(rows),
+            sampling: SamplingColumns::with_capacity(rows),
             ..Default::default()
         };
         o.query_start_loc.push(0);
@@ -73,6 +77,27 @@ impl Scheduler {
         o.row_sample_index.extend_from_slice(&b.sample_index[..k]);
         o.query_start_loc.extend(1..=k as i32);
         o.logits_indices.extend(0..k as i64);
+        for r in 0..k {
+            Self::push_sampling_row(b, &self.requests, &mut o.sampling, r, b.sample_index[r] as u32, r as i32);
+        }
+    }
+
+    /// Appends the sampling columns of a logits row of batch row `r`: sample `sample_index` of
+    /// it (a fork-to-be when `batch_row` is -1), sampling the token after all of its tokens.
+    #[inline]
+    pub(super) fn push_sampling_row(b: &Batch, requests: &[Option<Request>], c: &mut SamplingColumns, r: usize, sample_index: u32, batch_row: i32) {
+        let h = &b.rows[r];
+        let num_output = h.num_tokens.saturating_sub(h.prompt_len);
+        c.push(&b.sampling[r], sample_index, h.num_tokens, batch_row, num_output);
+        if h.num_tokens < h.stop.min_len {
+            // Under min_tokens: what would stop the sequence is banned (vLLM's MinTokens).
+            c.ban(h.stop.eos);
+            if h.stop.has_stop_ids {
+                let slot = b.owner[r].slot as usize;
+                let req = requests[slot].as_ref().expect("a live row's request is live");
+                c.ban(req.stop.stop_token_ids.iter().copied().filter(|&t| Some(t) != h.stop.eos));
+            }
+        }
     }
 
     /// Flattens the planned rows, in row order, into the step's arrays. When every row is in
@@ -143,6 +168,7 @@ impl Scheduler {
                 o.row_seq_ids.push(b.seq_id[r]);
                 o.row_sample_index.push(b.sample_index[r]);
                 let f = b.rows[r].fan_out;
+                let sample_index = b.sample_index[r] as u32;
                 if f > 0 {
                     // The samples of an n > 1 request: children 1..n, forked at update.
                     let first = self.next_seq_id;
@@ -155,9 +181,15 @@ impl Scheduler {
                         o.row_sample_index.push(j as i32 + 1);
                     }
                 }
+                Self::push_sampling_row(b, &self.requests, &mut o.sampling, r, sample_index, r as i32);
+                for j in 0..f {
+                    Self::push_sampling_row(b, &self.requests, &mut o.sampling, r, j + 1, -1);
+                }
             }
         }
         debug_assert_eq!((o.seq_ids.len(), num_tokens, o.logits_indices.len()), (s_count, t_count, r_count));
+        debug_assert_eq!(o.sampling.len(), r_count);
+        o.sampling.finish();
         o.max_blocks = max_blocks;
         o.block_tables = if s_count == n {
             BlockTables::Batch
@@ -218,8 +250,9 @@ impl Scheduler {
 mod tests {
     use super::super::test_util::*;
     use super::super::*;
-    use crate::output::BlockTables;
+    use crate::output::{BlockTables, FinishedSeq, SchedulerOutput};
     use crate::request::FinishReason;
+    use crate::sampling::{rng_key, uniform, SamplingSpec};
 
     #[test]
     fn chunked_prefill_then_decode_with_exact_slots_and_tables() {
@@ -290,5 +323,274 @@ mod tests {
         assert_eq!(o.max_blocks, table.len());
         s.update(o.step_id, &[]).unwrap();
         assert_eq!(s.block_tables(&o).unwrap(), table, "a copy stays readable after update");
+    }
+    // ---- Sampling columns ----------------------------------------------------------------
+
+    /// A distinct, valid spec per `i` (hot when `temperature > 0`).
+    fn spec(i: i32, temperature: f32) -> SamplingSpec {
+        let f = i as f32;
+        SamplingSpec {
+            temperature,
+            top_k: i,
+            top_p: 1.0 - 0.05 * f,
+            min_p: 0.01 * f,
+            presence_penalty: 0.1 * f,
+            frequency_penalty: -0.2 * f,
+            repetition_penalty: 1.0 + 0.1 * f,
+            num_logprobs: i - 1,
+            rng_key: 0,
+        }
+    }
+
+    /// Checks the sampling columns of `o` (just scheduled, not updated) row by row against the
+    /// requests as they were added: the spec, the draw (from the seed, else the id and the
+    /// scheduler's `sampling_seed`, at the sampled token's position), batch row, tokens out,
+    /// `min_tokens` bans and the flags.
+    fn check_sampling(s: &Scheduler, o: &SchedulerOutput, reqs: &[NewRequest]) {
+        let (c, n) = (&o.sampling, o.num_rows());
+        let lens = [c.temperature.len(), c.top_k.len(), c.top_p.len(), c.min_p.len(), c.presence.len(), c.frequency.len()];
+        assert_eq!(lens, [n; 6]);
+        let lens = [c.repetition.len(), c.num_logprobs.len(), c.uniform.len(), c.batch_rows.len(), c.num_output.len()];
+        assert_eq!(lens, [n; 5]);
+        assert_eq!(c.banned_rows.len(), c.banned_tokens.len());
+        let mut bans = vec![Vec::new(); n];
+        for (&r, &t) in c.banned_rows.iter().zip(&c.banned_tokens) {
+            bans[r as usize].push(t);
+        }
+        let mut specs = Vec::new();
+        for (i, row_bans) in bans.iter_mut().enumerate() {
+            let rid = o.row_req_ids[i] as u64;
+            let r = reqs.iter().find(|r| r.request_id == rid).expect("a known request");
+            let sp = r.sampling;
+            let got = SamplingSpec {
+                temperature: c.temperature[i],
+                top_k: c.top_k[i],
+                top_p: c.top_p[i],
+                min_p: c.min_p[i],
+                presence_penalty: c.presence[i],
+                frequency_penalty: c.frequency[i],
+                repetition_penalty: c.repetition[i],
+                num_logprobs: c.num_logprobs[i],
+                rng_key: sp.rng_key,
+            };
+            assert_eq!(got, sp, "row {i} (request {rid})");
+            specs.push(sp);
+            let pos = o.positions[o.logits_indices[i] as usize] as u32 + 1; // of the sampled token
+            let si = o.row_sample_index[i] as u32;
+            let u = if sp.temperature == 0.0 { 0.0 } else { uniform(rng_key(r.seed, rid, s.cfg.sampling_seed), si, pos) };
+            assert_eq!(c.uniform[i], u, "row {i} (request {rid}, sample {si}, position {pos})");
+            let out = pos as usize - r.prompt_token_ids.len();
+            assert_eq!(c.num_output[i], out as i32, "row {i}");
+            let seq = o.row_seq_ids[i] as u64;
+            if c.batch_rows[i] >= 0 {
+                assert_eq!(row_of(s, seq), c.batch_rows[i] as usize, "row {i}: seq {seq}");
+            } else {
+                assert!(si > 0 && s.locate_seq(seq).is_err(), "row {i}: only a sample forked at update has no row");
+            }
+            let mut want: Vec<i64> = Vec::new();
+            if out < r.min_tokens {
+                want.extend(r.eos_token_id.filter(|_| !r.ignore_eos).map(i64::from));
+                for &t in &r.stop_token_ids {
+                    if !want.contains(&(t as i64)) {
+                        want.push(t as i64);
+                    }
+                }
+            }
+            row_bans.sort();
+            want.sort();
+            assert_eq!(*row_bans, want, "row {i} (request {rid}, {out} out): min_tokens bans");
+        }
+        let flags = (c.num_greedy_rows, c.max_top_k, c.any_top_p, c.any_min_p, c.any_penalties, c.any_logprobs);
+        let want = (
+            specs.iter().filter(|p| p.temperature == 0.0).count(),
+            specs.iter().map(|p| p.top_k).max().unwrap_or(0).max(0),
+            specs.iter().any(|p| p.top_p < 1.0),
+            specs.iter().any(|p| p.min_p > 0.0),
+            specs.iter().any(|p| p.has_penalties()),
+            specs.iter().any(|p| p.num_logprobs >= 0),
+        );
+        assert_eq!(flags, want);
+    }
+
+    /// `step` with `check_sampling` between `schedule` and `update`.
+    fn checked_step(s: &mut Scheduler, tok: i64, reqs: &[NewRequest]) -> (SchedulerOutput, Vec<FinishedSeq>) {
+        let o = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        check_sampling(s, &o, reqs);
+        let done = s.update(o.step_id, &vec![tok; o.num_rows()]).unwrap();
+        s.check_invariants().unwrap();
+        (o, done)
+    }
+
+    fn seeded(mut c: crate::scheduler::SchedulerConfig, seed: u64) -> crate::scheduler::SchedulerConfig {
+        c.sampling_seed = seed;
+        c
+    }
+
+    #[test]
+    fn sampling_columns_follow_each_rows_request_on_the_decode_fast_path_and_after_a_row_moves() {
+        let reqs = [
+            NewRequest { sampling: spec(3, 0.7), ..req(1, 3, 2) }, // finishes first: row 0 is freed
+            NewRequest { sampling: spec(2, 0.0), ..req(2, 5, 10) }, // greedy, with penalties and logprobs
+            NewRequest { sampling: spec(5, 1.3), seed: Some(99), ..req(3, 6, 10) },
+        ];
+        let mut s = with_requests(seeded(cfg(64, 4, 32), 7), reqs.clone());
+        let (o, _) = checked_step(&mut s, 9, &reqs); // three prompts, the general path
+        assert_eq!((o.sampling.batch_rows.clone(), o.sampling.num_output.clone()), (vec![0, 1, 2], vec![0, 0, 0]));
+        let (o, done) = checked_step(&mut s, 9, &reqs); // every row decodes: the row pass
+        assert_eq!(o.num_decode_tokens, 3);
+        let c = &o.sampling;
+        assert_eq!((c.batch_rows.clone(), c.num_output.clone()), (vec![0, 1, 2], vec![1, 1, 1]));
+        assert_eq!(c.temperature, vec![0.7, 0.0, 1.3]);
+        assert_eq!((c.top_k.clone(), c.num_logprobs.clone()), (vec![3, 2, 5], vec![2, 1, 4]));
+        assert_eq!(c.uniform[1], 0.0, "a greedy row draws nothing");
+        assert!(c.uniform[0] != c.uniform[2] && c.uniform[0] > 0.0 && c.uniform[2] > 0.0);
+        assert_eq!((c.num_greedy_rows, c.max_top_k, c.any_top_p, c.any_min_p, c.any_penalties, c.any_logprobs), (1, 5, true, true, true, true));
+        assert!(c.banned_rows.is_empty());
+        assert_eq!(done.iter().map(|d| d.request_id).collect::<Vec<_>>(), vec![1]);
+        // Request 1's row 0 went to the last row (request 3's): its columns moved with it.
+        let (o, _) = checked_step(&mut s, 9, &reqs);
+        let c = &o.sampling;
+        assert_eq!((o.row_req_ids.clone(), c.batch_rows.clone(), c.num_output.clone()), (vec![3, 2], vec![0, 1], vec![2, 2]));
+        assert_eq!((c.temperature.clone(), c.top_k.clone(), c.repetition.clone()), (vec![1.3, 0.0], vec![5, 2], vec![1.5, 1.2]));
+        assert_eq!(c.uniform[0], uniform(rng_key(Some(99), 0, 0), 0, 8));
+        assert_eq!((c.num_greedy_rows, c.max_top_k), (1, 5));
+        drain(&mut s, 9);
+        assert_eq!(s.num_free_blocks(), 63);
+    }
+
+    #[test]
+    fn sampling_columns_of_rows_written_by_the_general_path_behind_a_prefill_chunk() {
+        let reqs = [
+            NewRequest { sampling: spec(1, 0.5), ..req(1, 2, 2) },
+            NewRequest { sampling: spec(2, 0.9), min_tokens: 5, eos_token_id: Some(3), ..req(2, 2, 20) },
+            NewRequest { sampling: spec(4, 0.0), ..req(3, 40, 2) },
+        ];
+        let mut s = with_requests(cfg(64, 4, 8), reqs.clone());
+        let (o, _) = checked_step(&mut s, 9, &reqs);
+        assert_eq!((o.req_ids.clone(), o.row_req_ids.clone()), (vec![1, 2, 3], vec![1, 2]));
+        let (_, done) = checked_step(&mut s, 9, &reqs);
+        assert_eq!(done.iter().map(|d| d.request_id).collect::<Vec<_>>(), vec![1]);
+        // Row 0 is now request 3's prefill chunk: request 2's decode in row 1 is written by
+        // the general path.
+        let (o, _) = checked_step(&mut s, 9, &reqs);
+        assert_eq!((o.req_ids.clone(), o.row_req_ids.clone()), (vec![3, 2], vec![2]));
+        let c = &o.sampling;
+        assert_eq!((c.batch_rows.clone(), c.num_output.clone(), c.temperature.clone()), (vec![1], vec![2], vec![0.9]));
+        assert_eq!((c.banned_rows.clone(), c.banned_tokens.clone()), (vec![0], vec![3]), "under min_tokens: EOS is banned");
+        let mut sampled_3 = false;
+        while s.has_unfinished() {
+            let (o, _) = checked_step(&mut s, 9, &reqs);
+            if let Some(i) = o.row_req_ids.iter().position(|&r| r == 3) {
+                sampled_3 |= o.sampling.num_output[i] == 0 && o.sampling.batch_rows[i] == 0;
+            }
+        }
+        assert!(sampled_3, "request 3's prompt sampled from row 0");
+        assert_eq!(s.num_free_blocks(), 63);
+    }
+
+    #[test]
+    fn the_samples_of_an_n_request_fan_out_with_their_own_sample_index_and_draw() {
+        let reqs = [
+            NewRequest { n: 3, sampling: spec(2, 0.8), seed: Some(5), ..req(1, 5, 3) },
+            NewRequest { n: 2, sampling: spec(1, 0.0), ..req(2, 3, 3) },
+        ];
+        let mut s = with_requests(cfg(64, 4, 16), reqs.clone());
+        let (o, _) = checked_step(&mut s, 9, &reqs);
+        let c = &o.sampling;
+        assert_eq!(o.row_sample_index, vec![0, 1, 2, 0, 1]);
+        assert_eq!((c.batch_rows.clone(), c.num_output.clone()), (vec![0, -1, -1, 1, -1], vec![0; 5]));
+        assert_eq!(c.temperature, vec![0.8, 0.8, 0.8, 0.0, 0.0]);
+        assert_eq!(c.top_p, vec![0.9, 0.9, 0.9, 0.95, 0.95]);
+        let key = rng_key(Some(5), 0, 0);
+        assert_eq!(c.uniform, vec![uniform(key, 0, 5), uniform(key, 1, 5), uniform(key, 2, 5), 0.0, 0.0]);
+        assert!(c.uniform[0] != c.uniform[1] && c.uniform[1] != c.uniform[2] && c.uniform[0] != c.uniform[2]);
+        // Forked at update: each sample has its own row now and keeps its sample index.
+        let (o, _) = checked_step(&mut s, 9, &reqs);
+        let c = &o.sampling;
+        assert_eq!(o.num_rows(), 5);
+        assert!(c.batch_rows.iter().all(|&r| r >= 0) && c.num_output == vec![1; 5]);
+        let mut si: Vec<(i64, i32)> = o.row_req_ids.iter().copied().zip(o.row_sample_index.iter().copied()).collect();
+        si.sort();
+        assert_eq!(si, vec![(1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]);
+        // The forks' first writes copied their shared blocks: the row pass plans this one
+        // (each row's draw, at its own sample index, is checked by `check_sampling`).
+        let (o, _) = checked_step(&mut s, 9, &reqs);
+        assert_eq!((o.num_rows(), o.num_decode_tokens), (5, 5));
+        assert!(!s.has_unfinished());
+        assert_eq!(s.num_free_blocks(), 63);
+    }
+
+    #[test]
+    fn a_seeded_requests_draws_depend_on_nothing_else_and_unseeded_ones_on_the_sampling_seed() {
+        let hot = SamplingSpec { temperature: 1.0, ..Default::default() };
+        // The draws of request `id` (prompt 5, 4 tokens) over its life, among `others`;
+        // preempted (recompute) after two tokens with `preempt`.
+        let draws = |sampling_seed: u64, others: Vec<NewRequest>, id: u64, seed: Option<u64>, preempt: bool| {
+            let mine = NewRequest { sampling: hot, seed, ..req(id, 5, 4) };
+            let mut s = with_requests(seeded(cfg(64, 4, 64), sampling_seed), others.into_iter().chain([mine]));
+            let mut u = Vec::new();
+            for k in 0.. {
+                if !s.has_unfinished() {
+                    break;
+                }
+                if preempt && k == 2 {
+                    preempt_between_steps(&mut s, id);
+                }
+                let (o, _) = step(&mut s, 9);
+                u.extend((0..o.num_rows()).filter(|&i| o.row_req_ids[i] == id as i64).map(|i| o.sampling.uniform[i]));
+            }
+            assert_eq!(s.num_free_blocks(), 63);
+            u
+        };
+        let others = || vec![NewRequest { sampling: hot, ..req(1, 7, 6) }, req(2, 3, 6), NewRequest { sampling: hot, seed: Some(3), ..req(3, 4, 2) }];
+        let alone = draws(0, vec![], 1, Some(42), false);
+        let key = rng_key(Some(42), 0, 0);
+        assert_eq!(alone, (5..9).map(|p| uniform(key, 0, p)).collect::<Vec<_>>());
+        assert_eq!(draws(123, others(), 9, Some(42), false), alone, "another batch, id and sampling seed");
+        assert_eq!(draws(0, vec![], 1, Some(42), true), alone, "the same draws again after a preemption");
+        assert_ne!(draws(0, vec![], 1, Some(43), false), alone);
+        let unseeded = draws(0, others(), 7, None, false);
+        assert_eq!(unseeded, (5..9).map(|p| uniform(rng_key(None, 7, 0), 0, p)).collect::<Vec<_>>());
+        assert_eq!(draws(0, vec![], 7, None, false), unseeded, "keyed by id and sampling seed only");
+        assert_ne!(draws(1, others(), 7, None, false), unseeded, "another sampling seed");
+        assert_ne!(draws(0, others(), 8, None, false), unseeded, "another id");
+        assert_eq!(draws(0, vec![], 7, Some(0), false).len(), 4);
+        let greedy = NewRequest { seed: Some(42), ..req(4, 5, 3) };
+        let mut s = with_requests(cfg(64, 4, 64), [greedy]);
+        let (o, _) = step(&mut s, 9);
+        assert_eq!(o.sampling.uniform, vec![0.0], "a greedy row draws nothing, seeded or not");
+    }
+
+    #[test]
+    fn rows_under_min_tokens_ban_what_would_stop_them() {
+        let hot = SamplingSpec { temperature: 1.0, ..Default::default() };
+        let reqs = [
+            // EOS also a stop id: banned once.
+            NewRequest { min_tokens: 3, eos_token_id: Some(2), stop_token_ids: vec![5, 2, 7], ..req(1, 3, 6) },
+            // ignore_eos: only the stop ids (2 among them: a stop id stops whatever ignore_eos says).
+            NewRequest { min_tokens: 2, eos_token_id: Some(2), ignore_eos: true, stop_token_ids: vec![2, 5], sampling: hot, ..req(2, 4, 6) },
+            NewRequest { min_tokens: 2, eos_token_id: Some(2), ..req(3, 5, 6) },
+            NewRequest { eos_token_id: Some(2), stop_token_ids: vec![5], ..req(4, 2, 6) }, // no min_tokens
+            NewRequest { min_tokens: 3, eos_token_id: Some(2), ignore_eos: true, ..req(5, 2, 6) }, // nothing would stop it
+        ];
+        let mut s = with_requests(cfg(64, 4, 64), reqs.clone());
+        let pairs = |o: &SchedulerOutput| {
+            let mut p: Vec<(i64, i64)> = o.sampling.banned_rows.iter().copied().zip(o.sampling.banned_tokens.iter().copied()).collect();
+            p.sort();
+            p
+        };
+        let (o, _) = checked_step(&mut s, 9, &reqs); // prompts: 0 out
+        assert_eq!(pairs(&o), vec![(0, 2), (0, 5), (0, 7), (1, 2), (1, 5), (2, 2)]);
+        let (o, _) = checked_step(&mut s, 9, &reqs); // decodes: 1 out
+        assert_eq!(pairs(&o), vec![(0, 2), (0, 5), (0, 7), (1, 2), (1, 5), (2, 2)]);
+        let (o, _) = checked_step(&mut s, 9, &reqs); // 2 out
+        assert_eq!(pairs(&o), vec![(0, 2), (0, 5), (0, 7)]);
+        let (o, _) = checked_step(&mut s, 9, &reqs); // 3 out: min_tokens are out everywhere
+        assert_eq!(pairs(&o), vec![]);
+        while s.has_unfinished() {
+            checked_step(&mut s, 9, &reqs);
+        }
+        assert_eq!(s.num_free_blocks(), 63);
     }
 }

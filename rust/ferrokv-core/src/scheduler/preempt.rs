@@ -169,26 +169,30 @@ impl Scheduler {
         Ok(ended)
     }
 
-    /// Ends running sequence `seq_id` with `FinishReason::Stop` because its caller's text layer
-    /// found stop string `stop_str` in its text, between steps (after `update`, before the next
-    /// `schedule`), and returns its record: the stop is decided without the model's runner.
+    /// Ends sequence `seq_id` with `FinishReason::Stop` because its caller's text layer found
+    /// stop string `stop_str` in its text, and returns its record: the stop is decided without
+    /// the model's runner. Legal at any time, as text may be a step behind (an overlapped
+    /// engine detokenizes step N while step N + 1 runs): the sequence may have a step in
+    /// flight (its row is then ignored by `update`, as an abort's), or have been preempted
+    /// since. A request that loses one of several sequences mid-step cannot be put back by
+    /// `cancel_step` and is aborted by it.
     pub fn stop_sequence(&mut self, seq_id: u64, stop_str: u32) -> CoreResult<FinishedSeq> {
-        if self.in_flight.is_some() {
-            return Err(CoreError::InvalidState {
-                message: format!("stop_sequence(seq_id={seq_id}): a step is in flight (call it after update)"),
-            });
-        }
         let (slot, pos) = self.locate_seq(seq_id)?;
-        if self.req(slot).state != RequestState::Running {
-            return Err(CoreError::InvalidState {
-                message: format!("stop_sequence(seq_id={seq_id}): its request is not running"),
-            });
-        }
-        let mut out = Vec::with_capacity(1);
-        if self.finish_seq(slot, pos, FinishReason::Stop, None, &mut out) {
-            self.remove_ended(&[slot]);
-        }
-        let mut f = out.pop().expect("finish_seq reports the sequence");
+        self.ts = crate::clock::now(); // its finished time
+        let mut f = if self.req(slot).seqs.len() == 1 {
+            let mut ended = self.end_request(slot, FinishReason::Stop);
+            self.stats.requests_finished += 1;
+            ended.pop().expect("end_request reports the sequence")
+        } else {
+            let request_id = self.req(slot).request_id;
+            if let Some(f) = self.in_flight.as_mut() {
+                f.undo.reshaped.push(request_id);
+            }
+            let mut out = Vec::with_capacity(1);
+            let last = self.finish_seq(slot, pos, FinishReason::Stop, None, &mut out);
+            debug_assert!(!last);
+            out.pop().expect("finish_seq reports the sequence")
+        };
         f.stop_str = Some(stop_str);
         Ok(f)
     }
@@ -246,14 +250,12 @@ mod tests {
     }
 
     #[test]
-    fn stop_sequence_ends_a_running_sequence_between_steps_only() {
+    fn stop_sequence_ends_a_sequence_between_steps() {
         let mut s = with_requests(cfg(32, 4, 64), [req(1, 5, 50), req(2, 5, 50)]);
         step(&mut s, 7);
         step(&mut s, 8);
         let seq = only_seq(&s, 1);
-        let out = s.schedule().unwrap();
-        assert!(matches!(s.stop_sequence(seq, 0), Err(CoreError::InvalidState { .. })), "not with a step in flight");
-        s.update(out.step_id, &vec![9; out.num_rows()]).unwrap();
+        step(&mut s, 9);
         let f = s.stop_sequence(seq, 2).unwrap();
         assert_eq!((f.reason, f.stop_str, f.stop_token, f.request_finished), (FinishReason::Stop, Some(2), None, true));
         assert_eq!(f.output_tokens, vec![7, 8, 9]);
@@ -264,6 +266,52 @@ mod tests {
         assert_eq!(o.req_ids, vec![2]);
         s.abort(2).unwrap();
         assert_eq!(s.num_free_blocks(), 31);
+    }
+
+    #[test]
+    fn stop_sequence_with_a_step_in_flight_ignores_the_sequence_in_update() {
+        // Text runs a step behind: the stop lands while the next step is in flight.
+        let mut s = with_requests(cfg(32, 4, 64), [req(1, 5, 50), req(2, 5, 50)]);
+        step(&mut s, 7);
+        let seq = only_seq(&s, 1);
+        let out = s.schedule().unwrap();
+        let f = s.stop_sequence(seq, 0).unwrap();
+        assert_eq!((f.reason, f.stop_str, f.request_finished, f.output_tokens.clone()), (FinishReason::Stop, Some(0), true, vec![7]));
+        let done = s.update(out.step_id, &vec![8; out.num_rows()]).unwrap();
+        assert!(done.is_empty(), "{done:?}");
+        s.check_invariants().unwrap();
+        assert_eq!(s.seq_tokens(only_seq(&s, 2)).unwrap().len(), 7, "the other row got its token");
+        s.abort(2).unwrap();
+        assert_eq!(s.num_free_blocks(), 31);
+    }
+
+    #[test]
+    fn stop_sequence_of_one_of_several_samples_in_flight_aborts_the_request_if_the_step_is_cancelled() {
+        let mut s = with_requests(cfg(64, 4, 64), [NewRequest { n: 2, ..req(1, 5, 50) }]);
+        step(&mut s, 7);
+        let seqs = s.request_seq_ids(1).unwrap();
+        assert_eq!(seqs.len(), 2);
+        let out = s.schedule().unwrap();
+        let f = s.stop_sequence(seqs[0], 1).unwrap();
+        assert!(!f.request_finished);
+        s.cancel_step(out.step_id).unwrap();
+        let (_, done) = step(&mut s, 1);
+        assert!(done.iter().any(|d| d.seq_id == seqs[1] && d.reason == FinishReason::Abort), "{done:?}");
+        assert!(!s.has_unfinished());
+        assert_eq!(s.num_free_blocks(), 63);
+    }
+
+    #[test]
+    fn stop_sequence_of_a_preempted_request_ends_it_from_the_waiting_queue() {
+        let mut s = with_requests(cfg(32, 4, 64), [req(1, 5, 50)]);
+        step(&mut s, 7);
+        let seq = only_seq(&s, 1);
+        preempt_between_steps(&mut s, 1);
+        assert_eq!(s.num_waiting(), 1);
+        let f = s.stop_sequence(seq, 0).unwrap();
+        assert_eq!((f.reason, f.request_finished), (FinishReason::Stop, true));
+        assert_eq!((s.num_waiting(), s.has_unfinished(), s.num_free_blocks()), (0, false, 31));
+        s.check_invariants().unwrap();
     }
 
     #[test]

@@ -24,6 +24,7 @@ impl Scheduler {
             num_tokens: s.tokens.len(),
             last_token: *s.tokens.last().expect("a sequence has at least one token"),
             stop: RowStop::new(&req.stop, req.prompt_len, max_model_len),
+            sampling: req.sampling,
         }
     }
 

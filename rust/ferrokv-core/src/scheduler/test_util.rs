@@ -48,6 +48,17 @@ pub(super) fn step(s: &mut Scheduler, tok: i64) -> (SchedulerOutput, Vec<Finishe
     (out, done)
 }
 
+/// Preempts request `id` between steps, as the next `schedule`'s walk would before planning
+/// it: out of the running list, its rows unplanned.
+pub(super) fn preempt_between_steps(s: &mut Scheduler, id: u64) {
+    let slot = s.by_id[&id];
+    s.running.retain(|&r| r != slot);
+    for q in &s.requests[slot as usize].as_ref().expect("live slot").seqs {
+        s.batch.rows[q.row as usize].new_tokens = 0;
+    }
+    s.preempt(slot);
+}
+
 /// Steps (every row sampling `tok`) until no request is left; returns what finished.
 pub(super) fn drain(s: &mut Scheduler, tok: i64) -> Vec<FinishedSeq> {
     let mut done = Vec::new();

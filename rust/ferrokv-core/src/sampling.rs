@@ -1,0 +1,264 @@
+//! Sampling parameters kept in the core: each request's `SamplingSpec`, copied into its
+//! sequences' batch rows, and the per-logits-row columns a step hands the sampler
+//! (`SamplingColumns`), so that building a step's sampling metadata reads arrays, not requests.
+//!
+//! Invariants: a row's spec is its request's (copied when the row is given, moved with the row);
+//! a row's uniform draw depends only on its request's key, its sample index and the position of
+//! the token it samples, so a seeded request samples the same tokens alone or in any batch, and
+//! again after a preemption. The `min_tokens` bans are the tokens `RowStop` would stop on, for
+//! rows that have generated fewer than `min_tokens` tokens (vLLM's rule).
+//! Costs: O(1) per logits row, plus the banned tokens of rows still under `min_tokens`.
+
+use crate::error::{CoreError, CoreResult};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// How a request samples (the sampler's knobs; stop rules live in `StopParams`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingSpec {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// <= 0 = off.
+    pub top_k: i32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    /// Logprobs wanted per sampled token; -1 = none.
+    pub num_logprobs: i32,
+    /// The key of the request's random draws (`rng_key`).
+    pub rng_key: u64,
+}
+
+impl Default for SamplingSpec {
+    fn default() -> Self {
+        SamplingSpec {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            num_logprobs: -1,
+            rng_key: 0,
+        }
+    }
+}
+
+impl SamplingSpec {
+    /// Rejects values the sampler cannot use, naming the field.
+    pub fn validate(&self) -> CoreResult<()> {
+        let finite = |field: &'static str, v: f32| {
+            if v.is_finite() {
+                Ok(())
+            } else {
+                Err(CoreError::invalid(field, v, "must be finite"))
+            }
+        };
+        finite("temperature", self.temperature)?;
+        if self.temperature < 0.0 {
+            return Err(CoreError::invalid("temperature", self.temperature, "must be >= 0"));
+        }
+        finite("top_p", self.top_p)?;
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(CoreError::invalid("top_p", self.top_p, "must be in (0, 1]"));
+        }
+        finite("min_p", self.min_p)?;
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(CoreError::invalid("min_p", self.min_p, "must be in [0, 1]"));
+        }
+        finite("presence_penalty", self.presence_penalty)?;
+        finite("frequency_penalty", self.frequency_penalty)?;
+        finite("repetition_penalty", self.repetition_penalty)?;
+        if self.repetition_penalty <= 0.0 {
+            return Err(CoreError::invalid("repetition_penalty", self.repetition_penalty, "must be > 0"));
+        }
+        if self.num_logprobs < -1 {
+            return Err(CoreError::invalid("logprobs", self.num_logprobs, "must be >= 0 (or None)"));
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+    }
+}
+
+/// The key of a request's draws: from its seed alone when it has one (reproducible whatever
+/// else runs), else from its id and the scheduler's sampling seed.
+pub fn rng_key(seed: Option<u64>, request_id: u64, sampling_seed: u64) -> u64 {
+    match seed {
+        Some(s) => xxh3_64_with_seed(b"ferrokv-seeded", s),
+        None => xxh3_64_with_seed(&request_id.to_le_bytes(), sampling_seed),
+    }
+}
+
+/// The uniform draw in [0, 1) of sample `sample_index` at token position `position`.
+#[inline]
+pub fn uniform(rng_key: u64, sample_index: u32, position: u32) -> f64 {
+    let mut bytes = [0u8; 8];
+    bytes[..4].copy_from_slice(&sample_index.to_le_bytes());
+    bytes[4..].copy_from_slice(&position.to_le_bytes());
+    (xxh3_64_with_seed(&bytes, rng_key) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// A step's sampling parameters per logits row, and flags saying which sampler stages any row
+/// needs (a batch that is all greedy needs none).
+#[derive(Debug, Default, Clone)]
+pub struct SamplingColumns {
+    pub temperature: Vec<f32>,
+    pub top_k: Vec<i32>,
+    pub top_p: Vec<f32>,
+    pub min_p: Vec<f32>,
+    pub presence: Vec<f32>,
+    pub frequency: Vec<f32>,
+    pub repetition: Vec<f32>,
+    pub num_logprobs: Vec<i32>,
+    pub uniform: Vec<f64>,
+    /// The row's batch row (where penalty statistics can be kept across steps); -1 for the
+    /// samples an `n > 1` request forks off its prompt at this step.
+    pub batch_rows: Vec<i32>,
+    /// Tokens the row's sequence had generated before this step.
+    pub num_output: Vec<i32>,
+    /// `min_tokens` bans as (logits row, token) pairs.
+    pub banned_rows: Vec<i64>,
+    pub banned_tokens: Vec<i64>,
+    pub num_greedy_rows: usize,
+    pub max_top_k: i32,
+    pub any_top_p: bool,
+    pub any_min_p: bool,
+    pub any_penalties: bool,
+    pub any_logprobs: bool,
+}
+
+impl SamplingColumns {
+    pub fn with_capacity(rows: usize) -> Self {
+        SamplingColumns {
+            temperature: Vec::with_capacity(rows),
+            top_k: Vec::with_capacity(rows),
+            top_p: Vec::with_capacity(rows),
+            min_p: Vec::with_capacity(rows),
+            presence: Vec::with_capacity(rows),
+            frequency: Vec::with_capacity(rows),
+            repetition: Vec::with_capacity(rows),
+            num_logprobs: Vec::with_capacity(rows),
+            uniform: Vec::with_capacity(rows),
+            batch_rows: Vec::with_capacity(rows),
+            num_output: Vec::with_capacity(rows),
+            ..Default::default()
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.temperature.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.temperature.is_empty()
+    }
+
+    /// Appends one logits row: sample `sample_index` of a sequence in batch row `batch_row`
+    /// (-1: none yet) with `num_output` tokens generated, sampling the token at `position`.
+    #[inline]
+    pub fn push(&mut self, spec: &SamplingSpec, sample_index: u32, position: u32, batch_row: i32, num_output: u32) {
+        self.temperature.push(spec.temperature);
+        self.top_k.push(spec.top_k);
+        self.top_p.push(spec.top_p);
+        self.min_p.push(spec.min_p);
+        self.presence.push(spec.presence_penalty);
+        self.frequency.push(spec.frequency_penalty);
+        self.repetition.push(spec.repetition_penalty);
+        self.num_logprobs.push(spec.num_logprobs);
+        let u = if spec.is_greedy() { 0.0 } else { uniform(spec.rng_key, sample_index, position) };
+        self.uniform.push(u);
+        self.batch_rows.push(batch_row);
+        self.num_output.push(num_output.min(i32::MAX as u32) as i32);
+    }
+
+    /// Bans `tokens` for the last pushed row.
+    pub fn ban(&mut self, tokens: impl IntoIterator<Item = u32>) {
+        let row = self.len() as i64 - 1;
+        debug_assert!(row >= 0);
+        for t in tokens {
+            self.banned_rows.push(row);
+            self.banned_tokens.push(t as i64);
+        }
+    }
+
+    /// Sets the flags from the columns (once per step).
+    pub fn finish(&mut self) {
+        self.num_greedy_rows = self.temperature.iter().filter(|&&t| t == 0.0).count();
+        self.max_top_k = self.top_k.iter().copied().max().unwrap_or(0).max(0);
+        self.any_top_p = self.top_p.iter().any(|&p| p < 1.0);
+        self.any_min_p = self.min_p.iter().any(|&p| p > 0.0);
+        self.any_penalties = (0..self.len()).any(|i| self.presence[i] != 0.0 || self.frequency[i] != 0.0 || self.repetition[i] != 1.0);
+        self.any_logprobs = self.num_logprobs.iter().any(|&n| n >= 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uniforms_are_in_range_and_depend_only_on_key_sample_and_position() {
+        let k = rng_key(Some(7), 1, 99);
+        assert_eq!(k, rng_key(Some(7), 2, 5), "a seeded key ignores the request id and the engine seed");
+        assert_ne!(rng_key(None, 1, 99), rng_key(None, 2, 99));
+        assert_ne!(rng_key(None, 1, 99), rng_key(None, 1, 98));
+        let mut seen = std::collections::HashSet::new();
+        for s in 0..4 {
+            for p in 0..256 {
+                let u = uniform(k, s, p);
+                assert!((0.0..1.0).contains(&u));
+                assert_eq!(u, uniform(k, s, p));
+                seen.insert(u.to_bits());
+            }
+        }
+        assert_eq!(seen.len(), 1024, "distinct draws per (sample, position)");
+        let mean: f64 = (0..10_000).map(|p| uniform(k, 0, p)).sum::<f64>() / 10_000.0;
+        assert!((mean - 0.5).abs() < 0.02, "{mean}");
+    }
+
+    #[test]
+    fn validate_names_the_bad_field() {
+        let bad = |f: fn(&mut SamplingSpec)| {
+            let mut s = SamplingSpec::default();
+            f(&mut s);
+            match s.validate() {
+                Err(CoreError::InvalidArgument { field, .. }) => field,
+                other => panic!("{s:?}: {other:?}"),
+            }
+        };
+        assert!(SamplingSpec::default().validate().is_ok());
+        assert_eq!(bad(|s| s.temperature = -1.0), "temperature");
+        assert_eq!(bad(|s| s.temperature = f32::NAN), "temperature");
+        assert_eq!(bad(|s| s.top_p = 0.0), "top_p");
+        assert_eq!(bad(|s| s.top_p = 1.5), "top_p");
+        assert_eq!(bad(|s| s.min_p = -0.1), "min_p");
+        assert_eq!(bad(|s| s.presence_penalty = f32::INFINITY), "presence_penalty");
+        assert_eq!(bad(|s| s.repetition_penalty = 0.0), "repetition_penalty");
+        assert_eq!(bad(|s| s.num_logprobs = -2), "logprobs");
+    }
+
+    #[test]
+    fn columns_flags_follow_the_rows() {
+        let mut c = SamplingColumns::with_capacity(2);
+        c.push(&SamplingSpec::default(), 0, 5, 0, 1);
+        c.finish();
+        assert_eq!((c.num_greedy_rows, c.max_top_k, c.any_top_p, c.any_penalties, c.any_logprobs), (1, 0, false, false, false));
+        assert_eq!(c.uniform, vec![0.0], "a greedy row draws nothing");
+        let hot = SamplingSpec { temperature: 0.8, top_k: 5, top_p: 0.9, repetition_penalty: 1.2, num_logprobs: 0, rng_key: 3, ..Default::default() };
+        c.push(&hot, 1, 5, -1, 0);
+        c.ban([2, 9]);
+        c.finish();
+        assert_eq!((c.num_greedy_rows, c.max_top_k, c.any_top_p, c.any_penalties, c.any_logprobs), (1, 5, true, true, true));
+        assert_eq!((c.banned_rows.clone(), c.banned_tokens.clone()), (vec![1, 1], vec![2, 9]));
+        assert_eq!(c.uniform[1], uniform(3, 1, 5));
+    }
+}
