@@ -36,7 +36,8 @@ from ferrokv import (
 )
 from ferrokv._core import validate_scheduler_config
 
-# name -> (dtype, shape in terms of S seqs, T tokens, R rows, M max blocks, K pairs, F/P ids)
+# name -> (dtype, shape in terms of S seqs, T tokens, R rows, M max blocks, K pairs, F/P ids,
+# B min_tokens bans)
 ARRAYS = {
     "req_ids": (np.int64, "S"),
     "seq_ids": (np.int64, "S"),
@@ -50,6 +51,19 @@ ARRAYS = {
     "row_req_ids": (np.int64, "R"),
     "row_seq_ids": (np.int64, "R"),
     "row_sample_index": (np.int32, "R"),
+    "row_temperature": (np.float32, "R"),
+    "row_top_k": (np.int32, "R"),
+    "row_top_p": (np.float32, "R"),
+    "row_min_p": (np.float32, "R"),
+    "row_presence": (np.float32, "R"),
+    "row_frequency": (np.float32, "R"),
+    "row_repetition": (np.float32, "R"),
+    "row_num_logprobs": (np.int32, "R"),
+    "row_uniform": (np.float64, "R"),
+    "row_batch_rows": (np.int32, "R"),
+    "row_num_output": (np.int32, "R"),
+    "banned_rows": (np.int64, "B"),
+    "banned_tokens": (np.int64, "B"),
     "copy_ops": (np.int32, "K,2"),
     "swap_out": (np.int32, "K,2"),
     "swap_in": (np.int32, "K,2"),
@@ -148,9 +162,35 @@ def check_output(out: SchedulerOutput, s: Scheduler | None = None) -> dict[str, 
     assert len(set(a["row_seq_ids"].tolist())) == R
     for name in ("copy_ops", "swap_out", "swap_in"):
         assert np.all(a[name] >= 0)
+    check_sampling_columns(out, a)
     if len(a["copy_ops"]):
         assert np.all(a["copy_ops"] > 0) and len(set(a["copy_ops"][:, 1].tolist())) == len(a["copy_ops"])
     return a
+
+
+def check_sampling_columns(out: SchedulerOutput, a: dict[str, np.ndarray]) -> None:
+    """The sampling columns of one step: bans name its rows, draws are in [0, 1) (0 for greedy
+    rows), only samples forked at update have no batch row, and the flags match the columns."""
+    R = out.num_rows
+    rows, banned = a["banned_rows"], a["banned_tokens"]
+    assert rows.shape == banned.shape
+    assert np.all((rows >= 0) & (rows < R)) and np.all(banned >= 0)
+    temp, u, br = a["row_temperature"], a["row_uniform"], a["row_batch_rows"]
+    assert np.all(temp >= 0) and np.all((u >= 0) & (u < 1)) and np.all(u[temp == 0] == 0)
+    assert np.all(br >= -1) and np.all(a["row_sample_index"][br < 0] > 0)
+    assert len(set(br[br >= 0].tolist())) == int((br >= 0).sum()), "one logits row per batch row"
+    assert np.all(a["row_num_output"] >= 0) and np.all(a["row_num_logprobs"] >= -1)
+    flags = (out.num_greedy_rows, out.max_top_k, out.any_top_p, out.any_min_p, out.any_penalties, out.any_logprobs)
+    assert [type(f) for f in flags] == [int, int, bool, bool, bool, bool]
+    penalties = (a["row_presence"] != 0) | (a["row_frequency"] != 0) | (a["row_repetition"] != 1)
+    assert flags == (
+        int((temp == 0).sum()),
+        max(int(a["row_top_k"].max(initial=0)), 0),
+        bool((a["row_top_p"] < 1).any()),
+        bool((a["row_min_p"] > 0).any()),
+        bool(penalties.any()),
+        bool((a["row_num_logprobs"] >= 0).any()),
+    )
 
 
 def step(s: Scheduler, tok: int = 7, check: bool = True):
@@ -380,6 +420,154 @@ def test_arrays_read_after_update_are_the_step_that_was_scheduled():
 
 
 # ---------------------------------------------------------------------------------------------
+# Sampling columns
+
+
+HOT = dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.25,
+           repetition_penalty=1.25, logprobs=3)
+
+
+def test_sampling_keywords_reach_every_logits_row_of_their_request():
+    s = make(64, 4, 64)
+    s.add_request(1, toks(1, 5), 4)  # the defaults: greedy, nothing enabled
+    s.add_request(2, toks(2, 3), 4, n=2, seed=7, **HOT)
+    s.add_request(3, toks(3, 4), 4, temperature=1.0, top_k=-5, logprobs=0, min_tokens=2, eos_token_id=2,
+                  stop_token_ids=[9, 2])
+    out = s.schedule()
+    a = check_output(out, s)
+    assert out.row_req_ids.tolist() == [1, 2, 2, 3] and out.row_sample_index.tolist() == [0, 0, 1, 0]
+    f32 = lambda *v: np.array(v, np.float32)  # noqa: E731
+    np.testing.assert_array_equal(a["row_temperature"], f32(0, 0.8, 0.8, 1.0))
+    np.testing.assert_array_equal(a["row_top_p"], f32(1, 0.9, 0.9, 1))
+    np.testing.assert_array_equal(a["row_min_p"], f32(0, 0.05, 0.05, 0))
+    np.testing.assert_array_equal(a["row_presence"], f32(0, 0.5, 0.5, 0))
+    np.testing.assert_array_equal(a["row_frequency"], f32(0, -0.25, -0.25, 0))
+    np.testing.assert_array_equal(a["row_repetition"], f32(1, 1.25, 1.25, 1))
+    assert a["row_top_k"].tolist() == [0, 5, 5, -1]  # any top_k <= 0 is off
+    assert a["row_num_logprobs"].tolist() == [-1, 3, 3, 0]
+    assert a["row_batch_rows"].tolist() == [0, 1, -1, 2]  # sample 1 of request 2 is forked at update
+    assert a["row_num_output"].tolist() == [0, 0, 0, 0]
+    u = a["row_uniform"].tolist()
+    assert u[0] == 0.0 and len({u[1], u[2], u[3]}) == 3 and all(0 < x < 1 for x in u[1:])
+    # Request 3 is under min_tokens: EOS and its stop ids are banned (EOS, also a stop id, once).
+    assert sorted(zip(a["banned_rows"].tolist(), a["banned_tokens"].tolist())) == [(3, 2), (3, 9)]
+    assert (out.num_greedy_rows, out.max_top_k, out.any_top_p, out.any_min_p, out.any_penalties,
+            out.any_logprobs) == (1, 5, True, True, True, True)
+    s.update(out, [5, 5, 5, 5])
+    out, _ = step(s, 5)  # every sequence decodes: the same columns from the batch rows
+    assert sorted(out.row_batch_rows.tolist()) == [0, 1, 2, 3] and out.row_num_output.tolist() == [1] * 4
+    by_seq = dict(zip(out.row_seq_ids.tolist(), out.row_temperature.tolist()))
+    assert sorted(by_seq.values()) == pytest.approx([0.0, 0.8, 0.8, 1.0])
+    (row3,) = np.flatnonzero(out.row_req_ids == 3)
+    assert sorted(zip(out.banned_rows.tolist(), out.banned_tokens.tolist())) == [(row3, 2), (row3, 9)]
+    out, _ = step(s, 5)
+    assert out.banned_rows.size == 0 and out.banned_tokens.size == 0, "min_tokens are out"
+    drain(s)
+    assert_all_free(s)
+    # Each flag on its own (greedy, seeded or not, draws nothing).
+    for kw, flags in [
+        (dict(temperature=0.0, seed=3), (1, 0, False, False, False, False)),
+        (dict(top_k=3), (0, 3, False, False, False, False)),
+        (dict(top_p=0.5), (0, 0, True, False, False, False)),
+        (dict(min_p=0.5), (0, 0, False, True, False, False)),
+        (dict(repetition_penalty=0.9), (0, 0, False, False, True, False)),
+        (dict(logprobs=0), (0, 0, False, False, False, True)),
+    ]:
+        one = make(16, 4, 16)
+        one.add_request(1, toks(1, 3), 2, **dict(temperature=1.0) | kw)
+        out, _ = step(one)
+        assert (out.num_greedy_rows, out.max_top_k, out.any_top_p, out.any_min_p, out.any_penalties,
+                out.any_logprobs) == flags, kw
+        assert (out.row_uniform[0] == 0.0) == (kw.get("temperature") == 0.0), kw
+
+
+def _draws(out: SchedulerOutput) -> dict[int, float]:
+    """Request id -> its (only) row's uniform draw in this step."""
+    return dict(zip(out.row_req_ids.tolist(), out.row_uniform.tolist()))
+
+
+def test_seed_takes_any_int_and_seeds_equal_mod_2_64_draw_alike():
+    s = make(64, 4, 64)
+    seeds = {1: -1, 2: 2**64 - 1, 3: 5, 4: 5 + 2**64, 5: 5 - 2**64, 6: 2**200 + 5, 7: None, 8: 2**64 + 6}
+    for rid, seed in seeds.items():
+        s.add_request(rid, toks(rid, 4), 3, temperature=1.0, seed=seed)
+    for _ in range(3):
+        out = s.schedule()
+        check_output(out, s)
+        d = _draws(out)
+        assert d[1] == d[2] and d[3] == d[4] == d[5] == d[6], d
+        assert len({d[1], d[3], d[7], d[8]}) == 4, d
+        s.update(out, np.full(out.num_rows, 7))
+    assert_all_free(s)
+
+
+def test_sampling_seed_keys_the_draws_of_unseeded_requests_only():
+    def draws(**kw) -> list[tuple[float, float]]:
+        s = make(64, 4, 64, **kw)
+        s.add_request(1, toks(1, 4), 3, temperature=1.0)
+        s.add_request(2, toks(2, 4), 3, temperature=1.0, seed=11)
+        got = []
+        while s.has_unfinished():
+            d = _draws(step(s)[0])
+            got.append((d[1], d[2]))
+        assert_all_free(s)
+        return got
+
+    base = draws()
+    assert len(base) == 3
+    assert draws(sampling_seed=None) == base and draws(sampling_seed=0) == base and draws(sampling_seed=2**64) == base
+    other = draws(sampling_seed=1)
+    assert all(u1 != v1 and u2 == v2 for (u1, u2), (v1, v2) in zip(base, other)), (base, other)
+    assert draws(sampling_seed=-1) == draws(sampling_seed=2**64 - 1) != base
+
+
+# ---------------------------------------------------------------------------------------------
+# Deferred step results (no text layer: the records wait; see test_text_layer.py for text)
+
+
+def _empty_results(results) -> bool:
+    records, rows, deltas = results
+    assert isinstance(rows, np.ndarray) and rows.dtype == np.int64 and rows.ndim == 1
+    return records == [] and rows.size == 0 and deltas == []
+
+
+def test_update_with_defer_text_keeps_the_steps_records_for_take_step_results_once():
+    s = make(32, 4, 16)
+    s.add_request(1, toks(1, 3), 2)
+    s.add_request(2, toks(2, 3), 4)
+    assert _empty_results(s.take_step_results()), "nothing deferred yet"
+    out = s.schedule()
+    assert s.update(out, [7, 7], defer_text=True) == []
+    seq1 = s.request_seq_ids(1)[0]
+    assert s.output_tokens(seq1) == [7], "the tokens are appended at once"
+    nxt = s.schedule()  # schedule does not wait for the results
+    with pytest.raises(SchedulerStateError, match="take_step_results"):
+        s.update(nxt, [8, 8], defer_text=True)
+    s.check_invariants()
+    assert s.output_tokens(seq1) == [7], "the refused update changed nothing"
+    assert _empty_results(s.take_step_results())
+    assert s.update(nxt, [8, 8], defer_text=True) == [], "the step stayed in flight"
+    records, rows, deltas = s.take_step_results()
+    assert [(r.request_id, r.reason, r.output_token_ids, r.request_finished) for r in records] == [
+        (1, "length", [7, 8], True)
+    ]
+    assert records[0].text is None and records[0].times is not None
+    assert rows.dtype == np.int64 and rows.size == 0 and deltas == []
+    assert _empty_results(s.take_step_results()), "taken once"
+    out = s.schedule()
+    s.update(out, [9], defer_text=True)
+    assert _empty_results(s.take_step_results())
+    out = s.schedule()
+    s.update(out, [9], defer_text=True)  # request 2's last token
+    with pytest.raises(UnknownRequestError):
+        s.abort(1)  # runs the deferred step first, even failing; its records wait to be taken
+    assert [(r.request_id, r.reason, r.output_token_ids) for r in s.take_step_results()[0]] == [
+        (2, "length", [7, 8, 9, 9])
+    ]
+    assert_all_free(s)
+
+
+# ---------------------------------------------------------------------------------------------
 # Keywords and methods reach the core
 
 
@@ -562,6 +750,19 @@ def _sched_with_a_running_request() -> Scheduler:
         (lambda s: s.add_request(2, [1], 4, stop_token_ids=[3, -2]), InvalidArgumentError, ["stop_token_ids=-2"]),
         (lambda s: s.add_request(2, [1], 4, stop_token_ids="ab"), InvalidArgumentError, ["stop_token_ids"]),
         (lambda s: s.add_request(2, list(range(200)), 56), CacheCapacityError, ["request_id=2", "64", "63"]),
+        (lambda s: s.add_request(2, [1], 4, temperature=-1), InvalidArgumentError, ["temperature=-1", ">= 0"]),
+        (lambda s: s.add_request(2, [1], 4, temperature=float("inf")), InvalidArgumentError, ["temperature=inf"]),
+        (lambda s: s.add_request(2, [1], 4, top_p=0), InvalidArgumentError, ["top_p=0", "(0, 1]"]),
+        (lambda s: s.add_request(2, [1], 4, top_p=1.5), InvalidArgumentError, ["top_p=1.5"]),
+        (lambda s: s.add_request(2, [1], 4, min_p=2), InvalidArgumentError, ["min_p=2", "[0, 1]"]),
+        (lambda s: s.add_request(2, [1], 4, repetition_penalty=0), InvalidArgumentError, ["repetition_penalty=0"]),
+        (lambda s: s.add_request(2, [1], 4, logprobs=-1), InvalidArgumentError, ["logprobs=-1"]),
+        (lambda s: s.add_request(2, [1], 4, presence_penalty=float("nan")), InvalidArgumentError,
+         ["presence_penalty=NaN", "finite"]),
+        (lambda s: s.add_request(2, [1], 4, frequency_penalty=float("-inf")), InvalidArgumentError,
+         ["frequency_penalty=-inf"]),
+        (lambda s: s.add_request(2, [1], 4, seed="x"), InvalidArgumentError, ["seed=str", "int"]),
+        (lambda s: s.add_request(2, [1], 4, seed=1.0), InvalidArgumentError, ["seed=float"]),
         (lambda s: s.abort(99), UnknownRequestError, ["request_id=99"]),
         (lambda s: s.abort(-1), InvalidArgumentError, ["request_id=-1"]),
         (lambda s: s.num_cached_tokens(99), UnknownRequestError, ["request_id=99"]),
@@ -618,6 +819,8 @@ def test_bad_input_raises_a_typed_error_and_changes_nothing(call, exc, fragments
         (dict(num_blocks=2**31), f"num_blocks={2**31}"),
         (dict(num_blocks=8, num_cpu_blocks=2**32 - 2), f"num_cpu_blocks={2**32 - 2}"),
         (dict(num_blocks=8, num_cpu_blocks=2**33), f"num_cpu_blocks={2**33}"),
+        (dict(sampling_seed="x"), "sampling_seed=str"),
+        (dict(sampling_seed=1.5), "sampling_seed=float"),
     ],
 )
 def test_bad_config_raises_invalid_argument(kwargs, field):

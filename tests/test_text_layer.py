@@ -1,18 +1,23 @@
 """The engine's text layer (``ferrokv.text``): the Rust one (in ``Scheduler.update``) and the
 Python fallback give the same outputs; stop strings end sequences in the core, respect
 ``min_tokens`` and ``include_stop_str_in_output``, win over a length stop on the same token, and
-never let text past them reach an output; no text state outlives its request."""
+never let text past them reach an output; no text state outlives its request. At the scheduler
+level, a step's text may be deferred (``update(defer_text=True)`` / ``take_step_results``) and
+run while the next step is in flight."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import ferrokv.engine
 
+from ferrokv._core import Scheduler, TextModel, UnknownRequestError
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.text import PythonText, RustText
 from helpers.engine_faults import assert_idle, rand_prompts, tiny_engine
+from helpers.tiny_tokenizer import tiny_tokenizer
 
 KINDS = list(RequestOutputKind)
 
@@ -161,3 +166,155 @@ def test_text_state_is_freed_by_every_ending(llama_path):
         rust.step()
     assert rust.scheduler.text_state() == (0, 0)
     assert_idle(rust)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deferred text at the scheduler level: update(defer_text=True), then take_step_results() while
+# the next step is in flight (as the overlapped engine runs it).
+
+
+def text_scheduler(num_blocks=64, **kw):
+    """A scheduler with the Rust text layer of the tiny byte-level tokenizer."""
+    tok = tiny_tokenizer()
+    s = Scheduler(num_blocks, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                  watermark=0.0, **kw)
+    s.attach_text(TextModel(tok.backend_tokenizer.to_str()))
+    return tok, s
+
+
+def sample(out, outputs: dict[int, list[int]]) -> np.ndarray:
+    """Each row samples the next token of its request's scripted output (by tokens out so far)."""
+    return np.array([outputs[r][n] for r, n in zip(out.row_req_ids.tolist(), out.row_num_output.tolist())],
+                    np.int64)
+
+
+def assert_text_idle(s: Scheduler) -> None:
+    s.check_invariants()
+    assert not s.has_unfinished()
+    assert s.num_free_blocks == s.num_blocks - 1
+    assert s.text_state() == (0, 0)
+
+
+def test_a_stop_string_in_deferred_text_ends_its_sequence_while_the_next_step_is_in_flight():
+    tok, s = text_scheduler()
+    ids = tok.encode(" the cat sees the red ball today.", add_special_tokens=False)
+    k = next(k for k in range(1, len(ids) + 1) if "cat" in tok.decode(ids[:k]))  # tokens out at the stop
+    prompt = tok.encode("Hello", add_special_tokens=False)
+    s.add_request(1, prompt, 20, stop=["dog", "cat"])
+    s.add_request(2, prompt, len(ids), stream_text=True)  # the same text, no stop strings
+    outputs = {1: ids + [tok.encode(" x", add_special_tokens=False)[0]] * 20, 2: ids}
+    records, streamed, stop_in_flight = [], [], False
+    out = s.schedule()
+    while True:
+        assert s.update(out, sample(out, outputs), defer_text=True) == []
+        nxt = s.schedule() if s.has_unfinished() else None  # the next step, in flight
+        recs, rows, deltas = s.take_step_results()
+        assert len(rows) == len(deltas) and all(out.row_req_ids[r] == 2 for r in rows.tolist())
+        streamed += deltas
+        for rec in recs:
+            if rec.request_id == 1:
+                stop_in_flight = nxt is not None and 1 in nxt.row_req_ids.tolist()
+        records += recs
+        if nxt is None:
+            break
+        out = nxt
+    assert stop_in_flight, "the stop string was found while request 1's next step was in flight"
+    by_req = {r.request_id: r for r in records}
+    assert len(records) == 2 == len(by_req), records
+    r1, r2 = by_req[1], by_req[2]
+    assert (r1.reason, r1.stop_str_index, r1.stop_reason, r1.request_finished) == ("stop", 1, "cat", True)
+    assert r1.output_token_ids == ids[:k], "the step in flight at the stop added nothing"
+    assert r1.text == tok.decode(ids[:k]).split("cat")[0]
+    assert (r2.reason, r2.output_token_ids, r2.text) == ("length", ids, tok.decode(ids))
+    assert "".join(streamed) + r2.text_delta == r2.text
+    with pytest.raises(UnknownRequestError):
+        s.request_seq_ids(1)
+    assert_text_idle(s)
+
+
+def test_abort_between_a_deferred_update_and_take_step_results_processes_the_deferred_text_first():
+    tok, s = text_scheduler()
+    ids = tok.encode(" a dog reads a long story again!", add_special_tokens=False)
+    prompt = tok.encode("Hi", add_special_tokens=False)
+    s.add_request(1, prompt, 20)
+    s.add_request(2, prompt, 3)
+    outputs = {1: ids, 2: ids}
+    for i in range(3):
+        out = s.schedule()
+        s.update(out, sample(out, outputs), defer_text=True)
+        if i < 2:
+            assert s.take_step_results()[0] == []
+    # Step 3's text is deferred: request 2 ended in it, request 1 got its third token.
+    (aborted,) = s.abort(1)
+    assert (aborted.request_id, aborted.reason, aborted.output_token_ids) == (1, "abort", ids[:3])
+    assert aborted.text == tok.decode(ids[:3]), "the deferred token is in the aborted text"
+    records, rows, deltas = s.take_step_results()
+    assert [(r.request_id, r.reason, r.output_token_ids, r.text) for r in records] == [
+        (2, "length", ids[:3], tok.decode(ids[:3]))
+    ]
+    assert rows.size == 0 and deltas == []
+    assert s.take_step_results()[0] == []
+    assert_text_idle(s)
+
+
+def test_a_stop_string_in_deferred_text_of_one_of_n_samples_then_a_cancelled_step_aborts_the_request():
+    tok, s = text_scheduler()
+    ids = tok.encode(" the cat sees the red ball today.", add_special_tokens=False)
+    other = tok.encode(" a dog reads a long story again!", add_special_tokens=False)
+    s.add_request(1, tok.encode("Hello", add_special_tokens=False), 10, n=2, temperature=1.0, stop=["cat"])
+    scripts = {0: ids, 1: other}  # by sample index: only sample 0 writes "cat"
+    records = []
+    out = s.schedule()
+    while not records:
+        rows = zip(out.row_sample_index.tolist(), out.row_num_output.tolist())
+        s.update(out, np.array([scripts[i][n] for i, n in rows], np.int64), defer_text=True)
+        nxt = s.schedule()
+        records = s.take_step_results()[0]
+        out = nxt
+    (stopped,) = records
+    assert (stopped.reason, stopped.sample_index, stopped.request_finished, stopped.text) == ("stop", 0, False, " the ")
+    # The step in flight planned both samples; cancelled, it cannot be put back: the request
+    # is aborted, its other sample reported (with its text) by the next update.
+    s.cancel_step(nxt)
+    s.check_invariants()
+    out = s.schedule()
+    assert s.update(out, [], defer_text=True) == []
+    (aborted,) = s.take_step_results()[0]
+    assert (aborted.reason, aborted.sample_index, aborted.request_finished) == ("abort", 1, True)
+    assert aborted.output_token_ids == other[:2] and aborted.text == tok.decode(other[:2])
+    assert_text_idle(s)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_stop_string_in_deferred_text_ends_a_sequence_the_next_schedule_preempted(mode):
+    # 4 usable blocks of 4 tokens, two 4-token prompts: the step that computes position 8 runs
+    # out of blocks and preempts request 2 (the back of the running order), whose text (deferred
+    # from the step before) completes its stop string.
+    tok, s = text_scheduler(5, admission_headroom=0.0, preemption_mode=mode, num_cpu_blocks=8)
+    ids = tok.encode(" the cat sees the red ball today.", add_special_tokens=False)
+    k = next(k for k in range(1, len(ids) + 1) if "sees" in tok.decode(ids[:k]))
+    assert k == 5
+    prompt = tok.encode("Hello", add_special_tokens=False)
+    assert len(prompt) == 4
+    s.add_request(1, prompt, 12)
+    s.add_request(2, prompt, 12, stop=["sees"])
+    records, stopped_while_preempted = [], False
+    out = s.schedule()
+    while True:
+        s.update(out, sample(out, {1: ids, 2: ids}), defer_text=True)
+        nxt = s.schedule() if s.has_unfinished() else None
+        recs = s.take_step_results()[0]
+        if any(r.request_id == 2 for r in recs):
+            stopped_while_preempted = nxt is not None and nxt.preempted_req_ids.tolist() == [2]
+            assert mode == "recompute" or len(nxt.swap_out)
+        records += recs
+        if nxt is None:
+            break
+        out = nxt
+    assert stopped_while_preempted
+    by_req = {r.request_id: r for r in records}
+    assert (by_req[2].reason, by_req[2].stop_str_index, by_req[2].output_token_ids) == ("stop", 0, ids[:k])
+    assert by_req[2].text == " the cat "
+    assert (by_req[1].reason, by_req[1].output_token_ids) == ("length", ids[:12])
+    assert s.stats()["preemptions"] == 1
+    assert_text_idle(s)

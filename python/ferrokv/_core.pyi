@@ -102,6 +102,42 @@ class SchedulerOutput:
     def row_seq_ids(self) -> npt.NDArray[np.int64]: ...  # [R]
     @property
     def row_sample_index(self) -> npt.NDArray[np.int32]: ...  # [R]
+    # Sampling, per logits row: the request's parameters (kept in the core, copied into each of
+    # its sequences' batch rows), so a step's sampling metadata is read from arrays.
+    @property
+    def row_temperature(self) -> npt.NDArray[np.float32]: ...  # [R], 0 = greedy
+    @property
+    def row_top_k(self) -> npt.NDArray[np.int32]: ...  # [R], <= 0 = off
+    @property
+    def row_top_p(self) -> npt.NDArray[np.float32]: ...  # [R]
+    @property
+    def row_min_p(self) -> npt.NDArray[np.float32]: ...  # [R]
+    @property
+    def row_presence(self) -> npt.NDArray[np.float32]: ...  # [R] presence_penalty
+    @property
+    def row_frequency(self) -> npt.NDArray[np.float32]: ...  # [R] frequency_penalty
+    @property
+    def row_repetition(self) -> npt.NDArray[np.float32]: ...  # [R] repetition_penalty
+    @property
+    def row_num_logprobs(self) -> npt.NDArray[np.int32]: ...  # [R], -1 = none
+    @property
+    def row_uniform(self) -> npt.NDArray[np.float64]: ...  # [R] in [0, 1); 0.0 for greedy rows
+    # (the row's draw: xxh3 of (sample index, position of the sampled token) keyed by the
+    # request's seed, else by its id and ``sampling_seed``: independent of the batch)
+    @property
+    def row_batch_rows(self) -> npt.NDArray[np.int32]: ...  # [R] batch row; -1 = a sample forked at update
+    @property
+    def row_num_output(self) -> npt.NDArray[np.int32]: ...  # [R] tokens generated before this step
+    @property
+    def banned_rows(self) -> npt.NDArray[np.int64]: ...  # [B] min_tokens bans: logits row
+    @property
+    def banned_tokens(self) -> npt.NDArray[np.int64]: ...  # [B] ... and the token (EOS, stop ids)
+    num_greedy_rows: int
+    max_top_k: int  # largest enabled top_k, 0 if none
+    any_top_p: bool  # some row has top_p < 1
+    any_min_p: bool  # some row has min_p > 0
+    any_penalties: bool  # some row has a non-neutral penalty
+    any_logprobs: bool  # some row wants logprobs
     @property
     def copy_ops(self) -> npt.NDArray[np.int32]: ...  # [K, 2] (src, dst) copy-on-write
     @property
@@ -153,6 +189,7 @@ class Scheduler:
         policy: str | None = None,  # "fcfs" | "priority" (lower value first)
         watermark: float | None = None,  # fraction of blocks admission keeps free
         admission_headroom: float | None = None,  # and this many blocks more per running sequence (anti-thrash)
+        sampling_seed: int | None = None,  # keys unseeded requests' draws (any int, mod 2**64); None = 0
     ) -> None: ...
     def add_request(
         self,
@@ -173,6 +210,16 @@ class Scheduler:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         stream_text: bool = False,  # text deltas every step (text_deltas)
+        # Sampling (validated; handed out per logits row as SchedulerOutput.row_*):
+        temperature: float = 0.0,  # 0 = greedy
+        top_k: int = 0,  # <= 0 = off
+        top_p: float = 1.0,  # in (0, 1]
+        min_p: float = 0.0,  # in [0, 1]
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,  # > 0
+        seed: int | None = None,  # any int (mod 2**64): the request's draws depend on it alone
+        logprobs: int | None = None,  # >= 0
     ) -> None: ...
     def attach_text(self, model: TextModel) -> None:
         """Gives the scheduler a text layer: requests added from now on are detokenized in
@@ -192,10 +239,20 @@ class Scheduler:
         token, the step is planned over the persistent batch rows without visiting a request
         (also when the only other running requests are prefill chunks at the back of the
         order)."""
-    def update(self, output: SchedulerOutput, sampled_token_ids: TokenIds) -> list[FinishedSequence]:
-        """One token per logits row of ``output``; runs with the GIL released. Rows of aborted or
-        dropped sequences are ignored. Returns the sequences that ended (incl. forks that ended at
-        once and requests aborted because they outgrew the cache)."""
+    def update(self, output: SchedulerOutput, sampled_token_ids: TokenIds, *,
+               defer_text: bool = False) -> list[FinishedSequence]:
+        """One token per logits row of ``output``; runs with the GIL released. Rows of aborted,
+        stopped or dropped sequences are ignored. Returns the sequences that ended (incl. forks
+        that ended at once and requests aborted because they outgrew the cache).
+
+        With ``defer_text`` the tokens are appended and the step's text work (detokenization,
+        stop strings, streaming deltas) and its records wait for ``take_step_results``; it
+        returns []. It raises ``SchedulerStateError`` while an earlier deferred step's results
+        are untaken. Any call that changes sequences (update, cancel_step, abort, stop_sequence,
+        fork_sequence, drop_sequence) runs the deferred text work first; ``schedule`` does not."""
+    def take_step_results(self) -> tuple[list[FinishedSequence], npt.NDArray[np.int64], list[str]]:
+        """The deferred step's ended sequences (with their text), its streaming rows (indices
+        into its logits rows) and their text deltas, once (GIL released); empty if none."""
     def cancel_step(self, output: SchedulerOutput) -> None:
         """Instead of ``update`` when the step's forward pass failed or was interrupted: no token is
         appended and no computed count advances; blocks the step allocated are released, requests
@@ -205,8 +262,10 @@ class Scheduler:
         """Ends a request anywhere (waiting, running, swapped, mid-step); returns its sequences as
         aborted, with the tokens each generated."""
     def stop_sequence(self, seq_id: int, stop_str_index: int) -> FinishedSequence:
-        """Ends a running sequence because stop string ``stop_str_index`` of its request appeared
-        in its text; between steps only (after ``update``)."""
+        """Ends a sequence because stop string ``stop_str_index`` of its request appeared in its
+        text. Legal at any time (text may run a step behind): a step in flight then ignores its
+        row, and a request that lost one of several sequences mid-step is aborted if that step
+        is cancelled."""
     def output_tokens(self, seq_id: int) -> list[int]:
         """The tokens a live sequence has generated so far (O(output length))."""
     def fork_sequence(self, seq_id: int, next_token: int | None = None) -> int:

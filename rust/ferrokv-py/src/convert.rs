@@ -31,6 +31,16 @@ pub(crate) fn str_arg(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<S
     s.to_str().map(str::to_owned).map_err(|_| invalid(field, "<a lone surrogate>", "must be valid Unicode"))
 }
 
+/// Any Python int as a u64, modulo 2^64 (a seed: every int is a valid one); a non-int is an
+/// `InvalidArgumentError` naming the field.
+pub(crate) fn any_int_as_u64(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if !obj.is_instance_of::<pyo3::types::PyInt>() {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        return Err(invalid(field, ty, "must be an int"));
+    }
+    obj.call_method1("__and__", (u64::MAX,))?.extract::<u64>()
+}
+
 pub(crate) fn non_negative(field: &'static str, v: i64) -> PyResult<u64> {
     u64::try_from(v).map_err(|_| invalid(field, v, "must be >= 0"))
 }

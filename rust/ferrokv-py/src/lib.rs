@@ -13,6 +13,7 @@ mod convert;
 mod errors;
 mod output;
 mod scheduler;
+mod step_results;
 mod text;
 
 pub(crate) use config::*;
@@ -20,6 +21,7 @@ pub(crate) use convert::*;
 pub(crate) use errors::*;
 pub(crate) use output::*;
 pub(crate) use scheduler::*;
+pub(crate) use step_results::*;
 pub(crate) use text::*;
 
 use ferrokv_core::{Named, Policy, PreemptionMode};

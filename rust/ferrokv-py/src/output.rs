@@ -3,7 +3,7 @@
 //! sequence are a read-only view of the scheduler's batch matrix, which keeps it alive.
 
 use crate::*;
-use ferrokv_core::{BlockTables, CoreError, FinishedSeq, SchedulerOutput};
+use ferrokv_core::{BlockTables, CoreError, FinishedSeq, SamplingColumns, SchedulerOutput};
 use numpy::ndarray::{Array2, ArrayView2, ShapeBuilder};
 use numpy::{Element, IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -136,6 +136,56 @@ pub(crate) struct PySchedulerOutput {
     swap_in: Lazy2<i32>,
     finished_req_ids: Lazy1<i64>,
     preempted_req_ids: Lazy1<i64>,
+    sampling: LazySampling,
+    #[pyo3(get)]
+    num_greedy_rows: usize,
+    #[pyo3(get)]
+    max_top_k: i32,
+    #[pyo3(get)]
+    any_top_p: bool,
+    #[pyo3(get)]
+    any_min_p: bool,
+    #[pyo3(get)]
+    any_penalties: bool,
+    #[pyo3(get)]
+    any_logprobs: bool,
+}
+
+/// The per-row sampling columns (`ferrokv_core::SamplingColumns`) as lazy numpy arrays.
+struct LazySampling {
+    temperature: Lazy1<f32>,
+    top_k: Lazy1<i32>,
+    top_p: Lazy1<f32>,
+    min_p: Lazy1<f32>,
+    presence: Lazy1<f32>,
+    frequency: Lazy1<f32>,
+    repetition: Lazy1<f32>,
+    num_logprobs: Lazy1<i32>,
+    uniform: Lazy1<f64>,
+    batch_rows: Lazy1<i32>,
+    num_output: Lazy1<i32>,
+    banned_rows: Lazy1<i64>,
+    banned_tokens: Lazy1<i64>,
+}
+
+impl LazySampling {
+    fn new(c: SamplingColumns) -> Self {
+        LazySampling {
+            temperature: Lazy1::new(c.temperature),
+            top_k: Lazy1::new(c.top_k),
+            top_p: Lazy1::new(c.top_p),
+            min_p: Lazy1::new(c.min_p),
+            presence: Lazy1::new(c.presence),
+            frequency: Lazy1::new(c.frequency),
+            repetition: Lazy1::new(c.repetition),
+            num_logprobs: Lazy1::new(c.num_logprobs),
+            uniform: Lazy1::new(c.uniform),
+            batch_rows: Lazy1::new(c.batch_rows),
+            num_output: Lazy1::new(c.num_output),
+            banned_rows: Lazy1::new(c.banned_rows),
+            banned_tokens: Lazy1::new(c.banned_tokens),
+        }
+    }
 }
 
 impl PySchedulerOutput {
@@ -178,6 +228,13 @@ impl PySchedulerOutput {
             swap_in: pairs(o.swap_in),
             finished_req_ids: Lazy1::new(o.finished_req_ids),
             preempted_req_ids: Lazy1::new(o.preempted_req_ids),
+            num_greedy_rows: o.sampling.num_greedy_rows,
+            max_top_k: o.sampling.max_top_k,
+            any_top_p: o.sampling.any_top_p,
+            any_min_p: o.sampling.any_min_p,
+            any_penalties: o.sampling.any_penalties,
+            any_logprobs: o.sampling.any_logprobs,
+            sampling: LazySampling::new(o.sampling),
         }
     }
 }
@@ -239,6 +296,58 @@ impl PySchedulerOutput {
     #[getter]
     fn row_sample_index(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
         self.row_sample_index.get(py)
+    }
+    #[getter]
+    fn row_temperature(&mut self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.sampling.temperature.get(py)
+    }
+    #[getter]
+    fn row_top_k(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.sampling.top_k.get(py)
+    }
+    #[getter]
+    fn row_top_p(&mut self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.sampling.top_p.get(py)
+    }
+    #[getter]
+    fn row_min_p(&mut self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.sampling.min_p.get(py)
+    }
+    #[getter]
+    fn row_presence(&mut self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.sampling.presence.get(py)
+    }
+    #[getter]
+    fn row_frequency(&mut self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.sampling.frequency.get(py)
+    }
+    #[getter]
+    fn row_repetition(&mut self, py: Python<'_>) -> Py<PyArray1<f32>> {
+        self.sampling.repetition.get(py)
+    }
+    #[getter]
+    fn row_num_logprobs(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.sampling.num_logprobs.get(py)
+    }
+    #[getter]
+    fn row_uniform(&mut self, py: Python<'_>) -> Py<PyArray1<f64>> {
+        self.sampling.uniform.get(py)
+    }
+    #[getter]
+    fn row_batch_rows(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.sampling.batch_rows.get(py)
+    }
+    #[getter]
+    fn row_num_output(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.sampling.num_output.get(py)
+    }
+    #[getter]
+    fn banned_rows(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.sampling.banned_rows.get(py)
+    }
+    #[getter]
+    fn banned_tokens(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.sampling.banned_tokens.get(py)
     }
     #[getter]
     fn copy_ops(&mut self, py: Python<'_>) -> Py<PyArray2<i32>> {

@@ -3,7 +3,7 @@
 //! (`attach_text`): `update` then detokenizes the step and ends sequences on stop strings, and
 //! every ended sequence's record carries its text.
 
-use ferrokv_core::{CoreError, FinishedSeq, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig};
+use ferrokv_core::{CoreError, FinishedSeq, Named, NewRequest, Policy, PreemptionMode, SamplingSpec, Scheduler, SchedulerConfig};
 use ferrokv_text::{EndedText, SchedulerText, StepDeltas, StopStrings};
 
 use crate::*;
@@ -24,15 +24,48 @@ pub(crate) struct PyScheduler {
     deltas: StepDeltas,
     row_reqs: Vec<i64>,
     row_seqs: Vec<i64>,
+    /// A step whose text work `update(defer_text=True)` deferred, or its untaken results.
+    deferred: Deferred,
 }
 
+/// `take_step_results()`: (records, streaming rows, their text deltas).
+type StepResultsTuple<'py> = (Vec<PyFinishedSequence>, Bound<'py, numpy::PyArray1<i64>>, Vec<String>);
+
 impl PyScheduler {
+    /// `update(defer_text=True)`: the tokens are appended now, the text work deferred.
+    fn update_deferred(
+        &mut self,
+        py: Python<'_>,
+        output: PyRef<'_, PySchedulerOutput>,
+        sampled_token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<PyFinishedSequence>> {
+        let step_id = output.step_id;
+        let (mut row_reqs, mut row_seqs) = (Vec::new(), Vec::new());
+        if self.text.is_some() {
+            output.row_req_ids.copy_into(py, &mut row_reqs);
+            output.row_seq_ids.copy_into(py, &mut row_seqs);
+        }
+        drop(output);
+        let mut sampled = Vec::new();
+        token_ids_into("sampled_token_ids", sampled_token_ids, &mut sampled)?;
+        let inner = &mut self.inner;
+        let done = py.detach(|| inner.update(step_id, &sampled)).map_err(to_py_err)?;
+        self.deferred.defer(DeferredStep { row_reqs, row_seqs, sampled, done });
+        Ok(Vec::new())
+    }
+
     /// Records as Python objects, with their text when the text layer gave some.
     fn with_text(done: Vec<FinishedSeq>, texts: Option<Vec<Option<EndedText>>>) -> Vec<PyFinishedSequence> {
         match texts {
             None => done.into_iter().map(Into::into).collect(),
             Some(texts) => done.into_iter().zip(texts).map(|(f, t)| PyFinishedSequence::with_ended_text(f, t)).collect(),
         }
+    }
+
+    /// Runs a deferred step's text work (GIL released) before a call that changes sequences.
+    fn flush_deferred(&mut self, py: Python<'_>) {
+        let (deferred, inner, text) = (&mut self.deferred, &mut self.inner, &mut self.text);
+        py.detach(|| deferred.flush(inner, text));
     }
 }
 
@@ -42,7 +75,8 @@ impl PyScheduler {
     #[new]
     #[pyo3(signature = (num_blocks, block_size=None, max_num_seqs=None, max_num_batched_tokens=None,
                         max_model_len=None, enable_prefix_caching=None, preemption_mode=None,
-                        num_cpu_blocks=None, policy=None, watermark=None, admission_headroom=None))]
+                        num_cpu_blocks=None, policy=None, watermark=None, admission_headroom=None,
+                        sampling_seed=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
@@ -56,6 +90,7 @@ impl PyScheduler {
         policy: Option<&str>,
         watermark: Option<f64>,
         admission_headroom: Option<f64>,
+        sampling_seed: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
         let size = |field: &'static str, v: Option<&Bound<'_, PyAny>>, default: usize| {
@@ -75,6 +110,7 @@ impl PyScheduler {
             policy: policy.map_or(Ok(d.policy), Policy::parse).map_err(to_py_err)?,
             watermark: watermark.unwrap_or(d.watermark),
             admission_headroom: admission_headroom.unwrap_or(d.admission_headroom),
+            sampling_seed: sampling_seed.filter(|s| !s.is_none()).map(|s| any_int_as_u64("sampling_seed", s)).transpose()?.unwrap_or(d.sampling_seed),
         };
         Ok(PyScheduler {
             inner: Scheduler::new(cfg).map_err(to_py_err)?,
@@ -83,12 +119,15 @@ impl PyScheduler {
             deltas: StepDeltas::default(),
             row_reqs: Vec::new(),
             row_seqs: Vec::new(),
+            deferred: Deferred::default(),
         })
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, *, n=1, priority=0, eos_token_id=None,
                         stop_token_ids=None, min_tokens=0, ignore_eos=false, cache_salt=None, reserve_seqs=0,
-                        stop=None, include_stop_str_in_output=false, skip_special_tokens=true, stream_text=false))]
+                        stop=None, include_stop_str_in_output=false, skip_special_tokens=true, stream_text=false,
+                        temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
+                        frequency_penalty=0.0, repetition_penalty=1.0, seed=None, logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -108,6 +147,15 @@ impl PyScheduler {
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
         stream_text: bool,
+        temperature: f64,
+        top_k: i64,
+        top_p: f64,
+        min_p: f64,
+        presence_penalty: f64,
+        frequency_penalty: f64,
+        repetition_penalty: f64,
+        seed: Option<&Bound<'_, PyAny>>,
+        logprobs: Option<i64>,
     ) -> PyResult<()> {
         let stop = stop_strings(stop, self.text.is_some())?;
         let request_id: u64 = int_arg("request_id", request_id, "must be in [0, 2^63)")?;
@@ -129,6 +177,21 @@ impl PyScheduler {
         if max_tokens < 1 {
             return Err(invalid("max_tokens", max_tokens, "must be >= 1"));
         }
+        let sampling = SamplingSpec {
+            temperature: temperature as f32,
+            top_k: top_k.clamp(-1, i32::MAX as i64) as i32,
+            top_p: top_p as f32,
+            min_p: min_p as f32,
+            presence_penalty: presence_penalty as f32,
+            frequency_penalty: frequency_penalty as f32,
+            repetition_penalty: repetition_penalty as f32,
+            num_logprobs: match logprobs {
+                None => -1,
+                Some(k) => i32::try_from(k).ok().filter(|&k| k >= 0).ok_or_else(|| invalid("logprobs", k, "must be >= 0 (or None)"))?,
+            },
+            rng_key: 0,
+        };
+        let seed = seed.filter(|s| !s.is_none()).map(|s| any_int_as_u64("seed", s)).transpose()?;
         if n < 1 || n > u32::MAX as i64 {
             return Err(invalid("n", n, "must be >= 1"));
         }
@@ -144,6 +207,8 @@ impl PyScheduler {
             ignore_eos,
             cache_salt,
             reserve_seqs: u32::try_from(reserve_seqs).map_err(|_| invalid("reserve_seqs", reserve_seqs, "must be >= 0"))?,
+            sampling,
+            seed,
         };
         let prompt = self.text.as_ref().map(|_| req.prompt_token_ids.clone());
         let min_tokens = req.min_tokens;
@@ -191,13 +256,25 @@ impl PyScheduler {
         Ok(PySchedulerOutput::from_core(out, slf.clone().unbind()))
     }
 
-    /// Appends one sampled token per logits row of `output` (GIL released).
+    /// Appends one sampled token per logits row of `output` (GIL released). With `defer_text`
+    /// the step's text work and records wait for `take_step_results` (and it returns []).
+    #[pyo3(signature = (output, sampled_token_ids, *, defer_text=false))]
     fn update(
         &mut self,
         py: Python<'_>,
         output: PyRef<'_, PySchedulerOutput>,
         sampled_token_ids: &Bound<'_, PyAny>,
+        defer_text: bool,
     ) -> PyResult<Vec<PyFinishedSequence>> {
+        if defer_text && self.deferred.is_untaken() {
+            return Err(to_py_err(CoreError::InvalidState {
+                message: "update(defer_text=True) before the previous step's take_step_results()".into(),
+            }));
+        }
+        self.flush_deferred(py);
+        if defer_text {
+            return self.update_deferred(py, output, sampled_token_ids);
+        }
         let step_id = output.step_id;
         if self.text.is_some() {
             output.row_req_ids.copy_into(py, &mut self.row_reqs);
@@ -223,27 +300,38 @@ impl PyScheduler {
         Ok(Self::with_text(done, texts))
     }
 
+    /// The deferred step's records (with their texts), its streaming rows (indices into its
+    /// logits rows) and their text deltas, once; its text work runs now if no call ran it.
+    fn take_step_results<'py>(&mut self, py: Python<'py>) -> StepResultsTuple<'py> {
+        self.flush_deferred(py);
+        let r = self.deferred.take();
+        (Self::with_text(r.records, r.texts), numpy::IntoPyArray::into_pyarray(r.deltas.rows, py), r.deltas.deltas)
+    }
+
     /// Undoes the step of `output` instead of `update` (its forward pass failed or was
     /// interrupted): no token is appended and no computed count advances (GIL released).
     fn cancel_step(&mut self, py: Python<'_>, output: PyRef<'_, PySchedulerOutput>) -> PyResult<()> {
         let step_id = output.step_id;
         drop(output);
+        self.flush_deferred(py);
         let inner = &mut self.inner;
         py.detach(|| inner.cancel_step(step_id)).map_err(to_py_err)
     }
 
     /// Ends a request anywhere; returns its sequences as aborted, with what they generated.
-    fn abort(&mut self, request_id: i64) -> PyResult<Vec<PyFinishedSequence>> {
+    fn abort(&mut self, py: Python<'_>, request_id: i64) -> PyResult<Vec<PyFinishedSequence>> {
         let id = non_negative("request_id", request_id)?;
+        self.flush_deferred(py);
         let ended = self.inner.abort(id).map_err(to_py_err)?;
         let texts = self.text.as_mut().map(|t| t.end(&ended));
         Ok(Self::with_text(ended, texts))
     }
 
-    /// Ends a running sequence on stop string `stop_str_index` between steps.
-    fn stop_sequence(&mut self, seq_id: i64, stop_str_index: i64) -> PyResult<PyFinishedSequence> {
+    /// Ends a sequence on stop string `stop_str_index` (also with a step in flight).
+    fn stop_sequence(&mut self, py: Python<'_>, seq_id: i64, stop_str_index: i64) -> PyResult<PyFinishedSequence> {
         let seq_id = non_negative("seq_id", seq_id)?;
         let index = u32::try_from(stop_str_index).map_err(|_| invalid("stop_str_index", stop_str_index, "must be in [0, 2^32)"))?;
+        self.flush_deferred(py);
         self.inner.stop_sequence(seq_id, index).map(Into::into).map_err(to_py_err)
     }
 
@@ -253,14 +341,16 @@ impl PyScheduler {
     }
 
     #[pyo3(signature = (seq_id, next_token=None))]
-    fn fork_sequence(&mut self, seq_id: i64, next_token: Option<i64>) -> PyResult<u64> {
+    fn fork_sequence(&mut self, py: Python<'_>, seq_id: i64, next_token: Option<i64>) -> PyResult<u64> {
         let seq_id = non_negative("seq_id", seq_id)?;
         let tok = next_token.map(|t| token_id("next_token", t)).transpose()?;
+        self.flush_deferred(py);
         self.inner.fork_sequence(seq_id, tok).map_err(to_py_err)
     }
 
-    fn drop_sequence(&mut self, seq_id: i64) -> PyResult<bool> {
+    fn drop_sequence(&mut self, py: Python<'_>, seq_id: i64) -> PyResult<bool> {
         let seq_id = non_negative("seq_id", seq_id)?;
+        self.flush_deferred(py);
         let request_id = self.inner.seq_request_id(seq_id);
         let last = self.inner.drop_sequence(seq_id).map_err(to_py_err)?;
         if let (Some(t), Some(rid)) = (self.text.as_mut(), request_id) {

@@ -1,7 +1,7 @@
 //! `SchedulerText`: the text layer of a `ferrokv_core::Scheduler`. It keeps each text request's
-//! parameters and prompt tail and each live sequence's `SeqText`; run right after
-//! `Scheduler::update` with the step's sampled tokens, it detokenizes them, ends the sequences
-//! whose text reached a stop string (`Scheduler::stop_sequence`, no round trip through the
+//! parameters and prompt tail and each live sequence's `SeqText`; run after `Scheduler::update`
+//! (at once, or deferred while the next step runs) with the step's sampled tokens, it
+//! detokenizes them, ends the sequences whose text reached a stop string (`Scheduler::stop_sequence`, no round trip through the
 //! caller) and gives the text of every sequence that ended.
 //!
 //! Invariants: the tokens are the ones the core appended (the step's sampled ids of its logits
@@ -98,6 +98,9 @@ impl SchedulerText {
             if f.is_some_and(|i| finished[i].reason == FinishReason::Stop && finished[i].stop_str.is_none()) {
                 continue; // EOS or a stop token id: kept out of the text
             }
+            if f.is_none() && sched.seq_request_id(sid).is_none() {
+                continue; // ended mid-step (a stop string found a step late): `update` ignored its row
+            }
             let model = &self.model;
             let seq = self.seqs.entry(sid).or_insert_with(|| SeqText::new(model, req.params.clone(), &req.prompt_tail));
             if seq.stop_index().is_some() {
@@ -109,13 +112,14 @@ impl SchedulerText {
                         let rec = &mut finished[i];
                         (rec.reason, rec.stop_str, rec.stop_token) = (FinishReason::Stop, Some(k), None);
                     }
-                    None => match sched.stop_sequence(sid, k) {
-                        Ok(rec) => {
+                    // Run deferred, the sequence may have ended since (a capacity abort by the
+                    // next schedule): an Err is ignored, as its record, reported later, ends its text.
+                    None => {
+                        if let Ok(rec) = sched.stop_sequence(sid, k) {
                             ended.insert(sid, finished.len());
                             finished.push(rec);
                         }
-                        Err(e) => debug_assert!(false, "stop_sequence({sid}) after update: {e}"),
-                    },
+                    }
                 }
             } else if f.is_none() && req.stream {
                 step.rows.push(r as i64);
