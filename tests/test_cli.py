@@ -112,6 +112,7 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "--num-cpu-blocks": (["--num-cpu-blocks", "-1"], "num_cpu_blocks must be an integer >= 0, got -1"),
     "--scheduling-policy": (["--scheduling-policy", "lifo"], "--scheduling-policy: invalid choice: 'lifo'"),
     "--seed": (["--seed", "x"], "--seed: invalid int value: 'x'"),
+    "--overlap": (["--overlap=1"], "--no-overlap: ignored explicit argument '1'"),
     "--max-tokens": (["--max-tokens", "0"], "max_tokens must be None or an int >= 1, got 0"),
     "--min-tokens": (["--min-tokens", "-1"], "min_tokens must be an int >= 0, got -1"),
     "--temperature": (["--temperature", "-1"], "temperature must be >= 0 and finite, got -1.0"),

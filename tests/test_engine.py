@@ -639,19 +639,19 @@ def test_sampler_generator_is_on_the_engine_device(llama_path, monkeypatch):
     """Unseeded rows draw from the sampler's shared generator on the logits' device, so the
     engine must make it on its own device (it once made it on the CPU whatever the device: on
     CUDA, every unseeded sample then failed). Recorded, since a CPU-only machine has one device."""
-    import ferrokv.engine as engine_module
+    import ferrokv.step_sampling as step_sampling
 
     made = []
 
-    class Recording(engine_module.Sampler):
+    class Recording(step_sampling.Sampler):
         def __init__(self, *args, **kwargs):
             made.append(kwargs)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "Sampler", Recording)
+    monkeypatch.setattr(step_sampling, "Sampler", Recording)
     engine = make_engine(llama_path, seed=3)
     assert made == [{"seed": 3, "device": engine.device}]
-    assert engine.sampler.generator.device == engine.device
+    assert engine.step_sampler.sampler.generator.device == engine.device
 
 
 def test_requests_admitted_together_hit_the_prefix_their_first_computes(llama_path, hf_greedy):

@@ -57,12 +57,13 @@ def in_another_thread(fn) -> None:
 # ------------------------------------------------------------------------------------------------
 # 1. generate from several threads at once
 # ------------------------------------------------------------------------------------------------
-def test_concurrent_generate_gets_each_thread_its_sequential_outputs(llama_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_concurrent_generate_gets_each_thread_its_sequential_outputs(llama_path, overlap):
     batches = [rand_prompts(20 + i, [4 + 5 * i, 30 - 3 * i, 11]) for i in range(N_THREADS)]
     params = greedy(12)
     sequential = [token_ids(tiny_llm(llama_path).generate(b, params, use_tqdm=False)) for b in batches]
 
-    llm = tiny_llm(llama_path)
+    llm = tiny_llm(llama_path, overlap=overlap)
     total = sum(len(b) for b in batches)
     # The first forward pass waits until every thread has taken its request ids (and so is about
     # to submit or has submitted), so the threads' requests share steps; or until a thread has
@@ -96,10 +97,11 @@ def test_concurrent_generate_gets_each_thread_its_sequential_outputs(llama_path)
 # 2. aborts from another thread, in the middle of a step
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("via", ["engine.abort_request", "engine_loop.abort"])
-def test_abort_from_another_thread_ends_the_call_promptly(llama_path, via):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_abort_from_another_thread_ends_the_call_promptly(llama_path, via, overlap):
     """Request 2 of 3 is aborted from another thread during the 4th forward pass: the call returns
     it cut short with finish_reason "abort", the others complete, and its blocks are freed."""
-    llm = tiny_llm(llama_path)
+    llm = tiny_llm(llama_path, overlap=overlap)
     prompts, params = rand_prompts(30, [7, 19, 12]), greedy(30)
     expected = token_ids(tiny_llm(llama_path).generate(prompts, params, use_tqdm=False))
     abort = llm.llm_engine.abort_request if via == "engine.abort_request" else llm.engine_loop.abort
@@ -119,8 +121,9 @@ def test_abort_from_another_thread_ends_the_call_promptly(llama_path, via):
     assert_idle(llm.llm_engine)
 
 
-def test_abort_every_request_of_a_call_from_another_thread(llama_path):
-    llm = tiny_llm(llama_path)
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_abort_every_request_of_a_call_from_another_thread(llama_path, overlap):
+    llm = tiny_llm(llama_path, overlap=overlap)
     prompts = rand_prompts(31, [9, 25])
 
     def abort_all(n: int, out) -> None:
@@ -134,11 +137,12 @@ def test_abort_every_request_of_a_call_from_another_thread(llama_path):
     assert_idle(llm.llm_engine)
 
 
-def test_engine_stepped_by_one_thread_and_aborted_by_another(llama_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_engine_stepped_by_one_thread_and_aborted_by_another(llama_path, overlap):
     """vLLM's API driven by hand: one thread steps, another aborts in the middle of a step. The
     abort is applied when the step ends: the request reports nothing more, the core drops it
     (has_unfinished_requests tells the truth all along) and its blocks are freed."""
-    engine = tiny_engine(llama_path)
+    engine = tiny_engine(llama_path, overlap=overlap)
     prompts = rand_prompts(32, [8, 21, 15])
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, greedy(20))

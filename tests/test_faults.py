@@ -57,8 +57,9 @@ def outputs_of(last: dict, n: int) -> list:
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("error", [RuntimeError("runner failed"), KeyboardInterrupt()], ids=["exception", "interrupt"])
 @pytest.mark.parametrize("call", [1, 3], ids=["prefill", "decode"])
-def test_a_failed_step_is_cancelled_and_its_requests_go_on(llama_path, clean, error, call):
-    engine = tiny_engine(llama_path)
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_failed_step_is_cancelled_and_its_requests_go_on(llama_path, clean, error, call, overlap):
+    engine = tiny_engine(llama_path, overlap=overlap)
     prompts = rand_prompts(0, LENGTHS)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, greedy(MAX_NEW))
@@ -74,12 +75,13 @@ SWAP_N2 = dict(block_size=8, num_kv_blocks=16, preemption_mode="swap", num_cpu_b
 
 
 @pytest.mark.parametrize("op", ["copy_ops", "swap_out", "swap_in"])
-def test_a_failed_step_whose_block_ops_may_not_have_run(llama_path, clean, op):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_failed_step_whose_block_ops_may_not_have_run(llama_path, clean, op, overlap):
     """The step fails before its copy-on-write copies or swaps are known to have run: the requests
     they touched are recomputed, and every sample still equals the clean run's."""
     prompts = rand_prompts(4, [10, 30, 45, 20, 7, 26])
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=14, ignore_eos=True)
-    engine = tiny_engine(llama_path, **SWAP_N2)
+    engine = tiny_engine(llama_path, overlap=overlap, **SWAP_N2)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     fired = []
@@ -96,22 +98,28 @@ def test_a_failed_step_whose_block_ops_may_not_have_run(llama_path, clean, op):
     assert_idle(engine)
 
 
-def test_a_failure_in_the_sampler_undoes_the_new_samples(llama_path, clean):
-    """The prefill step of an n=3 request fails in the sampler, after the engine made its two new
-    samples: they are dropped with the step, and the samples are those of a clean run."""
-    engine = tiny_engine(llama_path)
+class _FailingSampler:
+    """The engine's sampler, failing on its first call."""
+
+    def __init__(self, sampler):
+        self.sampler, self.calls = sampler, 0
+
+    def sample_async(self, logits, metadata):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("sampler failed")
+        return self.sampler.sample_async(logits, metadata)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_failure_in_the_sampler_undoes_the_step(llama_path, clean, overlap):
+    """The prefill step of an n=3 request fails in the sampler, where its samples fan out: the
+    step is cancelled, and the samples are those of a clean run."""
+    engine = tiny_engine(llama_path, overlap=overlap)
     prompt = rand_prompts(5, [13])
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
     engine.add_request("0", prompt[0], params)
-    sample, calls = engine.sampler, []
-
-    def sampler(logits, metadata):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("sampler failed")
-        return sample(logits, metadata)
-
-    engine.sampler = sampler
+    engine.step_sampler.sampler = _FailingSampler(engine.step_sampler.sampler)
     last = drive(engine, fails=RuntimeError)
     assert outputs_of(last, 1) == clean(prompt, params)
     assert_idle(engine)
@@ -144,8 +152,9 @@ def test_a_failure_after_a_beam_step_aborts_that_beam_search(llama_path, clean):
 # 2. LLM.generate: a failed or interrupted call ends its requests; the LLM goes on
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_generate_that_fails_mid_step_ends_its_requests_and_the_llm_goes_on(llama_path, clean, error):
-    llm = tiny_llm(llama_path)
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_generate_that_fails_mid_step_ends_its_requests_and_the_llm_goes_on(llama_path, clean, error, overlap):
+    llm = tiny_llm(llama_path, overlap=overlap)
     prompts, params = rand_prompts(1, LENGTHS), greedy(MAX_NEW)
     RunnerHook(llm.llm_engine, raise_on(3, error("injected")))
     with pytest.raises(error, match="injected"):
@@ -169,16 +178,16 @@ def on_sigint(signum, frame):  # Python's own handler, which also says the signa
     signal.default_int_handler(signum, frame)
 
 signal.signal(signal.SIGINT, on_sigint)
-execute, calls = llm.llm_engine.runner.execute, []
+forward, calls = llm.llm_engine.runner.forward, []
 
-def paused_execute(out):
+def paused_forward(inputs):
     calls.append(1)
     if len(calls) == 3:
         print("MID-STEP", flush=True)  # the parent sends SIGINT now
         landed.wait()  # this step stays in progress until the signal has landed
-    return execute(out)
+    return forward(inputs)
 
-llm.llm_engine.runner.execute = paused_execute
+llm.llm_engine.runner.forward = paused_forward
 try:
     llm.generate(prompts, params, use_tqdm=False)
     print("NOT INTERRUPTED", flush=True)
@@ -193,11 +202,12 @@ print(json.dumps({"idle": idle, "again": again}), flush=True)
 """
 
 
-def test_sigint_during_generate_aborts_the_call_and_the_llm_goes_on(llama_path, clean, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_sigint_during_generate_aborts_the_call_and_the_llm_goes_on(llama_path, clean, tmp_path, overlap):
     """A real SIGINT to a process in ``LLM.generate``: KeyboardInterrupt, the call's requests are
     aborted and their blocks freed, the next generate equals a clean run, and the process exits."""
     prompts, max_new = rand_prompts(2, LENGTHS), 40
-    kwargs = engine_kwargs(llama_path)
+    kwargs = engine_kwargs(llama_path, overlap=overlap)
     script = tmp_path / "child.py"
     script.write_text(SIGINT_CHILD)
     env = dict(os.environ)

@@ -55,7 +55,7 @@ def _check_inputs(sched: Scheduler, out: SchedulerOutput, inp: StepInputs, token
     assert inp.positions.tolist() == pos and inp.positions.dtype == torch.int64
     assert inp.meta.slot_mapping.tolist() == slots
     assert inp.meta.query_start_loc.tolist() == qsl and inp.meta.seq_lens.tolist() == seq_lens
-    assert inp.meta.block_tables.dtype == torch.int32 and inp.meta.block_tables.is_contiguous()
+    assert inp.meta.block_tables.dtype == torch.int32 and inp.meta.block_tables.stride(1) == 1  # rows contiguous
     assert inp.meta.max_query_len == max(b - a for a, b in zip(qsl, qsl[1:]))
     assert inp.meta.max_seq_len == max(seq_lens)
     if out.num_rows:
@@ -92,9 +92,10 @@ def test_prepare_maps_prefill_chunks_and_decodes(model):
     assert (False, True, False) in kinds, kinds  # all decode
 
 
-def test_block_tables_of_a_step_outlive_the_batch_view(model):
-    """An all-decode step's tables view the scheduler's batch matrix, whose rows move when a
-    sequence finishes: the runner's tensor must be a copy that keeps the step's tables."""
+def test_block_tables_of_a_decode_step_view_the_batch_matrix_until_the_next_schedule(model):
+    """An all-decode step's tables view the scheduler's batch matrix: on the CPU the runner reads
+    them in place (no per-step copy growing with the sequences' lengths), valid until update(),
+    which moves rows when a sequence has finished (the engine's forward pass ends before it)."""
     sched, runner = _setup(model)
     tokens = {rid: [3 + rid] * 5 for rid in range(3)}
     for rid, max_tokens in ((0, 2), (1, 6), (2, 6)):
@@ -103,14 +104,19 @@ def test_block_tables_of_a_step_outlive_the_batch_view(model):
     out = sched.schedule()  # all three decode: the batch view
     assert out.block_tables_is_view and out.num_seqs == 3
     inp = runner.prepare(out)
+    view = out.block_tables
+    assert not view.flags.c_contiguous, "rows of the wider batch matrix"
+    assert inp.meta.block_tables.data_ptr() == view.ctypes.data, "no copy"
+    assert inp.meta.block_tables.stride() == tuple(s // view.itemsize for s in view.strides)
     kept = inp.meta.block_tables.clone()
     _check_inputs(sched, out, inp, tokens)
-    done = _sample(sched, out, tokens)
-    assert [f.request_id for f in done] == [0]  # its row is taken by the last sequence
+    done = _sample(sched, out, tokens)  # update(): request 0 finishes, the last row moves into its own
+    assert [f.request_id for f in done] == [0]
+    assert not torch.equal(inp.meta.block_tables, kept), "the view saw the move: valid until update()"
     nxt = sched.schedule()
     assert nxt.block_tables_is_view and nxt.num_seqs == 2
-    assert torch.equal(inp.meta.block_tables, kept)
-    assert not torch.equal(torch.from_numpy(nxt.block_tables.copy())[0], kept[0]), "the row did move"
+    assert torch.equal(torch.from_numpy(nxt.block_tables.copy()), kept[[2, 1]])
+    _check_inputs(sched, nxt, runner.prepare(nxt), tokens)
     _sample(sched, nxt, tokens)
 
 

@@ -1,32 +1,44 @@
 """LLMEngine: requests in, ``RequestOutput``s out, one scheduler step at a time.
 
-One ``step()``: the Rust scheduler picks the batch, the model runner computes logits for the
-rows that sample, the sampler (or the beam-search logic) picks tokens, the scheduler appends
-them, decides stops and (its text layer, ``ferrokv.text``) detokenizes them and ends sequences
-on stop strings, and ``ferrokv.output_processor`` builds the outputs each request's
-``output_kind`` asks for. The core is the one home of a sequence's tokens.
+One ``step()``: the Rust scheduler picks the batch and hands out, per logits row, the sampling
+parameters it keeps for each request (``ferrokv.step_sampling``); the model runner's inputs are
+staged (``prepare``); the step job (forward pass + sampler, ``ferrokv.step_worker``) runs; beam
+searches choose their tokens; ``update`` appends the tokens and decides stops. The text layer
+(``ferrokv.text``) then detokenizes them and ends sequences on stop strings, and
+``ferrokv.output_processor`` builds the outputs each request's ``output_kind`` asks for. The core
+is the one home of a sequence's tokens and sampling parameters.
+
+Overlap (``EngineArgs.overlap``, on with a GPU): a step's text and outputs are made during the
+next step's forward pass, so ``step()`` returns the previous step's outputs (one more ``step()``,
+with nothing scheduled, flushes the last; ``has_unfinished_requests`` stays true until then). A
+sequence that reached a stop string is then already in the next step: its token there is dropped.
+Outputs are the same with overlap on and off.
 
 Invariants: every request is validated in full before the scheduler sees it, so bad input
 raises ``ValueError`` naming the field and leaves the engine as it was (its ``SamplingParams``
 are checked again and copied: an assignment before ``add_request`` is caught, one after it does
 not reach the request; an error of the core keeps its type, with the caller's request id in it);
 a request ended by the caller (abort) or by a finished beam search is ended in the scheduler at
-once, so its KV blocks are freed. The sampler's shared generator is on the engine's device.
+once, so its KV blocks are freed.
 Failures: any exception (``KeyboardInterrupt`` included) between ``schedule()`` and ``update()``
-cancels the step (``Scheduler.cancel_step``): no token is appended, the requests go on at the
-next ``step()`` as if the step had never been planned (a beam search that moved in Python during
-the step is aborted); one after ``update()`` aborts the step's requests, whose Python state is
-then half-applied. The exception is re-raised.
+waits for the step job to end, then cancels the step (``Scheduler.cancel_step``): no token is
+appended, the requests go on at the next ``step()`` as if the step had never been planned (a beam
+search that moved in Python during the step is aborted). One while a step's text and outputs are
+made (after its ``update()``) aborts that step's requests, whose Python state is then half-applied.
+The exception is re-raised.
 Threads: one thread drives the engine (``add_request``/``step``; ``EngineLoop`` is that thread
 for ``LLM``); an engine lock serializes every scheduler call, since the scheduler's methods
-release the GIL while they hold it borrowed. ``abort_request`` and the getters (``stats()``,
-``num_free_blocks``, ``kv_cache_usage``, ``has_unfinished_requests``) are safe from any thread
-and never wait for a step: an abort is queued and applied when the step in progress ends (before
-the lock is released), a getter reads a snapshot refreshed whenever the lock is released.
-Costs per step: the model forward, plus O(rows) Python work for sampling metadata, O(1) Python
-per streaming row or logprobs row, and O(its output) once per ending sequence; nothing that
-grows with output length, or with the number of waiting or finished requests (the full
-``stats()`` snapshot, O(blocks), is refreshed only after someone asked for it).
+release the GIL while they hold it borrowed; the step job touches no scheduler state.
+``abort_request`` and the getters (``stats()``, ``num_free_blocks``, ``kv_cache_usage``,
+``has_unfinished_requests``) are safe from any thread and never wait for a step: an abort is
+queued and applied when the step in progress ends (before the lock is released), a getter reads
+a snapshot refreshed whenever the lock is released.
+Costs per step: the model forward, plus O(1) Python calls for scheduling, inputs, sampling
+metadata and ``update`` (array operations and the core: no Python per row), O(1) Python per
+streaming row, logprobs row and penalty row that joined or moved, and O(its output) once per
+ending sequence; nothing that grows with output length, or with the number of waiting or
+finished requests (the full ``stats()`` snapshot, O(blocks), is refreshed only after someone asked
+for it).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -47,6 +60,7 @@ import numpy as np
 import torch
 
 from ferrokv._core import Scheduler, SchedulerStateError, UnknownRequestError
+from ferrokv.beam_engine import advance, beam_output
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.checks import check_finite, check_int, check_text, rename_field
 from ferrokv.detokenizer import decode_token
@@ -57,29 +71,40 @@ from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 from ferrokv.model_runner import ModelRunner
 from ferrokv.output_processor import (
     RequestState,
+    aborted_output,
     append_logprobs,
     build_outputs,
-    fill_metrics,
-    final_completion,
+    end_completion,
     new_stats,
     stream_rows,
 )
 from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from ferrokv.sampler import Sampler, SamplingMetadata, SamplingRow, compute_logprobs, make_generator
+from ferrokv.step_profile import StepProfile
+from ferrokv.step_sampling import StepSampler, core_sampling_kwargs
+from ferrokv.step_worker import StepWorker
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.text import make_text_layer
 
 logger = logging.getLogger("ferrokv")
 
+_U64 = (1 << 64) - 1
 # The core takes a request's priority as a 32-bit signed int.
 _PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A step whose ``update()`` ran and whose text and outputs are still to be made."""
+
+    out: Any  # its SchedulerOutput
+    sampled: np.ndarray  # int32 [R]: its tokens
+    row_lp: Any  # its LogprobsResult, or None
 
 
 @dataclass(slots=True)
 class _StepUndo:
     """What a step changed in Python before ``update()``, undone if the step is cancelled."""
 
-    new_seqs: list[tuple[RequestState, int]] = field(default_factory=list)  # samples forked at this update
     beams: list[RequestState] = field(default_factory=list)  # beam searches that moved (cannot be put back)
 
 
@@ -150,11 +175,21 @@ class LLMEngine:
             preemption_mode=args.preemption_mode,
             num_cpu_blocks=args.num_cpu_blocks,
             policy=args.scheduling_policy,
+            # Unseeded requests' draws derive from it and their id: a seeded engine replays.
+            sampling_seed=(random.getrandbits(64) if args.seed is None else args.seed) & _U64,
         )
         self.text = make_text_layer(self.tokenizer, self.scheduler)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
-        # On the model's device: unseeded rows draw their uniforms where the logits are.
-        self.sampler = Sampler(seed=args.seed, device=self.device)
+        self.step_sampler = StepSampler(self.vocab_size, self.device, args.seed)
+        self.overlap = args.resolved_overlap(self.device)
+        # The forward pass runs on the step worker's thread only where torch would run it on
+        # this one (the CPU) and overlap is on; on a GPU the host goes on while kernels run.
+        self.worker = StepWorker(self.overlap and self.device.type == "cpu", self.device)
+        self._pending: _Pending | None = None  # the step whose text and outputs are not made yet
+        self._unreturned: list[RequestOutput] = []  # made by a step() that then raised
+        self._beam_ids: set[int] = set()
+        self.profile: StepProfile | None = None
+        """Set to a ``StepProfile`` to time each step's stages (benches/engine_overhead.py)."""
         self._requests: dict[int, RequestState] = {}
         self._by_name: dict[str, int] = {}
         self._next_core_id = itertools.count()
@@ -244,8 +279,8 @@ class LLMEngine:
         req = RequestState(request_id, core_id, text, ids, params, kind, new_stats(), beam=beam)
         if beam is None:
             self.text.add_request(core_id, params, ids, kind != RequestOutputKind.FINAL_ONLY)
-        seq_id = self.scheduler.request_seq_ids(core_id)[0]
-        req.seqs[seq_id] = self._new_seq(req, 0)
+        if beam is not None:
+            self._beam_ids.add(core_id)
         self._requests[core_id] = req
         self._by_name[request_id] = core_id
 
@@ -259,13 +294,8 @@ class LLMEngine:
             n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
             min_tokens=min(params.min_tokens, max_tokens), ignore_eos=params.ignore_eos or beam is not None,
             cache_salt=cache_salt,
-            reserve_seqs=beam.beam_width if beam is not None else 0, **text,
+            reserve_seqs=beam.beam_width if beam is not None else 0, **text, **core_sampling_kwargs(params),
         )
-
-    def _new_seq(self, req: RequestState, index: int) -> Any:
-        p = req.params
-        gen = make_generator(p.seed, index) if p.seed is not None and not p.is_greedy else None
-        return req.new_seq(index, gen)
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Ends the requests (unknown or finished ids are ignored) and frees their blocks; they
@@ -277,7 +307,8 @@ class LLMEngine:
         self._drain_aborts()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Requests not finished, or a step whose outputs are still to be made (overlap)."""
+        return bool(self._requests) or self._pending is not None or bool(self._unreturned)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -328,6 +359,11 @@ class LLMEngine:
             self._release()
 
     def _apply_aborts(self) -> None:
+        if self._abort_inbox and self._pending is not None:
+            # The pending step's outputs are made first, as a serial engine made them before the
+            # abort: an aborted request keeps what it generated before it (returned next step()).
+            p, self._pending = self._pending, None
+            self._unreturned += self._finish_pending(p)
         while self._abort_inbox:
             core_id = self._by_name.get(self._abort_inbox.popleft())
             if core_id is not None:
@@ -341,51 +377,81 @@ class LLMEngine:
             ended = []  # ended by the scheduler already (a capacity abort, a cancelled reshaped step)
         self._finish(req)
         if self.on_abort is not None:
-            self._aborted_outputs.append(self._aborted_output(req, ended))
-
-    def _aborted_output(self, req: RequestState, ended: list[Any]) -> RequestOutput:
-        if req.beam is not None:  # an unfinished beam search has no hypotheses to report
-            return RequestOutput(request_id=req.request_id, prompt=req.prompt,
-                                 prompt_token_ids=req.prompt_token_ids, outputs=[], finished=True,
-                                 num_cached_tokens=req.num_cached_tokens,
-                                 metrics=fill_metrics(req.stats, None, req.num_generated_done))
-        now: dict[int, list[CompletionOutput]] = {}
-        for f in ended:
-            self._end_completion(req, f, now)
-        for seq_id, seq in list(req.seqs.items()):  # sequences the scheduler had ended already
-            req.seqs.pop(seq_id)
-            c = CompletionOutput(index=seq.index, text=seq.text.snapshot() if seq.text is not None else "",
-                                 token_ids=list(seq.token_ids or []),
-                                 cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
-                                 finish_reason="abort")
-            req.done.append(c)
-            now.setdefault(req.core_id, []).append(c)
-        return build_outputs([req], now, self._times_of)[0]
+            self._aborted_outputs.append(aborted_output(req, ended, self._times_of))
 
     # ------------------------------------------------------------------------------------------
     @_exclusive
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns outputs of the requests that progressed or finished, as
-        their ``output_kind`` asks (none for an unfinished ``FINAL_ONLY`` request).
+        their ``output_kind`` asks (none for an unfinished ``FINAL_ONLY`` request). With overlap
+        on, they are the previous step's: its text and outputs are made while this step's
+        forward pass runs (module docs).
 
         On any exception the step is cancelled or its requests aborted (module docs), and the
         exception is re-raised."""
+        prof = self.profile
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        prev, self._pending = self._pending, None
         self.peak_used_blocks = max(self.peak_used_blocks, self.scheduler.num_blocks - 1 - self.scheduler.num_free_blocks)
         undo = _StepUndo()
+        job = None
+        outputs, self._unreturned = self._unreturned, []
+        prev_done = prev is None
         try:
-            logits = self.runner.execute(out)
-            sampled, row_lp = self._sample(out, logits, undo)
-            finished = self.scheduler.update(out, sampled)
+            t1 = time.perf_counter()
+            md = self.step_sampler.metadata(out, self._prompt_of_row(out), self.scheduler.output_tokens)
+            inputs = self.runner.prepare(out)
+            t2 = time.perf_counter()
+            job = self.worker.submit(functools.partial(self._forward_and_sample, inputs, md))
+            if prev is not None:
+                outputs += self._finish_step(prev)  # overlapped with the forward pass
+                prev_done = True
+            t3 = time.perf_counter()
+            logits, tokens = job.wait()
+            t4 = time.perf_counter()
+            sampled, row_lp = self._tokens(out, logits, tokens, undo)
+            self.scheduler.update(out, sampled, defer_text=True)
         except BaseException:
+            if job is not None:
+                job.join()
             self._cancel_step(out, undo)
+            if prev_done:
+                self._unreturned = outputs  # made already: the next step() returns them
+            else:
+                self._abort_step_requests(prev.out)
             raise
-        try:
-            rows, deltas = self.text.after_update(self.scheduler, out, sampled, finished)
-            return self._apply_step(out, sampled, row_lp, finished, rows, deltas)
-        except BaseException:
-            self._abort_step_requests(out)
-            raise
+        t5 = time.perf_counter()
+        pending = _Pending(out, sampled, row_lp)
+        if self.overlap and (out.num_rows or out.num_tokens):
+            self._pending = pending
+        else:
+            # Serial, or an empty step (no forward pass to overlap with; nothing is left pending,
+            # so an idle engine reports no unfinished work).
+            outputs += self._finish_pending(pending)
+        if prof is not None:
+            prof.add(out.num_rows, t0, t1, t2, t3, t4, t5, time.perf_counter())
+        return outputs
+
+    def _forward_and_sample(self, inputs: Any, md: Any) -> tuple[torch.Tensor | None, Any]:
+        """The step job: the forward pass and sampling (tensors only; the step worker may run it
+        on its own thread)."""
+        t0 = time.perf_counter()
+        logits = self.runner.forward(inputs)
+        t1 = time.perf_counter()
+        tokens = None if logits is None or md is None else self.step_sampler.sample(logits, md)
+        if self.profile is not None:
+            self.profile.add_job(t1 - t0, time.perf_counter() - t1)
+        return logits, tokens
+
+    def _prompt_of_row(self, out: Any) -> Callable[[int], Sequence[int]]:
+        requests = self._requests
+
+        def prompt_of(r: int) -> Sequence[int]:
+            req = requests.get(int(out.row_req_ids[r]))
+            return () if req is None else req.prompt_token_ids
+
+        return prompt_of
 
     def _cancel_step(self, out: Any, undo: _StepUndo) -> None:
         """Undoes a step whose forward pass, sampling or ``update()`` raised."""
@@ -396,8 +462,6 @@ class LLMEngine:
             # so the step's requests cannot go on in step with the scheduler.
             self._abort_step_requests(out)
             return
-        for req, seq_id in undo.new_seqs:
-            req.seqs.pop(seq_id, None)
         for req in undo.beams:
             if not req.finished:
                 self._abort_now(req)
@@ -405,67 +469,60 @@ class LLMEngine:
         # (their KV was never written); the text layer saw nothing of the step.
 
     def _abort_step_requests(self, out: Any) -> None:
-        for cid in set(out.req_ids.tolist()):
+        """Aborts the requests of a step whose results were lost; its untaken deferred results,
+        if any, are dropped first (the text layer forgets their sequences)."""
+        self.text.after_abort(self.scheduler.take_step_results()[0])
+        for cid in set(out.req_ids.tolist()) | set(out.row_req_ids.tolist()):
             req = self._requests.get(cid)
             if req is not None:
                 self._abort_now(req)
 
-    def _sample(self, out: Any, logits: torch.Tensor | None, undo: _StepUndo) -> tuple[np.ndarray, Any]:
-        """The step's tokens, one per logits row (0 for rows of ended requests), and the rows'
-        logprobs; beam searches choose theirs (forking and dropping sequences)."""
-        sampled = np.zeros(out.num_rows, dtype=np.int32)
-        row_lp = None
-        if not out.num_rows:
-            return sampled, row_lp
-        row_req = out.row_req_ids.tolist()
-        row_seq = out.row_seq_ids.tolist()
-        row_idx = out.row_sample_index.tolist()
-        # Each row's context length after the step: its output so far is that minus its prompt.
-        row_ctx = out.seq_lens[np.searchsorted(out.query_start_loc, out.logits_indices, side="right") - 1].tolist()
-        sample_rows: list[int] = []
-        rows: list[SamplingRow] = []
-        beam_rows: dict[int, list[int]] = {}
-        for r, (cid, sid, idx) in enumerate(zip(row_req, row_seq, row_idx)):
-            req = self._requests.get(cid)
-            if req is None:
-                continue
-            if req.beam is not None:
-                beam_rows.setdefault(cid, []).append(r)
-                continue
-            seq = req.seqs.get(sid)
-            if seq is None:  # a sample of an n > 1 request, forked at update
-                seq = req.seqs[sid] = self._new_seq(req, idx)
-                undo.new_seqs.append((req, sid))
-            sample_rows.append(r)
-            rows.append(self._sampling_row(req, sid, seq.generator, row_ctx[r] - len(req.prompt_token_ids)))
-        if sample_rows:
-            md = SamplingMetadata.build(rows, self.vocab_size, self.eos_token_ids, device=logits.device)
-            sel = logits if len(sample_rows) == out.num_rows else logits[torch.tensor(sample_rows, device=logits.device)]
-            so = self.sampler(sel, md)
-            sampled[np.asarray(sample_rows)] = so.token_ids
-            row_lp = (sample_rows, so.logprobs)
-        for cid, rs in beam_rows.items():
-            undo.beams.append(self._requests[cid])
-            self._beam_step(self._requests[cid], rs, row_seq, logits, sampled)
-        return sampled, row_lp
+    def _tokens(self, out: Any, logits: torch.Tensor | None, tokens: Any,
+                undo: _StepUndo) -> tuple[np.ndarray, Any]:
+        """The step's tokens, one per logits row, on the host, and the rows' logprobs; beam
+        searches replace theirs (forking and dropping sequences)."""
+        if tokens is None:
+            return np.zeros(out.num_rows, dtype=np.int32), None
+        so = tokens.result()
+        sampled = so.token_ids
+        if self._beam_ids:
+            row_req = out.row_req_ids
+            mask = np.isin(row_req, np.fromiter(self._beam_ids, dtype=np.int64))
+            if mask.any():
+                rows = np.flatnonzero(mask)
+                row_seq = out.row_seq_ids.tolist()
+                for cid in np.unique(row_req[rows]).tolist():
+                    req = self._requests[cid]
+                    undo.beams.append(req)
+                    self._beam_step(req, rows[row_req[rows] == cid].tolist(), row_seq, logits, sampled)
+        return sampled, so.logprobs
 
-    def _sampling_row(self, req: RequestState, seq_id: int, generator: Any, num_output: int) -> SamplingRow:
-        p = req.params
-        # Penalties need the output's tokens: read from the core (their one home), O(output).
-        history = self.scheduler.output_tokens(seq_id) if p.has_penalties and num_output > 0 else ()
-        return SamplingRow(p, history, req.prompt_token_ids, generator, num_output)
+    def _finish_pending(self, p: _Pending) -> list[RequestOutput]:
+        """``_finish_step`` outside the overlap window: on failure the step's requests are aborted."""
+        try:
+            return self._finish_step(p)
+        except BaseException:
+            self._abort_step_requests(p.out)
+            raise
 
-    def _row_seq(self, out: Any) -> Callable[[int], tuple[RequestState, Any] | None]:
-        """Row -> (request, live sequence state), for the rows of the step."""
-        row_req, row_seq = out.row_req_ids.tolist(), out.row_seq_ids.tolist()
+    def _finish_step(self, p: _Pending) -> list[RequestOutput]:
+        """The text and outputs of a step whose ``update()`` ran."""
+        t0 = time.perf_counter()
+        finished, rows, deltas = self.text.step_results(self.scheduler, p.out, p.sampled)
+        if self.profile is not None:
+            self.profile.detokenize += time.perf_counter() - t0
+        return self._apply_step(p.out, p.sampled, p.row_lp, finished, rows, deltas)
+
+    def _seq_of_row(self, out: Any) -> Callable[[int], tuple[RequestState, Any] | None]:
+        """Row -> (request, its sequence's output state, made on first use), for the step's rows."""
+        row_req, row_seq, row_idx = out.row_req_ids, out.row_seq_ids, out.row_sample_index
         requests = self._requests
 
         def find(r: int) -> tuple[RequestState, Any] | None:
-            req = requests.get(row_req[r])
+            req = requests.get(int(row_req[r]))
             if req is None or req.beam is not None:
                 return None
-            seq = req.seqs.get(row_seq[r])
-            return None if seq is None else (req, seq)
+            return req, req.seq_state(int(row_seq[r]), int(row_idx[r]))
 
         return find
 
@@ -473,39 +530,28 @@ class LLMEngine:
                     deltas: list[str]) -> list[RequestOutput]:
         """Hands the step's logprobs and streaming rows to the requests' output states, ends what
         the scheduler ended, and builds the outputs."""
+        t0 = time.perf_counter()
         touched: dict[int, RequestState] = {}
-        if row_lp is not None and row_lp[1] is not None:
-            append_logprobs(self._row_seq(out), row_lp[0], row_lp[1], sampled,
-                            lambda t: decode_token(self.tokenizer, t))
+        if row_lp is not None:
+            append_logprobs(self._seq_of_row(out), row_lp, sampled, lambda t: decode_token(self.tokenizer, t))
         if len(rows):
             stream_rows(self._requests, out.row_req_ids[rows].tolist(), out.row_seq_ids[rows].tolist(),
-                        sampled[rows].tolist(), deltas, touched)
+                        out.row_sample_index[rows].tolist(), sampled[rows].tolist(), deltas, touched)
         ended_now: dict[int, list[CompletionOutput]] = {}
         for f in finished:
             req = self._requests.get(f.request_id)
             if req is None or req.beam is not None:
                 continue
-            self._end_completion(req, f, ended_now)
+            end_completion(req, f, ended_now)
             touched[f.request_id] = req
             if f.request_finished:
                 self._finish(req)
         outputs = build_outputs(touched.values(), ended_now, self._times_of)
         outputs += [self._beam_output(req) for req in self._beams_done]
         self._beams_done = []
+        if self.profile is not None:
+            self.profile.outputs += time.perf_counter() - t0
         return outputs
-
-    def _end_completion(self, req: RequestState, f: Any, ended_now: dict[int, list[CompletionOutput]]) -> None:
-        """Records the completion of a sequence that ended (``f``, a ``FinishedSequence``)."""
-        seq = req.seqs.pop(f.seq_id, None)
-        if seq is None:  # ended by the scheduler before this engine saw it (a capacity abort)
-            seq = self._new_seq(req, f.sample_index)
-        c = final_completion(req, seq, f)
-        req.done.append(c)
-        req.num_generated_done += len(f.output_token_ids)
-        ended_now.setdefault(req.core_id, []).append(c)
-        if f.request_finished:
-            req.final_times = f.times
-            req.num_cached_tokens = f.num_cached_tokens
 
     def _times_of(self, req: RequestState) -> Any:
         """The core's timestamps of a request: from its last record once it has ended; read
@@ -527,6 +573,7 @@ class LLMEngine:
 
     def _finish(self, req: RequestState) -> None:
         req.finished = True
+        self._beam_ids.discard(req.core_id)
         self._requests.pop(req.core_id, None)
         self._by_name.pop(req.request_id, None)
 
@@ -550,46 +597,11 @@ class LLMEngine:
 
     def _beam_step(self, req: RequestState, rows: list[int], row_seq: list[int], logits: torch.Tensor,
                    sampled: np.ndarray) -> None:
-        st = req.beam
-        seq_ids = [row_seq[r] for r in rows]
-        lp = compute_logprobs(logits[torch.tensor(rows, device=logits.device)]).cpu()
-        res = st.step(seq_ids, lp)
-        if res.done:
-            ended = self.scheduler.abort(req.core_id)
-            if ended:
-                req.final_times = ended[-1].times
-                req.num_cached_tokens = ended[-1].num_cached_tokens
+        """Moves a beam search one step (``ferrokv.beam_search.advance``); a search that is done
+        has ended in the scheduler and reports at the end of the step."""
+        if advance(self.scheduler, req, rows, row_seq, logits, sampled):
             self._finish(req)
             self._beams_done.append(req)
-            return
-        used: set[int] = set()
-        new_beams: dict[int, tuple[float, list[int]]] = {}
-        for parent_row, tok, cum in res.next_beams:
-            parent = seq_ids[parent_row]
-            _, toks = st.beams.get(parent, (0.0, []))
-            if parent not in used:
-                used.add(parent)
-                sampled[rows[parent_row]] = tok
-                new_beams[parent] = (cum, toks + [tok])
-            else:
-                child = self.scheduler.fork_sequence(parent, tok)
-                new_beams[child] = (cum, toks + [tok])
-        for sid in seq_ids:
-            if sid not in used:
-                self.scheduler.drop_sequence(sid)
-        st.beams = new_beams
 
     def _beam_output(self, req: RequestState) -> RequestOutput:
-        comps = []
-        eos = set(req.beam.eos_token_ids)
-        for i, h in enumerate(req.beam.hypotheses() if req.finished else []):
-            comps.append(CompletionOutput(
-                index=i, text=self.text.decode(h.token_ids, True),
-                token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob, logprobs=None,
-                finish_reason="stop" if h.token_ids and h.token_ids[-1] in eos else "length", stop_reason=None,
-            ))
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=comps, finished=req.finished, num_cached_tokens=req.num_cached_tokens,
-            metrics=fill_metrics(req.stats, req.final_times, sum(len(c.token_ids) for c in comps)),
-        )
+        return beam_output(req, self.text.decode)

@@ -88,6 +88,9 @@ class EngineArgs:
         SCHEDULER_DEFAULTS["policy"], "fcfs (arrival order) or priority (a request's priority first, then arrival)",
         choices=tuple(SCHEDULER_CHOICES["policy"]))
     seed: int = _arg(0, "seed of the engine's sampler, for requests without a seed of their own")
+    overlap: bool | None = _arg(
+        None, "make a step's text and outputs while the next step's forward pass runs (each step then "
+        "returns the previous step's outputs)", default_doc="on with a GPU, off on a CPU")
 
     def validate(self) -> None:
         for f in fields(self):
@@ -110,7 +113,14 @@ class EngineArgs:
             raise ValueError(f"revision must be a non-empty string or None, got {self.revision!r}")
         if self.seed is not None:
             check_int("seed", self.seed, _SEED_MIN, _SEED_MAX)
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True, False or None, got {self.overlap!r}")
         self._check_scheduler_rules()
+
+    def resolved_overlap(self, device: Any) -> bool:
+        """Whether the engine overlaps host work with the forward pass on ``device``: on a GPU
+        by default; on a CPU the forward pass and the host share the same cores."""
+        return self.overlap if self.overlap is not None else device.type == "cuda"
 
     def _check_scheduler_rules(self) -> None:
         """The core's rules (power-of-two block_size, num_kv_blocks >= 2, ...), before the model

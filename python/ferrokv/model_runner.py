@@ -1,14 +1,18 @@
 """Turns one ``SchedulerOutput`` into logits: block ops, input tensors, forward pass.
 
 Invariants: the model's weights and the KV cache are on the runner's device (checked at
-construction: ``DeviceMismatchError`` otherwise); the scheduler's numpy arrays are wrapped with
-``torch.from_numpy`` (no copy on the CPU, one host-to-device copy each on a GPU), except block
-tables that view the scheduler's batch matrix (``block_tables_is_view``), which are compacted to
-``[S, M]`` once, so no tensor of a step aliases memory a later step rewrites; the attention
+construction: ``DeviceMismatchError`` otherwise); the scheduler's numpy arrays become tensors
+through ``InputBuffers`` (zero-copy views on the CPU; one pinned buffer and one non-blocking copy
+per step on a GPU). On the CPU a step's tensors alias the scheduler's buffers, block tables that
+view its batch matrix (``block_tables_is_view``) included, so they are valid until the step's
+``update()``, which the engine calls only after the step's forward pass; ``prepare`` (the
+scheduler's thread) reads the step, ``forward`` reads only what ``prepare`` made, so it may run on
+another thread (rows a stop or an abort ends meanwhile are only marked dead, never moved); the attention
 metadata is built once per step and shared by every layer; logits are computed only for the rows
 that sample.
-Costs per step: O(tokens + sequences * max_blocks) host work, independent of the number of
-requests waiting or finished.
+Costs per step on the CPU: O(tokens + sequences) host work, independent of the sequences' lengths
+and of the number of requests waiting or finished; a GPU upload adds O(sequences * max_blocks)
+bytes copied.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import Tensor
 from ferrokv._core import SchedulerOutput
 from ferrokv.attention import AttentionMetadata
 from ferrokv.checks import check_same_device
+from ferrokv.input_buffers import InputBuffers
 from ferrokv.kv_cache import PagedKVCache
 
 logger = logging.getLogger("ferrokv")
@@ -32,10 +37,14 @@ logger = logging.getLogger("ferrokv")
 class StepInputs:
     """One step's model inputs, on the runner's device."""
 
-    input_ids: Tensor  # int64 [T]
-    positions: Tensor  # int64 [T]
-    meta: AttentionMetadata
+    input_ids: Tensor | None  # int64 [T]; None when the step computes no token
+    positions: Tensor | None  # int64 [T]
+    meta: AttentionMetadata | None
     logits_indices: Tensor | None  # int64 [R]; None when no row samples
+    # Block operations to apply before the forward pass (int32 pairs, flattened).
+    swap_out: np.ndarray
+    swap_in: np.ndarray
+    copy_ops: np.ndarray
 
 
 class ModelRunner:
@@ -48,41 +57,53 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-
-    def _tensor(self, a: np.ndarray) -> Tensor:
-        t = torch.from_numpy(a)
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+        self.buffers = InputBuffers(device)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """The step's tensors; call between ``schedule()`` and ``update()`` (block tables)."""
+        """The step's tensors; call between ``schedule()`` and ``update()`` (block tables), on
+        the thread that drives the scheduler. Everything the forward pass needs is copied or
+        viewed here, so ``forward`` touches neither the scheduler nor ``out``."""
+        ops = (out.swap_out, out.swap_in, out.copy_ops)
+        if out.num_tokens == 0:
+            return StepInputs(None, None, None, None, *ops)
         qsl = out.query_start_loc
         seq_lens = out.seq_lens
+        # Possibly a strided view of the scheduler's persistent batch matrix (rows wider than this
+        # step's M). It holds still until this step's update(), which comes after its forward
+        # pass: the CPU reads it in place (no copy growing with the sequences' lengths), a device
+        # upload copies it into the staging buffer.
         block_tables = out.block_tables
-        if out.block_tables_is_view:
-            # Rows of the scheduler's persistent batch matrix, wider than this step's M and
-            # rewritten by later steps: one compact copy, which a device upload makes anyway.
-            block_tables = block_tables.copy(order="C")
+        arrays = [out.input_ids, out.positions, out.slot_mapping, qsl, seq_lens, block_tables]
+        if out.num_rows:
+            arrays.append(out.logits_indices)
+        staged = self.buffers.stage(arrays)
+        input_ids, positions, slot_mapping, qsl_t, seq_lens_t, tables_t = staged[:6]
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(out.slot_mapping),
-            query_start_loc=self._tensor(qsl),
-            seq_lens=self._tensor(seq_lens),
-            block_tables=self._tensor(block_tables),
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl_t,
+            seq_lens=seq_lens_t,
+            block_tables=tables_t,
             max_query_len=int(np.diff(qsl).max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_host=qsl.astype(np.int64),
             seq_lens_host=seq_lens.astype(np.int64),
         )
-        logits_indices = self._tensor(out.logits_indices) if out.num_rows else None
-        return StepInputs(self._tensor(out.input_ids), self._tensor(out.positions), meta, logits_indices)
+        logits_indices = staged[6] if out.num_rows else None
+        return StepInputs(input_ids, positions, meta, logits_indices, *ops)
 
     @torch.no_grad()
-    def execute(self, out: SchedulerOutput) -> Tensor | None:
-        """Runs the step; returns float32 logits ``[num_rows, vocab]`` or None if nothing samples."""
-        self.kv_cache.apply_block_ops(out.swap_out, out.swap_in, out.copy_ops)
-        if out.num_tokens == 0:
+    def forward(self, inputs: StepInputs) -> Tensor | None:
+        """Applies the block operations and runs the model; returns float32 logits
+        ``[num_rows, vocab]`` or None if nothing samples. Reads only ``inputs``: it may run off
+        the scheduler's thread."""
+        self.kv_cache.apply_block_ops(inputs.swap_out, inputs.swap_in, inputs.copy_ops)
+        if inputs.meta is None:
             return None
-        inputs = self.prepare(out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
         if inputs.logits_indices is None:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+
+    def execute(self, out: SchedulerOutput) -> Tensor | None:
+        """``prepare`` then ``forward``, on this thread."""
+        return self.forward(self.prepare(out))

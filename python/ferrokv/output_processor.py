@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.outputs import (
@@ -37,7 +36,10 @@ from ferrokv.outputs import (
 )
 from ferrokv.sampling_params import SamplingParams
 
-__all__ = ["RequestState", "SeqState", "build_outputs", "final_completion", "fill_metrics"]
+__all__ = [
+    "RequestState", "SeqState", "aborted_output", "append_logprobs", "build_outputs", "end_completion", "fill_metrics", "final_completion", "new_stats",
+    "stream_rows",
+]
 
 _CUMULATIVE, _DELTA, _FINAL = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
@@ -47,7 +49,6 @@ class SeqState:
     """One live sequence's sampling and output state (its tokens are the core's)."""
 
     index: int
-    generator: torch.Generator | None
     logprobs: list[dict] | None  # one entry per generated token, when the request asked
     cumulative_logprob: float | None
     token_ids: list[int] | None = None  # CUMULATIVE only: the list its outputs share
@@ -75,11 +76,20 @@ class RequestState:
     beam: BeamSearchState | None = None
     finished: bool = False
 
-    def new_seq(self, index: int, generator: torch.Generator | None) -> SeqState:
+    def new_seq(self, index: int) -> SeqState:
+        """A sequence's output state (not registered: see ``seq_state``)."""
         want_lp = self.params.logprobs is not None
-        seq = SeqState(index, generator, [] if want_lp else None, 0.0 if want_lp else None)
+        seq = SeqState(index, [] if want_lp else None, 0.0 if want_lp else None)
         if self.kind == _CUMULATIVE:
             seq.token_ids, seq.text = [], TextSoFar()
+        return seq
+
+    def seq_state(self, seq_id: int, index: int) -> SeqState:
+        """Sequence ``seq_id``'s output state, made when first needed (a sequence that has
+        handed nothing out has none)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            seq = self.seqs[seq_id] = self.new_seq(index)
         return seq
 
 
@@ -98,13 +108,12 @@ def fill_metrics(stats: RequestStateStats, times: tuple[float, float, float, flo
                              first - queued if first else 0.0)
 
 
-def append_logprobs(req_of_row: Callable[[int], tuple[RequestState, SeqState] | None], rows: list[int],
-                    lpr: Any, sampled: np.ndarray, decode: Callable[[int], str]) -> None:
-    """Appends the step's logprob entries (``lpr``: the sampler's ``LogprobsResult`` over the
-    sampled rows ``rows``) to their sequences."""
-    for j, br in enumerate(lpr.rows.tolist()):
-        r = rows[br]
-        found = req_of_row(r)
+def append_logprobs(seq_of_row: Callable[[int], tuple[RequestState, SeqState] | None], lpr: Any,
+                    sampled: np.ndarray, decode: Callable[[int], str]) -> None:
+    """Appends the step's logprob entries (``lpr``: the sampler's ``LogprobsResult``, whose
+    ``rows`` are logits rows) to their sequences."""
+    for j, r in enumerate(lpr.rows.tolist()):
+        found = seq_of_row(r)
         if found is None:
             continue
         _, seq = found
@@ -116,16 +125,16 @@ def append_logprobs(req_of_row: Callable[[int], tuple[RequestState, SeqState] | 
         seq.cumulative_logprob += lp
 
 
-def stream_rows(requests: dict[int, RequestState], req_ids: list[int], seq_ids: list[int], tokens: list[int],
-                deltas: list[str], touched: dict[int, RequestState]) -> None:
+def stream_rows(requests: dict[int, RequestState], req_ids: list[int], seq_ids: list[int], indices: list[int],
+                tokens: list[int], deltas: list[str], touched: dict[int, RequestState]) -> None:
     """Applies the streaming rows' new tokens and text deltas (per row: its request's core id,
-    its sequence id, its token, its text delta; rows of sequences that go on, of CUMULATIVE
-    and DELTA requests: the text layer lists only those)."""
-    for cid, sid, tok, delta in zip(req_ids, seq_ids, tokens, deltas):
+    its sequence id and sample index, its token, its text delta; rows of sequences that go on,
+    of CUMULATIVE and DELTA requests: the text layer lists only those)."""
+    for cid, sid, idx, tok, delta in zip(req_ids, seq_ids, indices, tokens, deltas):
         req = requests.get(cid)
-        seq = None if req is None else req.seqs.get(sid)
-        if seq is None:
+        if req is None:
             continue
+        seq = req.seq_state(sid, idx)
         if seq.token_ids is not None:  # CUMULATIVE
             seq.token_ids.append(tok)
             seq.text.append(delta)
@@ -201,3 +210,38 @@ def build_outputs(touched: Iterable[RequestState], ended_now: dict[int, list[Com
         outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished,
                                      req.num_cached_tokens, None, fill_metrics(req.stats, times_of(req), generated)))
     return outputs
+
+
+def end_completion(req: RequestState, f: Any, ended_now: dict[int, list[CompletionOutput]]) -> None:
+    """Records the completion of a sequence that ended (``f``, a ``FinishedSequence``)."""
+    seq = req.seqs.pop(f.seq_id, None)
+    if seq is None:  # it never handed anything out, or the scheduler ended it unseen (capacity abort)
+        seq = req.new_seq(f.sample_index)
+    c = final_completion(req, seq, f)
+    req.done.append(c)
+    req.num_generated_done += len(f.output_token_ids)
+    ended_now.setdefault(req.core_id, []).append(c)
+    if f.request_finished:
+        req.final_times = f.times
+        req.num_cached_tokens = f.num_cached_tokens
+
+
+def aborted_output(req: RequestState, ended: list[Any], times_of: Callable[[RequestState], Any]) -> RequestOutput:
+    """The final output of an aborted request (``ended``: the abort's records)."""
+    if req.beam is not None:  # an unfinished beam search has no hypotheses to report
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                             prompt_token_ids=req.prompt_token_ids, outputs=[], finished=True,
+                             num_cached_tokens=req.num_cached_tokens,
+                             metrics=fill_metrics(req.stats, None, req.num_generated_done))
+    now: dict[int, list[CompletionOutput]] = {}
+    for f in ended:
+        end_completion(req, f, now)
+    for seq_id, seq in list(req.seqs.items()):  # sequences the scheduler had ended already
+        req.seqs.pop(seq_id)
+        c = CompletionOutput(index=seq.index, text=seq.text.snapshot() if seq.text is not None else "",
+                             token_ids=list(seq.token_ids or []),
+                             cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
+                             finish_reason="abort")
+        req.done.append(c)
+        now.setdefault(req.core_id, []).append(c)
+    return build_outputs([req], now, times_of)[0]

@@ -2,54 +2,53 @@
 
 One call samples one token for every row of a ``[R, V]`` float logits tensor. Each row belongs to
 one sequence (a request with ``n > 1`` contributes ``n`` rows, one per sample). Per-row parameters
-arrive as a :class:`SamplingMetadata`, built once per step by :meth:`SamplingMetadata.build` from
-per-row :class:`SamplingRow` state; building loops over rows in Python (cheap), the maths is whole-
-batch tensor ops. The only per-row Python loop in :func:`sample` draws one uniform for each
-*seeded* non-greedy row from that row's own generator.
+arrive as a :class:`SamplingMetadata`, built once per step by :meth:`SamplingMetadata.from_arrays`
+from per-row numpy columns: the scheduler's output (``SchedulerOutput.row_*``, where the core keeps
+each request's parameters, so the engine has no per-row Python) or :class:`SamplingArrays` built
+from :class:`SamplingRow` (tests, tools). All the maths is whole-batch tensor ops.
 
-Pipeline, in vLLM V1's order (each stage is skipped when no row needs it):
+Pipeline, in vLLM V1's order (each stage is skipped when no row needs it; a batch that is all
+greedy, with no penalty, ``min_tokens`` ban or logprobs, is one ``argmax``):
 
 1. logprobs (only rows that asked): ``log_softmax`` of the **raw model logits**, before any
    penalty / temperature / truncation -- vLLM V1's default ("raw_logprobs"), so the numbers are
    the model's own beliefs and do not depend on sampling knobs.
 2. ``min_tokens``: while a row has fewer than ``min_tokens`` outputs, its stop token ids and (unless
-   ``ignore_eos``) the EOS ids are set to ``-inf``.
-3. penalties: repetition (HF semantics, over prompt + output tokens: ``logit > 0 -> logit / p``,
-   else ``logit * p``), then ``frequency * count`` and ``presence * (count > 0)`` subtracted, with
-   counts over output tokens only.
+   ``ignore_eos``) the EOS ids are set to ``-inf`` (the scheduler lists the pairs).
+3. penalties, on the penalty rows only: repetition (HF semantics, over prompt + output tokens:
+   ``logit > 0 -> logit / p``, else ``logit * p``), then ``frequency * count`` and
+   ``presence * (count > 0)`` subtracted, with counts over output tokens only
+   (``ferrokv.penalties`` keeps the counts across steps).
 4. greedy rows: ``argmax`` (exact ties -> lowest index, as ``torch.argmax``).
 5. random rows: ``softmax(logits / temperature)``; then, on probabilities (masking = set to 0,
    the sampler takes unnormalised weights so no renormalising softmax is needed): min-p (drop
    ``p < min_p * p_max``) on the full distribution; top-k (ties at the k-th value are all kept);
    top-p over what top-k left, relative to its mass (the most likely token always survives);
    then inverse-CDF sampling with one ``U[0,1)`` per row, accumulated in float64 in two levels
-   (256-token blocks, then a token), so even tiny tail probabilities are honoured. Seeded rows
-   draw their uniform from their own ``torch.Generator`` (exactly one draw per step), so their
-   token depends only on their own logits row and generator, never on which other rows share the
-   batch; unseeded rows share one generator (the sampler's, else torch's global one), which must be
-   on the logits' device.
+   (256-token blocks, then a token), so even tiny tail probabilities are honoured. The uniforms
+   come with the metadata: the scheduler derives each from the request's seed (or the engine's
+   and the request's id), the sample index and the token's position, so a seeded row's token
+   depends only on its own logits row and those, never on the batch, a preemption or a
+   cancelled step. NaN entries (rows built without one) draw from the sampler's generator.
 
 Invariants: the input ``logits`` tensor is never modified; output ids are ``int32`` numpy, one per
 row; a token whose processed probability is 0 is never sampled. Devices: the metadata tensors and
-the shared generator are on the logits' device (checked: ``DeviceMismatchError`` names both
-devices otherwise); seeded rows' generators may be anywhere (their one draw is moved over). Batch invariance of seeded rows is
-exact on CPU (every step is row-local and no path choice depends on other rows); on GPU it holds up
-to float rounding of row reductions.
+the sampler's generator are on the logits' device (checked: ``DeviceMismatchError`` names both
+devices otherwise). Every stage is row-local and no path choice depends on other rows, so a row's
+token is exact-batch-invariant on CPU; on GPU it holds up to float rounding of row reductions.
 
-Costs per step, R rows, V vocab: O(R*V) elementwise work (softmax, one pass of block sums) and a
-single random number per row; + ``topk(max_k)`` for top-k alone; + ``topk(512)`` when some row has
-top-p, and a full sort only for rows whose nucleus is not inside their 512 most likely tokens;
-+ O(total history length) to build penalty counts, only when a row has penalties; + one
-``[L, V]`` log_softmax for the L rows that want logprobs. No Python loop per row except one tiny
-draw per seeded random row.
+Costs per step, R rows, V vocab: O(R*V) elementwise work (softmax, one pass of block sums) for
+random rows, one argmax for greedy ones; + ``topk(max_k)`` for top-k alone; + ``topk(512)`` when
+some row has top-p, and a full sort only for rows whose nucleus is not inside their 512 most
+likely tokens; + O(P*V) for P penalty rows; + one ``[L, V]`` log_softmax for the L rows that want
+logprobs. Building the metadata is O(1) numpy/torch calls, none per row.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,14 +58,18 @@ from ferrokv.sampling_params import GREEDY_EPS, SamplingParams
 
 __all__ = [
     "LogprobsResult",
+    "PenaltyInputs",
+    "SampledTokens",
     "Sampler",
     "SamplerOutput",
+    "SamplingArrays",
     "SamplingMetadata",
     "SamplingRow",
     "compute_logprobs",
-    "make_generator",
+    "penalty_inputs",
+    "penalty_rows",
     "sample",
-    "seed_for_sample",
+    "sample_async",
 ]
 
 _NEG_INF = float("-inf")
@@ -78,29 +81,6 @@ _TOP_P_CANDIDATES = 512
 _BLOCK = 256
 
 
-def seed_for_sample(seed: int, sample_index: int = 0) -> int:
-    """Derives the 63-bit generator seed of sample ``sample_index`` of a request seeded ``seed``.
-
-    A hash (rather than ``seed + index``) keeps sample 1 of seed 0 from replaying sample 0 of
-    seed 1; index 0 goes through the same hash so ``n=1`` and sample 0 of ``n=2`` agree.
-    """
-    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def make_generator(
-    seed: int, sample_index: int = 0, device: torch.device | str = "cpu"
-) -> torch.Generator:
-    """Creates the per-sequence generator for a seeded request; create once, reuse every step.
-
-    Keep it on the CPU (the default) even when logits live on a GPU: the sampler draws one number
-    per step from it and moves that, so seeded outputs do not depend on the device's RNG.
-    """
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed_for_sample(seed, sample_index))
-    return gen
-
-
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """``log_softmax`` over the last dim, in float32 (for beam search and logprob reporting)."""
     return torch.log_softmax(logits.float(), dim=-1)
@@ -108,20 +88,115 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class SamplingRow:
-    """The per-step state of one sequence that the sampler needs.
+    """One sequence's sampling state, for building a step's metadata outside the engine (tests,
+    tools); the engine reads the same columns from the scheduler's output instead.
 
-    ``generator`` must be the sequence's own long-lived generator when ``params.seed`` is set
-    (see :func:`make_generator`); it is advanced by every non-greedy draw. ``prompt_token_ids`` is
-    only read when the row has a repetition penalty.
+    ``uniform`` is the row's U[0,1) draw for this step (the scheduler derives it from the
+    request's seed, sample index and position); None draws it from the sampler's generator.
+    ``prompt_token_ids`` is only read when the row has a repetition penalty.
     """
 
     params: SamplingParams
     output_token_ids: Sequence[int] = ()
     prompt_token_ids: Sequence[int] = ()
-    generator: torch.Generator | None = None
-    # Tokens generated so far (min_tokens); None: len(output_token_ids). The engine passes the
-    # count and reads the history from the core only for rows with penalties.
-    num_output_tokens: int | None = None
+    uniform: float | None = None
+
+
+@dataclass(slots=True)
+class SamplingArrays:
+    """A step's per-row sampling parameters as numpy columns, named as the scheduler's output
+    names them (``SchedulerOutput.row_*``), so either can feed ``SamplingMetadata.from_arrays``."""
+
+    num_rows: int
+    row_temperature: np.ndarray  # float32 [R]; 0 = greedy
+    row_top_k: np.ndarray  # int32 [R]; <= 0 disabled
+    row_top_p: np.ndarray  # float32 [R]
+    row_min_p: np.ndarray  # float32 [R]
+    row_presence: np.ndarray  # float32 [R]
+    row_frequency: np.ndarray  # float32 [R]
+    row_repetition: np.ndarray  # float32 [R]
+    row_num_logprobs: np.ndarray  # int32 [R]; -1 = none
+    row_uniform: np.ndarray  # float64 [R]; NaN = draw from the sampler's generator
+    banned_rows: np.ndarray  # int64 [B]: min_tokens bans, (row, token) pairs
+    banned_tokens: np.ndarray  # int64 [B]
+    num_greedy_rows: int
+    max_top_k: int
+    any_top_p: bool
+    any_min_p: bool
+    any_penalties: bool
+    any_logprobs: bool
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int] = ()) -> SamplingArrays:
+        """The columns of ``rows`` (a Python loop over rows: for tests and tools)."""
+        params = [r.params for r in rows]
+
+        def col(values: Any, dtype: Any) -> np.ndarray:
+            return np.asarray(list(values), dtype=dtype)
+
+        temperature = col((0.0 if p.is_greedy else p.temperature for p in params), np.float32)
+        top_k = col((p.top_k for p in params), np.int32)
+        top_p = col((p.top_p for p in params), np.float32)
+        min_p = col((p.min_p for p in params), np.float32)
+        presence = col((p.presence_penalty for p in params), np.float32)
+        frequency = col((p.frequency_penalty for p in params), np.float32)
+        repetition = col((p.repetition_penalty for p in params), np.float32)
+        num_lp = col((-1 if p.logprobs is None else p.logprobs for p in params), np.int32)
+        uniform = col((np.nan if r.uniform is None else r.uniform for r in rows), np.float64)
+        b_rows: list[int] = []
+        b_toks: list[int] = []
+        for i, (row, p) in enumerate(zip(rows, params)):
+            if len(row.output_token_ids) < p.min_tokens:
+                stop_ids = dict.fromkeys(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stop_ids.update(dict.fromkeys(eos_token_ids))
+                b_rows += [i] * len(stop_ids)
+                b_toks += list(stop_ids)
+        return cls(
+            num_rows=len(rows), row_temperature=temperature, row_top_k=top_k, row_top_p=top_p,
+            row_min_p=min_p, row_presence=presence, row_frequency=frequency, row_repetition=repetition,
+            row_num_logprobs=num_lp, row_uniform=uniform,
+            banned_rows=col(b_rows, np.int64), banned_tokens=col(b_toks, np.int64),
+            num_greedy_rows=int((temperature == 0).sum()), max_top_k=int(top_k.max(initial=0)),
+            any_top_p=bool((top_p < 1).any()), any_min_p=bool((min_p > 0).any()),
+            any_penalties=bool(((presence != 0) | (frequency != 0) | (repetition != 1)).any()),
+            any_logprobs=bool((num_lp >= 0).any()),
+        )
+
+
+@dataclass(slots=True)
+class PenaltyInputs:
+    """The rows with a penalty and their token statistics (``ferrokv.penalties`` keeps them
+    across steps; ``penalty_inputs`` builds them from histories)."""
+
+    rows: torch.Tensor  # int64 [P]: batch rows with a non-neutral penalty
+    output_counts: torch.Tensor | None  # float32 [P, V]: occurrences in the output so far
+    seen_mask: torch.Tensor | None  # bool [P, V]: in the prompt or the output
+
+
+def penalty_rows(arrays: Any) -> np.ndarray:
+    """The rows of ``arrays`` (a ``SamplingArrays`` or a scheduler output) with a penalty."""
+    mask = (arrays.row_presence != 0) | (arrays.row_frequency != 0) | (arrays.row_repetition != 1)
+    return np.flatnonzero(mask)
+
+
+def penalty_inputs(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str = "cpu") -> PenaltyInputs | None:
+    """``PenaltyInputs`` computed from the rows' histories (tests and tools)."""
+    pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not pen:
+        return None
+    counts = torch.zeros((len(pen), vocab_size), dtype=torch.float32, device=device)
+    seen = torch.zeros((len(pen), vocab_size), dtype=torch.bool, device=device)
+    for j, i in enumerate(pen):
+        out = [t for t in rows[i].output_token_ids if 0 <= t < vocab_size]
+        prompt = [t for t in rows[i].prompt_token_ids if 0 <= t < vocab_size]
+        if out:
+            ids = torch.tensor(out, dtype=torch.int64, device=device)
+            counts[j].index_put_((ids,), torch.ones(len(out), device=device), accumulate=True)
+            seen[j, ids] = True
+        if prompt:
+            seen[j, torch.tensor(prompt, dtype=torch.int64, device=device)] = True
+    return PenaltyInputs(torch.tensor(pen, dtype=torch.int64, device=device), counts, seen)
 
 
 @dataclass(slots=True)
@@ -129,179 +204,108 @@ class SamplingMetadata:
     """Per-row sampling parameters of one step, as batch tensors (``None`` = no row uses it)."""
 
     num_rows: int
+    device: torch.device
     all_greedy: bool
     all_random: bool
-    greedy: torch.Tensor  # bool [R]
+    greedy: torch.Tensor | None  # bool [R]; None when all rows are greedy or all random
     temperature: torch.Tensor | None  # float32 [R]; 1.0 on greedy rows so division is harmless
     top_k: torch.Tensor | None  # int64 [R]; V where disabled
     max_top_k: int  # largest enabled top_k (0 if none); a Python int so no device sync is needed
     top_p: torch.Tensor | None  # float32 [R]
     min_p: torch.Tensor | None  # float32 [R]
-    # Penalties: None unless some row has a non-neutral one.
-    presence_penalty: torch.Tensor | None  # float32 [R, 1]
-    frequency_penalty: torch.Tensor | None  # float32 [R, 1]
-    repetition_penalty: torch.Tensor | None  # float32 [R, 1]
-    output_counts: torch.Tensor | None  # float32 [R, V]: occurrences in the output so far
-    seen_mask: torch.Tensor | None  # bool [R, V]: token in prompt or output (repetition penalty)
+    # Penalties: None unless some row has a non-neutral one; then per penalty row.
+    penalty_rows: torch.Tensor | None  # int64 [P]
+    presence_penalty: torch.Tensor | None  # float32 [P, 1]
+    frequency_penalty: torch.Tensor | None  # float32 [P, 1]
+    repetition_penalty: torch.Tensor | None  # float32 [P, 1]
+    output_counts: torch.Tensor | None  # float32 [P, V]
+    seen_mask: torch.Tensor | None  # bool [P, V]
     # min_tokens: (row, token) pairs to set to -inf.
     banned_rows: torch.Tensor | None  # int64 [B]
     banned_tokens: torch.Tensor | None  # int64 [B]
-    # Seeded non-greedy rows and their generators (parallel lists).
-    seeded_rows: list[int]
-    generators: list[torch.Generator]
+    uniforms: torch.Tensor | None  # float64 [R]; NaN entries draw from the sampler's generator
+    draw_missing: bool  # some uniform is NaN (decided on the host, so the device never waits)
     # Logprobs: rows that asked and how many top alternatives each wants.
     logprob_rows: torch.Tensor | None  # int64 [L]
     num_top_logprobs: np.ndarray | None  # int32 [L]
 
     @classmethod
-    def build(
-        cls,
-        rows: Sequence[SamplingRow],
-        vocab_size: int,
-        eos_token_ids: Sequence[int] = (),
-        device: torch.device | str = "cpu",
-    ) -> SamplingMetadata:
-        """Builds the batch tensors for ``rows`` (Python loop over rows; no per-token loops).
+    def from_arrays(cls, a: Any, vocab_size: int, device: torch.device | str = "cpu",
+                    penalties: PenaltyInputs | None = None) -> SamplingMetadata:
+        """The batch tensors of a step's columns ``a`` (a ``SamplingArrays`` or a scheduler
+        output): array operations only, and a batch that is all greedy with no penalty, ban or
+        logprobs reads nothing but the flags. Token ids outside ``[0, vocab_size)`` are ignored."""
+        R, V = a.num_rows, vocab_size
+        dev = torch.device(device)
 
-        ``eos_token_ids`` are the model's EOS ids, masked during ``min_tokens`` unless the row sets
-        ``ignore_eos``. Token ids ``>= vocab_size`` in histories or stop ids are ignored.
-        """
-        R, V = len(rows), vocab_size
-        params = [r.params for r in rows]
-        greedy_l = [p.is_greedy for p in params]
-        all_greedy = all(greedy_l)
-        all_random = not any(greedy_l)
-        greedy = torch.tensor(greedy_l, dtype=torch.bool, device=device)
+        def tensor(x: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(np.ascontiguousarray(x))
+            return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
 
-        temperature = top_k = top_p = min_p = None
+        num_greedy = a.num_greedy_rows
+        all_greedy, all_random = num_greedy == R, num_greedy == 0
+        greedy = temperature = top_k = top_p = min_p = uniforms = None
         max_top_k = 0
-        seeded_rows: list[int] = []
-        generators: list[torch.Generator] = []
+        draw_missing = False
         if not all_greedy:
-            temperature = torch.tensor(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy_l)],
-                dtype=torch.float32,
-                device=device,
-            )
-            # k >= V keeps everything, so it counts as disabled.
-            max_top_k = max((p.top_k for p in params if 0 < p.top_k < V), default=0)
-            if max_top_k > 0:
-                top_k = torch.tensor(
-                    [p.top_k if 0 < p.top_k < V else V for p in params],
-                    dtype=torch.int64,
-                    device=device,
-                )
-            if any(p.top_p < 1.0 for p in params):
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-            if any(p.min_p > 0.0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-            for i, (row, g) in enumerate(zip(rows, greedy_l)):
-                if not g and row.params.seed is not None:
-                    if row.generator is None:
-                        raise ValueError(
-                            f"row {i} has seed={row.params.seed} but no generator; create one "
-                            "per sequence with make_generator() and keep it across steps"
-                        )
-                    seeded_rows.append(i)
-                    generators.append(row.generator)
+            temp = a.row_temperature
+            is_greedy = temp == 0
+            greedy = None if all_random else tensor(is_greedy)
+            temperature = tensor(np.where(is_greedy, np.float32(1.0), temp))
+            if a.max_top_k > 0:
+                k = a.row_top_k.astype(np.int64)
+                enabled = (k > 0) & (k < V)
+                max_top_k = int(k[enabled].max(initial=0))
+                if max_top_k > 0:
+                    top_k = tensor(np.where(enabled, k, V))
+            if a.any_top_p:
+                top_p = tensor(a.row_top_p)
+            if a.any_min_p:
+                min_p = tensor(a.row_min_p)
+            draw_missing = bool(np.isnan(a.row_uniform).any())
+            uniforms = tensor(a.row_uniform)
 
-        # --- penalties ----------------------------------------------------------------------
-        presence = frequency = repetition = output_counts = seen_mask = None
-        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
-        if pen_rows:
-            def col(name: str) -> torch.Tensor:
-                return torch.tensor(
-                    [getattr(p, name) for p in params], dtype=torch.float32, device=device
-                ).unsqueeze(1)
+        pen_rows = presence = frequency = repetition = counts = seen = None
+        if penalties is not None:
+            idx = penalties.rows.cpu().numpy() if penalties.rows.device.type != "cpu" else penalties.rows.numpy()
+            pen_rows = penalties.rows.to(dev)
+            presence = tensor(a.row_presence[idx]).unsqueeze(1)
+            frequency = tensor(a.row_frequency[idx]).unsqueeze(1)
+            repetition = tensor(a.row_repetition[idx]).unsqueeze(1)
+            counts, seen = penalties.output_counts, penalties.seen_mask
 
-            if any(params[i].presence_penalty != 0 or params[i].frequency_penalty != 0
-                   for i in pen_rows):
-                presence, frequency = col("presence_penalty"), col("frequency_penalty")
-                output_counts = torch.zeros((R, V), dtype=torch.float32, device=device)
-                r_idx, t_idx = _flatten_histories(
-                    [(i, rows[i].output_token_ids) for i in pen_rows], V, device
-                )
-                output_counts.index_put_(
-                    (r_idx, t_idx),
-                    torch.ones(t_idx.numel(), dtype=torch.float32, device=device),
-                    accumulate=True,
-                )
-            rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1.0]
-            if rep_rows:
-                repetition = col("repetition_penalty")
-                seen_mask = torch.zeros((R, V), dtype=torch.bool, device=device)
-                r_idx, t_idx = _flatten_histories(
-                    [(i, rows[i].prompt_token_ids) for i in rep_rows]
-                    + [(i, rows[i].output_token_ids) for i in rep_rows],
-                    V,
-                    device,
-                )
-                seen_mask[r_idx, t_idx] = True
-
-        # --- min_tokens -----------------------------------------------------------------------
         banned_rows = banned_tokens = None
-        b_rows: list[int] = []
-        b_toks: list[int] = []
-        for i, (row, p) in enumerate(zip(rows, params)):
-            n_out = len(row.output_token_ids) if row.num_output_tokens is None else row.num_output_tokens
-            if n_out < p.min_tokens:
-                stop_ids = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stop_ids.update(eos_token_ids)
-                for t in stop_ids:
-                    if 0 <= t < V:
-                        b_rows.append(i)
-                        b_toks.append(t)
-        if b_rows:
-            banned_rows = torch.tensor(b_rows, dtype=torch.int64, device=device)
-            banned_tokens = torch.tensor(b_toks, dtype=torch.int64, device=device)
+        if len(a.banned_rows):
+            toks = a.banned_tokens
+            keep = (toks >= 0) & (toks < V)
+            if keep.any():
+                banned_rows, banned_tokens = tensor(a.banned_rows[keep]), tensor(toks[keep])
 
-        # --- logprobs -------------------------------------------------------------------------
         logprob_rows = num_top = None
-        lp = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
-        if lp:
-            logprob_rows = torch.tensor([i for i, _ in lp], dtype=torch.int64, device=device)
-            num_top = np.array([min(k, V) for _, k in lp], dtype=np.int32)
+        if a.any_logprobs:
+            n = a.row_num_logprobs
+            rows = np.flatnonzero(n >= 0)
+            logprob_rows = tensor(rows.astype(np.int64))
+            num_top = np.minimum(n[rows], V).astype(np.int32)
 
         return cls(
-            num_rows=R,
-            all_greedy=all_greedy,
-            all_random=all_random,
-            greedy=greedy,
-            temperature=temperature,
-            top_k=top_k,
-            max_top_k=max_top_k,
-            top_p=top_p,
-            min_p=min_p,
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
-            output_counts=output_counts,
-            seen_mask=seen_mask,
-            banned_rows=banned_rows,
-            banned_tokens=banned_tokens,
-            seeded_rows=seeded_rows,
-            generators=generators,
-            logprob_rows=logprob_rows,
-            num_top_logprobs=num_top,
+            num_rows=R, device=dev, all_greedy=all_greedy, all_random=all_random, greedy=greedy,
+            temperature=temperature, top_k=top_k, max_top_k=max_top_k, top_p=top_p, min_p=min_p,
+            penalty_rows=pen_rows, presence_penalty=presence, frequency_penalty=frequency,
+            repetition_penalty=repetition, output_counts=counts, seen_mask=seen,
+            banned_rows=banned_rows, banned_tokens=banned_tokens, uniforms=uniforms, draw_missing=draw_missing,
+            logprob_rows=logprob_rows, num_top_logprobs=num_top,
         )
 
-
-def _flatten_histories(
-    histories: list[tuple[int, Sequence[int]]], vocab_size: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) index tensors for scatter, from per-row token lists; drops ids outside V."""
-    lengths = [len(toks) for _, toks in histories]
-    rows = torch.repeat_interleave(
-        torch.tensor([i for i, _ in histories], dtype=torch.int64),
-        torch.tensor(lengths, dtype=torch.int64),
-    )
-    # One C-level conversion of the concatenated ids rather than one tensor per row.
-    toks = torch.tensor(
-        list(itertools.chain.from_iterable(toks for _, toks in histories)), dtype=torch.int64
-    )
-    keep = (toks >= 0) & (toks < vocab_size)
-    return rows[keep].to(device), toks[keep].to(device)
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Sequence[int] = (),
+              device: torch.device | str = "cpu") -> SamplingMetadata:
+        """The metadata of ``rows`` (tests and tools): ``SamplingArrays.of_rows`` and
+        ``penalty_inputs``, then the engine's own ``from_arrays``. ``eos_token_ids`` are masked
+        during ``min_tokens`` unless the row sets ``ignore_eos``."""
+        arrays = SamplingArrays.of_rows(rows, eos_token_ids)
+        pens = penalty_inputs(rows, vocab_size, device) if arrays.any_penalties else None
+        return cls.from_arrays(arrays, vocab_size, device, pens)
 
 
 @dataclass(slots=True)
@@ -330,19 +334,17 @@ class SamplerOutput:
 
 
 def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits with the penalty rows penalised (out of place: only those rows are computed)."""
+    rows = md.penalty_rows
+    x = logits.index_select(0, rows)
     if md.seen_mask is not None:
-        assert md.repetition_penalty is not None
         p = md.repetition_penalty
-        penalized = torch.where(logits > 0, logits / p, logits * p)
-        logits = torch.where(md.seen_mask, penalized, logits)
+        penalized = torch.where(x > 0, x / p, x * p)
+        x = torch.where(md.seen_mask, penalized, x)
     if md.output_counts is not None:
-        assert md.frequency_penalty is not None and md.presence_penalty is not None
-        logits = (
-            logits
-            - md.frequency_penalty * md.output_counts
-            - md.presence_penalty * (md.output_counts > 0).to(logits.dtype)
-        )
-    return logits
+        counts = md.output_counts
+        x = x - md.frequency_penalty * counts - md.presence_penalty * (counts > 0).to(x.dtype)
+    return logits.index_copy(0, rows, x)
 
 
 def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -436,19 +438,15 @@ def _row_total(probs: torch.Tensor) -> torch.Tensor:
 def _draw_uniforms(
     n: int, md: SamplingMetadata, generator: torch.Generator | None, device: torch.device
 ) -> torch.Tensor:
-    """One U[0,1) per row (float64); seeded rows draw theirs from their own generator."""
+    """One U[0,1) per row (float64): the metadata's, whose NaN entries (rows without a given
+    draw) come from ``generator`` (else torch's global one), which must be on ``device``."""
     if generator is not None:
         check_same_device("the sampler's generator", generator.device, "the logits tensor", device)
-    u = torch.rand(n, dtype=torch.float64, device=device, generator=generator)
-    if md.seeded_rows:
-        # Exactly one draw per step from each seeded generator, so its stream -- and the token --
-        # depend only on the sequence itself, not on the rest of the batch. Drawn on the
-        # generator's own device (CPU by default), so a seed gives the same stream on any device.
-        own = torch.cat(
-            [torch.rand(1, dtype=torch.float64, device=g.device, generator=g)
-             for g in md.generators]
-        ).to(device)
-        u.index_copy_(0, torch.tensor(md.seeded_rows, dtype=torch.int64, device=device), own)
+    u = md.uniforms
+    if u is None:
+        return torch.rand(n, dtype=torch.float64, device=device, generator=generator)
+    if md.draw_missing:
+        u = torch.where(torch.isnan(u), torch.rand(n, dtype=torch.float64, device=device, generator=generator), u)
     return u
 
 
@@ -475,9 +473,34 @@ def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (b * _BLOCK + j).squeeze(1)
 
 
-def _logprobs(
-    logits: torch.Tensor, md: SamplingMetadata, sampled: torch.Tensor
-) -> LogprobsResult:
+@dataclass(slots=True)
+class SampledTokens:
+    """A step's sampling results, still on the logits' device (nothing has waited for them);
+    ``result()`` copies them to the host, the one synchronisation of a step."""
+
+    token_ids: torch.Tensor  # int64 [R]
+    logprob_parts: tuple[torch.Tensor, ...] | None  # rows, sampled lp, ranks, top ids, top lp
+    num_top_logprobs: np.ndarray | None
+
+    def result(self) -> SamplerOutput:
+        lp = None
+        if self.logprob_parts is not None:
+            rows, tok_lp, ranks, top_ids, top_lp = (t.cpu().numpy() for t in self.logprob_parts)
+            lp = LogprobsResult(rows=rows, sampled_logprobs=tok_lp, sampled_ranks=ranks,
+                                top_ids=top_ids.astype(np.int32), top_logprobs=top_lp, num_top=self.num_top_logprobs)
+        return SamplerOutput(token_ids=self.token_ids.to(torch.int32).cpu().numpy(), logprobs=lp)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row argmax of float32 ``x`` ``[R, V]`` (ties and NaN as ``torch.argmax``: the first
+    maximum, a NaN counting as one). On the CPU numpy's vectorised argmax, several times faster
+    than torch's there, on a zero-copy view."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
+def _logprobs(logits: torch.Tensor, md: SamplingMetadata, sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
     assert md.logprob_rows is not None and md.num_top_logprobs is not None
     rows = md.logprob_rows
     lp = compute_logprobs(logits.index_select(0, rows))
@@ -490,38 +513,30 @@ def _logprobs(
     else:
         top_lp = lp.new_empty((lp.shape[0], 0))
         top_ids = torch.empty((lp.shape[0], 0), dtype=torch.int64, device=lp.device)
-    return LogprobsResult(
-        rows=rows.cpu().numpy(),
-        sampled_logprobs=tok_lp.squeeze(1).cpu().numpy(),
-        sampled_ranks=ranks.cpu().numpy(),
-        top_ids=top_ids.to(torch.int32).cpu().numpy(),
-        top_logprobs=top_lp.cpu().numpy(),
-        num_top=md.num_top_logprobs,
-    )
+    return rows, tok_lp.squeeze(1), ranks, top_ids, top_lp
 
 
-def sample(
-    logits: torch.Tensor,
-    metadata: SamplingMetadata,
-    generator: torch.Generator | None = None,
-) -> SamplerOutput:
-    """Samples one token per row of ``logits`` ``[R, V]`` (see the module docstring)."""
+def sample_async(logits: torch.Tensor, metadata: SamplingMetadata,
+                 generator: torch.Generator | None = None) -> SampledTokens:
+    """Samples one token per row of ``logits`` ``[R, V]`` (see the module docstring), leaving
+    the results on the device (``SampledTokens.result()`` fetches them)."""
     md = metadata
     if logits.dim() != 2 or logits.shape[0] != md.num_rows:
         raise ValueError(f"logits must be [{md.num_rows}, V], got {tuple(logits.shape)}")
-    check_same_device("the sampling metadata", md.greedy.device, "the logits tensor", logits.device)
+    check_same_device("the sampling metadata", md.device, "the logits tensor", logits.device)
     raw = logits
-    # Everything below is out-of-place on the first op, so the caller's tensor is never touched.
+    # Everything below is out of place, so the caller's tensor is never touched.
     x = logits.float()
 
     if md.banned_rows is not None:
         x = x.index_put((md.banned_rows, md.banned_tokens), x.new_tensor(_NEG_INF))
-    x = _apply_penalties(x, md)
+    if md.penalty_rows is not None:
+        x = _apply_penalties(x, md)
 
     if md.all_greedy:
-        sampled = x.argmax(dim=-1)
+        sampled = _argmax(x)
     else:
-        greedy_tok = None if md.all_random else x.argmax(dim=-1)
+        greedy_tok = None if md.all_random else _argmax(x)
         assert md.temperature is not None
         # Everything after the temperature works on probabilities: masking is "set to 0", and no
         # second softmax is needed since the sampler accepts unnormalised weights.
@@ -537,7 +552,13 @@ def sample(
         sampled = random_tok if greedy_tok is None else torch.where(md.greedy, greedy_tok, random_tok)
 
     lp = _logprobs(raw, md, sampled) if md.logprob_rows is not None else None
-    return SamplerOutput(token_ids=sampled.to(torch.int32).cpu().numpy(), logprobs=lp)
+    return SampledTokens(sampled, lp, md.num_top_logprobs)
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata,
+           generator: torch.Generator | None = None) -> SamplerOutput:
+    """Samples one token per row of ``logits`` ``[R, V]``, results on the host."""
+    return sample_async(logits, metadata, generator).result()
 
 
 class Sampler:
@@ -562,3 +583,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         return sample(logits, metadata, self.generator)
+
+    def sample_async(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SampledTokens:
+        return sample_async(logits, metadata, self.generator)

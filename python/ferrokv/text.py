@@ -4,17 +4,19 @@ Two implementations behind one interface, chosen once per engine by ``make_text_
 
 * ``RustText`` (the normal path): the model's ``tokenizer.json`` is loaded by the Rust
   ``tokenizers`` crate (``ferrokv._core.TextModel``, from the ``ferrokv-text`` crate) and
-  attached to the scheduler; ``Scheduler.update`` then detokenizes the step's tokens and ends
-  sequences on stop strings itself, with the GIL released, fed from the tokens the core keeps.
+  attached to the scheduler, which keeps each step's rows and tokens after ``update``;
+  ``Scheduler.take_step_results`` then detokenizes them and ends sequences on stop strings itself,
+  with the GIL released, fed from the tokens the core keeps.
 * ``PythonText``: for a tokenizer the Rust crate cannot load (a slow-only tokenizer): the
   Python ``IncrementalDetokenizer`` per sequence, a stop string ending its sequence through
-  ``Scheduler.stop_sequence`` right after ``update``.
+  ``Scheduler.stop_sequence``.
 
 Both give the same text (vLLM's semantics: ``ferrokv.detokenizer``) and the same results:
-``after_update`` returns the streaming rows of the step (rows of CUMULATIVE/DELTA requests whose
-sequence got a token and goes on) with their text deltas, and leaves in ``finished`` records
-whose ``text``/``text_delta``/``stop_reason`` are set; ``after_abort`` does the same for the
-records of an abort. Costs per step: ``RustText`` one call; ``PythonText`` O(rows) Python.
+``step_results`` (called once per step after its ``update``, possibly while the next step is in
+flight: a sequence stopped on a string then loses that step's token) returns the step's finished
+records with ``text``/``text_delta``/``stop_reason`` set, and its streaming rows (rows of
+CUMULATIVE/DELTA requests whose sequence got a token and goes on) with their text deltas;
+``after_abort`` fills in the records of an abort. Costs per step: ``RustText`` one call; ``PythonText`` O(rows) Python.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ class RustText:
     def add_request(self, core_id: int, params: SamplingParams, prompt_ids: list[int], stream: bool) -> None:
         pass  # registered by Scheduler.add_request (request_kwargs)
 
-    def after_update(self, scheduler: Scheduler, out: Any, sampled: np.ndarray,
-                     finished: list[FinishedSequence]) -> tuple[np.ndarray, list[str]]:
-        return scheduler.text_deltas()
+    def step_results(self, scheduler: Scheduler, out: Any,
+                     sampled: np.ndarray) -> tuple[list[FinishedSequence], np.ndarray, list[str]]:
+        return scheduler.take_step_results()  # the scheduler kept the step's rows and tokens
 
     def after_abort(self, finished: list[FinishedSequence]) -> list[FinishedSequence]:
         return finished  # Scheduler.abort filled their text
@@ -69,6 +71,9 @@ class PythonText:
         self._requests: dict[int, tuple[SamplingParams, list[int], bool]] = {}
         # Per live sequence: its detokenizer and how much of its text deltas have taken.
         self._seqs: dict[int, list[Any]] = {}
+        # Per live request: its sequences that ended (a step's rows may name one that a stop
+        # string ended a step late, while the step ran: it gets no new state).
+        self._ended: dict[int, set[int]] = {}
 
     def request_kwargs(self, params: SamplingParams, stream: bool) -> dict[str, Any]:
         return {}
@@ -80,13 +85,14 @@ class PythonText:
         st = self._seqs.get(seq_id)
         if st is None:
             req = self._requests.get(core_id)
-            if req is None:
+            if req is None or seq_id in self._ended.get(core_id, ()):
                 return None  # not a text request (beam search) or already ended
             st = self._seqs[seq_id] = [IncrementalDetokenizer.from_params(self.tokenizer, req[0], req[1]), 0]
         return st
 
-    def after_update(self, scheduler: Scheduler, out: Any, sampled: np.ndarray,
-                     finished: list[FinishedSequence]) -> tuple[np.ndarray, list[str]]:
+    def step_results(self, scheduler: Scheduler, out: Any,
+                     sampled: np.ndarray) -> tuple[list[FinishedSequence], np.ndarray, list[str]]:
+        finished = scheduler.take_step_results()[0]
         ended = {f.seq_id: f for f in finished}
         rows: list[int] = []
         deltas: list[str] = []
@@ -107,8 +113,7 @@ class PythonText:
                 text = d.text
                 deltas.append(text[st[1]:])
                 st[1] = len(text)
-        finished[:] = self.after_abort(finished)
-        return (np.asarray(rows, dtype=np.int64) if rows else _NO_ROWS), deltas
+        return self.after_abort(finished), (np.asarray(rows, dtype=np.int64) if rows else _NO_ROWS), deltas
 
     def after_abort(self, finished: list[FinishedSequence]) -> list[FinishedSequence]:
         """Fills in the text of ended sequences (flushing those that did not stop on a string;
@@ -120,6 +125,9 @@ class PythonText:
             params = self._requests.get(f.request_id, (None,))[0]
             if f.request_finished:
                 self._requests.pop(f.request_id, None)
+                self._ended.pop(f.request_id, None)
+            elif f.request_id in self._requests:
+                self._ended.setdefault(f.request_id, set()).add(f.seq_id)
             if st is None:
                 out.append(f.with_text("", ""))
                 continue

@@ -1,6 +1,6 @@
 """Fault injection and leak checks shared by tests/test_faults.py and tests/test_engine_loop.py.
 
-``RunnerHook`` replaces an engine's ``runner.execute`` with a wrapper that runs an action before
+``RunnerHook`` replaces an engine's ``runner.forward`` with a wrapper that runs an action before
 each forward pass (raise on the k-th call, wait for another thread, ...), so a test can place a
 failure, an abort or a poll exactly in the middle of a chosen step, with events rather than sleeps.
 Engines are the tiny random llama on the CPU in fp32: a few hundred KiB, built per test.
@@ -80,19 +80,20 @@ def drive(engine: LLMEngine, fails: type[BaseException] | None = None) -> dict[s
 
 
 class RunnerHook:
-    """Wraps ``engine.runner.execute``: ``action(call_number, scheduler_output)`` runs before each
-    forward pass (numbered from 1); ``calls`` counts them."""
+    """Wraps ``engine.runner.forward``: ``action(call_number, step_inputs)`` runs before each
+    forward pass (numbered from 1; ``step_inputs`` is the runner's ``StepInputs``, with the step's
+    block ops); ``calls`` counts them. With overlap on a CPU it runs on the step worker's thread."""
 
     def __init__(self, engine: LLMEngine, action: Callable[[int, Any], None]) -> None:
         self.calls = 0
         self._action = action
-        self._execute = engine.runner.execute
-        engine.runner.execute = self
+        self._forward = engine.runner.forward
+        engine.runner.forward = self
 
-    def __call__(self, out: Any) -> Any:
+    def __call__(self, inputs: Any) -> Any:
         self.calls += 1
-        self._action(self.calls, out)
-        return self._execute(out)
+        self._action(self.calls, inputs)
+        return self._forward(inputs)
 
 
 def raise_on(call: int, error: BaseException) -> Callable[[int, Any], None]:

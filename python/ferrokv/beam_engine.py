@@ -1,0 +1,73 @@
+"""Beam search mapped onto the scheduler: a step's result applied as forks and drops, and a
+finished search's output.
+
+``advance`` runs ``BeamSearchState.step`` on the request's rows of the step and maps it onto the
+scheduler (a surviving parent keeps its own row and gets its token in ``sampled``, extra children
+are forked with theirs, parents without children are dropped); a search that is done is ended in
+the scheduler at once, so its blocks are freed. Invariants: called between a step's sampling and
+its ``update`` (the forks carry this step's token). Costs per step: one log_softmax over the
+request's rows and O(beam width) scheduler calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrokv.output_processor import RequestState, fill_metrics
+from ferrokv.outputs import CompletionOutput, RequestOutput
+from ferrokv.sampler import compute_logprobs
+
+__all__ = ["advance", "beam_output"]
+
+
+def advance(scheduler: Any, req: RequestState, rows: list[int], row_seq: list[int], logits: torch.Tensor,
+            sampled: np.ndarray) -> bool:
+    """Moves ``req``'s beam search one step; True when it is done (and ended in the scheduler)."""
+    st = req.beam
+    seq_ids = [row_seq[r] for r in rows]
+    lp = compute_logprobs(logits[torch.tensor(rows, device=logits.device)]).cpu()
+    res = st.step(seq_ids, lp)
+    if res.done:
+        ended = scheduler.abort(req.core_id)
+        if ended:
+            req.final_times = ended[-1].times
+            req.num_cached_tokens = ended[-1].num_cached_tokens
+        return True
+    used: set[int] = set()
+    new_beams: dict[int, tuple[float, list[int]]] = {}
+    for parent_row, tok, cum in res.next_beams:
+        parent = seq_ids[parent_row]
+        _, toks = st.beams.get(parent, (0.0, []))
+        if parent not in used:
+            used.add(parent)
+            sampled[rows[parent_row]] = tok
+            new_beams[parent] = (cum, toks + [tok])
+        else:
+            child = scheduler.fork_sequence(parent, tok)
+            new_beams[child] = (cum, toks + [tok])
+    for sid in seq_ids:
+        if sid not in used:
+            scheduler.drop_sequence(sid)
+    st.beams = new_beams
+    return False
+
+
+def beam_output(req: RequestState, decode: Callable[[list[int], bool], str]) -> RequestOutput:
+    """The output of a beam search: its hypotheses, best first, once it has finished."""
+    comps = []
+    eos = set(req.beam.eos_token_ids)
+    for i, h in enumerate(req.beam.hypotheses() if req.finished else []):
+        comps.append(CompletionOutput(
+            index=i, text=decode(h.token_ids, True),
+            token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob, logprobs=None,
+            finish_reason="stop" if h.token_ids and h.token_ids[-1] in eos else "length", stop_reason=None,
+        ))
+    return RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        outputs=comps, finished=req.finished, num_cached_tokens=req.num_cached_tokens,
+        metrics=fill_metrics(req.stats, req.final_times, sum(len(c.token_ids) for c in comps)),
+    )

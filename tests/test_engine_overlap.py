@@ -1,0 +1,226 @@
+"""The engine with overlap on (a step's text and outputs made during the next step's forward
+pass, ``EngineArgs.overlap``) against overlap off: the same outputs under every setting (greedy
+with EOS, stop strings and logprobs; seeded sampling with n > 1; penalties; streaming kinds; beam
+search), stop strings found one step late, aborts and interrupts in the middle of an overlapped
+step, and penalty statistics carried across steps while rows move. On the CPU, overlap runs the
+forward pass on the step worker's thread, so these tests exercise the real hand-off.
+Tiny llama, CPU, fp32.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ferrokv import SamplingParams
+from ferrokv.outputs import RequestOutputKind
+from helpers.engine_faults import RunnerHook, assert_idle, drive, greedy, rand_prompts, raise_on, tiny_engine
+
+LENGTHS = [5, 23, 11, 40, 3, 17]
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_model_dir):
+    return tiny_model_dir("llama", "llama")
+
+
+class _Close(float):
+    """A logprob compared to within float32 rounding: overlap may leave a row that a stop string
+    ended a step late in the next step's batch, and the model's matmuls are not batch-invariant
+    to the last bit (the tokens, texts and reasons are compared exactly)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, float) and abs(self - other) <= 1e-4 * max(1.0, abs(other))
+
+    __hash__ = float.__hash__
+
+
+def _record(o):
+    return (o.request_id, o.finished, [(c.index, list(c.token_ids), c.text, c.finish_reason, c.stop_reason,
+                                        None if c.logprobs is None else [sorted((k, _Close(v.logprob))
+                                                                                for k, v in e.items())
+                                                                         for e in c.logprobs],
+                                        None if c.cumulative_logprob is None else _Close(c.cumulative_logprob))
+                                       for c in o.outputs])
+
+
+def run_all(path, requests, overlap, beams=(), **kw):
+    """Every output of every request, in order, per request id; the engine left idle."""
+    engine = tiny_engine(path, overlap=overlap, **kw)
+    assert engine.overlap is overlap
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    for rid, prompt, width in beams:
+        engine.add_beam_request(rid, prompt, beam_width=width, max_tokens=8)
+    seen: dict[str, list] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 3000
+        for o in engine.step():
+            seen.setdefault(o.request_id, []).append(_record(o))
+    assert_idle(engine)
+    assert engine.scheduler.text_state() == (0, 0)
+    return seen
+
+
+SETTINGS = {
+    "greedy-eos-stop-logprobs": [
+        SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=20, stop=["a", "e "], include_stop_str_in_output=True),
+        SamplingParams(temperature=0.0, max_tokens=9, min_tokens=4, stop=["o"]),
+    ],
+    "seeded-n3": [
+        SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=11, max_tokens=10),
+        SamplingParams(n=2, temperature=0.7, top_k=20, min_p=0.05, seed=5, max_tokens=14, stop=["e"]),
+    ],
+    "penalties": [
+        SamplingParams(temperature=0.0, max_tokens=16, presence_penalty=0.8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=1.1, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    ],
+    "streaming": [
+        SamplingParams(temperature=0.0, max_tokens=12, output_kind=RequestOutputKind.DELTA, stop=["e"]),
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, output_kind=RequestOutputKind.CUMULATIVE),
+        SamplingParams(temperature=0.0, max_tokens=7, output_kind=RequestOutputKind.DELTA, logprobs=1),
+    ],
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_outputs_identical_with_overlap_on_and_off(llama_path, setting):
+    prompts = rand_prompts(len(setting), LENGTHS)
+    kinds = SETTINGS[setting]
+    requests = [(str(i), p, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
+    beams = [("beam", rand_prompts(99, [9])[0], 3)] if setting == "greedy-eos-stop-logprobs" else ()
+    off = run_all(llama_path, requests, False, beams)
+    on = run_all(llama_path, requests, True, beams)
+    assert on == off
+    assert set(on) == {r[0] for r in requests} | {b[0] for b in beams}
+
+
+def test_overlap_under_preemption_and_small_budget(llama_path):
+    """Swap and recompute preemption, chunked prefill: overlap changes nothing."""
+    prompts = rand_prompts(7, [30, 45, 20, 38, 12, 26])
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=14, ignore_eos=True, presence_penalty=0.5)
+    requests = [(str(i), p, params) for i, p in enumerate(prompts)]
+    for kw in (dict(block_size=8, num_kv_blocks=16, preemption_mode="swap", num_cpu_blocks=64),
+               dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=16)):
+        assert run_all(llama_path, requests, True, **kw) == run_all(llama_path, requests, False, **kw)
+
+
+def test_penalty_statistics_follow_rows_that_move(llama_path):
+    """A penalised request's tokens do not depend on its batch: alone, and among requests that
+    finish at different steps (their rows leave, the last row moves into theirs) or join late."""
+    target = rand_prompts(3, [21])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=30, frequency_penalty=0.9, presence_penalty=0.4,
+                            repetition_penalty=1.2, ignore_eos=True)
+    alone = run_all(llama_path, [("t", target, params)], True)["t"][-1]
+    crowd = [(f"c{i}", p, SamplingParams(temperature=0.0, max_tokens=2 + 3 * i, ignore_eos=True,
+                                         presence_penalty=0.3 * (i % 2)))
+             for i, p in enumerate(rand_prompts(4, [7, 13, 5, 19, 9, 11]))]
+    mixed = run_all(llama_path, crowd[:3] + [("t", target, params)] + crowd[3:], True)["t"][-1]
+    assert mixed == alone
+
+
+def test_a_stop_string_found_one_step_late_drops_the_in_flight_token(llama_path):
+    """With overlap, a sequence that reached a stop string is already in the next step: its
+    text, tokens and reason equal the run without overlap, and nothing leaks (run_all checks)."""
+    prompts = rand_prompts(12, [8, 15, 6])
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=40, stop=["e", "t"], ignore_eos=True)
+    requests = [(str(i), p, params) for i, p in enumerate(prompts)]
+    on = run_all(llama_path, requests, True)
+    assert on == run_all(llama_path, requests, False)
+    reasons = [rec[2][0][3] for outs in on.values() for rec in outs[-1:]]
+    assert "stop" in reasons
+
+
+@pytest.mark.parametrize("error", [RuntimeError("runner failed"), KeyboardInterrupt()], ids=["exception", "interrupt"])
+@pytest.mark.parametrize("call", [1, 4], ids=["prefill", "decode"])
+def test_a_failed_overlapped_step_is_cancelled_and_loses_nothing(llama_path, error, call):
+    """A forward pass that raises on the step worker's thread: the step is cancelled, the
+    previous step's outputs (made during it) come with the next step, and the run equals a clean
+    one."""
+    prompts = rand_prompts(0, LENGTHS[:4])
+    requests = [(str(i), p, greedy(10)) for i, p in enumerate(prompts)]
+    clean = {rid: outs[-1] for rid, outs in run_all(llama_path, requests, True).items()}
+    engine = tiny_engine(llama_path, overlap=True)
+    for rid, p, params in requests:
+        engine.add_request(rid, p, params)
+    hook = RunnerHook(engine, raise_on(call, error))
+    last = drive(engine, fails=type(error))
+    assert hook.calls > call
+    assert {rid: _record(o) for rid, o in last.items()} == clean
+    assert engine.stats()["cancelled_steps"] == 1
+    assert_idle(engine)
+
+
+def test_an_interrupt_while_outputs_are_made_aborts_that_steps_requests_only(llama_path):
+    """An exception while the previous step's outputs are made (the overlap window): this step
+    is cancelled, the previous step's requests are aborted (their Python state is half-applied),
+    a request added afterwards runs clean, and nothing leaks."""
+    engine = tiny_engine(llama_path, overlap=True)
+    for i, p in enumerate(rand_prompts(1, LENGTHS[:3])):
+        engine.add_request(str(i), p, greedy(10))
+    finish, calls = engine._finish_step, []
+
+    def failing(p):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return finish(p)
+
+    engine._finish_step = failing
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):
+            engine.step()
+    assert engine.stats()["requests_aborted"] == 3
+    late = rand_prompts(2, [9])[0]
+    engine.add_request("late", late, greedy(6))
+    last = drive(engine)
+    assert last["late"].outputs[0].token_ids == run_all(llama_path, [("late", late, greedy(6))], True)["late"][-1][2][0][1]
+    assert_idle(engine)
+
+
+def test_abort_from_another_thread_mid_overlap(llama_path):
+    """Aborts queued from another thread while an overlapped step is in flight (the forward pass
+    waiting on the other thread): applied when the step ends, the other requests equal a clean
+    run, no block leaks."""
+    prompts = rand_prompts(3, LENGTHS[:4])
+    requests = [(str(i), p, greedy(12)) for i, p in enumerate(prompts)]
+    clean = run_all(llama_path, requests, True)
+    engine = tiny_engine(llama_path, overlap=True)
+    for rid, p, params in requests:
+        engine.add_request(rid, p, params)
+    in_forward, go = threading.Event(), threading.Event()
+
+    def pause(n, inputs):
+        if n == 5:
+            in_forward.set()
+            assert go.wait(10)
+
+    RunnerHook(engine, pause)
+    aborted = []
+    engine.on_abort = aborted.append
+
+    def aborter():
+        assert in_forward.wait(10)
+        engine.abort_request(["1", "3"])
+        go.set()
+
+    t = threading.Thread(target=aborter)
+    t.start()
+    last = drive(engine)
+    t.join()
+    assert sorted(o.request_id for o in aborted) == ["1", "3"]
+    assert all(c.finish_reason == "abort" for o in aborted for c in o.outputs)
+    for rid in ("0", "2"):
+        assert _record(last[rid]) == clean[rid][-1]
+    assert_idle(engine)
+
+
+def test_overlap_defaults(llama_path):
+    """Off on a CPU unless asked for; a bad value names the field."""
+    assert tiny_engine(llama_path).overlap is False
+    with pytest.raises(ValueError, match="overlap"):
+        tiny_engine(llama_path, overlap="yes")
