@@ -92,6 +92,23 @@ _U64 = (1 << 64) - 1
 _PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
 
 
+def _make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torch.device) -> Scheduler:
+    budget = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
+    return Scheduler(
+        num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(budget, args.max_num_seqs),
+        max_model_len=max_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        num_cpu_blocks=args.num_cpu_blocks,
+        policy=args.scheduling_policy,
+        # Unseeded requests' draws derive from it and their id: a seeded engine replays.
+        sampling_seed=(random.getrandbits(64) if args.seed is None else args.seed) & _U64,
+    )
+
+
 @dataclass(slots=True)
 class _Pending:
     """A step whose ``update()`` ran and whose text and outputs are still to be made."""
@@ -163,21 +180,7 @@ class LLMEngine:
         )
         num_blocks = num_kv_blocks(args, spec, self.device, max_len)
         self.kv_cache = PagedKVCache(spec, num_blocks, args.num_cpu_blocks, self.device)
-        budget = args.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
-        budget = max(budget, args.max_num_seqs)
-        self.scheduler = Scheduler(
-            num_blocks,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=max_len,
-            enable_prefix_caching=args.enable_prefix_caching,
-            preemption_mode=args.preemption_mode,
-            num_cpu_blocks=args.num_cpu_blocks,
-            policy=args.scheduling_policy,
-            # Unseeded requests' draws derive from it and their id: a seeded engine replays.
-            sampling_seed=(random.getrandbits(64) if args.seed is None else args.seed) & _U64,
-        )
+        self.scheduler = _make_scheduler(args, num_blocks, max_len, self.device)
         self.text = make_text_layer(self.tokenizer, self.scheduler)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.step_sampler = StepSampler(self.vocab_size, self.device, args.seed)
