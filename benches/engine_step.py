@@ -2,9 +2,10 @@
 """Host cost of ``LLMEngine.step()`` in steady decode, model stubbed, at short and long outputs.
 
 What is timed: ``engine.step()`` of a real ``LLMEngine`` (Rust scheduler, sampler, text layer,
-output building) whose forward pass is replaced by a stub: ``engine.runner.execute`` returns
-rows of one preallocated float32 logits tensor (fixed random values, vocab 512, created once),
-sliced to ``out.num_rows``. Sampling stays real (greedy, ``temperature=0``), ``ignore_eos=True``.
+output building) whose model is replaced by a stub (``StubModel``, set as ``engine.runner.model``,
+so every build is stubbed at the same place): its forward pass returns at once and its
+``compute_logits`` returns rows of one preallocated float32 logits tensor (fixed random values,
+vocab 512, created once). Sampling stays real (greedy, ``temperature=0``), ``ignore_eos=True``.
 So each step costs what the host does around the model: schedule, sampling metadata and the
 greedy pick, ``update``, detokenization and the ``RequestOutput`` objects.
 
@@ -141,11 +142,41 @@ def output_kind_param(kind: str) -> tuple[str, dict]:
     return kind, {"output_kind": RequestOutputKind[kind.upper()]}
 
 
-class StubbedEngine:
-    """An ``LLMEngine`` whose ``runner.execute`` returns fixed logits; tracks prefill/decode."""
+class StubModel:
+    """Stands in for the model inside the runner (the same on every build): its forward pass
+    returns a ``[T, 1]`` hidden tensor at once (or after ``sleep_s``, without the GIL, as a GPU
+    would), ``compute_logits`` rows of one preallocated ``[n, VOCAB]`` tensor. Records each
+    step's token counts: prefill (a query longer than one token) or decode."""
 
-    def __init__(self, model_dir: Path, n: int, max_tokens: int, max_model_len: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, sleep_s: float = 0.0) -> None:
         import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(n, VOCAB, generator=gen, dtype=torch.float32)
+        self.hidden = torch.zeros(n + 4096, 1)
+        self.sleep_s = sleep_s
+        self.last_prefill_tokens = 0
+        self.last_decode_tokens = 0
+
+    def __call__(self, input_ids, positions, kv_layers, meta):
+        t = int(input_ids.shape[0])
+        q = meta.query_start_loc_host
+        # One token per sequence is a pure decode: the common case costs the stub nothing.
+        decode = t if t == len(q) - 1 else int(((q[1:] - q[:-1]) == 1).sum())
+        self.last_decode_tokens, self.last_prefill_tokens = decode, t - decode
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.hidden[:t]
+
+    def compute_logits(self, hidden):
+        return self.logits[: hidden.shape[0]]
+
+
+class StubbedEngine:
+    """An ``LLMEngine`` whose model is a ``StubModel``; tracks prefill/decode."""
+
+    def __init__(self, model_dir: Path, n: int, max_tokens: int, max_model_len: int, seed: int,
+                 sleep_s: float = 0.0, **engine_kwargs) -> None:
         from ferrokv.engine import LLMEngine
         from ferrokv.engine_args import EngineArgs
 
@@ -154,20 +185,18 @@ class StubbedEngine:
         self.engine = LLMEngine(EngineArgs(
             model=str(model_dir), device="cpu", block_size=BLOCK_SIZE, max_num_seqs=n,
             max_num_batched_tokens=n + 2048, num_kv_blocks=self.num_kv_blocks,
-            max_model_len=max_model_len, enable_prefix_caching=False, seed=seed,
+            max_model_len=max_model_len, enable_prefix_caching=False, seed=seed, **engine_kwargs,
         ))
-        gen = torch.Generator().manual_seed(seed)
-        self.logits = torch.randn(n, VOCAB, generator=gen, dtype=torch.float32)
-        self.last_prefill_tokens = 0
-        self.last_decode_tokens = 0
-        self.engine.runner.execute = self._execute
+        self.stub = StubModel(n, seed, sleep_s)
+        self.engine.runner.model = self.stub
 
-    def _execute(self, out):
-        self.last_prefill_tokens = out.num_prefill_tokens
-        self.last_decode_tokens = out.num_decode_tokens
-        if out.num_rows == 0:
-            return None
-        return self.logits[: out.num_rows]
+    @property
+    def last_prefill_tokens(self) -> int:
+        return self.stub.last_prefill_tokens
+
+    @property
+    def last_decode_tokens(self) -> int:
+        return self.stub.last_decode_tokens
 
 
 def max_tokens_for(n: int, long_len: int, window: int) -> int:

@@ -5,11 +5,13 @@
    CUDA when TRITON_INTERPRET is unset).
 2. Decode-attention bandwidth: batch 64 at contexts 512, 2k and 8k; bytes = the K/V actually read;
    reported in GB/s and as % of the H200's 4.8 TB/s peak.
-3. Sampling on the GPU (``sampling_check``): unseeded rows draw from the sampler's generator on
-   the logits' device, seeded rows from their own CPU generators, greedy rows take the argmax; the
-   same seeds replay the same tokens; every token is one the row may sample. Then unseeded and
-   seeded requests through ``LLM`` on the GPU. Its CPU-side logic runs in the test suite
-   (``sampling_check("cpu")``, tests/test_sampler.py).
+3. Sampling on the GPU (``sampling_check``): one batch of rows with given uniforms (the seeded
+   rows, whose draws the scheduler derives), rows drawing from the sampler's generator on the
+   logits' device, and greedy rows; the given-uniform and greedy rows take the same tokens on the
+   device as on the CPU and never depend on the generator; the generator's seed replays the other
+   rows; every token is one the row may sample. Then unseeded and seeded requests through ``LLM``
+   on the GPU. Its CPU-side logic runs in the test suite (``sampling_check("cpu")``,
+   tests/test_sampler.py).
 4. End-to-end tokens/s with the embedded SmolLM2-135M on the GPU.
 
 Writes JSON to ``$OUT/gpu_check.json`` when ``OUT`` is set (else benches/results/).
@@ -109,33 +111,54 @@ def decode_bandwidth(dev: str) -> list[dict]:
 
 
 def sampling_check(dev: str) -> dict:
-    """Unseeded, seeded and greedy rows in one batch on ``dev``; ``ok`` when every check held."""
-    from ferrokv.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
-    from ferrokv.sampling_params import SamplingParams
+    """Rows with given uniforms, rows drawing from the sampler's generator and greedy rows in one
+    batch on ``dev``, against the same batch on the CPU; ``ok`` when every check held."""
+    from ferrokv.sampler import Sampler, SamplingMetadata, SamplingRow, sample_async
+    from ferrokv.sampling_params import SamplingParams as SP
 
     rows_n, vocab = 48, 3000
+    # (params, given uniform?, logits scale): flat rows with top-p take the full-sort fallback.
+    kinds = [(SP(), False, 3.0), (SP(temperature=0.0), False, 3.0), (SP(top_k=5), False, 3.0),
+             (SP(top_p=0.9), True, 3.0), (SP(min_p=0.1, temperature=0.7), False, 3.0),
+             (SP(top_p=0.9, temperature=1.2), True, 0.1), (SP(top_k=50, top_p=0.8, min_p=0.01), True, 3.0),
+             (SP(temperature=0.8, presence_penalty=0.5, repetition_penalty=1.3), True, 3.0),
+             (SP(temperature=0.0, frequency_penalty=1.0), False, 3.0)]
+    kind = [kinds[i % len(kinds)] for i in range(rows_n)]
     g = torch.Generator(device="cpu").manual_seed(0)
-    logits = (torch.randn(rows_n, vocab, generator=g) * 3).to(dev)
-    kinds = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=5),
-             SamplingParams(seed=11, top_p=0.9), SamplingParams(min_p=0.1, temperature=0.7)]
+    scale = torch.tensor([k[2] for k in kind]).unsqueeze(1)
+    logits_cpu = torch.randn(rows_n, vocab, generator=g) * scale
+    uniforms = torch.rand(rows_n, generator=g, dtype=torch.float64).tolist()
+    history = torch.randint(0, vocab, (rows_n, 6), generator=g).tolist()
+    rows = [SamplingRow(p, history[i][:3], history[i][3:], uniforms[i] if given else None)
+            for i, (p, given, _) in enumerate(kind)]
+    given = [i for i, k in enumerate(kind) if k[1]]
+    greedy = [i for i, k in enumerate(kind) if k[0].is_greedy]
+    unseeded = [i for i, k in enumerate(kind) if not k[1] and not k[0].is_greedy]
 
-    def draw() -> list[int]:
-        rows = [SamplingRow(kinds[i % 5], generator=make_generator(11, i) if i % 5 == 3 else None)
-                for i in range(rows_n)]
-        md = SamplingMetadata.build(rows, vocab, device=dev)
-        return Sampler(seed=7, device=dev)(logits, md).token_ids.tolist()
+    def draw(device: str, seed: int) -> list[int]:
+        md = SamplingMetadata.build(rows, vocab, device=device)
+        return Sampler(seed=seed, device=device)(logits_cpu.to(device), md).token_ids.tolist()
 
-    first, again = draw(), draw()
-    argmax = logits.argmax(-1).tolist()
-    top5 = logits.topk(5, dim=-1).indices.tolist()
+    first, again, other_seed, cpu = draw(dev, 7), draw(dev, 7), draw(dev, 8), draw("cpu", 7)
+    md = SamplingMetadata.build(rows, vocab, device=dev)
+    pending = sample_async(logits_cpu.to(dev), md, torch.Generator(device=dev).manual_seed(7))
+    argmax = logits_cpu.argmax(-1).tolist()
+    top5 = logits_cpu.topk(5, dim=-1).indices.tolist()
+    mismatched = [i for i in given + greedy if first[i] != cpu[i]]
     checks = {
-        "replayable": first == again,
-        "greedy_is_argmax": all(first[i] == argmax[i] for i in range(1, rows_n, 5)),
-        "top_k_in_top5": all(first[i] in top5[i] for i in range(2, rows_n, 5)),
+        "given_and_greedy_match_cpu": not mismatched,
+        "given_ignore_generator": all(first[i] == other_seed[i] for i in given + greedy),
+        "unseeded_replay": all(first[i] == again[i] for i in unseeded),
+        "unseeded_follow_seed": any(first[i] != other_seed[i] for i in unseeded),
+        "async_equals_sync": pending.token_ids.device.type == torch.device(dev).type
+                             and pending.result().token_ids.tolist() == first,
+        "greedy_is_argmax": all(first[i] == argmax[i] for i in greedy if not kind[i][0].has_penalties),
+        "top_k_in_top5": all(first[i] in top5[i] for i, k in enumerate(kind) if k[0].top_k == 5),
         "in_vocab": all(0 <= t < vocab for t in first),
-        "unseeded_vary": len({first[i] for i in range(0, rows_n, 5)}) > 1,
+        "given_vary": len({first[i] for i in given}) > 1,
+        "unseeded_vary": len({first[i] for i in unseeded}) > 1,
     }
-    return {"device": dev, "checks": checks, "ok": all(checks.values())}
+    return {"device": dev, "checks": checks, "mismatched_rows": mismatched, "ok": all(checks.values())}
 
 
 def sampling_e2e() -> dict:

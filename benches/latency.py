@@ -139,15 +139,15 @@ def single_request(runs: int, prompt_len: int, new_tokens: int, json_lines: bool
 
     # Instrumented ferrokv run: time of every step and of the model forward inside it.
     fwd: list[float] = []
-    orig = engine.runner.execute
+    orig = engine.runner.forward
 
-    def timed_execute(out):
+    def timed_forward(inputs):
         t0 = time.perf_counter()
-        r = orig(out)
+        r = orig(inputs)
         fwd.append(time.perf_counter() - t0)
         return r
 
-    engine.runner.execute = timed_execute
+    engine.runner.forward = timed_forward
     step_times = []
     try:
         engine.add_request("instrumented", {"prompt_token_ids": ids}, params)
@@ -156,7 +156,7 @@ def single_request(runs: int, prompt_len: int, new_tokens: int, json_lines: bool
             engine.step()
             step_times.append(time.perf_counter() - t0)
     finally:
-        engine.runner.execute = orig
+        engine.runner.forward = orig
     overhead = [s - f for s, f in zip(step_times, fwd)]
     res = {
         "prompt_tokens": prompt_len, "new_tokens": new_tokens, "runs": runs, "torch_threads": torch.get_num_threads(),

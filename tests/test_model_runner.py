@@ -138,6 +138,7 @@ def test_execute_matches_transformers(model, llama_path, hf_model):
             sched.update(out, np.zeros(0, np.int64))
             continue
         assert logits.shape == (out.num_rows, model.config.vocab_size) and logits.dtype == torch.float32
+        assert torch.is_grad_enabled() and logits.grad_fn is None, "no autograd graph is recorded"
         picked = logits.argmax(dim=-1)
         for r, rid in enumerate(out.row_req_ids.tolist()):
             with torch.no_grad():

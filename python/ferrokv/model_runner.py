@@ -91,7 +91,8 @@ class ModelRunner:
         logits_indices = staged[6] if out.num_rows else None
         return StepInputs(input_ids, positions, meta, logits_indices, *ops)
 
-    @torch.no_grad()
+    # No torch.no_grad() here: the models' forward and compute_logits run under their own, so
+    # nothing here records a graph, and a context per step is host time for nothing.
     def forward(self, inputs: StepInputs) -> Tensor | None:
         """Applies the block operations and runs the model; returns float32 logits
         ``[num_rows, vocab]`` or None if nothing samples. Reads only ``inputs``: it may run off
