@@ -9,6 +9,7 @@ pub mod block_pool;
 pub mod clock;
 pub mod error;
 pub mod hash_index;
+pub mod id_map;
 pub mod kv_cache_manager;
 pub mod output;
 pub mod prefetch;
@@ -19,6 +20,7 @@ pub mod scheduler;
 
 pub use block_pool::{BlockId, NULL_BLOCK};
 pub use error::{CoreError, CoreResult};
+pub use id_map::IdMap;
 pub use output::{BlockTables, FinishedSeq, RequestTimes, SchedulerOutput};
 pub use request::FinishReason;
 pub use sampling::{SamplingColumns, SamplingSpec};

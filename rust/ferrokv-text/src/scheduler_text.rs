@@ -14,10 +14,9 @@
 //! Costs per step: per sampling row one hash lookup and one `SeqText::append`; per ended
 //! sequence its text is moved out once. Nothing grows with the output length but the text.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use ferrokv_core::{FinishReason, FinishedSeq, Scheduler};
+use ferrokv_core::{FinishReason, FinishedSeq, IdMap, Scheduler};
 
 use crate::{SeqText, StopStrings, TextModel};
 
@@ -51,13 +50,13 @@ pub struct StepDeltas {
 /// The text layer of one scheduler (see the module header).
 pub struct SchedulerText {
     model: Arc<TextModel>,
-    requests: HashMap<u64, RequestText>,
-    seqs: HashMap<u64, SeqText>,
+    requests: IdMap<RequestText>,
+    seqs: IdMap<SeqText>,
 }
 
 impl SchedulerText {
     pub fn new(model: Arc<TextModel>) -> Self {
-        SchedulerText { model, requests: HashMap::new(), seqs: HashMap::new() }
+        SchedulerText { model, requests: IdMap::default(), seqs: IdMap::default() }
     }
 
     pub fn model(&self) -> &Arc<TextModel> {
@@ -88,7 +87,7 @@ impl SchedulerText {
         finished: &mut Vec<FinishedSeq>,
     ) -> (StepDeltas, Vec<Option<EndedText>>) {
         let mut step = StepDeltas::default();
-        let mut ended: HashMap<u64, usize> = finished.iter().enumerate().map(|(i, f)| (f.seq_id, i)).collect();
+        let mut ended: IdMap<usize> = finished.iter().enumerate().map(|(i, f)| (f.seq_id, i)).collect();
         for r in 0..row_seqs.len().min(row_reqs.len()).min(sampled.len()) {
             let (rid, sid) = (row_reqs[r] as u64, row_seqs[r] as u64);
             let Some(req) = self.requests.get(&rid) else {

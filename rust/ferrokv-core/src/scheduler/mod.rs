@@ -60,7 +60,8 @@ use crate::kv_cache_manager::{KvCacheManager, KvStats, Registration};
 use crate::output::{FinishedSeq, RequestTimes, SchedulerOutput};
 use crate::prefix_cache::ParentLink;
 use crate::request::Request;
-use std::collections::{BTreeSet, HashMap};
+use crate::IdMap;
+use std::collections::BTreeSet;
 
 /// A step between `schedule` and `update` (or `cancel_step`). Its plan (tokens, sampling rows,
 /// fan-outs) lives in the batch rows and moves with them.
@@ -109,8 +110,8 @@ pub struct Scheduler {
     kv: KvCacheManager,
     requests: Vec<Option<Request>>,
     free_slots: Vec<u32>,
-    by_id: HashMap<u64, u32>,
-    seq_owner: HashMap<u64, u32>,
+    by_id: IdMap<u32>,
+    seq_owner: IdMap<u32>,
     waiting: BTreeSet<(i64, u64, u32)>,
     running: Vec<u32>,
     num_running_seqs: usize,
@@ -170,8 +171,8 @@ impl Scheduler {
             kv,
             requests: Vec::new(),
             free_slots: Vec::new(),
-            by_id: HashMap::new(),
-            seq_owner: HashMap::new(),
+            by_id: IdMap::default(),
+            seq_owner: IdMap::default(),
             waiting: BTreeSet::new(),
             running: Vec::new(),
             num_running_seqs: 0,
