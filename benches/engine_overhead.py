@@ -30,8 +30,9 @@ Per N, reported (µs per step and per sequence-step, p50 over ``--window`` steps
   the zero-time stub, timed interleaved with it; ``ratio`` = step / max(forward, host) (1.0 =
   fully hidden).
 
-The short and long windows run on two engines side by side, timed interleaved (a step of one,
-then of the other), so drift of a shared machine falls on both alike.
+The short and long windows run on engines side by side, timed interleaved in blocks (each engine
+in turn: 2 untimed steps that bring its data back into the caches, then 5 timed ones), so drift
+of a shared machine falls on all alike while every timed step finds its engine warm.
 
 Steady decode is checked on every timed step (N decode tokens, no prefill). Timings drift
 between runs on a shared machine: compare within one run, or with ``benches/compare_builds.py``
@@ -66,7 +67,7 @@ def _setup(model_dir: Path, n: int, kind: str, long_len: int, window: int, seed:
     from ferrokv.sampling_params import SamplingParams
 
     _, kind_kwargs = engine_step.output_kind_param(kind)
-    max_tokens = engine_step.max_tokens_for(n, long_len, window)
+    max_tokens = engine_step.max_tokens_for(n, long_len, _steps_per_window(window))
     max_model_len = max(4096, engine_step.PROMPT_LEN + max_tokens)
     stub = engine_step.StubbedEngine(model_dir, n, max_tokens, max_model_len, seed, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kind_kwargs)
@@ -85,26 +86,39 @@ def _setup(model_dir: Path, n: int, kind: str, long_len: int, window: int, seed:
     return stub, steps
 
 
+# Interleaving: each engine in turn runs WARM_STEPS untimed steps (its data back in the caches,
+# as for an engine that steps without pause), then up to BLOCK_STEPS timed ones.
+WARM_STEPS, BLOCK_STEPS = 2, 5
+
+
+def _steps_per_window(window: int) -> int:
+    """Steps an engine takes in one of ``_windows``' windows, warm-up steps included."""
+    return window + WARM_STEPS * -(-window // BLOCK_STEPS)
+
+
 def _windows(stubs: list, n: int, window: int) -> list[tuple[list[float], dict]]:
-    """Times ``window`` steps of each engine in ``stubs``, interleaved (one step of each in turn),
+    """Times ``window`` steps of each engine in ``stubs``, interleaved in blocks (module docs),
     so that the machine's drift falls on all of them alike."""
     from ferrokv.step_profile import StepProfile
 
     gc.collect()
     times: list[list[float]] = [[] for _ in stubs]
     profiles: list[list] = [[] for _ in stubs]
-    for _ in range(window):
+    while len(times[0]) < window:
+        block = min(BLOCK_STEPS, window - len(times[0]))
         for stub, ts, ps in zip(stubs, times, profiles):
             engine = stub.engine
-            engine.profile = StepProfile()
-            t0 = time.perf_counter()
-            engine.step()
-            ts.append(time.perf_counter() - t0)
-            ps.append(engine.profile)
-            engine.profile = None
-            if stub.last_prefill_tokens or stub.last_decode_tokens != n:
-                raise RuntimeError(f"size {n}: a timed step was not a pure decode ({stub.last_prefill_tokens} "
-                                   f"prefill, {stub.last_decode_tokens} decode tokens)")
+            _advance(stub, WARM_STEPS)
+            for _ in range(block):
+                engine.profile = StepProfile()
+                t0 = time.perf_counter()
+                engine.step()
+                ts.append(time.perf_counter() - t0)
+                ps.append(engine.profile)
+                engine.profile = None
+                if stub.last_prefill_tokens or stub.last_decode_tokens != n:
+                    raise RuntimeError(f"size {n}: a timed step was not a pure decode "
+                                       f"({stub.last_prefill_tokens} prefill, {stub.last_decode_tokens} decode tokens)")
     result = []
     for ts, ps in zip(times, profiles):
         stages = {s: statistics.median(getattr(p, s) for p in ps) * 1e6 for s in STAGES}
@@ -172,7 +186,7 @@ def run_size(model_dir: Path, n: int, kind: str, long_len: int, window: int, see
     del long_stub, serial_stub
     gc.collect()
 
-    slept, _ = _setup(model_dir, n, kind, engine_step.SHORT_START + 2 * window + 1, window, seed,
+    slept, _ = _setup(model_dir, n, kind, engine_step.SHORT_START + 2 * _steps_per_window(window) + 1, window, seed,
                       overlap=True, sleep_s=sleep_ms / 1000)
     (ov_t, _), (host_t, _) = _windows([slept, short_stub], n, window)
     del slept, short_stub
@@ -216,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="ferrokv-engine-overhead-") as tmp:
         model_dir = Path(tmp)
-        max_tokens = max(engine_step.max_tokens_for(n, long_len, window) for n in sizes)
+        max_tokens = max(engine_step.max_tokens_for(n, long_len, _steps_per_window(window)) for n in sizes)
         tokenizer = engine_step.build_model_dir(model_dir, max_positions=max(4096, engine_step.PROMPT_LEN + max_tokens))
         for n in sizes:
             row = run_size(model_dir, n, args.kind, long_len, window, args.seed, args.sleep_ms)

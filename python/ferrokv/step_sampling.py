@@ -6,6 +6,12 @@ The core keeps each request's sampling parameters and hands them out per logits 
 uniform draw); so building a step's metadata is O(1) numpy and torch calls, with no Python per
 row, and a batch that is all greedy reads nothing but the flags and takes one ``argmax``.
 
+Per-token logit masks fit the same shape: ``min_tokens`` bans already come as sparse ``(row,
+token)`` pairs (``banned_rows``/``banned_tokens``) applied with one ``index_put``; ``bad_words``,
+``allowed_token_ids`` and ``logit_bias`` are per-request lists the core can hand out the same way
+(pairs, with a value column for a bias), and a grammar's per-step mask is a ``[R, V]`` bitmask
+tensor keyed by logits row, applied before the penalties like the bans.
+
 Invariants: ``metadata`` runs on the scheduler's thread (it reads ``out`` and, for a penalty row
 that joined or moved, the core's tokens); ``sample`` touches only tensors, so it may run on the
 step worker's thread. Costs: see ``ferrokv.sampler`` and ``ferrokv.penalties``.
