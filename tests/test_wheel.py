@@ -154,7 +154,8 @@ def test_dependencies_admit_the_tested_pins(metadata):
     and every dependency of the wheel must be in base.txt (so this venv tests what it declares)."""
     pins = _pins()
     reqs = {canonicalize_name(r.name): r for r in _requires(metadata)}
-    needed = {"torch", "transformers", "tokenizers", "safetensors", "tqdm", "gguf", "numpy", "huggingface-hub"}
+    needed = {"torch", "transformers", "tokenizers", "safetensors", "tqdm", "gguf", "numpy", "huggingface-hub",
+              "fastapi", "uvicorn", "prometheus-client"}
     if sys.platform == "linux" and platform.machine() == "x86_64":
         needed.add("triton")
     assert set(reqs) == needed

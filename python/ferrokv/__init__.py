@@ -2,7 +2,7 @@
 Rust iteration-level scheduler.
 
 The core (``Scheduler``) and the error classes import without torch; the model-facing API
-(``LLM``, ``LLMEngine``) is imported on first use so that ``import ferrokv`` stays cheap.
+(``LLM``, ``AsyncLLM``, ``LLMEngine``) is imported on first use so that ``import ferrokv`` stays cheap.
 Importing the package sets up the ``ferrokv`` logger (``ferrokv.logger``: INFO to stderr).
 """
 
@@ -31,10 +31,12 @@ from ferrokv.sampling_params import SamplingParams
 configure_logging()
 
 if TYPE_CHECKING:
+    from ferrokv.async_llm import AsyncLLM
     from ferrokv.engine import EngineArgs, LLMEngine
     from ferrokv.llm import LLM
 
-_LAZY = {"LLM": "ferrokv.llm", "LLMEngine": "ferrokv.engine", "EngineArgs": "ferrokv.engine_args"}
+_LAZY = {"LLM": "ferrokv.llm", "AsyncLLM": "ferrokv.async_llm", "LLMEngine": "ferrokv.engine",
+         "EngineArgs": "ferrokv.engine_args"}
 
 
 def __getattr__(name: str) -> Any:
@@ -47,6 +49,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AsyncLLM",
     "CacheCapacityError",
     "CompletionOutput",
     "DuplicateRequestError",

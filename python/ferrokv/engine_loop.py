@@ -19,6 +19,9 @@ Interface (every method is safe from any thread):
 A sink is anything with a non-blocking ``put(item: StreamItem)``: a ``queue.SimpleQueue``, or an
 asyncio adapter that calls ``loop.call_soon_threadsafe``. It is called from the loop's thread, or
 from a thread that called ``LLMEngine.abort_request`` itself (the abort is reported at once).
+A sink may also have a ``flush()``, which the loop calls after each batch of puts it made (a
+step's outputs, the commands applied before it): such a sink may hold its items until then, so
+that an asyncio adapter wakes its event loop once per step rather than once per output.
 
 Invariants:
 
@@ -38,8 +41,8 @@ Invariants:
   in the loop itself ends every request with ``EngineDeadError`` and the loop with it.
 * Requests added to the engine directly while a loop drives it are stepped but reported nowhere.
 
-Costs: per step one ``put`` per output the engine built and O(1)
-per command; an idle loop sleeps on an event.
+Costs: per step one ``put`` per output the engine built, one ``flush`` per distinct flush of
+those sinks, and O(1) per command; an idle loop sleeps on an event.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class StreamItem:
 
 
 class OutputSink(Protocol):
-    def put(self, item: StreamItem, /) -> None: ...
+    def put(self, item: StreamItem, /) -> None: ...  # optional: flush(), see the module docs
 
 
 @dataclass(slots=True)
@@ -135,6 +138,7 @@ class EngineLoop:
         self._inbox: deque[Any] = deque()  # commands, appended by any thread
         self._wake = threading.Event()
         self._records: dict[str, _Record] = {}  # the loop thread's alone
+        self._flushes: set[Callable[[], None]] = set()  # the loop thread's: flush() of sinks put to since the last
         self._state = threading.Lock()  # orders starting/ending the thread against queuing
         self._thread: threading.Thread | None = None
         self._dead: EngineDeadError | None = None
@@ -252,21 +256,38 @@ class EngineLoop:
             if command is _SHUTDOWN:
                 return False
             self._apply(command)
+        self._flush()
         if self.engine.has_unfinished_requests():
             try:
                 outputs = self.engine.step()
             except BaseException as e:  # the engine cancelled the step (or aborted its requests)
                 self._fail_all(e)
+                self._flush()
                 return True
             self._route(outputs)
+            self._flush()
         return True
+
+    def _deliver(self, sink: OutputSink, item: StreamItem) -> None:
+        _deliver(sink, item)
+        flush = getattr(sink, "flush", None)
+        if flush is not None:
+            self._flushes.add(flush)  # bound methods of one object are equal: one flush each
+
+    def _flush(self) -> None:
+        flushes, self._flushes = self._flushes, set()
+        for flush in flushes:
+            try:
+                flush()
+            except Exception:  # as in _deliver: a broken sink must not stop the loop
+                logger.exception("engine loop: a sink's flush failed")
 
     def _apply(self, command: Any) -> None:
         if isinstance(command, _Submit):
             try:
                 command.add(self.engine)
             except BaseException as e:
-                _deliver(command.sink, StreamItem(command.request_id, error=e))
+                self._deliver(command.sink, StreamItem(command.request_id, error=e))
                 return
             self._records[command.request_id] = _Record(command.sink)
         elif isinstance(command, _Abort):
@@ -274,7 +295,7 @@ class EngineLoop:
         elif isinstance(command, _Aborted):
             rec = self._records.pop(command.output.request_id, None)
             if rec is not None:
-                _deliver(rec.sink, StreamItem(command.output.request_id, command.output))
+                self._deliver(rec.sink, StreamItem(command.output.request_id, command.output))
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
@@ -283,7 +304,7 @@ class EngineLoop:
                 continue
             if o.finished:
                 del self._records[o.request_id]
-            _deliver(rec.sink, StreamItem(o.request_id, o))
+            self._deliver(rec.sink, StreamItem(o.request_id, o))
 
     def _fail_all(self, error: BaseException) -> None:
         records, self._records = self._records, {}
@@ -291,7 +312,7 @@ class EngineLoop:
                        type(error).__name__, error, len(records))
         self.engine.abort_request(list(records))  # first: a caller told of the error finds them gone
         for rid, rec in records.items():
-            _deliver(rec.sink, StreamItem(rid, error=error))
+            self._deliver(rec.sink, StreamItem(rid, error=error))
 
     def _die(self, cause: BaseException | None) -> None:
         with self._state:
@@ -308,6 +329,7 @@ class EngineLoop:
         except BaseException:
             logger.exception("engine loop: aborting its requests failed")
         for c in pending:
-            _deliver(c.sink, StreamItem(c.request_id, error=error))
+            self._deliver(c.sink, StreamItem(c.request_id, error=error))
         for rid, rec in records.items():
-            _deliver(rec.sink, StreamItem(rid, error=error))
+            self._deliver(rec.sink, StreamItem(rid, error=error))
+        self._flush()

@@ -1,0 +1,314 @@
+"""``AsyncLLM``: the engine for asyncio, with vLLM's names: ``generate`` is an async generator.
+
+``AsyncLLM`` wraps the same ``EngineLoop`` as ``LLM``: requests and aborts are queued to the
+loop's thread, which steps the engine (the Rust step releases the GIL, so the event loop stays
+responsive) and hands each output to the request's sink. Here the sink is a ``_RequestStream``,
+whose ``put`` (on the engine thread) goes through its event loop's ``_LoopDispatcher``.
+
+Invariants:
+
+* ``generate(prompt, sampling_params, request_id)`` yields the request's outputs in the form its
+  ``output_kind`` asks (``DELTA``: pieces that concatenate to the whole, a consumer that falls
+  behind getting the unread ones merged into one; ``CUMULATIVE``: a consumer that falls behind
+  gets the newest output only; both as in vLLM; ``FINAL_ONLY``: one output); the last one has
+  ``finished`` set. The request's error (a bad prompt, a failed step, shutdown) is raised.
+* A generator that is closed or cancelled before its last output (the client went away) aborts
+  its request: the engine frees its blocks when the step in progress ends.
+* ``num_in_flight`` counts the requests submitted and not yet ended (the server's admission
+  control and drain read it); it returns to 0 once every request has ended.
+* Text prompts and chat templates are tokenized on a small thread pool, never on the event loop
+  or the engine loop (HF fast tokenizers release the GIL while they encode).
+
+Costs: per engine step at most one ``call_soon_threadsafe`` per event loop (the engine loop
+flushes each ``_LoopDispatcher`` once per step), O(1) per output on either side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import os
+import threading
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ferrokv.engine import LLMEngine
+from ferrokv.engine_args import EngineArgs
+from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
+from ferrokv.inputs import prompt_ids
+from ferrokv.llm import chat_token_ids
+from ferrokv.outputs import RequestOutput, RequestOutputKind
+from ferrokv.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "EngineDeadError"]
+
+
+class _LoopDispatcher:
+    """Moves items from the engine thread onto one event loop: ``post`` appends to a deque;
+    ``flush`` (the engine loop calls it after a step's puts) schedules one ``_drain`` unless one
+    is pending, so a step's outputs cost one wake-up of the event loop."""
+
+    __slots__ = ("loop", "_items", "_pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: collections.deque[tuple[_RequestStream, StreamItem]] = collections.deque()
+        self._pending = False
+
+    def post(self, stream: _RequestStream, item: StreamItem) -> None:  # the engine thread
+        self._items.append((stream, item))
+
+    def flush(self) -> None:  # the engine thread
+        if self._items and not self._pending:
+            # The drain clears the flag before it pops: an item appended meanwhile is either
+            # popped by it or finds the flag clear and schedules the next drain.
+            self._pending = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the event loop is closed: nobody will read these
+                self._items.clear()
+                raise
+
+    def _drain(self) -> None:  # the event loop
+        self._pending = False
+        items = self._items
+        while items:
+            stream, item = items.popleft()
+            stream.deliver(item)
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Appends DELTA output ``new`` to the unread DELTA output ``into`` (vLLM's aggregation):
+    per completion index, text, tokens and logprobs concatenate; the newer state wins."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text = old.text + c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if old.logprobs is not None and c.logprobs is not None:
+            old.logprobs = old.logprobs + c.logprobs
+        old.cumulative_logprob, old.finish_reason, old.stop_reason = \
+            c.cumulative_logprob, c.finish_reason, c.stop_reason
+    into.outputs.sort(key=lambda c: c.index)
+    into.finished, into.num_cached_tokens, into.metrics = new.finished, new.num_cached_tokens, new.metrics
+
+
+class _RequestStream:
+    """One request's sink and its consumer's queue (``put`` on the engine thread, the rest on the
+    event loop). While the consumer lags, a CUMULATIVE output replaces the unread one and a DELTA
+    output is merged into it (as vLLM's output collector does), so a slow consumer reads fewer,
+    larger outputs; errors are always kept."""
+
+    __slots__ = ("request_id", "_dispatcher", "_queue", "_waiter", "_kind")
+
+    def __init__(self, request_id: str, dispatcher: _LoopDispatcher, kind: RequestOutputKind | None) -> None:
+        self.request_id = request_id
+        self._dispatcher = dispatcher
+        self._queue: collections.deque[StreamItem] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._kind = kind
+
+    def put(self, item: StreamItem) -> None:  # the engine thread (OutputSink)
+        self._dispatcher.post(self, item)
+
+    @property
+    def flush(self) -> Any:
+        """The dispatcher's: one per event loop, however many of its streams got items."""
+        return self._dispatcher.flush
+
+    def deliver(self, item: StreamItem) -> None:  # the event loop
+        q = self._queue
+        if q and not q[-1].finished and item.error is None and self._kind is not None:
+            if self._kind == RequestOutputKind.CUMULATIVE:
+                q[-1] = item  # a newer cumulative output holds everything the older one did
+            else:  # DELTA (FINAL_ONLY has one output)
+                _merge_delta(q[-1].output, item.output)  # type: ignore[arg-type]
+        else:
+            q.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self) -> StreamItem:
+        while not self._queue:
+            self._waiter = self._dispatcher.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._queue.popleft()
+
+
+class AsyncLLM:
+    """The engine driven from asyncio (module docs). ``AsyncLLM(model=None, **engine_kwargs)``
+    takes ``LLM``'s arguments; ``from_engine_args(EngineArgs)`` an ``EngineArgs``."""
+
+    def __init__(self, model: str | None = None, *, tokenizer_threads: int | None = None,
+                 **engine_kwargs: Any) -> None:
+        unknown = sorted(set(engine_kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise TypeError(
+                f"AsyncLLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                f"engine arguments are: {', '.join(EngineArgs.field_names())}")
+        self._init(EngineArgs(model=model, **engine_kwargs), tokenizer_threads)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, *, tokenizer_threads: int | None = None) -> AsyncLLM:
+        self = cls.__new__(cls)
+        self._init(engine_args, tokenizer_threads)
+        return self
+
+    def _init(self, args: EngineArgs, tokenizer_threads: int | None) -> None:
+        self.engine = LLMEngine(args)
+        self.engine_loop = EngineLoop(self.engine, name="ferrokv-async-engine-loop")
+        threads = tokenizer_threads or min(4, os.cpu_count() or 1)
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ferrokv-tokenize")
+        self._dispatchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopDispatcher] = \
+            weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()  # the dispatchers and the live requests: event loops may be several
+        self._in_flight = 0
+        self._live: dict[str, int] = {}  # request id -> event-loop streams using it (abort_all)
+        self._ids = itertools.count(1)
+        weakref.finalize(self, _close, self.engine_loop, self._pool)
+
+    # ------------------------------------------------------------------------------------------
+    # Properties the server reads
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.args.model or self.engine.model_path.name
+
+    @property
+    def is_running(self) -> bool:
+        """True until ``shutdown`` (or a failure) ended the engine loop."""
+        return self.engine_loop._dead is None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted through ``generate`` and not ended yet."""
+        return self._in_flight
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters and KV-cache gauges (``LLMEngine.stats``, safe from any thread:
+        while a step runs, the snapshot of an earlier step's end)."""
+        st = self.engine.stats()
+        # The free-block count is refreshed at every step's end (the full stats only when asked).
+        st["num_free_blocks"] = self.engine.num_free_blocks
+        usable = st["num_blocks"] - 1  # block 0 is the null block
+        st["num_usable_blocks"] = usable
+        st["kv_cache_usage"] = 1.0 - st["num_free_blocks"] / usable if usable else 0.0
+        return st
+
+    # ------------------------------------------------------------------------------------------
+    # Tokenization, on the pool
+    async def _in_pool(self, fn: Any, *args: Any) -> Any:
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except RuntimeError:  # the pool was shut down with the engine
+            raise EngineDeadError("the engine loop was shut down") from None
+        return await future
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        return list(await self._in_pool(lambda: tok.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def encode_chat(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+        """The conversation through the chat template (``llm.chat_token_ids``; ValueError names
+        the bad message, or quotes the template's own refusal, e.g. roles that do not alternate)."""
+        return await self._in_pool(_chat_ids, self.engine.tokenizer, messages, add_generation_prompt)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._in_pool(self.engine.tokenizer.decode, token_ids)
+
+    async def tokenize_prompt(self, prompt: Any) -> Any:
+        """A text prompt as ``{"prompt", "prompt_token_ids"}``, tokenized on the pool; other forms
+        are passed on (the engine checks them)."""
+        text_only = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+        if not text_only:
+            return prompt
+        text, ids = await self._in_pool(prompt_ids, self.engine.tokenizer, prompt)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    # ------------------------------------------------------------------------------------------
+    # Requests
+    def _dispatcher(self) -> _LoopDispatcher:
+        loop = asyncio.get_running_loop()
+        d = self._dispatchers.get(loop)
+        if d is None:
+            with self._lock:
+                d = self._dispatchers.setdefault(loop, _LoopDispatcher(loop))
+        return d
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submits one request and yields its outputs (module docs); raises its error. Closing
+        or cancelling the generator before the last output aborts the request."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        kind = params.output_kind if isinstance(params, SamplingParams) else None
+        prompt = await self.tokenize_prompt(prompt)
+        stream = _RequestStream(rid, self._dispatcher(), kind)
+        self.engine_loop.submit(rid, prompt, params, sink=stream, priority=priority, cache_salt=cache_salt)
+        with self._lock:
+            self._in_flight += 1
+            self._live[rid] = self._live.get(rid, 0) + 1
+        ended = False
+        try:
+            while not ended:
+                item = await stream.get()
+                ended = item.finished
+                if item.error is not None:
+                    raise item.error
+                yield item.output
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                left = self._live.pop(rid) - 1
+                if left:
+                    self._live[rid] = left
+            if not ended:  # closed or cancelled early: the client is gone
+                self.engine_loop.abort([rid])
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Ends the requests (unknown or finished ids are ignored); each one's generator then
+        yields its final output, ``finish_reason`` "abort"."""
+        self.engine_loop.abort(request_id)
+
+    def abort_all(self) -> None:
+        """Aborts every request in flight (the server's drain deadline)."""
+        with self._lock:
+            ids = list(self._live)
+        self.engine_loop.abort(ids)
+
+    def shutdown(self) -> None:
+        """Ends the engine loop (requests still in it end with ``EngineDeadError``) and the
+        tokenizer pool; idempotent."""
+        _close(self.engine_loop, self._pool)
+
+
+def _chat_ids(tokenizer: Any, messages: Any, add_generation_prompt: bool) -> list[int]:
+    from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
+
+    try:
+        return chat_token_ids(tokenizer, messages, add_generation_prompt)
+    except TemplateError as e:  # raise_exception(...) in the template: the conversation is refused
+        raise ValueError(f"messages: the model's chat template refused them ({e})") from None
+
+
+def _close(loop: EngineLoop, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    loop.shutdown(wait=True)
+    pool.shutdown(wait=False, cancel_futures=True)

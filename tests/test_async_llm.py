@@ -1,0 +1,359 @@
+"""AsyncLLM: the engine from asyncio.
+
+Output kinds (DELTA pieces join to the sequential result, CUMULATIVE ends complete, FINAL_ONLY
+yields once), many requests from one event loop sharing steps, ``abort``, a closed or cancelled
+generator (a client that went away) aborting its request and freeing its blocks, bad input
+raised as ``ValueError`` while other requests go on, shutdown, tokenization on the pool, the
+batching of wake-ups (one ``call_soon_threadsafe`` per step, not per output), and the ``serve``
+command's flag checks. Waits are on the engine's own outputs (a probe request queued after an
+abort finishes after it), never on a clock.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from ferrokv import AsyncLLM
+from ferrokv.engine_loop import EngineDeadError
+from ferrokv.outputs import RequestOutputKind as Kind
+from helpers.engine_faults import engine_kwargs, greedy, rand_prompts, tiny_llm, token_ids
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_model_dir):
+    return tiny_model_dir("llama", "llama")
+
+
+def make_async_llm(path, **kw) -> AsyncLLM:
+    args = engine_kwargs(path, **kw)
+    return AsyncLLM(args.pop("model"), **args)
+
+
+@pytest.fixture(scope="module")
+def allm(llama_path):
+    llm = make_async_llm(llama_path)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sequential(llama_path):
+    """The synchronous LLM's greedy outputs: what every AsyncLLM run must reproduce."""
+    llm = tiny_llm(llama_path)
+
+    def run(prompts, max_tokens):
+        return llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
+
+    return run
+
+
+async def collect(llm: AsyncLLM, prompt, params, rid):
+    return [o async for o in llm.generate(prompt, params, rid)]
+
+
+async def probe(llm: AsyncLLM, rid: str) -> None:
+    """A one-token request: submitted after earlier aborts, it finishes after they are applied."""
+    outs = await collect(llm, {"prompt_token_ids": [5, 6, 7]}, greedy(1), rid)
+    assert outs[-1].finished
+
+
+def assert_engine_idle(llm: AsyncLLM) -> None:
+    st = llm.stats()  # thread-safe; live while the loop is idle
+    assert (st["num_running"], st["num_waiting"]) == (0, 0), st
+    assert st["num_free_blocks"] == st["num_blocks"] - 1, st
+    assert llm.num_in_flight == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. output kinds
+# ------------------------------------------------------------------------------------------------
+def test_output_kinds_match_the_synchronous_engine(allm, sequential):
+    prompt = rand_prompts(40, [9])[0]
+    expected = sequential([prompt], 10)[0].outputs[0]
+
+    async def main():
+        return await asyncio.gather(*(collect(allm, prompt, greedy(10, output_kind=k), f"kind-{k.name}")
+                                      for k in (Kind.DELTA, Kind.CUMULATIVE, Kind.FINAL_ONLY)))
+
+    delta, cumulative, final = asyncio.run(main())
+    assert delta[-1].finished and not any(o.finished for o in delta[:-1])
+    assert sum((o.outputs[0].token_ids for o in delta), []) == expected.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == expected.text
+    assert cumulative[-1].finished and not any(o.finished for o in cumulative[:-1])
+    assert cumulative[-1].outputs[0].token_ids == expected.token_ids
+    assert cumulative[-1].outputs[0].text == expected.text
+    assert len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == expected.token_ids and final[0].outputs[0].text == expected.text
+    assert final[0].outputs[0].finish_reason == "length"
+    assert_engine_idle(allm)
+
+
+@pytest.mark.parametrize("kind", [Kind.DELTA, Kind.CUMULATIVE])
+def test_a_consumer_that_lags_reads_the_unread_outputs_as_one(allm, sequential, kind):
+    """A's outputs after its first are left unread until a request submitted after that first
+    output (and so finishing no earlier than A) has ended: they are then read as one output,
+    merged (DELTA) or the newest (CUMULATIVE), and still add up to the sequential result."""
+    a_prompt, b_prompt = rand_prompts(48, [7, 5])
+    (expected_out,) = sequential([a_prompt], 10)
+    expected = expected_out.outputs[0].token_ids
+
+    async def main():
+        a = allm.generate(a_prompt, greedy(10, output_kind=kind, logprobs=1), f"lag-{kind.name}")
+        first = await anext(a)
+        await collect(allm, b_prompt, greedy(9, output_kind=Kind.FINAL_ONLY), f"lag-probe-{kind.name}")
+        return first, [o async for o in a]
+
+    first, rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished
+    (c,) = rest[0].outputs
+    if kind == Kind.DELTA:
+        assert first.outputs[0].token_ids + c.token_ids == expected
+        assert first.outputs[0].text + c.text == expected_out.outputs[0].text
+        assert len(first.outputs[0].logprobs) + len(c.logprobs) == 10
+        assert c.finish_reason == "length"
+    else:
+        assert c.token_ids == expected and len(c.logprobs) == 10
+    assert_engine_idle(allm)
+
+
+def test_text_prompts_are_tokenized_on_the_pool(allm, sequential):
+    tok = allm.get_tokenizer()
+    threads: list[str] = []
+    encode = tok.encode
+
+    def recording_encode(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return encode(*a, **kw)
+
+    tok.encode = recording_encode
+    try:
+        outs = asyncio.run(collect(allm, "the quick brown fox", greedy(4, output_kind=Kind.FINAL_ONLY), "text"))
+    finally:
+        del tok.encode
+    assert threads and all(name.startswith("ferrokv-tokenize") for name in threads), threads
+    assert outs[0].prompt == "the quick brown fox"
+    assert outs[0].prompt_token_ids == encode("the quick brown fox")
+    assert token_ids(outs) == token_ids(sequential(["the quick brown fox"], 4))
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. many requests from one event loop
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_concurrent_requests_from_one_event_loop_share_steps(llama_path, sequential, overlap):
+    llm = make_async_llm(llama_path, overlap=overlap)
+    prompts = rand_prompts(41, [4, 17, 9, 30, 12, 6, 21, 8])
+    expected = token_ids(sequential(prompts, 12))
+    wakeups = 0
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(*a, **kw):
+            nonlocal wakeups
+            wakeups += 1
+            return real(*a, **kw)
+
+        loop.call_soon_threadsafe = counting
+        return await asyncio.gather(*(collect(llm, p, greedy(12, output_kind=Kind.DELTA), f"c{i}")
+                                      for i, p in enumerate(prompts)))
+
+    try:
+        runs = asyncio.run(main())
+        got = [[sum((o.outputs[0].token_ids for o in outs), [])] for outs in runs]
+        assert got == expected
+        st = llm.stats()
+        assert st["max_running_seqs"] > 1, "the requests never shared a step"
+        outputs = sum(len(outs) for outs in runs)
+        # One wake-up of the event loop per engine step, not one per output (8 outputs a step).
+        assert wakeups <= 2 * st["steps"] < outputs, (wakeups, st["steps"], outputs)
+        assert_engine_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. abort, and clients that go away
+# ------------------------------------------------------------------------------------------------
+def test_abort_ends_the_stream_with_finish_reason_abort(allm):
+    aborted_before = allm.stats()["requests_aborted"]
+
+    async def main():
+        outs = []
+        async for o in allm.generate(rand_prompts(42, [7])[0], greedy(100, output_kind=Kind.DELTA), "ab"):
+            outs.append(o)
+            if len(outs) == 1:
+                allm.abort("ab")
+        return outs
+
+    outs = asyncio.run(main())
+    last = outs[-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) < 100
+    assert allm.stats()["requests_aborted"] == aborted_before + 1
+    assert_engine_idle(allm)
+
+
+@pytest.mark.parametrize("how", ["aclose", "cancel"])
+def test_a_client_that_goes_away_aborts_its_request_and_frees_its_blocks(allm, how):
+    aborted_before = allm.stats()["requests_aborted"]
+
+    async def main():
+        first = asyncio.Event()
+        gen = allm.generate(rand_prompts(43, [40])[0], greedy(100, output_kind=Kind.DELTA), f"gone-{how}")
+
+        async def consume():
+            async for _ in gen:
+                first.set()
+
+        task = asyncio.ensure_future(consume())
+        await first.wait()
+        assert allm.engine.num_free_blocks < allm.stats()["num_blocks"] - 1  # it holds blocks now
+        if how == "cancel":
+            task.cancel()  # as Starlette cancels a stream whose client disconnected
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await gen.aclose()
+        await probe(allm, f"probe-{how}")
+
+    asyncio.run(main())
+    assert allm.stats()["requests_aborted"] == aborted_before + 1
+    assert_engine_idle(allm)
+
+
+def test_an_abandoned_generator_is_aborted_when_closed(allm):
+    """A generator closed before it was iterated to the end, by the consumer leaving its loop."""
+    aborted_before = allm.stats()["requests_aborted"]
+
+    async def main():
+        gen = allm.generate(rand_prompts(44, [5])[0], greedy(100, output_kind=Kind.CUMULATIVE), "left")
+        async for o in gen:
+            assert not o.finished
+            break
+        await gen.aclose()
+        await probe(allm, "probe-left")
+
+    asyncio.run(main())
+    assert allm.stats()["requests_aborted"] == aborted_before + 1
+    assert_engine_idle(allm)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. bad input: the request's error, the others go on
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt, params, match", [
+    ({"prompt_token_ids": list(range(3, 200))}, greedy(4), "max_model_len"),
+    ({"prompt_token_ids": [3, 99999]}, greedy(4), r"prompt_token_ids\[1\]=99999"),
+    ({"prompt_token_ids": []}, greedy(4), "empty"),
+    ("lone \ud800 surrogate", greedy(4), "surrogate"),
+    (42, greedy(4), "prompt must be"),
+    ({"prompt_token_ids": [3, 4]}, greedy(4, n=1000), "n=1000"),
+    ({"prompt_token_ids": [3, 4]}, "not params", "sampling_params"),
+])
+def test_bad_input_raises_value_error_and_other_requests_go_on(allm, sequential, prompt, params, match):
+    good = rand_prompts(45, [6])[0]
+
+    async def main():
+        ok = asyncio.ensure_future(collect(allm, good, greedy(8, output_kind=Kind.FINAL_ONLY), "good"))
+        with pytest.raises(ValueError, match=match):
+            await collect(allm, prompt, params, "bad")
+        return await ok
+
+    outs = asyncio.run(main())
+    assert token_ids(outs) == token_ids(sequential([good], 8))
+    assert_engine_idle(allm)
+
+
+def test_a_request_id_in_use_is_refused_without_touching_the_first(allm, sequential):
+    prompt = rand_prompts(46, [8])[0]
+
+    async def main():
+        first = allm.generate(prompt, greedy(6, output_kind=Kind.DELTA), "dup")
+        outs = [await anext(first)]
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(allm, prompt, greedy(6), "dup")
+        outs += [o async for o in first]
+        return outs
+
+    outs = asyncio.run(main())
+    assert sum((o.outputs[0].token_ids for o in outs), []) == token_ids(sequential([prompt], 6))[0][0]
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert_engine_idle(allm)
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_a_value_error(allm):
+    tok = allm.get_tokenizer()
+    template = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}"
+                         "{% endif %}{{ m['content'] }}{% endfor %}")
+    try:
+        with pytest.raises(ValueError, match=r"messages: .*refused.*no tools here"):
+            asyncio.run(allm.encode_chat([{"role": "tool", "content": "x"}]))
+        assert asyncio.run(allm.encode_chat([{"role": "user", "content": "the cat"}])) == tok.encode("the cat")
+    finally:
+        tok.chat_template = template
+
+
+def test_unknown_engine_argument_is_a_type_error():
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        AsyncLLM("unused", max_num_sequences=4)
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. shutdown
+# ------------------------------------------------------------------------------------------------
+def test_shutdown_ends_requests_in_flight_and_refuses_new_ones(llama_path):
+    llm = make_async_llm(llama_path)
+
+    async def main():
+        gen = llm.generate(rand_prompts(47, [5])[0], greedy(100, output_kind=Kind.DELTA), "s")
+        await anext(gen)
+        assert llm.is_running
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(llm, "x", greedy(2), "after")
+
+    asyncio.run(main())
+    assert not llm.is_running and llm.num_in_flight == 0
+    llm.shutdown()  # idempotent
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. the serve command's own flags (checked before anything loads)
+# ------------------------------------------------------------------------------------------------
+def test_serve_flags_default_to_server_config():
+    from ferrokv.cli import _parser
+    from ferrokv.entrypoints.openai.server_config import ServerConfig
+
+    args = _parser().parse_args(["serve"])
+    d = ServerConfig()
+    assert (args.host, args.port, args.max_body_bytes, args.max_waiting_requests, args.drain_timeout,
+            args.log_prompts, args.api_key) == (d.host, d.port, d.max_body_bytes, d.max_waiting_requests,
+                                               d.drain_timeout, d.log_prompts, d.api_key)
+    assert d.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--port", "70000"], "--port"),
+    (["--max-body-bytes", "0"], "--max-body-bytes"),
+    (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+    (["--drain-timeout", "nan"], "--drain-timeout"),
+    (["--api-key", ""], "--api-key"),
+    (["--host", "256.1.1.1"], "--host '256.1.1.1'"),
+    (["a", "--model", "b"], "given twice"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+])
+def test_serve_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
+    from ferrokv.cli import main
+
+    assert main(["serve", *argv]) == 2
+    assert needle in capsys.readouterr().err
