@@ -1,4 +1,5 @@
-"""The ``ferrokv`` command (also ``python -m ferrokv``): ``ferrokv generate [PROMPT...]`` and ``ferrokv chat``.
+"""The ``ferrokv`` command (also ``python -m ferrokv``): ``ferrokv generate [PROMPT...]``, ``ferrokv chat``
+and ``ferrokv serve [MODEL]`` (the OpenAI-compatible server, ``ferrokv.entrypoints.openai``).
 
 Both use the embedded SmolLM2-135M-Instruct unless ``--model`` names a Hub id, a folder or a
 ``.gguf`` file. The engine flags are generated from the ``EngineArgs`` fields (name, type,
@@ -214,6 +215,83 @@ def _chat(args: argparse.Namespace) -> int:
         print(f"assistant> {answer}", flush=True)
 
 
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    """``serve``'s own flags; their defaults are ``ServerConfig``'s."""
+    from ferrokv.entrypoints.openai.server_config import ServerConfig
+
+    d = ServerConfig()
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model (default: the embedded SmolLM2-135M-Instruct)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host,
+                   help=help_with_default("address to listen on; 0.0.0.0 exposes the server to the network",
+                                          d.host))
+    g.add_argument("--port", type=int, default=d.port,
+                   help=help_with_default("TCP port to listen on", d.port))
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                        "(default: none, else $FERROKV_API_KEY)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send and see (default: the model argument)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=help_with_default("largest request body accepted; larger ones get 413",
+                                          d.max_body_bytes))
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help=help_with_default("requests accepted beyond the max_num_seqs running ones; more get 503",
+                                          d.max_waiting_requests))
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help=help_with_default("seconds requests in flight may run on after SIGTERM/SIGINT before "
+                                          "they are aborted", d.drain_timeout))
+    g.add_argument("--log-prompts", action="store_true",
+                   help="log each request's prompt and sampling parameters (default: off)")
+    _engine_flags(p)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Binds (and frees) ``host:port`` once, so that a host that does not resolve or is not this
+    machine's, or a port in use, is reported naming the flags before the model loads."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+            s.bind(address)
+    except OSError as e:  # socket.gaierror included
+        raise ValueError(f"--host {host!r} --port {port}: cannot listen there ({e})") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import math
+    import os
+
+    if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
+        raise ValueError(f"model: given twice, as {args.model_pos!r} and --model {args.model!r}")
+    args.model = args.model_pos if args.model_pos is not None else args.model
+    for flag, value, lo in (("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1),
+                            ("--max-waiting-requests", args.max_waiting_requests, 0)):
+        if value < lo or (flag == "--port" and value > 65535):
+            raise ValueError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {lo}'}, got {value}")
+    if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+        raise ValueError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
+    _check_listen(args.host, args.port)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("FERROKV_API_KEY") or None
+    if api_key is not None and (not api_key or not api_key.isprintable()):
+        raise ValueError("--api-key must be a non-empty printable string")
+    engine_args = EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
+    engine_args.validate()  # a bad flag fails before torch is imported
+    from ferrokv.async_llm import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import run_server
+    from ferrokv.entrypoints.openai.server_config import DEFAULT_MODEL_NAME, ServerConfig
+
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    config = ServerConfig(served_model_name=name, host=args.host, port=args.port, api_key=api_key,
+                          max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
+                          drain_timeout=args.drain_timeout, log_prompts=args.log_prompts)
+    return run_server(AsyncLLM.from_engine_args(engine_args), config)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrokv", description="ferrokv LLM inference engine")
     parser.add_argument("--version", action="version", version=f"ferrokv {__version__}")
@@ -231,6 +309,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt opening the conversation (default: none)")
     _engine_flags(c)
     _sampling_flags(c)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    _serve_flags(s)
     return parser
 
 
@@ -239,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         logging.getLogger(LOGGER_NAME).setLevel(logging.DEBUG)
     try:
-        return _generate(args) if args.command == "generate" else _chat(args)
+        return {"generate": _generate, "chat": _chat, "serve": _serve}[args.command](args)
     except ValueError as e:
         print(f"ferrokv: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""Serving front ends of the engine (``ferrokv serve``)."""

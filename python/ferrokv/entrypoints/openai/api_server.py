@@ -1,0 +1,302 @@
+"""The OpenAI-compatible HTTP server: ``build_app(async_llm, ServerConfig)`` and ``run_server``
+(``ferrokv serve``).
+
+Every request first passes ``_Gate``, a plain ASGI layer: while the server drains it answers 503
+(``/metrics`` stays open); with ``--api-key`` every path but ``/health`` and ``/metrics`` needs
+``Authorization: Bearer KEY`` (compared with ``hmac.compare_digest``); a body larger than
+``--max-body-bytes`` is a 413 before the endpoint sees it (the body is read once, up to the
+limit, and replayed); requests in progress are counted for the drain.
+
+Invariants: every error is OpenAI's JSON ``{"error": {message, type, param, code}}``; user input
+never causes a 500 (a 500 is a bug, logged with its traceback, its detail not sent); one request's
+failure ends only its own engine requests. On SIGTERM/SIGINT the server drains: new requests get
+503, requests in flight may finish for ``--drain-timeout`` seconds, the rest are aborted (their
+streams end with finish_reason "abort"), then uvicorn stops and the process exits 0; a second
+signal stops it at once.
+Costs: per request one body copy (at most ``--max-body-bytes``) and O(1) checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from ferrokv import __version__
+from ferrokv.checks import shown
+from ferrokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from ferrokv.entrypoints.openai.protocol import (OpenAIError, error_body, parse_detokenize_request,
+                                                 parse_tokenize_request)
+from ferrokv.entrypoints.openai.serving import ServerState, error_response
+from ferrokv.entrypoints.openai.serving_chat import create_chat_completion
+from ferrokv.entrypoints.openai.serving_completion import create_completion
+from ferrokv.entrypoints.openai.server_config import ServerConfig
+
+logger = logging.getLogger("ferrokv.serve")
+
+__all__ = ["ServerConfig", "build_app", "run_server"]
+
+_OPEN_PATHS = ("/health", "/metrics")
+_STATS_PERIOD = 0.5  # seconds: the most a /metrics gauge lags behind the engine while it is busy
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(OpenAIError(status, message, param)), status_code=status)
+
+
+class _Gate:
+    """The ASGI layer in front of the app (module docs)."""
+
+    def __init__(self, app: Any, state: ServerState, config: ServerConfig) -> None:
+        self.app = app
+        self.state = state
+        self.limit = config.max_body_bytes
+        self.key = config.api_key.encode() if config.api_key is not None else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.state.draining and path != "/metrics":
+            return await _error(503, "the server is shutting down")(scope, receive, send)
+        if self.key is not None and path not in _OPEN_PATHS and not self._authorized(scope):
+            response = _error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return await response(scope, receive, send)
+        replay = receive
+        if scope["method"] not in ("GET", "HEAD"):
+            body = await self._read_body(scope, receive)
+            if body is None:
+                return await _error(413, f"the request body is larger than --max-body-bytes={self.limit}")(
+                    scope, receive, send)
+            replay = _replay(body, receive)
+        if path in _OPEN_PATHS:
+            return await self.app(scope, replay, send)
+        self.state.http_in_flight += 1
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.state.http_in_flight -= 1
+
+    def _authorized(self, scope: Any) -> bool:
+        got = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                got = value
+        scheme, _, token = got.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key or b"")
+
+    async def _read_body(self, scope: Any, receive: Any) -> bytes | None:
+        """The whole body, or None when it is larger than the limit (by its declared length, or
+        as read)."""
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    if int(value) > self.limit:
+                        return None
+                except ValueError:
+                    pass  # a bad header: the body as read decides
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    sent = False
+
+    async def replay() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: the disconnect, when it comes
+
+    return replay
+
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON ({type(e).__name__}: {shown(str(e))})") from None
+
+
+def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving ``async_llm`` (the caller owns it: the app does not shut it down)."""
+    state_box: dict[str, ServerState] = {}
+    metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight)
+    state = ServerState(async_llm, metrics, (config.served_model_name,), config.max_waiting_requests,
+                        config.log_prompts)
+    state_box["s"] = state
+    app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ferrokv = state
+    _errors(app)
+    _routes(app, state)
+    # Inside Starlette's own error middleware, so that an error in the gate still answers JSON.
+    app.add_middleware(_Gate, state=state, config=config)
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(error_body(e), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.url.path!r}",
+                   405: f"method {request.method} is not allowed on {request.url.path!r}"}.get(e.status_code, e.detail)
+        return JSONResponse(error_body(OpenAIError(e.status_code, str(message))), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(400, f"invalid request: {shown(e.errors())}")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        return error_response(e)
+
+
+def _routes(app: FastAPI, state: ServerState) -> None:
+    llm = state.llm
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not llm.is_running:
+            return _error(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "ferrokv",
+             "root": name, "parent": None, "max_model_len": llm.max_model_len} for name in state.model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await create_completion(request, state, await _json(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await create_chat_completion(request, state, await _json(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        req = parse_tokenize_request(await _json(request))
+        state.check_model(req.model)
+        try:
+            if req.messages is not None:
+                ids = await llm.encode_chat(req.messages, req.add_generation_prompt)
+            else:
+                ids = await llm.encode(req.prompt, req.add_special_tokens)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), "messages" if req.messages is not None else "prompt") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        req = parse_detokenize_request(await _json(request), llm.engine.vocab_size)
+        state.check_model(req.model)
+        return {"prompt": await llm.decode(req.tokens)}
+
+
+# ------------------------------------------------------------------------------------------------
+# The process
+class _Server(uvicorn.Server):
+    """uvicorn, with the drain on the first SIGTERM/SIGINT (module docs) and exit status 0."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Future[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        fresh = asyncio.ensure_future(self._keep_stats_fresh())
+        try:
+            await super().serve(sockets)
+        finally:
+            fresh.cancel()
+
+    async def _keep_stats_fresh(self) -> None:
+        # LLMEngine.stats() serves, while a step runs, the snapshot taken at the end of the step
+        # after the previous call: asking twice a second keeps /metrics' gauges that fresh.
+        while True:
+            self._state.llm.stats()
+            await asyncio.sleep(_STATS_PERIOD)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Not uvicorn's: it would re-raise the signal after the shutdown (exit status -15).
+        if self._state.draining or self._loop is None:
+            logger.warning("second signal %s: stopping now", signal.Signals(sig).name)
+            self.should_exit = self.force_exit = True
+            return
+        self._state.draining = True
+        logger.info("signal %s: draining (new requests get 503; %d in flight, up to %gs)",
+                    signal.Signals(sig).name, self._state.http_in_flight, self._drain_timeout)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _wait_idle(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._state.http_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)  # a server-side poll of a counter, 20 times a second
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._wait_idle(self._drain_timeout)
+            if self._state.http_in_flight:
+                logger.warning("drain timeout: aborting %d request(s) still in flight", self._state.http_in_flight)
+                self._state.llm.abort_all()
+                await self._wait_idle(10.0)  # each ends within one engine step
+        finally:
+            self.should_exit = True
+
+
+def run_server(llm: Any, config: ServerConfig) -> int:
+    """Serves ``llm`` until a signal drains and stops the server; returns the exit status."""
+    app = build_app(llm, config)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="info", access_log=False,
+                               timeout_graceful_shutdown=5, lifespan="off")
+    server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)
+    logger.info("serving %r on http://%s:%d (API key %s)", config.served_model_name, config.host, config.port,
+                "required" if config.api_key else "off")
+    try:
+        server.run()
+    finally:
+        llm.shutdown()
+    return 0

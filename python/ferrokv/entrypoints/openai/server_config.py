@@ -1,0 +1,30 @@
+"""``ServerConfig``: the server's own settings and their defaults, in one place.
+
+``ferrokv serve``'s flags take their defaults from here; the engine's settings are
+``EngineArgs``. Importing this module imports neither fastapi nor torch, so ``ferrokv --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_MODEL_NAME", "ServerConfig"]
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded default model is served as
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """``served_model_name``: the name clients send and see. ``max_waiting_requests``: engine
+    requests accepted beyond the ``max_num_seqs`` running ones. ``drain_timeout``: seconds
+    requests in flight may run on after SIGTERM/SIGINT."""
+
+    served_model_name: str = DEFAULT_MODEL_NAME
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_waiting_requests: int = 1024
+    drain_timeout: float = 30.0
+    log_prompts: bool = False

@@ -1,0 +1,300 @@
+"""What the completion and chat endpoints share: admission, running a request's generators
+with the client watched, merging several requests' outputs, and server-sent events.
+
+Invariants:
+
+* ``admit`` refuses (503) while the server drains or when accepting the request would put more
+  than ``max_waiting_requests`` requests beyond the engine's ``max_num_seqs`` running slots;
+  refusals change nothing.
+* ``Generation.start`` returns only once every request of the call has its first output, so a
+  request the engine refuses (a prompt too long, a bad token id...) is a 400 before any byte of a
+  stream is sent. Its other requests are aborted then.
+* A client that disconnects ends its generators (each aborts its request in the engine); so does
+  any error, and every exit path closes them (``Generation.close``).
+* Errors map to HTTP: ``ValueError`` (bad input, found by the engine) -> 400,
+  ``EngineDeadError`` (shutting down) -> 503, anything else -> 500 with a generic message (the
+  detail goes to the log, never to the client).
+
+Costs: one task per request of the call while merging (a completion may carry several prompts);
+O(1) per output besides the JSON encoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ferrokv.engine_loop import EngineDeadError
+from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
+from ferrokv.outputs import RequestOutput
+
+logger = logging.getLogger("ferrokv.serve")
+
+__all__ = ["Generation", "ServerState", "SSEResponse", "error_response", "sse", "to_openai_error"]
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What every endpoint reads: the engine, the limits and the drain flag (one per app)."""
+
+    llm: Any  # AsyncLLM
+    metrics: ServerMetrics
+    model_names: tuple[str, ...]
+    max_waiting_requests: int
+    log_prompts: bool
+    draining: bool = False
+    http_in_flight: int = 0  # generation requests being served (the drain waits for 0)
+    admitted: int = 0  # engine requests of the calls being served (admit reserves, Generation.close frees)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.model_names:
+            raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
+                                   f"{', '.join(map(repr, self.model_names))}", "model", "NotFoundError")
+        return self.model_names[0]
+
+    def check_priority(self, priority: int) -> None:
+        """A priority means something only under the priority policy (vLLM refuses it otherwise)."""
+        policy = self.llm.engine.args.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise OpenAIError(400, f"priority={priority} needs priority scheduling, but the server runs "
+                                   f"--scheduling-policy {policy} (start it with --scheduling-policy priority)",
+                              "priority")
+
+    def admit(self, num_requests: int) -> None:
+        if self.draining or not self.llm.is_running:
+            raise OpenAIError(503, "the server is shutting down")
+        slots = self.llm.engine.args.max_num_seqs
+        if self.admitted + num_requests > slots + self.max_waiting_requests:
+            raise OpenAIError(503, f"the waiting queue is full ({self.max_waiting_requests} requests wait "
+                                   f"beyond the {slots} running); retry later")
+        self.admitted += num_requests
+
+
+def to_openai_error(e: BaseException) -> OpenAIError:
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, "the server is shutting down")
+    if isinstance(e, ValueError):  # the engine's checks name the field first ("prompt_token_ids[3]=...")
+        m = re.match(r"[A-Za-z_]+", str(e))
+        return OpenAIError(400, str(e), m.group(0) if m else None)
+    logger.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
+    return OpenAIError(500, f"internal error ({type(e).__name__}); see the server log")
+
+
+def error_response(e: BaseException) -> JSONResponse:
+    err = to_openai_error(e)
+    return JSONResponse(error_body(err), status_code=err.status)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that closes its body iterator and its generation however
+    the response ends (a client that went away cancels the send, not the iterator; an iterator
+    never started runs no ``finally`` of its own)."""
+
+    def __init__(self, content: AsyncIterator[str], gen: Generation) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            await self.gen.close()
+
+
+def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, field: str) -> None:
+    """The prompt and the tokens asked for fit in the context (vLLM's 400; the engine itself
+    would cut the output short instead)."""
+    wanted = max_tokens if max_tokens is not None else 1
+    if num_prompt_tokens + wanted > max_model_len:
+        raise OpenAIError(400, f"{field}: the context is max_model_len={max_model_len} tokens, but the request "
+                               f"needs {num_prompt_tokens + wanted} ({num_prompt_tokens} in the prompt, {wanted} "
+                               f"to generate)", field)
+
+
+async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, field: str,
+                           **kw: Any) -> AsyncIterator[RequestOutput]:
+    """``llm.generate``, after tokenizing a text prompt (on the pool) and ``check_room``; the
+    inner generator is closed as soon as this one is (which aborts its request)."""
+    prompt = await llm.tokenize_prompt(prompt)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
+        check_room(len(prompt["prompt_token_ids"]), params.max_tokens, llm.max_model_len, field)
+    stream = llm.generate(prompt, params, request_id, **kw)
+    async with contextlib.aclosing(stream):
+        async for out in stream:
+            yield out
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+async def until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def watched(request: Request, work: Awaitable[Any]) -> Any:
+    """``await work``, cancelled (and ``ClientGone`` raised) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise ClientGone()
+    return task.result()
+
+
+class Generation:
+    """The requests of one call (``gens[i]`` = ``AsyncLLM.generate`` of request i), their first
+    outputs fetched by ``start``; ``outputs()`` merges them as ``(i, output)``; ``close()`` ends
+    whatever is left (aborting it) and frees the call's admission; idempotent."""
+
+    def __init__(self, gens: list[AsyncIterator[RequestOutput]], state: ServerState) -> None:
+        self.gens = gens
+        self.state = state
+        self.closed = False
+        self.first: list[RequestOutput | None] = [None] * len(gens)
+        self.timers = [RequestTimer() for _ in gens]
+
+    async def start(self) -> None:
+        async def first(i: int) -> None:
+            self.first[i] = await anext(self.gens[i])  # type: ignore[arg-type]
+
+        results = await asyncio.gather(*(first(i) for i in range(len(self.gens))), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                await self.close()
+                raise r
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.state.admitted -= len(self.gens)
+        for g in self.gens:
+            with contextlib.suppress(BaseException):
+                await g.aclose()  # type: ignore[attr-defined]
+
+    def _seen(self, i: int, out: RequestOutput) -> RequestOutput:
+        timer = self.timers[i]
+        if out.finished:
+            self.state.metrics.finished(out, timer)
+        else:
+            timer.on_output(self.state.metrics, out)
+        return out
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every output of every request, as each arrives (the first ones first)."""
+        pending = 0
+        for i, out in enumerate(self.first):
+            assert out is not None
+            yield i, self._seen(i, out)
+            pending += not out.finished
+        if pending == 0:
+            return
+        if len(self.gens) == 1:
+            async for out in self.gens[0]:
+                yield 0, self._seen(0, out)
+            return
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in self.gens[i]:
+                    await queue.put((i, out))
+            except BaseException as e:  # handed to the consumer, which raises it
+                await queue.put((i, e))
+                return
+            await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i, out in enumerate(self.first) if not out.finished]
+        try:
+            while pending:
+                i, item = await queue.get()
+                if item is None:
+                    pending -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, self._seen(i, item)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def finals(self) -> list[RequestOutput]:
+        """The last output of each request (FINAL_ONLY requests: their only one)."""
+        last: list[RequestOutput | None] = list(self.first)
+        async for i, out in self.outputs():
+            last[i] = out
+        return last  # type: ignore[return-value]
+
+
+async def run_generation(request: Request, state: ServerState, gens: list[AsyncIterator[RequestOutput]],
+                         respond: Callable[[Generation], Awaitable[Any]], prompt_field: str) -> Any:
+    """Starts the requests (watched for a disconnect) and hands them to ``respond``, which
+    returns the response; errors become OpenAI errors and every generator is closed. The
+    engine's prompt errors ("prompt_token_ids[3]=...") are told as errors of ``prompt_field``,
+    the request's own name for the prompt."""
+    gen = Generation(gens, state)
+    try:
+        try:
+            await watched(request, gen.start())
+        except ValueError as e:
+            if str(e).startswith("prompt"):
+                raise OpenAIError(400, f"{prompt_field}: {e}", prompt_field) from None
+            raise
+        response = await respond(gen)
+        if not isinstance(response, SSEResponse):  # the stream closes it when it ends
+            await gen.close()
+        return response
+    except ClientGone:
+        await gen.close()
+        return JSONResponse(error_body(OpenAIError(400, "the client disconnected")), status_code=499)
+    except BaseException as e:
+        await gen.close()
+        if isinstance(e, Exception):
+            return error_response(e)
+        raise
+
+
+async def stream_events(gen: Generation, chunks: Callable[[int, RequestOutput], list[Any]],
+                        tail: Callable[[], list[Any]]) -> AsyncIterator[str]:
+    """The SSE body: ``chunks(i, output)`` per output, then ``tail()``, then ``[DONE]``; an error
+    on the way is sent as an ``{"error": ...}`` event before ``[DONE]``."""
+    try:
+        async for i, out in gen.outputs():
+            events = chunks(i, out)
+            if events:
+                yield "".join(map(sse, events))  # one write per output, however many chunks it makes
+        for c in tail():
+            yield sse(c)
+    except Exception as e:
+        yield sse(error_body(to_openai_error(e)))
+    finally:
+        await gen.close()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,132 @@
+"""``POST /v1/chat/completions``: the conversation through the model's chat template (on the
+tokenizer pool), then one engine request with ``n`` samples.
+
+Streaming sends, per choice, a first chunk with ``delta.role`` "assistant", content chunks as the
+engine steps, a last chunk with ``finish_reason`` (its delta empty unless text came with it),
+then a usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``. ``logprobs``
+follow OpenAI's chat shape (``content: [{token, logprob, bytes, top_logprobs}]``), with
+``top_logprobs`` alternatives ranked 1..top_logprobs.
+Costs: as completions, plus one chat-template render per request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import JSONResponse
+
+from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
+from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, run_generation,
+                                               stream_events, watched)
+from ferrokv.entrypoints.openai.serving_completion import finite_logprob, usage
+from ferrokv.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("ferrokv.serve")
+
+__all__ = ["create_chat_completion"]
+
+
+def _top(tid: int, lp: Any) -> dict[str, Any]:
+    token = lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+    return {"token": token, "logprob": finite_logprob(lp.logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def _logprobs(c: CompletionOutput, top_n: int) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        item = _top(tid, entry[tid])
+        ranked = sorted(((lp.rank or 0, t, lp) for t, lp in entry.items() if lp.rank and lp.rank <= top_n))
+        item["top_logprobs"] = [_top(t, lp) for _, t, lp in ranked]
+        content.append(item)
+    return {"content": content}
+
+
+class _Chat:
+    def __init__(self, req: ChatRequest, model: str, created: int) -> None:
+        self.req = req
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": created,
+                     "model": model}
+        self.prompt_tokens = 0
+        self.cached = 0
+        self.completion_tokens = 0
+        self.started: set[int] = set()
+
+    def count(self, out: RequestOutput) -> None:
+        self.prompt_tokens = len(out.prompt_token_ids)
+        self.cached = max(self.cached, out.num_cached_tokens)
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached)
+
+    def logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
+        return _logprobs(c, self.req.top_logprobs) if self.req.logprobs else None
+
+
+async def create_chat_completion(request: Request, state: ServerState, body: Any) -> Any:
+    req = parse_chat_request(body)
+    model = state.check_model(req.model)
+    state.check_priority(req.priority)
+    state.admit(1)
+    call = _Chat(req, model, state.created)
+    rid = call.head["id"]
+    if state.log_prompts:
+        logger.info("%s: messages %r, params %r", rid, req.messages, req.params)
+
+    async def prompt_then_generate() -> Any:
+        # The template runs inside the generator, so its errors surface in Generation.start.
+        ids = await state.llm.encode_chat(req.messages, req.add_generation_prompt)
+        stream = generate_checked(state.llm, {"prompt_token_ids": ids}, req.params, rid, "messages",
+                                  priority=req.priority, cache_salt=req.cache_salt)
+        async with contextlib.aclosing(stream):  # closed at once when this one is (the abort)
+            async for out in stream:
+                yield out
+
+    async def respond(gen: Generation) -> Any:
+        if req.stream:
+            return SSEResponse(_stream(gen, call), gen)
+        (out,) = await watched(request, gen.finals())
+        call.count(out)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": call.logprobs(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        return JSONResponse({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage()})
+
+    return await run_generation(request, state, [prompt_then_generate()], respond, "messages")
+
+
+def _stream(gen: Generation, call: _Chat) -> Any:
+    include_usage = call.req.include_usage
+    head = call.head
+
+    def chunk(choices: list[Any]) -> dict[str, Any]:
+        c = {**head, "choices": choices}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    def chunks(i: int, out: RequestOutput) -> list[Any]:
+        call.count(out)
+        events = []
+        for c in out.outputs:
+            if c.index not in call.started:
+                call.started.add(c.index)
+                events.append(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]))
+            if not c.text and c.finish_reason is None and c.logprobs is None:
+                continue  # a token that completes no character yet: nothing to send
+            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            events.append(chunk([{"index": c.index, "delta": delta, "logprobs": call.logprobs(c),
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
+        return events
+
+    def tail() -> list[Any]:
+        return [{**head, "choices": [], "usage": call.usage()}] if include_usage else []
+
+    return stream_events(gen, chunks, tail)

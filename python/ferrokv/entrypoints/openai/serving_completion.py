@@ -1,0 +1,150 @@
+"""``POST /v1/completions``: OpenAI's legacy completions, one engine request per prompt.
+
+Choices are numbered ``prompt_index * n + sample_index``, as in OpenAI and vLLM. Non-streaming
+requests run ``FINAL_ONLY`` (one output each); streaming ones ``DELTA``, one chunk per choice
+that moved per engine step, then a usage chunk if ``stream_options.include_usage``, then
+``data: [DONE]``. ``logprobs`` follow OpenAI's completion shape (``tokens``, ``token_logprobs``,
+``top_logprobs``, ``text_offset``; the sampled token first in each ``top_logprobs`` entry, which
+keeps a key that several tokens decode to, e.g. a partial UTF-8 character).
+Costs: O(tokens) per response for the text and logprobs, nothing per step beyond the chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import JSONResponse
+
+from ferrokv.entrypoints.openai.protocol import CompletionRequest, parse_completion_request
+from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, run_generation,
+                                               stream_events, watched)
+from ferrokv.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("ferrokv.serve")
+
+__all__ = ["create_completion", "finite_logprob", "usage"]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finite_logprob(x: float) -> float:
+    """JSON has no -inf: an impossible token's logprob is sent as -9999.0, as vLLM does."""
+    return x if x >= -9999.0 else -9999.0  # NaN too (every comparison with NaN is false)
+
+
+def _token_text(entry: dict[int, Any], tid: int) -> str:
+    lp = entry.get(tid)
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else f"token_id:{tid}"
+
+
+class _Logprobs:
+    """One choice's completion logprobs, accumulated across streamed pieces (``text_offset``
+    runs on from the previous piece)."""
+
+    __slots__ = ("offset",)
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def piece(self, c: CompletionOutput) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        tokens, lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(c.token_ids, c.logprobs):
+            text = _token_text(entry, tid)
+            tokens.append(text)
+            lps.append(finite_logprob(entry[tid].logprob) if tid in entry else None)
+            top: dict[str, float] = {}
+            for t, lp in entry.items():  # the sampled token first: it keeps its text's key
+                top.setdefault(_token_text(entry, t), finite_logprob(lp.logprob))
+            tops.append(top)
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class _Completion:
+    """One call's ids and running totals."""
+
+    def __init__(self, req: CompletionRequest, model: str) -> None:
+        self.req = req
+        self.model = model
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.n = req.params.n
+        self.logprobs: dict[int, _Logprobs] = {}
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def choice(self, i: int, c: CompletionOutput) -> dict[str, Any]:
+        index = i * self.n + c.index
+        lp = self.logprobs.setdefault(index, _Logprobs()) if c.logprobs is not None else None
+        return {"index": index, "text": c.text, "logprobs": lp.piece(c) if lp else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def count(self, i: int, out: RequestOutput) -> None:
+        self.prompt_tokens[i] = len(out.prompt_token_ids)
+        self.cached[i] = max(self.cached.get(i, 0), out.num_cached_tokens)
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def usage(self) -> dict[str, Any]:
+        return usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached.values()))
+
+    def head(self, created: int) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": created, "model": self.model}
+
+
+async def create_completion(request: Request, state: ServerState, body: Any) -> Any:
+    req = parse_completion_request(body)
+    model = state.check_model(req.model)
+    state.check_priority(req.priority)
+    state.admit(len(req.prompts))
+    call = _Completion(req, model)
+    if state.log_prompts:
+        logger.info("%s: prompts %r, params %r", call.id, req.prompts, req.params)
+    field = "prompt" if len(req.prompts) == 1 else "prompt[{}]"
+    gens = [generate_checked(state.llm, p, req.params, f"{call.id}-{i}", field.format(i), priority=req.priority,
+                             cache_salt=req.cache_salt)
+            for i, p in enumerate(req.prompts)]
+
+    async def respond(gen: Generation) -> Any:
+        if req.stream:
+            return SSEResponse(_stream(gen, call, state.created), gen)
+        finals = await watched(request, gen.finals())
+        choices = []
+        for i, out in enumerate(finals):
+            call.count(i, out)
+            choices += [call.choice(i, c) for c in out.outputs]
+        choices.sort(key=lambda c: c["index"])
+        return JSONResponse({**call.head(state.created), "choices": choices, "usage": call.usage()})
+
+    return await run_generation(request, state, gens, respond, "prompt")
+
+
+def _stream(gen: Generation, call: _Completion, created: int) -> Any:
+    head = call.head(created)
+    include_usage = call.req.include_usage
+
+    def chunks(i: int, out: RequestOutput) -> list[Any]:
+        call.count(i, out)
+        # A token that completes no character yet has nothing to send (unless it has logprobs).
+        choices = [call.choice(i, c) for c in out.outputs
+                   if c.text or c.finish_reason is not None or c.logprobs is not None]
+        if not choices:
+            return []
+        chunk = {**head, "choices": choices}
+        if include_usage:
+            chunk["usage"] = None
+        return [chunk]
+
+    def tail() -> list[Any]:
+        return [{**head, "choices": [], "usage": call.usage()}] if include_usage else []
+
+    return stream_events(gen, chunks, tail)

@@ -1,0 +1,470 @@
+"""`ferrokv serve` through the official ``openai`` client: completions and chat (checked against
+an in-process ``LLM`` on the same tiny model), streaming (deltas concatenate to the non-streamed
+text at temperature 0), stream usage, n, prompt lists, stop strings, logprobs, seeds, /v1/models,
+/tokenize and /detokenize, prefix-cache accounting (cached_tokens, and the /metrics counter) and
+cache_salt isolation, /metrics names, and prompts kept out of the log.
+
+One server per module (started with --api-key, so every call also exercises auth's happy path);
+requests are sequential unless a test says otherwise, so the greedy reference holds exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from helpers.server import metric_values, read_metrics, serve, sse_events
+from helpers.tiny_tokenizer import tiny_tokenizer
+
+MODEL = "tiny-test"
+API_KEY = "sk-ferrokv-test"
+MAX_MODEL_LEN = 512
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+PROMPT = "The cat runs the red ball"
+UNI_PROMPT = "The café owner likes crème brûlée 中文 🚀"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "A dog sees the blue sky."}]
+# Long enough to span several 16-token KV blocks, so a repeat can hit the prefix cache.
+LONG_TEXT = " ".join(["Every request samples many tokens from the paged cache with joy."] * 12)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama-serve")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with serve(model_dir, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
+               "--enable-prefix-caching") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The same model in-process: what the server must answer at temperature 0."""
+    from ferrokv import LLM
+
+    return LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, num_kv_blocks=128)
+
+
+def chat_ids(messages) -> list[int]:
+    from ferrokv.llm import chat_token_ids
+
+    return chat_token_ids(tiny_tokenizer(), messages)
+
+
+def prompt_ids(text: str) -> list[int]:
+    return tiny_tokenizer()(text)["input_ids"]
+
+
+def greedy_reference(reference, prompt, max_tokens: int) -> str:
+    from ferrokv import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return reference.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+
+def complete(client, **kw):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    args.update(kw)
+    return client.completions.create(**args)
+
+
+def chat(client, **kw):
+    args = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    args.update(kw)
+    return client.chat.completions.create(**args)
+
+
+def cached_tokens(usage) -> int:
+    details = usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None, usage
+    return details.cached_tokens
+
+
+# ------------------------------------------------------------------------------------------------
+# completions and chat
+# ------------------------------------------------------------------------------------------------
+
+def test_completion_matches_offline_llm(client, reference):
+    r = complete(client, max_tokens=10)
+    assert r.object == "text_completion" and r.model == MODEL and r.id
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.index == 0 and c.finish_reason == "length"
+    assert c.text == greedy_reference(reference, PROMPT, 10)
+    assert r.usage.prompt_tokens == len(prompt_ids(PROMPT))
+    assert r.usage.completion_tokens == 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 10
+
+
+def test_chat_matches_offline_llm(client, reference):
+    r = chat(client, max_tokens=10)
+    assert r.object == "chat.completion" and r.model == MODEL and r.id
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.index == 0 and c.finish_reason == "length" and c.message.role == "assistant"
+    ids = chat_ids(MESSAGES)
+    assert c.message.content == greedy_reference(reference, {"prompt_token_ids": ids}, 10)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == 10
+    assert r.usage.total_tokens == len(ids) + 10
+
+
+def test_chat_content_as_text_parts(client):
+    parts = [{"type": "text", "text": "A dog sees "}, {"type": "text", "text": "the blue sky."}]
+    as_parts = chat(client, messages=[{"role": "user", "content": parts}])
+    as_text = chat(client, messages=[{"role": "user", "content": "A dog sees the blue sky."}])
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+
+
+def test_chat_max_completion_tokens(client):
+    r = chat(client, max_tokens=None, max_completion_tokens=5)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_completion_prompt_as_token_ids(client):
+    ids = prompt_ids(PROMPT)
+    by_ids = complete(client, prompt=ids)
+    by_text = complete(client)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_completion_prompt_list_gives_one_choice_per_prompt(client):
+    prompts = [PROMPT, UNI_PROMPT, "A dog"]
+    r = complete(client, prompt=prompts, max_tokens=5)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [complete(client, prompt=p, max_tokens=5).choices[0].text for p in prompts]
+    assert r.usage.prompt_tokens == sum(len(prompt_ids(p)) for p in prompts)
+    assert r.usage.completion_tokens == 15
+
+
+def test_vllm_extras_and_user_are_accepted(client):
+    r = complete(client, max_tokens=6, temperature=0.8, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+                 user="user-1", seed=3,
+                 extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
+                             "min_tokens": 2, "priority": 0})
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------------------------------------
+# streaming
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", [PROMPT, UNI_PROMPT])
+def test_completion_stream_equals_non_stream(client, prompt):
+    whole = complete(client, prompt=prompt, max_tokens=24)
+    chunks = list(complete(client, prompt=prompt, max_tokens=24, stream=True))
+    assert chunks, "no chunks"
+    assert {c.id for c in chunks} == {chunks[0].id}
+    assert all(c.object == "text_completion" and c.model == MODEL for c in chunks)
+    assert all(c.usage is None for c in chunks)
+    text = "".join(ch.text for c in chunks for ch in c.choices)
+    assert text == whole.choices[0].text
+    reasons = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason is not None]
+    assert reasons == ["length"], reasons
+
+
+@pytest.mark.parametrize("content", ["A dog sees the blue sky.", "Le café: crème brûlée 😀 中文"])
+def test_chat_stream_equals_non_stream(client, content):
+    messages = [{"role": "user", "content": content}]
+    whole = chat(client, messages=messages, max_tokens=24)
+    chunks = list(chat(client, messages=messages, max_tokens=24, stream=True))
+    assert chunks
+    assert {c.id for c in chunks} == {chunks[0].id}
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    roles = [ch.delta.role for c in chunks for ch in c.choices if ch.delta.role]
+    assert roles == ["assistant"], roles
+    text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+    assert text == whole.choices[0].message.content
+    reasons = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason is not None]
+    assert reasons == ["length"], reasons
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_raw_sse_framing_ends_with_done(http, path):
+    body = {"model": MODEL, "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True}
+    body.update({"prompt": PROMPT} if "chat" not in path else {"messages": MESSAGES})
+    with http.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = list(resp.iter_lines())
+    events = sse_events(lines)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    for e in events[:-1]:
+        assert isinstance(json.loads(e), dict), e
+    # Every event is one "data:" line followed by a blank line.
+    assert [line for line in lines if line and not line.startswith("data:")] == []
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_include_usage(client, endpoint):
+    call = complete if endpoint == "completions" else chat
+    expected_prompt = len(prompt_ids(PROMPT)) if endpoint == "completions" else len(chat_ids(MESSAGES))
+    chunks = list(call(client, max_tokens=7, stream=True, stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None, last
+    assert last.usage.prompt_tokens == expected_prompt
+    assert last.usage.completion_tokens == 7
+    assert last.usage.total_tokens == expected_prompt + 7
+    assert body and all(c.usage is None for c in body)
+    # Without include_usage no chunk carries usage.
+    assert all(c.usage is None for c in call(client, max_tokens=3, stream=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# n, stop strings, logprobs, seeds
+# ------------------------------------------------------------------------------------------------
+
+def test_n2_completions(client):
+    r = complete(client, n=2, temperature=1.0, seed=7, max_tokens=8)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 16
+    assert r.usage.prompt_tokens == len(prompt_ids(PROMPT))  # the prompt counts once, not once per choice
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1], "two seeded samples at temperature 1 came out identical"
+    # Streamed with the same seed: the same two texts, each index ending once.
+    chunks = list(complete(client, n=2, temperature=1.0, seed=7, max_tokens=8, stream=True))
+    streamed = {0: "", 1: ""}
+    ends = []
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+            if ch.finish_reason:
+                ends.append(ch.index)
+    assert sorted(ends) == [0, 1]
+    assert [streamed[0], streamed[1]] == texts
+
+
+def test_n2_chat(client):
+    r = chat(client, n=2, temperature=1.0, seed=8, max_tokens=8)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 16
+    assert all(c.message.role == "assistant" for c in r.choices)
+    assert r.choices[0].message.content != r.choices[1].message.content
+
+
+def _stop_candidate(text: str, length: int) -> str:
+    """A ``length``-character ASCII piece of ``text`` (no replacement characters) whose first
+    occurrence is not at the start, so stopping on it leaves a non-empty prefix. Longer pieces
+    usually span a token boundary, so a streamed response must hold back a partial match."""
+    for i in range(len(text) // 3, len(text) - length + 1):
+        piece = text[i:i + length]
+        if piece.isascii() and piece.isprintable() and piece.strip() and text.index(piece) > 0:
+            return piece
+    pytest.fail(f"no usable {length}-character stop string in {text!r}")
+
+
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stop_string(client, endpoint, length):
+    call = complete if endpoint == "completions" else chat
+
+    def text_of(r):
+        c = r.choices[0]
+        return c.text if endpoint == "completions" else c.message.content
+
+    full = text_of(call(client, max_tokens=32))
+    stop = _stop_candidate(full, length)
+    expected = full[:full.index(stop)]
+    r = call(client, max_tokens=32, stop=[stop, "never-appears-xyz"])
+    assert text_of(r) == expected
+    assert r.choices[0].finish_reason == "stop"
+    # The streamed deltas stop at the same place, never showing a piece of the stop string.
+    chunks = list(call(client, max_tokens=32, stop=stop, stream=True))
+    if endpoint == "completions":
+        streamed = "".join(ch.text for c in chunks for ch in c.choices)
+    else:
+        streamed = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+    assert streamed == expected
+
+
+def test_completion_logprobs(client):
+    r = complete(client, max_tokens=8, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert all(isinstance(t, str) for t in lp.tokens)
+    assert all(x <= 0.0 for x in lp.token_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+    for token, sampled, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # The top 3 plus the sampled token, keyed by text: byte tokens that are not UTF-8 on their
+        # own all read "\ufffd" and share one key (the format's limit), hence <= rather than ==.
+        assert 1 <= len(top) <= 4, top
+        assert token in top and all(v <= 0.0 for v in top.values()), (token, top)
+        if "\ufffd" not in "".join(top):
+            assert len(top) >= 3, top
+        # Greedy: no alternative is more likely than the sampled token.
+        assert sampled >= max(top.values()) - 1e-4, (sampled, top)
+    assert complete(client, max_tokens=3).choices[0].logprobs is None
+
+
+def test_streamed_logprobs_equal_non_streamed(client):
+    whole = complete(client, max_tokens=8, logprobs=2).choices[0].logprobs
+    chunks = list(complete(client, max_tokens=8, logprobs=2, stream=True))
+    tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
+    values = [v for c in chunks for ch in c.choices if ch.logprobs for v in ch.logprobs.token_logprobs]
+    assert tokens == whole.tokens
+    assert values == pytest.approx(whole.token_logprobs, abs=1e-5)
+    whole_chat = chat(client, max_tokens=8, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    chunks = list(chat(client, max_tokens=8, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole_chat]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole_chat], abs=1e-5)
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    r = chat(client, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    for entry in content:
+        assert isinstance(entry.token, str) and entry.logprob <= 0.0
+        assert len(entry.top_logprobs) == 3
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert entry.logprob == pytest.approx(tops[0], abs=1e-4)  # greedy: the top token was sampled
+    only_sampled = chat(client, max_tokens=4, logprobs=True, top_logprobs=0).choices[0].logprobs.content
+    assert len(only_sampled) == 4 and all(e.top_logprobs == [] for e in only_sampled)
+    assert chat(client, max_tokens=3).choices[0].logprobs is None
+
+
+def test_seed_reproducible(client):
+    def sample(seed: int) -> str:
+        return complete(client, temperature=1.0, seed=seed, max_tokens=12).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(4321) != first
+    # Still the same when it shares its batch with other, unseeded requests.
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(complete, client, temperature=1.0, max_tokens=12) for _ in range(3)]
+        again = pool.submit(sample, 1234)
+        for f in others:
+            f.result()
+        assert again.result() == first
+
+
+# ------------------------------------------------------------------------------------------------
+# models, tokenize / detokenize, metrics, logs
+# ------------------------------------------------------------------------------------------------
+
+def test_models(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].object == "model"
+
+
+@pytest.mark.parametrize("text", [PROMPT, UNI_PROMPT, "two\nlines\tand  spaces", "x"])
+def test_tokenize_detokenize_round_trip(http, text):
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": text})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == prompt_ids(text)
+    assert body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN
+    d = http.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert d.status_code == 200, d.text
+    assert d.json()["prompt"] == text
+
+
+def test_tokenize_messages_uses_chat_template(http):
+    r = http.post("/tokenize", json={"model": MODEL, "messages": MESSAGES})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == chat_ids(MESSAGES)
+    assert r.json()["count"] == len(chat_ids(MESSAGES))
+
+
+def test_metrics_names(server, client):
+    complete(client, max_tokens=4)
+    resp = httpx.get(server.url + "/metrics", timeout=60.0)  # open: no key
+    assert resp.status_code == 200
+    values = metric_values(resp.text)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_free_blocks",
+                 "num_blocks", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+                 "prompt_tokens_total", "generation_tokens_total"):
+        assert "ferrokv:" + name in values, name
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert values.get(f"ferrokv:{name}_count", 0) > 0, name
+    assert values["ferrokv:prompt_tokens_total"] > 0 and values["ferrokv:generation_tokens_total"] >= 4
+    assert 0 < values["ferrokv:num_free_blocks"] <= values["ferrokv:num_blocks"]
+    assert 0.0 <= values["ferrokv:kv_cache_usage_perc"] <= 1.0
+
+
+def test_prompts_not_logged(server, client):
+    marker = "zebra quokka marmalade"
+    complete(client, prompt=f"The {marker} runs", max_tokens=2)
+    chat(client, messages=[{"role": "user", "content": f"a {marker}"}], max_tokens=2)
+    assert marker not in server.stderr()
+
+
+# ------------------------------------------------------------------------------------------------
+# prefix caching: cached_tokens and cache_salt
+# ------------------------------------------------------------------------------------------------
+
+_unique = itertools.count()
+
+
+def _long_prompt() -> str:
+    return f"Request number {next(_unique)} of this module. {LONG_TEXT}"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_cached_tokens_on_repeated_long_prompt(server, client, endpoint):
+    text = _long_prompt()
+    if endpoint == "completions":
+        call = lambda: complete(client, prompt=text, max_tokens=2)  # noqa: E731
+    else:
+        call = lambda: chat(client, messages=[{"role": "user", "content": text}], max_tokens=2)  # noqa: E731
+    first = call()
+    assert first.usage.prompt_tokens > 64
+    assert cached_tokens(first.usage) == 0
+    hits_before = read_metrics(server.url)["ferrokv:prefix_cache_hits_total"]
+    second = call()
+    assert 0 < cached_tokens(second.usage) < second.usage.prompt_tokens
+    # /metrics counts the same hits.
+    hits = read_metrics(server.url)["ferrokv:prefix_cache_hits_total"] - hits_before
+    assert hits == cached_tokens(second.usage)
+
+
+def test_cached_tokens_in_stream_usage(client):
+    text = _long_prompt()
+    complete(client, prompt=text, max_tokens=2)
+    *_, last = complete(client, prompt=text, max_tokens=2, stream=True, stream_options={"include_usage": True})
+    assert cached_tokens(last.usage) > 0
+
+
+def test_cache_salt_isolates_tenants(client):
+    text = _long_prompt()
+
+    def cached(salt: str | None) -> int:
+        extra = {"ignore_eos": True} if salt is None else {"ignore_eos": True, "cache_salt": salt}
+        return cached_tokens(complete(client, prompt=text, max_tokens=2, extra_body=extra).usage)
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0  # the same tenant hits its own cache
+    assert cached("tenant-b") == 0  # another tenant does not see it
+    assert cached(None) == 0  # nor does an unsalted request
+    assert cached(None) > 0
+    assert cached("tenant-b") > 0

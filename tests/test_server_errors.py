@@ -1,0 +1,476 @@
+"""`ferrokv serve`'s error table over raw HTTP (httpx): 400 (a bad parameter, malformed JSON, a
+prompt that is too long), 401 (API key), 404 (unknown model), 413 (body too large), 503 (waiting
+queue full; shutting down) and the SIGTERM/SIGINT drain; then `serve`'s bad flags (exit status
+2, naming the flag). Every error must be OpenAI's ``{"error": {"message", "type", "param",
+"code"}}``, and must leave the server serving.
+
+Servers: ``server`` (module-scoped: --api-key, a 64 KiB body limit, one running and one waiting
+request at most, a 4096-token context so one request can run for seconds) and one throwaway
+server per signal the drain test sends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from helpers.server import assert_openai_error, serve, sse_events, wait_for_metrics
+
+MODEL = "tiny-errors"
+API_KEY = "sk-errors-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 4096
+MAX_BODY = 65536
+LONG_TOKENS = 4000  # seconds of decoding on a CPU: long enough to hold the one running slot
+DRAIN_TIMEOUT = 6.0
+TIMEOUT = httpx.Timeout(120.0, connect=30.0)
+
+
+@pytest.fixture(scope="module")
+def long_model(tiny_model_dir):
+    return tiny_model_dir("llama-serve-long", max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(long_model):
+    with serve(long_model, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
+               "--max-body-bytes", str(MAX_BODY), "--max-waiting-requests", "1", "--max-num-seqs", "1") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=TIMEOUT) as c:
+        yield c
+
+
+def completion_body(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "The cat runs", "max_tokens": 2, "temperature": 0, **kw}
+
+
+def chat_body(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "A dog runs."}], "max_tokens": 2,
+            "temperature": 0, **kw}
+
+
+def assert_still_serves(http: httpx.Client) -> None:
+    """One failing request never affects another: a valid request right after still succeeds."""
+    r = http.post("/v1/completions", json=completion_body(max_tokens=1))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# 400: a bad parameter (message names the field and its value; param is the field)
+# ------------------------------------------------------------------------------------------------
+
+_C, _CH, _TOK, _DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+_MISSING = object()
+
+BAD_PARAMS = [
+    # (path, field, value, value text the message must show or None)
+    (_C, "temperature", -1, "-1"),
+    (_C, "temperature", "hot", "hot"),
+    (_C, "top_p", 1.5, "1.5"),
+    (_C, "top_p", 0, "0"),
+    (_C, "n", 0, "0"),
+    (_C, "n", "two", "two"),
+    (_C, "max_tokens", 0, "0"),
+    (_C, "max_tokens", -3, "-3"),
+    (_C, "max_tokens", "ten", "ten"),
+    (_C, "max_tokens", 1.5, "1.5"),
+    (_C, "presence_penalty", 2.5, "2.5"),
+    (_C, "frequency_penalty", -2.5, "-2.5"),
+    (_C, "repetition_penalty", 0, "0"),
+    (_C, "top_k", -5, "-5"),
+    (_C, "min_p", 1.5, "1.5"),
+    (_C, "min_tokens", -1, "-1"),
+    (_C, "seed", "abc", "abc"),
+    (_C, "seed", 2 ** 64, str(2 ** 64)),
+    (_C, "n", 129, "129"),
+    (_C, "logprobs", 21, "21"),
+    (_C, "stop", [1, 2], None),
+    (_C, "stop", "", None),
+    (_C, "logprobs", -1, "-1"),
+    (_C, "cache_salt", 5, "5"),
+    (_C, "priority", "high", "high"),
+    (_C, "priority", 5, "5"),  # the server runs fcfs: vLLM refuses a priority it would ignore
+    (_C, "ignore_eos", "maybe", "maybe"),
+    (_C, "stream_options", {"include_usage": True}, None),  # without stream: true
+    (_C, "prompt", _MISSING, None),
+    (_C, "prompt", 123, "123"),
+    (_C, "prompt", [], None),
+    (_C, "prompt", [10 ** 9], None),  # a token id outside the vocabulary
+    (_C, "prompt", "bad \ud800 surrogate", None),
+    (_CH, "messages", _MISSING, None),
+    (_CH, "messages", [], None),
+    (_CH, "messages", "hello", "hello"),
+    (_CH, "messages", [{"role": "user"}], None),
+    (_CH, "top_logprobs", 30, "30"),
+    (_CH, "top_logprobs", -1, "-1"),
+    (_CH, "max_completion_tokens", 0, "0"),
+    (_CH, "temperature", -0.5, "-0.5"),
+    (_TOK, "prompt", 42, "42"),
+    (_DETOK, "tokens", [-1], None),
+    (_DETOK, "tokens", [10 ** 9], None),
+    (_DETOK, "tokens", "abc", "abc"),
+]
+
+
+@pytest.mark.parametrize("path,field,value,shown", BAD_PARAMS,
+                         ids=[f"{p.rsplit('/', 1)[-1]}-{f}-{v!r}"[:60] for p, f, v, _ in BAD_PARAMS])
+def test_400_bad_parameter_names_field_and_value(http, path, field, value, shown):
+    if path == _C:
+        body = completion_body()
+    elif path == _CH:
+        body = chat_body()
+    else:
+        body = {"model": MODEL}
+    if value is _MISSING:
+        body.pop(field, None)
+    else:
+        body[field] = value
+    raw = json.dumps(body).encode()  # json.dumps keeps a lone surrogate as an escape, as a client may send it
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    err = assert_openai_error(r, 400)
+    assert re.search(rf"\b{re.escape(field)}\b", err["message"]), f"{field!r} not named in {err['message']!r}"
+    # param is the field, or a path inside it (messages[0].content).
+    assert err["param"] == field or re.match(rf"{re.escape(field)}[\[.]", err["param"] or ""), err
+    if shown is not None:
+        assert shown in err["message"], f"value {shown!r} not shown in {err['message']!r}"
+    assert_still_serves(http)
+
+
+def test_400_top_logprobs_without_logprobs(http):
+    r = http.post(_CH, json=chat_body(top_logprobs=3, logprobs=False))
+    err = assert_openai_error(r, 400, "top_logprobs")
+    assert err["param"] in ("top_logprobs", "logprobs")
+
+
+# ------------------------------------------------------------------------------------------------
+# 400: malformed JSON; a prompt that is too long
+# ------------------------------------------------------------------------------------------------
+
+MALFORMED = [b'{"model": ', b"not json", b"", b"[1, 2]", b'"a string"', b"\xff\xfe{}", b'{"model": "x",}',
+             b'{"prompt": "a" "b"}']
+
+
+@pytest.mark.parametrize("path", [_C, _CH, _TOK, _DETOK])
+@pytest.mark.parametrize("raw", MALFORMED, ids=[repr(m)[:20] for m in MALFORMED])
+def test_400_malformed_json(http, path, raw):
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_400_prompt_too_long(http):
+    text = "the cat " * 2500  # ~5000 tokens (> 4096), ~20 KB (< the 64 KiB body limit)
+    cases = [
+        (_C, completion_body(prompt=text)),
+        (_C, completion_body(prompt=[5] * (MAX_MODEL_LEN + 10))),
+        (_CH, chat_body(messages=[{"role": "user", "content": text}])),
+    ]
+    for path, body in cases:
+        r = http.post(path, json=body)
+        assert_openai_error(r, 400, str(MAX_MODEL_LEN))
+    assert_still_serves(http)
+
+
+def test_400_prompt_fills_the_context(http):
+    """A prompt of max_model_len tokens leaves no room for max_tokens=2 (prompt + output would
+    exceed max_model_len): vLLM answers 400, naming the limit; so does a max_tokens too big to fit."""
+    r = http.post(_C, json=completion_body(prompt=[5] * MAX_MODEL_LEN, max_tokens=2))
+    assert_openai_error(r, 400, str(MAX_MODEL_LEN))
+    # Likewise a short prompt whose max_tokens alone would overflow the context.
+    r = http.post(_CH, json=chat_body(max_tokens=MAX_MODEL_LEN))
+    assert_openai_error(r, 400, str(MAX_MODEL_LEN))
+
+
+# ------------------------------------------------------------------------------------------------
+# 401 and 404
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY},
+                                     {"Authorization": f"Basic {API_KEY}"}, {"Authorization": "Bearer"},
+                                     {"Authorization": f"Bearer {API_KEY}x"}],
+                         ids=["missing", "wrong", "no-scheme", "basic", "empty", "longer"])
+def test_401_missing_or_wrong_key(server, headers):
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        for method, path, body in (("POST", _C, completion_body()), ("POST", _CH, chat_body()),
+                                   ("GET", "/v1/models", None), ("POST", _TOK, {"prompt": "hi"}),
+                                   ("POST", _DETOK, {"tokens": [5]})):
+            r = c.request(method, path, json=body, headers=headers)
+            assert_openai_error(r, 401)
+        # /health and /metrics stay open.
+        assert c.get("/health").status_code == 200
+        metrics = c.get("/metrics")
+        assert metrics.status_code == 200 and "ferrokv:num_requests_running" in metrics.text
+        # And the right key works.
+        assert c.post(_C, json=completion_body(), headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [
+    (_C, completion_body), (_CH, chat_body), (_TOK, lambda **kw: {"prompt": "hi", **kw}),
+    (_DETOK, lambda **kw: {"tokens": [5], **kw}),
+], ids=["completions", "chat", "tokenize", "detokenize"])
+def test_404_unknown_model(http, path, body):
+    r = http.post(path, json=body(model="no-such-model"))
+    err = assert_openai_error(r, 404, "no-such-model")
+    assert err["param"] in (None, "model")
+    assert_still_serves(http)
+
+
+def test_404_and_405_routes_have_openai_shape(http):
+    assert_openai_error(http.post("/v1/no-such-endpoint", json={}), 404)
+    assert_openai_error(http.get("/v1/completions"), 405)
+
+
+# ------------------------------------------------------------------------------------------------
+# 413: body too large
+# ------------------------------------------------------------------------------------------------
+
+def test_413_body_too_large(http):
+    big = json.dumps(completion_body(prompt="x" * (2 * MAX_BODY))).encode()
+    assert_openai_error(http.post(_C, content=big, headers={"content-type": "application/json"}), 413)
+
+    def chunks():  # no Content-Length: the server must count what it reads
+        for i in range(0, len(big), 8192):
+            yield big[i:i + 8192]
+
+    r = http.post(_CH, content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in {k.lower() for k in r.request.headers}
+    assert_openai_error(r, 413)
+    # The limit is inclusive: a body of exactly --max-body-bytes is served, one byte more is not.
+    exact = completion_body(prompt="the cat " * 10, user="")
+    exact["user"] = "u" * (MAX_BODY - len(json.dumps(exact).encode()))
+    raw = json.dumps(exact).encode()
+    assert len(raw) == MAX_BODY
+    r = http.post(_C, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text[:500]
+    over = raw[:-1] + b' }'  # the same JSON, one byte longer
+    assert_openai_error(http.post(_C, content=over, headers={"content-type": "application/json"}), 413)
+    assert_still_serves(http)
+
+
+# ------------------------------------------------------------------------------------------------
+# 503: the waiting queue is full
+# ------------------------------------------------------------------------------------------------
+
+def _long_stream_body(**kw: Any) -> dict[str, Any]:
+    return completion_body(max_tokens=LONG_TOKENS, ignore_eos=True, stream=True, **kw)
+
+
+def _first_event(lines: Iterator[str]) -> str:
+    """The next ``data:`` line of ``lines``. Callers keep ``lines`` referenced while the request
+    should stay connected: a collected ``iter_lines()`` generator closes the connection."""
+    for line in lines:
+        if line.startswith("data:"):
+            return line
+    raise AssertionError("stream ended before its first event")
+
+
+def test_503_waiting_queue_full(server, http):
+    # --max-num-seqs 1 and --max-waiting-requests 1: A runs, B waits, C finds the queue full.
+    a_client = httpx.Client(base_url=server.url, headers=AUTH, timeout=TIMEOUT)
+    b_done: dict[str, Any] = {}
+
+    def run_b() -> None:
+        try:
+            with httpx.Client(base_url=server.url, headers=AUTH, timeout=TIMEOUT) as c:
+                with c.stream("POST", _C, json=_long_stream_body(prompt="B waits")) as r:
+                    b_done["status"] = r.status_code
+                    b_done["first"] = _first_event(r.iter_lines())  # B runs once A is gone; then it leaves
+        except Exception as e:  # reported by the main thread
+            b_done["error"] = repr(e)
+
+    b = threading.Thread(target=run_b, daemon=True)
+    try:
+        a = a_client.send(a_client.build_request("POST", _C, json=_long_stream_body(prompt="A runs")), stream=True)
+        assert a.status_code == 200
+        a_lines = a.iter_lines()
+        _first_event(a_lines)  # A is running (and stays connected while a_lines lives)
+        b.start()
+        wait_for_metrics(server.url, lambda m: m.get("ferrokv:num_requests_waiting", 0) >= 1)
+        assert_openai_error(http.post(_C, json=completion_body()), 503)
+        assert_openai_error(http.post(_CH, json=chat_body(stream=True)), 503)
+        del a_lines
+        a.close()  # A disconnects: it is aborted, B runs, reads one event and disconnects too
+        b.join(timeout=120)
+        assert not b.is_alive(), "B never got its first event after A was aborted"
+        assert b_done.get("status") == 200 and "error" not in b_done, b_done
+    finally:
+        a_client.close()
+    wait_for_metrics(server.url, lambda m: m["ferrokv:num_requests_running"] == 0
+                     and m["ferrokv:num_requests_waiting"] == 0
+                     and m["ferrokv:num_free_blocks"] == m["ferrokv:num_blocks"], timeout=120)
+    assert_still_serves(http)
+
+
+# ------------------------------------------------------------------------------------------------
+# 503 while shutting down, and the SIGTERM drain
+# ------------------------------------------------------------------------------------------------
+
+class _Reader(threading.Thread):
+    """Streams one request to its end; records how it ended ([DONE] + finish reasons, or the error)."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.started = threading.Event()
+        self.status: int | None = None
+        self.events: list[str] = []
+        self.error: str | None = None
+        self.ended_at: float | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(timeout=TIMEOUT) as c, c.stream("POST", self.url + _C, json=self.body) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        self.events.append(line)
+                        self.started.set()
+        except httpx.TransportError as e:  # the connection closed mid-stream: an abort, if a clean one
+            self.error = repr(e)
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
+
+    def finish_reasons(self) -> list[str]:
+        payloads = [json.loads(e) for e in sse_events(self.events) if e != "[DONE]"]
+        return [c["finish_reason"] for p in payloads for c in p.get("choices", []) if c.get("finish_reason")]
+
+    def answered(self) -> bool:
+        return sse_events(self.events)[-1:] == ["[DONE]"]
+
+
+@pytest.mark.parametrize("sig,with_long", [(signal.SIGTERM, True), (signal.SIGINT, False)], ids=["SIGTERM", "SIGINT"])
+def test_signal_drains_then_exits_0(long_model, sig, with_long):
+    """After the signal new requests get 503; in-flight ones run on (the short one finishes) until
+    --drain-timeout, when the rest (the long one, seconds of decoding) are aborted; exit status 0.
+    The SIGINT server also runs with --log-prompts (saving a start): its prompts are in its log."""
+    marker = "zebra quokka marmalade"
+    log_flags = [] if with_long else ["--log-prompts"]
+    with serve(long_model, "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
+               "--drain-timeout", str(DRAIN_TIMEOUT), *log_flags) as srv:
+        short = _Reader(srv.url, completion_body(prompt=f"The {marker} runs", max_tokens=200, ignore_eos=True,
+                                                 stream=True))
+        long = _Reader(srv.url, completion_body(max_tokens=LONG_TOKENS, ignore_eos=True, stream=True))
+        readers = [short, long] if with_long else [short]
+        for reader in readers:
+            reader.start()
+            assert reader.started.wait(120) and reader.status == 200, (reader.status, reader.error)
+        t0 = time.monotonic()
+        srv.send_signal(sig)
+        # New requests are refused with 503 once the signal is handled (the ones before it still run).
+        deadline = t0 + 60
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            while True:
+                try:
+                    r = c.post(_C, json=completion_body(max_tokens=1))
+                except httpx.TransportError as e:
+                    raise AssertionError(f"while draining the server refused a connection instead of "
+                                         f"answering 503: {e!r}") from e
+                if r.status_code == 503:
+                    assert_openai_error(r, 503)
+                    break
+                assert r.status_code == 200, r.text
+                assert time.monotonic() < deadline, "no 503 within 60 s of the signal"
+        rc = srv.wait(timeout=DRAIN_TIMEOUT + 120)
+        exited = time.monotonic() - t0
+        for reader in readers:
+            reader.join(60)
+            assert not reader.is_alive()
+        assert rc == 0, f"exit status {rc}\n{srv.stderr()[-5000:]}"
+        assert exited < DRAIN_TIMEOUT + 60, f"took {exited:.1f}s to exit after the signal"
+        # The short request finished within the drain.
+        assert short.answered() and short.finish_reasons() == ["length"], (short.events[-3:], short.error)
+        assert (marker in srv.stderr()) == bool(log_flags), "--log-prompts decides whether prompts are logged"
+        if not with_long:
+            return
+        # The long one finished, or was aborted -- at the drain deadline, not before.
+        if long.answered() and long.finish_reasons() == ["length"]:
+            return
+        if long.answered():
+            assert long.finish_reasons() == ["abort"], long.events[-3:]
+        else:
+            assert long.error is not None, long.events[-3:]
+        assert long.ended_at - t0 >= DRAIN_TIMEOUT - 0.5, f"aborted {long.ended_at - t0:.1f}s after the signal"
+
+
+# ------------------------------------------------------------------------------------------------
+# serve's own flags: a bad value exits with status 2 and names the flag (before any model loads)
+# ------------------------------------------------------------------------------------------------
+
+# (arguments after `serve /nonexistent/model`, text the error must contain)
+SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
+    (["--port", "70000"], ["--port", "70000"]),
+    (["--port", "-1"], ["--port", "-1"]),
+    (["--port", "x"], ["--port", "x"]),
+    (["--max-body-bytes", "0"], ["--max-body-bytes", "0"]),
+    (["--max-waiting-requests", "-1"], ["--max-waiting-requests", "-1"]),
+    (["--drain-timeout", "nan"], ["--drain-timeout", "nan"]),
+    (["--drain-timeout", "-1"], ["--drain-timeout", "-1"]),
+    (["--api-key", ""], ["--api-key"]),
+    (["--log-prompts=1"], ["--log-prompts"]),
+    (["--model", "/some/other/model"], ["model", "/some/other/model"]),
+    (["--block-size", "24"], ["block_size", "24"]),
+    (["--max-num-seqs", "0"], ["max_num_seqs", "0"]),
+]
+# Flags that take any value (a name) or none: nothing to refuse.
+_NO_BAD_VALUE = {"--served-model-name", "--host"}  # --host is checked by binding: its own test
+
+
+def _serve_parser():
+    from ferrokv.cli import _parser
+
+    sub = next(a for a in _parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    return sub.choices["serve"]
+
+
+def test_serve_bad_flag_table_covers_serve_flags():
+    own = {a.option_strings[0] for a in _serve_parser()._actions if a.option_strings} - {"-h"}
+    covered = {args[0].split("=")[0] for args, _ in SERVE_BAD_FLAGS}
+    from ferrokv.engine_args import EngineArgs
+
+    engine = {"--" + name.replace("_", "-") for name in EngineArgs.field_names()}
+    assert own - engine - _NO_BAD_VALUE <= covered, sorted(own - engine - _NO_BAD_VALUE - covered)
+
+
+@pytest.mark.parametrize("args,needles", SERVE_BAD_FLAGS, ids=[" ".join(a)[:40] for a, _ in SERVE_BAD_FLAGS])
+def test_serve_bad_flag_exits_2_naming_it(args, needles, capsys):
+    from ferrokv.cli import main
+
+    try:
+        rc = main(["serve", "/nonexistent/model", *args])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+
+
+def test_serve_help_gives_every_default_and_binds_localhost():
+    parser = _serve_parser()
+    for action in parser._actions:
+        if action.option_strings and action.option_strings[0] != "-h":
+            assert action.help and "(default: " in action.help, action.option_strings
+    flags = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    assert flags["--host"].default == "127.0.0.1" and "(default: 127.0.0.1)" in flags["--host"].help
+    assert flags["--max-body-bytes"].default == 1 << 20
+
+
+def test_serve_unusable_host_exits_2_naming_it(long_model):
+    out = subprocess.run([sys.executable, "-m", "ferrokv", "serve", str(long_model), "--host", "256.1.1.1",
+                          "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert "--host" in out.stderr and "256.1.1.1" in out.stderr, out.stderr[-3000:]
