@@ -42,7 +42,7 @@ from helpers.tiny_models import TINY_VOCAB
 
 MAX_MODEL_LEN = 64
 MAX_NUM_SEQS = 8
-ENGINE_KW = dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=4, num_kv_blocks=64,
+ENGINE_KW = dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=4, num_gpu_blocks_override=64,
                  max_num_seqs=MAX_NUM_SEQS)
 PROBE = {"prompt_token_ids": [17, 99, 250, 3, 8, 77, 140, 200, 31]}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -279,7 +279,8 @@ CASES = [
     Case("generate-prompt-too-long", gen({"prompt_token_ids": [5] * (MAX_MODEL_LEN + 1)}), ValueError,
          ("max_model_len", str(MAX_MODEL_LEN + 1))),
     Case("generate-token-not-int", gen({"prompt_token_ids": [5, "x"]}), ValueError, ("prompt_token_ids[1]", "'x'")),
-    Case("generate-prompt-int", gen([12345]), ValueError, ("prompt must", "int")),
+    # A list of ints is one tokenized prompt (vLLM's parsing): its id is checked against the vocabulary.
+    Case("generate-prompt-int", gen([12345]), ValueError, ("prompt_token_ids[0]", "12345", "vocabulary")),
     Case("generate-prompts-int", gen(12345), ValueError, ("prompts", "12345")),
     Case("generate-prompt-surrogate", gen(SURROGATE), ValueError, ("prompt", r"\ud800")),
     Case("generate-prompt-dict-surrogate", gen({"prompt": SURROGATE}), ValueError, ("prompt", r"\ud800")),
@@ -321,7 +322,11 @@ CASES = [
     # --- LLM() ---------------------------------------------------------------------------------------------
     Case("llm-seed-huge", new_llm(seed=2**70), ValueError, ("seed", str(2**70))),
     Case("llm-block_size", new_llm(block_size=24), InvalidArgumentError, ("block_size=24",)),
-    Case("llm-num_kv_blocks", new_llm(num_kv_blocks=1), InvalidArgumentError, ("num_kv_blocks=1",)),
+    Case("llm-num_gpu_blocks_override", new_llm(num_gpu_blocks_override=1), InvalidArgumentError,
+         ("num_gpu_blocks_override=1",)),
+    # num_kv_blocks is an alias of vLLM's name: the error names the field it sets.
+    Case("llm-num_kv_blocks", new_llm(num_kv_blocks=1, num_gpu_blocks_override=None), InvalidArgumentError,
+         ("num_gpu_blocks_override=1",)),
     Case("llm-device", new_llm(device="tpu"), ValueError, ("device", "'tpu'")),
     Case("llm-unknown-keyword", new_llm(max_num_seq_s=4), TypeError, ("max_num_seq_s",)),
     Case("llm-config-garbage", new_llm("config-garbage"), ValueError, ("config-garbage/config.json", "JSON")),

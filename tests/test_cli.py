@@ -103,7 +103,12 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "--max-num-seqs": (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
     "--max-num-batched-tokens": (["--max-num-batched-tokens", "x"], "--max-num-batched-tokens: invalid int value"),
     "--max-model-len": (["--max-model-len", "-5"], "max_model_len must be a positive integer, got -5"),
-    "--num-kv-blocks": (["--num-kv-blocks", "1"], "invalid num_kv_blocks=1: must be >= 2"),
+    "--num-gpu-blocks-override": (["--num-gpu-blocks-override", "1"],
+                                  "invalid num_gpu_blocks_override=1: must be >= 2"),
+    # The former name is an alias; with the base's --num-gpu-blocks-override both are given.
+    "--num-kv-blocks": (["--num-kv-blocks", "1"], "num_kv_blocks=1 and num_gpu_blocks_override=64 were both given"),
+    "--kv-cache-memory-bytes": (["--kv-cache-memory-bytes", "0"],
+                                "kv_cache_memory_bytes must be a positive integer, got 0"),
     "--kv-cache-memory": (["--kv-cache-memory", "0"], "kv_cache_memory must be a positive integer, got 0"),
     "--gpu-memory-utilization": (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
     "--enable-prefix-caching": (["--enable-prefix-caching=yes"],
@@ -113,6 +118,10 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "--scheduling-policy": (["--scheduling-policy", "lifo"], "--scheduling-policy: invalid choice: 'lifo'"),
     "--seed": (["--seed", "x"], "--seed: invalid int value: 'x'"),
     "--overlap": (["--overlap=1"], "--no-overlap: ignored explicit argument '1'"),
+    "--enforce-eager": (["--enforce-eager=1"], "--no-enforce-eager: ignored explicit argument '1'"),
+    "--tensor-parallel-size": (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported yet"),
+    "--trust-remote-code": (["--trust-remote-code=1"], "--no-trust-remote-code: ignored explicit argument '1'"),
+    "--quantization": (["--quantization", "awq"], "quantization='awq' is not supported yet"),
     "--max-tokens": (["--max-tokens", "0"], "max_tokens must be None or an int >= 1, got 0"),
     "--min-tokens": (["--min-tokens", "-1"], "min_tokens must be an int >= 0, got -1"),
     "--temperature": (["--temperature", "-1"], "temperature must be >= 0 and finite, got -1.0"),
@@ -174,7 +183,7 @@ def test_bad_value_names_the_flag(flag, model, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     argv, expected = BAD_VALUES[flag]
-    base = ["generate", "--quiet", "--num-kv-blocks", "64", "--max-model-len", "128"]
+    base = ["generate", "--quiet", "--num-gpu-blocks-override", "64", "--max-model-len", "128"]
     if "--model" not in argv:
         base += ["--model", model]
     try:

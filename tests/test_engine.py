@@ -307,7 +307,7 @@ def test_invalid_sampling_params(kwargs, field):
         (dict(block_size=0), "block_size"),
         (dict(block_size=24), "block_size=24: must be a power of two"),
         (dict(max_num_seqs=0), "max_num_seqs"),
-        (dict(num_kv_blocks=1), "num_kv_blocks"),
+        (dict(num_kv_blocks=1), "num_gpu_blocks_override"),  # the former name: an alias
         (dict(max_model_len=-5), "max_model_len"),
         (dict(preemption_mode="discard"), "preemption_mode"),
         (dict(scheduling_policy="lifo"), "invalid scheduling_policy=\"lifo\""),
@@ -326,10 +326,10 @@ def test_scheduler_settings_are_checked_before_the_model_loads(tmp_path):
     """The core's checks run in EngineArgs.validate: a bad block_size fails, not the missing model."""
     with pytest.raises(ValueError, match="invalid block_size=24: must be a power of two"):
         LLMEngine(EngineArgs(model=str(tmp_path / "no-such-model"), block_size=24))
-    with pytest.raises(ValueError, match="invalid num_kv_blocks=1: must be >= 2") as e:
-        EngineArgs(num_kv_blocks=1).validate()
+    with pytest.raises(ValueError, match="invalid num_gpu_blocks_override=1: must be >= 2") as e:
+        EngineArgs(num_kv_blocks=1).validate()  # the former name, folded into vLLM's
     # The core's error, renamed in place: its type and parts stay, under our name for the field.
-    assert type(e.value) is InvalidArgumentError and (e.value.field, e.value.value) == ("num_kv_blocks", "1")
+    assert type(e.value) is InvalidArgumentError and (e.value.field, e.value.value) == ("num_gpu_blocks_override", "1")
 
 
 def test_core_errors_keep_their_type_and_name_the_callers_request_id(llama_path, monkeypatch):

@@ -41,3 +41,69 @@ def test_kv_blocks_from_a_count_a_budget_or_the_cpu_default():
     assert num_kv_blocks(EngineArgs(max_num_seqs=4), spec, cpu, 128) == 4 * 8 + 1
     with pytest.raises(ValueError, match="kv_cache_memory"):
         num_kv_blocks(EngineArgs(kv_cache_memory=spec.bytes_per_block), spec, cpu, 128)
+
+
+# ------------------------------------------------------------------------------------------------
+# EngineArgs: vLLM's names, ferrokv's former names as aliases, vLLM's arguments accepted as no-ops
+# ------------------------------------------------------------------------------------------------
+def test_vllm_names_and_their_aliases_give_the_same_kv_blocks():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    assert num_kv_blocks(EngineArgs(num_gpu_blocks_override=40), spec, cpu, 128) == 40
+    assert num_kv_blocks(EngineArgs(kv_cache_memory_bytes=10 * spec.bytes_per_block), spec, cpu, 128) == 10
+    a = EngineArgs(num_kv_blocks=40, kv_cache_memory=7)
+    assert (a.num_gpu_blocks_override, a.kv_cache_memory_bytes) == (40, 7)
+    assert (a.num_kv_blocks, a.kv_cache_memory) == (None, None)  # folded
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_kv_blocks=8, num_gpu_blocks_override=8), "num_kv_blocks=8 and num_gpu_blocks_override=8 were both given"),
+    (dict(kv_cache_memory=1, kv_cache_memory_bytes=2), "kv_cache_memory=1 and kv_cache_memory_bytes=2 were both given"),
+    (dict(num_kv_blocks=0), "num_kv_blocks must be a positive integer, got 0"),
+    (dict(kv_cache_memory="1G"), "kv_cache_memory must be a positive integer, got '1G'"),
+])
+def test_an_alias_and_its_name_together_or_bad_values_fail(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_gpu_blocks_override=1), "invalid num_gpu_blocks_override=1: must be >= 2"),
+    (dict(kv_cache_memory_bytes=-1), "kv_cache_memory_bytes must be a positive integer, got -1"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not supported yet"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
+    (dict(tensor_parallel_size=True), "tensor_parallel_size must be a positive integer, got True"),
+    (dict(quantization="awq"), "quantization='awq' is not supported yet"),
+    (dict(enforce_eager="yes"), "enforce_eager must be True or False, got 'yes'"),
+    (dict(trust_remote_code=1), "trust_remote_code must be True or False, got 1"),
+])
+def test_vllm_arguments_check_their_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**kw).validate()
+
+
+def test_vllm_arguments_at_supported_values_are_accepted():
+    EngineArgs(enforce_eager=True, tensor_parallel_size=1, trust_remote_code=True, quantization=None).validate()
+    EngineArgs(enforce_eager=False, trust_remote_code=False).validate()
+
+
+def test_llm_takes_both_names_and_refuses_remote_code(tiny_model_dir, tmp_path):
+    from ferrokv import LLM
+
+    path = tiny_model_dir("llama", "llama")
+    common = dict(device="cpu", dtype="float32", max_model_len=32, block_size=4)
+    for kw in (dict(num_gpu_blocks_override=9), dict(num_kv_blocks=9)):
+        llm = LLM(str(path), enforce_eager=True, trust_remote_code=True, **common, **kw)
+        assert llm.llm_engine.scheduler.num_blocks == 9
+        llm.engine_loop.shutdown()
+    with pytest.raises(ValueError, match="num_kv_blocks=9 and num_gpu_blocks_override=9 were both given"):
+        LLM(str(path), num_kv_blocks=9, num_gpu_blocks_override=9, **common)
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for f in path.iterdir():
+        (remote / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((remote / "config.json").read_text())
+    cfg.update(architectures=["MyCustomForCausalLM"], auto_map={"AutoModelForCausalLM": "modeling_my.MyModel"})
+    (remote / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="auto_map.*never executes a model's remote code"):
+        LLM(str(remote), trust_remote_code=True, **common)

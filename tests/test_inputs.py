@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ferrokv.inputs import prompt_ids, validate_prompt_ids
+from ferrokv.inputs import batch_prompts, prompt_cache_salt, prompt_ids, validate_prompt_ids
 
 
 class _Tok:
@@ -37,3 +37,139 @@ def test_ids_are_checked_against_the_vocabulary_and_length(ids, match):
     with pytest.raises(ValueError, match=match):
         validate_prompt_ids(ids, 50, 8)
     validate_prompt_ids([0, 49], 50, 8)
+
+
+# ------------------------------------------------------------------------------------------------
+# vLLM's forms: batching, dict keys and cache_salt (parser), then end to end through LLM / AsyncLLM
+# ------------------------------------------------------------------------------------------------
+def test_a_list_of_ints_is_one_prompt_and_a_list_of_lists_a_batch():
+    assert batch_prompts([1, 2, 3]) == [{"prompt_token_ids": [1, 2, 3]}]
+    assert batch_prompts(np.array([1, 2])) == [{"prompt_token_ids": [1, 2]}]
+    assert batch_prompts([[1, 2], [3]]) == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
+    assert batch_prompts("a") == ["a"]
+    assert batch_prompts({"prompt": "a"}) == [{"prompt": "a"}]
+    assert batch_prompts(["a", {"prompt_token_ids": [1]}, [2]]) == ["a", {"prompt_token_ids": [1]},
+                                                                     {"prompt_token_ids": [2]}]
+
+
+@pytest.mark.parametrize("prompts, match", [
+    (12, "prompts must be"), ([], "empty"), (["a", 1.5], r"prompts\[1\]"), ([[1, 2], [1, "x"]], r"prompts\[1\]"),
+])
+def test_bad_batches_name_the_item(prompts, match):
+    with pytest.raises(ValueError, match=match):
+        batch_prompts(prompts)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt": "x", "cach_salt": "a"}, "unknown key 'cach_salt'"),
+    ({"prompt": "x", "multi_modal_data": {"image": 1}}, "multi_modal_data.*not supported"),
+    ({"prompt": "x", "mm_processor_kwargs": {}}, "mm_processor_kwargs.*not supported"),
+    ({"prompt": 3}, r"prompt\['prompt'\] must be a str"),
+    ({}, "needs 'prompt_token_ids' or 'prompt'"),
+])
+def test_bad_prompt_dicts_name_the_key(prompt, match):
+    with pytest.raises(ValueError, match=match):
+        prompt_ids(_Tok(), prompt)
+
+
+def test_cache_salt_of_the_dict_and_of_the_keyword():
+    assert prompt_cache_salt({"prompt": "x", "cache_salt": "a"}, None) == "a"
+    assert prompt_cache_salt({"prompt": "x"}, "b") == "b"
+    assert prompt_cache_salt({"prompt": "x", "cache_salt": "a"}, "a") == "a"
+    assert prompt_cache_salt("x", None) is None
+    with pytest.raises(ValueError, match=r"prompt\['cache_salt'\]='a' differs from cache_salt='b'"):
+        prompt_cache_salt({"prompt": "x", "cache_salt": "a"}, "b")
+    with pytest.raises(ValueError, match=r"prompt\['cache_salt'\] must be a str"):
+        prompt_cache_salt({"prompt": "x", "cache_salt": 7}, None)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    from ferrokv import LLM
+
+    return LLM(str(tiny_model_dir("llama", "llama")), device="cpu", dtype="float32", max_model_len=64,
+               block_size=4, num_kv_blocks=64, enable_prefix_caching=True)
+
+
+PROMPT = list(range(3, 23))  # 20 tokens: 4 full blocks can be cached
+
+
+def _cached(llm, prompt) -> int:
+    from ferrokv import SamplingParams
+
+    (out,) = llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+    return out.num_cached_tokens
+
+
+def test_cache_salt_in_the_prompt_dict_isolates_the_prefix_cache(llm):
+    assert llm.reset_prefix_cache() is True
+    assert _cached(llm, {"prompt_token_ids": PROMPT, "cache_salt": "tenant-a"}) == 0
+    assert _cached(llm, {"prompt_token_ids": PROMPT, "cache_salt": "tenant-a"}) > 0  # same tenant: a hit
+    assert _cached(llm, {"prompt_token_ids": PROMPT, "cache_salt": "tenant-b"}) == 0  # another: none
+    assert _cached(llm, PROMPT) == 0  # unsalted is its own tenant too
+    assert _cached(llm, PROMPT) > 0
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(llm):
+    _cached(llm, PROMPT)
+    assert _cached(llm, PROMPT) > 0
+    assert llm.reset_prefix_cache() is True
+    assert _cached(llm, PROMPT) == 0
+
+
+def test_reset_prefix_cache_refuses_while_requests_run(llm):
+    from ferrokv import SamplingParams
+
+    engine = llm.llm_engine
+    engine.add_request("busy", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2))
+    try:
+        assert engine.reset_prefix_cache() is False
+    finally:
+        engine.abort_request("busy")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.reset_prefix_cache() is True
+
+
+def test_generate_takes_every_form_and_the_salts_must_agree(llm):
+    from ferrokv import SamplingParams
+
+    sp = SamplingParams(max_tokens=2, temperature=0.0)
+    outs = llm.generate([PROMPT[:5], {"prompt_token_ids": PROMPT[:5]}], sp, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [PROMPT[:5]] * 2
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    (one,) = llm.generate(PROMPT[:5], sp, use_tqdm=False)  # a bare list of ints: one prompt
+    assert one.prompt_token_ids == PROMPT[:5]
+    assert len(llm.generate([PROMPT[:5], PROMPT[:3]], sp, use_tqdm=False)) == 2
+    with pytest.raises(ValueError, match="differs from cache_salt"):
+        llm.llm_engine.add_request("x", {"prompt_token_ids": PROMPT, "cache_salt": "a"}, sp, cache_salt="b")
+    with pytest.raises(ValueError, match="unknown key 'salt'"):
+        llm.generate({"prompt_token_ids": PROMPT, "salt": "a"}, sp, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_async_generate_keeps_the_cache_salt_of_a_text_prompt(tiny_model_dir):
+    import asyncio
+
+    from ferrokv import SamplingParams
+    from ferrokv.async_llm import AsyncLLM
+
+    allm = AsyncLLM(str(tiny_model_dir("llama", "llama")), device="cpu", dtype="float32", max_model_len=64,
+                    block_size=4, num_kv_blocks=64, enable_prefix_caching=True)
+    text = "hello there, this is a prompt long enough to fill a few blocks"
+
+    async def cached(prompt, **kw) -> int:
+        last = None
+        async for out in allm.generate(prompt, SamplingParams(max_tokens=1), **kw):
+            last = out
+        return last.num_cached_tokens
+
+    async def run() -> list[int]:
+        return [await cached({"prompt": text, "cache_salt": "a"}), await cached({"prompt": text, "cache_salt": "a"}),
+                await cached({"prompt": text, "cache_salt": "b"}), await cached(text, cache_salt="b")]
+
+    try:
+        first, same, other, keyword = asyncio.run(run())
+        assert first == 0 and same > 0 and other == 0 and keyword > 0
+    finally:
+        allm.shutdown()

@@ -234,13 +234,16 @@ class AsyncLLM:
         return await self._in_pool(self.engine.tokenizer.decode, token_ids)
 
     async def tokenize_prompt(self, prompt: Any) -> Any:
-        """A text prompt as ``{"prompt", "prompt_token_ids"}``, tokenized on the pool; other forms
-        are passed on (the engine checks them)."""
+        """A text prompt as ``{"prompt", "prompt_token_ids"}`` (its ``cache_salt`` kept), tokenized
+        on the pool; other forms are passed on (the engine checks them)."""
         text_only = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
         if not text_only:
             return prompt
         text, ids = await self._in_pool(prompt_ids, self.engine.tokenizer, prompt)
-        return {"prompt": text, "prompt_token_ids": ids}
+        out = {"prompt": text, "prompt_token_ids": ids}
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            out["cache_salt"] = prompt["cache_salt"]  # the engine combines it with the keyword's
+        return out
 
     # ------------------------------------------------------------------------------------------
     # Requests

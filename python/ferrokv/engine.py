@@ -47,7 +47,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import random
 import threading
 import time
 from collections import deque
@@ -62,11 +61,11 @@ import torch
 from ferrokv._core import Scheduler, SchedulerStateError, UnknownRequestError
 from ferrokv.beam_engine import advance, beam_output
 from ferrokv.beam_search import BeamSearchState
-from ferrokv.checks import check_finite, check_int, check_text, rename_field
+from ferrokv.checks import check_finite, check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
-from ferrokv.engine_setup import eos_token_ids, num_kv_blocks, resolve_device, resolve_dtype
-from ferrokv.inputs import prompt_ids, validate_prompt_ids
+from ferrokv.engine_setup import eos_token_ids, make_scheduler, num_kv_blocks, resolve_device, resolve_dtype
+from ferrokv.inputs import prompt_cache_salt, prompt_ids, validate_prompt_ids
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 from ferrokv.model_runner import ModelRunner
 from ferrokv.output_processor import (
@@ -87,26 +86,8 @@ from ferrokv.text import make_text_layer
 
 logger = logging.getLogger("ferrokv")
 
-_U64 = (1 << 64) - 1
 # The core takes a request's priority as a 32-bit signed int.
 _PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
-
-
-def _make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torch.device) -> Scheduler:
-    budget = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
-    return Scheduler(
-        num_blocks,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=max(budget, args.max_num_seqs),
-        max_model_len=max_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        num_cpu_blocks=args.num_cpu_blocks,
-        policy=args.scheduling_policy,
-        # Unseeded requests' draws derive from it and their id: a seeded engine replays.
-        sampling_seed=(random.getrandbits(64) if args.seed is None else args.seed) & _U64,
-    )
 
 
 @dataclass(slots=True)
@@ -180,7 +161,7 @@ class LLMEngine:
         )
         num_blocks = num_kv_blocks(args, spec, self.device, max_len)
         self.kv_cache = PagedKVCache(spec, num_blocks, args.num_cpu_blocks, self.device)
-        self.scheduler = _make_scheduler(args, num_blocks, max_len, self.device)
+        self.scheduler = make_scheduler(args, num_blocks, max_len, self.device)
         self.text = make_text_layer(self.tokenizer, self.scheduler)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.step_sampler = StepSampler(self.vocab_size, self.device, args.seed)
@@ -226,15 +207,16 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def _checked_prompt(self, request_id: Any, prompt: Any) -> tuple[str, str | None, list[int]]:
-        """The request id as a string (checked not to be in use) and the prompt's text and
-        validated token ids."""
+    def _checked_prompt(self, request_id: Any, prompt: Any,
+                        cache_salt: str | None) -> tuple[str, str | None, list[int], str | None]:
+        """The request id as a string (checked not to be in use), the prompt's text and
+        validated token ids, and its cache salt (the dict's and the keyword's, ``ferrokv.inputs``)."""
         request_id = str(request_id)
         if request_id in self._by_name:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = prompt_ids(self.tokenizer, prompt)
         validate_prompt_ids(ids, self.vocab_size, self.max_model_len)
-        return request_id, text, ids
+        return request_id, text, ids, prompt_cache_salt(prompt, cache_salt)
 
     @_exclusive
     def add_request(
@@ -247,6 +229,8 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         """Queues a request; raises ValueError (naming the field) and changes nothing on bad input.
+        ``prompt``: a str, TextPrompt or TokensPrompt dict (``ferrokv.inputs``); ``cache_salt``, the
+        prefix-cache isolation key, may be the keyword or the dict's (both given: they must agree).
 
         The request keeps its own copy of ``params``, checked again here: fields may have been
         assigned since construction, and a later assignment must not reach a running request."""
@@ -254,7 +238,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, through SamplingParams.validate
-        request_id, text, ids = self._checked_prompt(request_id, prompt)
+        request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt)
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
         # The core stops at max_model_len anyway; capping here keeps huge values in its int range.
@@ -265,8 +249,6 @@ class LLMEngine:
     def _submit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                 max_tokens: int, priority: int, cache_salt: str | None, beam: BeamSearchState | None) -> None:
         check_int("priority", priority, _PRIORITY_MIN, _PRIORITY_MAX)
-        if cache_salt is not None:
-            check_text("cache_salt", cache_salt)
         core_id = next(self._next_core_id)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         stop_ids = list(params.stop_token_ids or [])
@@ -308,6 +290,17 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
         self._abort_inbox.extend(str(rid) for rid in ids)
         self._drain_aborts()
+
+    @_exclusive
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block (vLLM's semantics): True when done; False, changing
+        nothing, while any request is unfinished (its blocks may be cached ones). Holds the engine
+        lock, so it runs between steps, from any thread. Costs: O(cached blocks)."""
+        if self.has_unfinished_requests():
+            logger.warning("reset_prefix_cache: requests are running; the prefix cache was not reset")
+            return False
+        self.scheduler.reset_prefix_cache()
+        return True
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or a step whose outputs are still to be made (overlap)."""
@@ -591,12 +584,12 @@ class LLMEngine:
         if beam_width > self.args.max_num_seqs:
             raise ValueError(f"beam_width={beam_width} is larger than max_num_seqs={self.args.max_num_seqs}")
         length_penalty = check_finite("length_penalty", length_penalty)
-        request_id, text, ids = self._checked_prompt(request_id, prompt)
+        request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, None)
         max_tokens = min(max_tokens, self.max_model_len - len(ids)) if len(ids) < self.max_model_len else 1
         eos = () if ignore_eos else self.eos_token_ids
         state = BeamSearchState(beam_width, max_tokens, length_penalty, tuple(eos))
         params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self._submit(request_id, text, ids, params, max_tokens, 0, None, beam=state)
+        self._submit(request_id, text, ids, params, max_tokens, 0, cache_salt, beam=state)
 
     def _beam_step(self, req: RequestState, rows: list[int], row_seq: list[int], logits: torch.Tensor,
                    sampled: np.ndarray) -> None:

@@ -11,7 +11,10 @@ runs the core's own checks of them (``validate_scheduler_config``), so each live
 
 Invariants: importing this module does not import torch, so ``ferrokv --help`` stays fast;
 ``validate`` raises ``ValueError`` (``InvalidArgumentError`` for the core's rules) naming the field
-and the offending value.
+and the offending value. vLLM's names are the fields; ``ALIASES`` (ferrokv's former names, e.g.
+``num_kv_blocks``) are accepted fields too, folded into vLLM's by ``__post_init__`` (both given:
+``ValueError``). ``enforce_eager``, ``tensor_parallel_size``, ``trust_remote_code`` and
+``quantization`` are vLLM's, accepted at the values ferrokv implements.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 from ferrokv._core import SCHEDULER_CHOICES, SCHEDULER_DEFAULTS, InvalidArgumentError, validate_scheduler_config
 from ferrokv.checks import check_int, rename_field
 
-__all__ = ["DTYPE_ALIASES", "EngineArgs", "engine_arg_help", "help_with_default"]
+__all__ = ["ALIASES", "DTYPE_ALIASES", "EngineArgs", "engine_arg_help", "help_with_default"]
 
 # Accepted dtype names -> canonical torch dtype names ("half"/"float" as in vLLM and torch).
 DTYPE_ALIASES: dict[str, str] = {
@@ -34,6 +37,8 @@ DTYPE_ALIASES: dict[str, str] = {
 _CORE_NAMED = {"preemption_mode": "preemption_mode", "scheduling_policy": "policy"}
 # What torch.Generator.manual_seed accepts (the sampler's generator takes the engine seed).
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+# ferrokv's former names -> vLLM's (the fields read everywhere); an alias is None once folded.
+ALIASES: dict[str, str] = {"num_kv_blocks": "num_gpu_blocks_override", "kv_cache_memory": "kv_cache_memory_bytes"}
 
 
 def _arg(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, default_doc: str | None = None) -> Any:
@@ -70,13 +75,15 @@ class EngineArgs:
         default_doc="8192 on a GPU, 2048 on a CPU")
     max_model_len: int | None = _arg(
         None, "longest prompt + output, in tokens", default_doc="the model's max_position_embeddings")
-    num_kv_blocks: int | None = _arg(
-        None, "KV-cache blocks (block 0 is reserved); overrides kv_cache_memory and gpu_memory_utilization",
-        default_doc="derived from kv_cache_memory or gpu_memory_utilization")
-    kv_cache_memory: int | None = _arg(
+    num_gpu_blocks_override: int | None = _arg(
+        None, "KV-cache blocks (block 0 is reserved); overrides kv_cache_memory_bytes and gpu_memory_utilization",
+        default_doc="derived from kv_cache_memory_bytes or gpu_memory_utilization")
+    num_kv_blocks: int | None = _arg(None, "alias of num_gpu_blocks_override (ferrokv's former name)")
+    kv_cache_memory_bytes: int | None = _arg(
         None, "bytes for the KV cache",
         default_doc="on a GPU what gpu_memory_utilization leaves; on a CPU 1 GiB, capped at what "
                     "max_num_seqs sequences of max_model_len tokens use")
+    kv_cache_memory: int | None = _arg(None, "alias of kv_cache_memory_bytes (ferrokv's former name)")
     gpu_memory_utilization: float = _arg(0.9, "fraction of the GPU's memory the process may use (weights + KV cache)")
     enable_prefix_caching: bool = _arg(SCHEDULER_DEFAULTS["enable_prefix_caching"], "reuse the KV blocks of prompt prefixes shared between requests")
     preemption_mode: str = _arg(
@@ -88,9 +95,29 @@ class EngineArgs:
         SCHEDULER_DEFAULTS["policy"], "fcfs (arrival order) or priority (a request's priority first, then arrival)",
         choices=tuple(SCHEDULER_CHOICES["policy"]))
     seed: int = _arg(0, "seed of the engine's sampler, for requests without a seed of their own")
+    enforce_eager: bool = _arg(
+        False, "accepted for vLLM compatibility: ferrokv always runs eagerly (it captures no CUDA graphs)")
+    tensor_parallel_size: int = _arg(1, "GPUs to shard the model over; only 1 is supported yet")
+    trust_remote_code: bool = _arg(
+        False, "accepted for vLLM compatibility: ferrokv never executes a model's remote code, so a model "
+        "that needs it (auto_map, an architecture ferrokv does not implement) is refused either way")
+    quantization: str | None = _arg(None, "weight quantization method; none is supported yet (unquantized only)")
     overlap: bool | None = _arg(
         None, "make a step's text and outputs while the next step's forward pass runs (each step then "
         "returns the previous step's outputs)", default_doc="on with a GPU, off on a CPU")
+
+    def __post_init__(self) -> None:
+        """Folds each former name into its vLLM field (``ALIASES``); giving both is an error."""
+        for alias, name in ALIASES.items():
+            value = getattr(self, alias)
+            if value is None:
+                continue
+            if getattr(self, name) is not None:
+                raise ValueError(f"{alias}={value!r} and {name}={getattr(self, name)!r} were both given; "
+                                 f"{alias} is an alias of {name}: give one of them")
+            self._check_positive(alias)
+            setattr(self, name, value)
+            setattr(self, alias, None)
 
     def validate(self) -> None:
         for f in fields(self):
@@ -101,8 +128,9 @@ class EngineArgs:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
         for name in ("block_size", "max_num_seqs"):
             self._check_positive(name, allow_none=False)
-        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
+        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
             self._check_positive(name)
+        self._check_vllm_compat()
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -117,6 +145,20 @@ class EngineArgs:
             raise ValueError(f"overlap must be True, False or None, got {self.overlap!r}")
         self._check_scheduler_rules()
 
+    def _check_vllm_compat(self) -> None:
+        """vLLM's arguments that ferrokv accepts only at their no-op values."""
+        for name in ("enforce_eager", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1:
+            raise ValueError(f"tensor_parallel_size={tp} is not supported yet: ferrokv runs on one device (use 1)")
+        if self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} is not supported yet: ferrokv loads "
+                             "unquantized weights only (use None)")
+
     def resolved_overlap(self, device: Any) -> bool:
         """Whether the engine overlaps host work with the forward pass on ``device``: on a GPU
         by default; on a CPU the forward pass and the host share the same cores."""
@@ -125,10 +167,10 @@ class EngineArgs:
     def _check_scheduler_rules(self) -> None:
         """The core's rules (power-of-two block_size, num_kv_blocks >= 2, ...), before the model
         loads. The core names its own fields; two of them are called differently here."""
-        ours = {"num_blocks": "num_kv_blocks", "policy": "scheduling_policy"}
+        ours = {"num_blocks": "num_gpu_blocks_override", "policy": "scheduling_policy"}
         try:
             validate_scheduler_config(
-                block_size=self.block_size, max_num_seqs=self.max_num_seqs, num_blocks=self.num_kv_blocks,
+                block_size=self.block_size, max_num_seqs=self.max_num_seqs, num_blocks=self.num_gpu_blocks_override,
                 max_model_len=self.max_model_len, num_cpu_blocks=self.num_cpu_blocks,
                 preemption_mode=self.preemption_mode, policy=self.scheduling_policy,
             )

@@ -1,5 +1,5 @@
 """What an engine derives from its arguments and model before it serves: the device, the dtype,
-the EOS token ids, and how many KV blocks the cache gets.
+the EOS token ids, how many KV blocks the cache gets, and the scheduler built from them.
 
 Invariants: each function reads only its arguments (and, for the KV budget on CUDA, the free
 device memory); a choice the user cannot satisfy raises ``ValueError`` naming the field.
@@ -9,16 +9,18 @@ Costs: once per engine.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ferrokv._core import Scheduler
 from ferrokv.engine_args import DTYPE_ALIASES, EngineArgs
 from ferrokv.kv_cache import KVCacheSpec
 
-__all__ = ["eos_token_ids", "num_kv_blocks", "resolve_device", "resolve_dtype"]
+__all__ = ["eos_token_ids", "make_scheduler", "num_kv_blocks", "resolve_device", "resolve_dtype"]
 
 _DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -63,14 +65,14 @@ def eos_token_ids(tokenizer: Any, config: Mapping[str, Any], model_path: Path, v
 
 
 def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_model_len: int) -> int:
-    """``num_kv_blocks`` if given, else what ``kv_cache_memory`` (or, on CUDA, the free memory
+    """``num_gpu_blocks_override`` if given, else what ``kv_cache_memory_bytes`` (or, on CUDA, the free memory
     under ``gpu_memory_utilization``; on the CPU 1 GiB, capped at what every sequence at full
     length could use) holds."""
     per_block = spec.bytes_per_block
-    if a.num_kv_blocks is not None:
-        return a.num_kv_blocks
-    if a.kv_cache_memory is not None:
-        budget = a.kv_cache_memory
+    if a.num_gpu_blocks_override is not None:
+        return a.num_gpu_blocks_override
+    if a.kv_cache_memory_bytes is not None:
+        budget = a.kv_cache_memory_bytes
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
@@ -78,10 +80,29 @@ def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_mo
     else:
         budget = _CPU_DEFAULT_KV_BYTES
     n = budget // per_block
-    if device.type == "cpu" and a.kv_cache_memory is None:
+    if device.type == "cpu" and a.kv_cache_memory_bytes is None:
         n = min(n, a.max_num_seqs * math.ceil(max_model_len / a.block_size) + 1)
     if n < 2:
         raise ValueError(
-            f"kv_cache_memory: {budget} bytes hold {n} KV blocks of {per_block} bytes; at least 2 are needed"
+            f"kv_cache_memory_bytes: {budget} bytes hold {n} KV blocks of {per_block} bytes; at least 2 are needed"
         )
     return int(n)
+
+
+def make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torch.device) -> Scheduler:
+    """The engine's scheduler: its step budget (8192 tokens on a GPU, 2048 on a CPU, at least
+    max_num_seqs) and the sampling seed of unseeded requests (random unless ``args.seed``)."""
+    budget = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
+    return Scheduler(
+        num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(budget, args.max_num_seqs),
+        max_model_len=max_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        num_cpu_blocks=args.num_cpu_blocks,
+        policy=args.scheduling_policy,
+        # Unseeded requests' draws derive from it and their id: a seeded engine replays.
+        sampling_seed=(random.getrandbits(64) if args.seed is None else args.seed) & ((1 << 64) - 1),
+    )

@@ -1,10 +1,15 @@
-"""Prompt forms: what a request's prompt may be, turned into validated token ids.
+"""Prompt forms (vLLM's ``PromptType``): what a request's prompt may be, turned into validated ids.
 
-A prompt is a ``str`` (tokenized), or a dict with ``prompt_token_ids`` (a list or array of ints;
-its ``prompt`` text, if any, is kept for the output) or with ``prompt`` (a str).
+A prompt is a ``str`` (tokenized), a ``TextPrompt`` dict (``{"prompt": str}``) or a
+``TokensPrompt`` dict (``{"prompt_token_ids": list or array of ints}``; its ``prompt`` text, if
+any, is kept for the output). Either dict may carry ``cache_salt``, the prefix-cache isolation key:
+``prompt_cache_salt`` combines it with a ``cache_salt=`` keyword (equal or one-sided; differing is
+an error), so it is never dropped. ``batch_prompts`` is ``LLM.generate``'s batching
+(``parse_and_batch_prompt``): a bare list of ints is ONE prompt, a list of lists of ints a batch.
 Invariants: every error is a ``ValueError`` naming the field and the offending value, raised
-before anything reaches the engine; valid ids are non-empty, inside the vocabulary and at most
-``max_model_len`` long. Costs: O(prompt length).
+before anything reaches the engine; an unknown key is an error, ``multi_modal_data`` and
+``mm_processor_kwargs`` are "not supported"; valid ids are non-empty, inside the vocabulary and at
+most ``max_model_len`` long. Costs: O(prompt length).
 """
 
 from __future__ import annotations
@@ -14,9 +19,32 @@ from typing import Any
 
 import numpy as np
 
-from ferrokv.checks import check_text
+from ferrokv.checks import check_text, shown
 
-__all__ = ["prompt_ids", "validate_prompt_ids"]
+__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "validate_prompt_ids"]
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+"""The keys of a prompt dict that ferrokv implements."""
+_UNSUPPORTED_KEYS = ("multi_modal_data", "mm_processor_kwargs")
+
+
+def _check_keys(prompt: Mapping[Any, Any]) -> None:
+    for key in prompt:
+        if key in _UNSUPPORTED_KEYS:
+            raise ValueError(f"prompt[{key!r}]: multi-modal inputs are not supported by ferrokv (text models only)")
+        if key not in PROMPT_KEYS:
+            raise ValueError(f"prompt has an unknown key {key!r}; the keys are: {', '.join(PROMPT_KEYS)}")
+
+
+def _token_list(ids: Any, name: str = "prompt_token_ids") -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+        raise ValueError(f"{name} must be a list of ints, got {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"{name}[{i}] must be an int, got {t!r}")
+        out.append(int(t))
+    return out
 
 
 def prompt_ids(tokenizer: Any, prompt: Any) -> tuple[str | None, list[int]]:
@@ -24,21 +52,60 @@ def prompt_ids(tokenizer: Any, prompt: Any) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, list(tokenizer.encode(check_text("prompt", prompt)))
     if isinstance(prompt, Mapping):
+        _check_keys(prompt)
+        text = prompt.get("prompt")
+        if text is not None:
+            check_text("prompt['prompt']", text)
         if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
-                raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-            out = []
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                    raise ValueError(f"prompt_token_ids[{i}] must be an int, got {t!r}")
-                out.append(int(t))
-            return prompt.get("prompt"), out
-        if "prompt" in prompt and isinstance(prompt["prompt"], str):
-            return prompt["prompt"], list(tokenizer.encode(check_text("prompt", prompt["prompt"])))
+            return text, _token_list(prompt["prompt_token_ids"])
+        if text is not None:
+            return text, list(tokenizer.encode(text))
+        raise ValueError(f"prompt: a dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(map(str, prompt))}")
     raise ValueError(
         f"prompt must be a str or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}"
     )
+
+
+def prompt_cache_salt(prompt: Any, cache_salt: str | None) -> str | None:
+    """The request's cache salt: the prompt dict's ``cache_salt`` and the keyword, which must
+    agree when both are given."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None:
+        check_text("prompt['cache_salt']", salt)
+    if cache_salt is not None:
+        check_text("cache_salt", cache_salt)
+    if salt is not None and cache_salt is not None and salt != cache_salt:
+        raise ValueError(f"prompt['cache_salt']={salt!r} differs from cache_salt={cache_salt!r}; give one of them")
+    return salt if salt is not None else cache_salt
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def batch_prompts(prompts: Any) -> list[Any]:
+    """One prompt or a batch of them, as a list of prompts (``LLM.generate``'s input)."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    try:
+        items = list(prompts)
+    except TypeError:
+        raise ValueError(f"prompts must be a str, a dict or a list of them, got {shown(prompts)}") from None
+    if not items:
+        raise ValueError("prompts: the list is empty (give at least one prompt)")
+    if all(_is_int(x) for x in items):
+        return [{"prompt_token_ids": items}]  # a bare list of ints: one tokenized prompt
+    out: list[Any] = []
+    for i, p in enumerate(items):
+        if isinstance(p, np.ndarray) or (isinstance(p, (list, tuple)) and all(_is_int(x) for x in p)):
+            out.append({"prompt_token_ids": _token_list(p, f"prompts[{i}]")})
+        elif isinstance(p, (str, Mapping)):
+            out.append(p)
+        else:
+            raise ValueError(f"prompts[{i}] must be a str, a dict or a list of ints, got {shown(p)}")
+    return out
 
 
 def validate_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> None:

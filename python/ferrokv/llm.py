@@ -30,6 +30,7 @@ from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineLoop, StreamItem
+from ferrokv.inputs import batch_prompts
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
@@ -83,16 +84,6 @@ def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_gener
     return list(ids)
 
 
-def _prompt_list(prompts: Any) -> list[Any]:
-    """One prompt (a str or a dict) or an iterable of them, as a list."""
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    try:
-        return list(prompts)
-    except TypeError:
-        raise ValueError(f"prompts must be a str, a dict or a list of them, got {shown(prompts)}") from None
-
-
 def _final_only(params: Any) -> Any:
     """``params`` asking for one output, when the request ends: no step builds the others
     (anything else is passed on for the engine to reject)."""
@@ -132,6 +123,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (``LLMEngine.reset_prefix_cache``): True when done, False while
+        another thread's requests are running. Safe between and during calls (it takes the engine lock)."""
+        return self.llm_engine.reset_prefix_cache()
 
     def _next_id(self) -> str:
         return str(next(self._request_counter))  # atomic under the GIL: safe from any thread
@@ -176,9 +172,10 @@ class LLM:
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for every prompt (a str, ``{"prompt_token_ids": [...]}``, or a list of them);
-        returns one finished ``RequestOutput`` per prompt, in order."""
-        prompts = _prompt_list(prompts)
+        """Generates for every prompt (vLLM's forms, ``ferrokv.inputs``: a str, a ``TextPrompt`` or
+        ``TokensPrompt`` dict, a list of ints, or a list of these); returns one finished
+        ``RequestOutput`` per prompt, in order. A dict's ``cache_salt`` isolates its prefix cache."""
+        prompts = batch_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -206,7 +203,7 @@ class LLM:
     def beam_search(self, prompts: Any, beam_width: int, max_tokens: int, length_penalty: float = 1.0,
                     ignore_eos: bool = False, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search built on the core's fork and copy-on-write (transformers' semantics)."""
-        prompts = _prompt_list(prompts)
+        prompts = batch_prompts(prompts)
         beam = dict(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
                     ignore_eos=ignore_eos)
         outs = self._run(prompts, None, use_tqdm, beam=beam)

@@ -29,13 +29,16 @@ __all__ = [
 
 
 def resolve_model_class(config: dict[str, Any]) -> type[LlamaForCausalLM]:
-    """Class for a config.json dict, from ``architectures[0]``; ValueError lists the supported ones."""
+    """Class for a config.json dict, from ``architectures[0]``; ValueError lists the supported ones
+    and says that remote code (``auto_map``, ``trust_remote_code``) is never executed."""
     archs = config.get("architectures") or []
     name = archs[0] if archs else None
     cls = MODEL_REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
+        remote = " (its config.json has auto_map: it needs the model's own remote code)" if "auto_map" in config else ""
         raise ValueError(
-            f"unsupported model: config field 'architectures' is {archs!r}; "
-            f"supported architectures: {', '.join(sorted(MODEL_REGISTRY))}"
+            f"unsupported model: config field 'architectures' is {archs!r}{remote}; "
+            f"supported architectures: {', '.join(sorted(MODEL_REGISTRY))}. ferrokv never executes a "
+            f"model's remote code, whatever trust_remote_code says"
         )
     return cls
