@@ -243,6 +243,70 @@ def test_chat_uses_the_chat_template(llama_llm):
     assert_no_leak(llm)
 
 
+def test_chat_template_and_continue_final_message(llama_llm):
+    """vLLM's chat(): a chat_template string replaces the tokenizer's, and continue_final_message
+    leaves the last (assistant) message open, both as transformers renders them; bad values name
+    the argument."""
+    llm = llama_llm
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+    def ids(**kw):
+        r = tok.apply_chat_template(conv, tokenize=True, **kw)
+        return list(r["input_ids"] if hasattr(r, "keys") else r)
+
+    out = llm.chat(conv, params, use_tqdm=False, chat_template=template)[0]
+    assert out.prompt_token_ids == ids(chat_template=template, add_generation_prompt=True)
+    assert tok.decode(out.prompt_token_ids).startswith("[user] Name a colour.")
+    cont = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    want = ids(add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt_token_ids == want and tok.decode(want).rstrip().endswith("The colour is")
+    assert want != ids(add_generation_prompt=True), "the last message is left open"
+    with pytest.raises(ValueError, match="add_generation_prompt must be False"):
+        llm.chat(conv, params, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message must be a bool, got 'yes'"):
+        llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False, continue_final_message="yes")
+    with pytest.raises(ValueError, match="chat_template must be a non-empty"):
+        llm.chat(conv, params, use_tqdm=False, chat_template="  ")
+    with pytest.raises(ValueError, match="chat_template refused this conversation"):
+        llm.chat(conv, params, use_tqdm=False, chat_template="{{ raise_exception('no') }}")
+    assert_no_leak(llm)
+
+
+def test_beam_search_params_form_equals_the_earlier_forms(llama_llm):
+    """vLLM's beam_search(prompts, BeamSearchParams(...)) and ferrokv's earlier keyword and
+    positional forms run the same search; unsupported and conflicting values are refused."""
+    from ferrokv import BeamSearchParams
+
+    llm = llama_llm
+    prompts = [{"prompt_token_ids": rand_prompt(7, 11)}, {"prompt_token_ids": rand_prompt(12, 12)}]
+
+    def seqs(outs):
+        return [[(s.tokens, round(s.cum_logprob, 5)) for s in o.sequences] for o in outs]
+
+    vllm_form = seqs(llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)))
+    assert vllm_form == seqs(llm.beam_search(prompts, beam_width=3, max_tokens=5, ignore_eos=True))
+    assert vllm_form == seqs(llm.beam_search(prompts, 3, 5, 1.0, True))
+    assert all(len(o) == 3 for o in vllm_form)
+    with pytest.raises(ValueError, match="temperature=0.7"):
+        BeamSearchParams(beam_width=2, max_tokens=3, temperature=0.7)
+    with pytest.raises(ValueError, match="include_stop_str_in_output"):
+        BeamSearchParams(beam_width=2, max_tokens=3, include_stop_str_in_output=True)
+    with pytest.raises(ValueError, match="max_tokens must be an int, got None"):
+        llm.beam_search(prompts, beam_width=2)
+    with pytest.raises(ValueError, match="not both"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=3), max_tokens=4)
+    with pytest.raises(ValueError, match="beam_width given twice"):
+        llm.beam_search(prompts, 2, 3, beam_width=2)
+    p = BeamSearchParams(beam_width=2, max_tokens=3)
+    p.beam_width = 0  # assigned after construction: checked again when used
+    with pytest.raises(ValueError, match="beam_width must be in"):
+        llm.beam_search(prompts, p)
+    assert_no_leak(llm)
+
+
 def test_chat_without_template_is_value_error(tmp_path, llama_path):
     import shutil
 

@@ -26,6 +26,7 @@ from ferrokv._core import (
 )
 from ferrokv.logger import configure_logging
 from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, RequestStateStats
+from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.sampling_params import SamplingParams
 
 configure_logging()
@@ -50,6 +51,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AsyncLLM",
+    "BeamSearchParams",
     "CacheCapacityError",
     "CompletionOutput",
     "DuplicateRequestError",

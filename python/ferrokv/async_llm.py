@@ -228,7 +228,7 @@ class AsyncLLM:
     async def encode_chat(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
         """The conversation through the chat template (``llm.chat_token_ids``; ValueError names
         the bad message, or quotes the template's own refusal, e.g. roles that do not alternate)."""
-        return await self._in_pool(_chat_ids, self.engine.tokenizer, messages, add_generation_prompt)
+        return await self._in_pool(chat_token_ids, self.engine.tokenizer, messages, add_generation_prompt)
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_pool(self.engine.tokenizer.decode, token_ids)
@@ -301,15 +301,6 @@ class AsyncLLM:
         """Ends the engine loop (requests still in it end with ``EngineDeadError``) and the
         tokenizer pool; idempotent."""
         _close(self.engine_loop, self._pool)
-
-
-def _chat_ids(tokenizer: Any, messages: Any, add_generation_prompt: bool) -> list[int]:
-    from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
-
-    try:
-        return chat_token_ids(tokenizer, messages, add_generation_prompt)
-    except TemplateError as e:  # raise_exception(...) in the template: the conversation is refused
-        raise ValueError(f"messages: the model's chat template refused them ({e})") from None
 
 
 def _close(loop: EngineLoop, pool: concurrent.futures.ThreadPoolExecutor) -> None:

@@ -61,7 +61,8 @@ import torch
 from ferrokv._core import Scheduler, SchedulerStateError, UnknownRequestError
 from ferrokv.beam_engine import advance, beam_output
 from ferrokv.beam_search import BeamSearchState
-from ferrokv.checks import check_finite, check_int, rename_field
+from ferrokv.beam_search_params import BeamSearchParams
+from ferrokv.checks import check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_setup import eos_token_ids, make_scheduler, num_kv_blocks, resolve_device, resolve_dtype
@@ -578,16 +579,14 @@ class LLMEngine:
     @_exclusive
     def add_beam_request(self, request_id: str, prompt: Any, beam_width: int, max_tokens: int,
                          length_penalty: float = 1.0, ignore_eos: bool = False) -> None:
-        for name, v in (("beam_width", beam_width), ("max_tokens", max_tokens)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if beam_width > self.args.max_num_seqs:
-            raise ValueError(f"beam_width={beam_width} is larger than max_num_seqs={self.args.max_num_seqs}")
-        length_penalty = check_finite("length_penalty", length_penalty)
+        p = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
+                             ignore_eos=ignore_eos)  # checks every field
+        if p.beam_width > self.args.max_num_seqs:
+            raise ValueError(f"beam_width={p.beam_width} is larger than max_num_seqs={self.args.max_num_seqs}")
         request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, None)
-        max_tokens = min(max_tokens, self.max_model_len - len(ids)) if len(ids) < self.max_model_len else 1
-        eos = () if ignore_eos else self.eos_token_ids
-        state = BeamSearchState(beam_width, max_tokens, length_penalty, tuple(eos))
+        max_tokens = min(p.max_tokens, self.max_model_len - len(ids)) if len(ids) < self.max_model_len else 1
+        eos = () if p.ignore_eos else self.eos_token_ids
+        state = BeamSearchState(p.beam_width, max_tokens, p.length_penalty, tuple(eos))
         params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         self._submit(request_id, text, ids, params, max_tokens, 0, cache_salt, beam=state)
 

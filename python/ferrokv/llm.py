@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
@@ -72,13 +73,32 @@ def check_messages(conversation: Any, name: str = "messages") -> None:
 
 
 def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
-                   name: str = "messages") -> list[int]:
-    """One conversation (checked by ``check_messages``) through the tokenizer's chat template, as
-    token ids; ``name`` is what errors call it."""
+                   name: str = "messages", *, chat_template: str | None = None,
+                   continue_final_message: bool = False) -> list[int]:
+    """One conversation (checked by ``check_messages``) through the chat template (the
+    tokenizer's, or ``chat_template``), as token ids; ``name`` is what errors call it. A template's
+    own refusal or syntax error is a ``ValueError`` naming it."""
+    from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
+
     check_messages(conversation, name)
-    if not getattr(tokenizer, "chat_template", None):
+    for flag, v in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final_message)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{flag} must be a bool, got {shown(v)}")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message=True continues the last message: add_generation_prompt must be False")
+    if chat_template is not None:
+        check_text("chat_template", chat_template)
+        if not chat_template.strip():
+            raise ValueError("chat_template must be a non-empty Jinja template string")
+    elif not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}: the tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+    try:
+        ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=True,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message)
+    except TemplateError as e:
+        which = "chat_template" if chat_template is not None else f"{name}: the model's chat template"
+        raise ValueError(f"{which} refused this conversation ({e})") from None
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -190,22 +210,42 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation (or a list of them)."""
+             add_generation_prompt: bool = True, *, chat_template: str | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Applies the chat template (the tokenizer's, or ``chat_template``, a Jinja string) to one
+        conversation (or a list of them). ``continue_final_message`` leaves the last message open
+        for the model to continue (vLLM's semantics: then ``add_generation_prompt`` must be False)."""
         if isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
             named = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
         else:
             named = [("messages", messages)]
         tok = self.get_tokenizer()
-        prompts = [{"prompt_token_ids": chat_token_ids(tok, conv, add_generation_prompt, name)} for name, conv in named]
+        prompts = [{"prompt_token_ids": chat_token_ids(tok, conv, add_generation_prompt, name, chat_template=chat_template,
+                                                       continue_final_message=continue_final_message)}
+                   for name, conv in named]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: Any, beam_width: int, max_tokens: int, length_penalty: float = 1.0,
-                    ignore_eos: bool = False, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search built on the core's fork and copy-on-write (transformers' semantics)."""
+    def beam_search(self, prompts: Any, params: BeamSearchParams | int | None = None, max_tokens: int | None = None,
+                    length_penalty: float = 1.0, ignore_eos: bool = False, use_tqdm: bool = False, *,
+                    beam_width: int | None = None) -> list[BeamSearchOutput]:
+        """Beam search built on the core's fork and copy-on-write (transformers' semantics).
+
+        vLLM's form is ``beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))``;
+        ferrokv's earlier ``beam_search(prompts, beam_width, max_tokens, length_penalty, ignore_eos)``
+        (``beam_width`` positionally or by keyword) builds the same ``BeamSearchParams``."""
+        if isinstance(params, BeamSearchParams):
+            if beam_width is not None or max_tokens is not None:
+                raise ValueError("beam_search: give a BeamSearchParams or beam_width and max_tokens, not both")
+            p = params
+            p.validate()  # its fields may have been assigned since construction
+        else:
+            if params is not None and beam_width is not None:
+                raise ValueError(f"beam_search: beam_width given twice ({params!r} and beam_width={beam_width!r})")
+            p = BeamSearchParams(beam_width=beam_width if params is None else params, max_tokens=max_tokens,
+                                 length_penalty=length_penalty, ignore_eos=ignore_eos)
         prompts = batch_prompts(prompts)
-        beam = dict(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
-                    ignore_eos=ignore_eos)
+        beam = dict(beam_width=p.beam_width, max_tokens=p.max_tokens, length_penalty=p.length_penalty,
+                    ignore_eos=p.ignore_eos)
         outs = self._run(prompts, None, use_tqdm, beam=beam)
         return [
             BeamSearchOutput(o.prompt, o.prompt_token_ids,
