@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(row), flush=True)
                 continue
-            s, lg, ov = row["short"], row["long"], row["overlap"]
+            s, ov = row["short"], row["overlap"]
             print(f"N={n} kind={args.kind}: step {s['p50_us']:.0f} us ({s['per_seq_step_us']:.3f} us/seq-step), "
                   f"critical {s['critical_per_seq_step_us']:.3f}, host CPU {row['host_cpu_per_seq_step_us']:.3f} us/seq-step; long/short {row['long_over_short']:.2f}; "
                   f"core alone {row['core_per_seq_step_us']:.3f} us/seq-step", flush=True)

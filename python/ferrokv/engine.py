@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ferrokv._core import Scheduler, SchedulerStateError, UnknownRequestError
+from ferrokv._core import SchedulerStateError, UnknownRequestError
 from ferrokv.beam_engine import advance, beam_output
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.beam_search_params import BeamSearchParams

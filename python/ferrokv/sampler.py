@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from ferrokv.checks import check_same_device
-from ferrokv.sampling_params import GREEDY_EPS, SamplingParams
+from ferrokv.sampling_params import SamplingParams
 
 __all__ = [
     "LogprobsResult",
