@@ -129,15 +129,18 @@ class SchedulerOutput:
     @property
     def row_num_output(self) -> npt.NDArray[np.int32]: ...  # [R] tokens generated before this step
     @property
-    def banned_rows(self) -> npt.NDArray[np.int64]: ...  # [B] min_tokens bans: logits row
+    def banned_rows(self) -> npt.NDArray[np.int64]: ...  # [B] bans (min_tokens, bad_words): logits row
     @property
-    def banned_tokens(self) -> npt.NDArray[np.int64]: ...  # [B] ... and the token (EOS, stop ids)
+    def banned_tokens(self) -> npt.NDArray[np.int64]: ...  # [B] ... and the token
+    @property
+    def bias_rows(self) -> npt.NDArray[np.int64]: ...  # [S] logits rows of has_logit_bias requests
     num_greedy_rows: int
     max_top_k: int  # largest enabled top_k, 0 if none
     any_top_p: bool  # some row has top_p < 1
     any_min_p: bool  # some row has min_p > 0
     any_penalties: bool  # some row has a non-neutral penalty
     any_logprobs: bool  # some row wants logprobs
+    any_logit_bias: bool  # bias_rows is not empty
     @property
     def copy_ops(self) -> npt.NDArray[np.int32]: ...  # [K, 2] (src, dst) copy-on-write
     @property
@@ -220,6 +223,12 @@ class Scheduler:
         repetition_penalty: float = 1.0,  # > 0
         seed: int | None = None,  # any int (mod 2**64): the request's draws depend on it alone
         logprobs: int | None = None,  # >= 0
+        # Per-token logit rules: bad_words bans come out in banned_rows/banned_tokens; a request
+        # with has_logit_bias lists its logits rows in bias_rows (the engine keeps the bias).
+        bad_words: Sequence[TokenIds] | None = None,  # each non-empty
+        has_logit_bias: bool = False,
+        skip_cache_hits: bool = False,  # compute the whole prompt (prompt logprobs)
+        detokenize: bool = True,  # False: no text (no stop strings), empty text deltas
     ) -> None: ...
     def attach_text(self, model: TextModel) -> None:
         """Gives the scheduler a text layer: requests added from now on are detokenized in

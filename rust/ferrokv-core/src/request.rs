@@ -123,6 +123,10 @@ pub struct Request {
     /// How its sequences sample (copied into their batch rows).
     pub sampling: SamplingSpec,
     pub cache_salt: Option<Box<str>>,
+    /// Token sequences its samples must never generate (`sampling::bad_word_bans`).
+    pub bad_words: Box<[Vec<u32>]>,
+    /// Its prompt is never read from the prefix cache (`NewRequest::skip_cache_hits`).
+    pub skip_cache_hits: bool,
     pub seqs: Vec<Sequence>,
     pub state: RequestState,
     /// Set once the `n` samples have been forked off the prefilled prompt.

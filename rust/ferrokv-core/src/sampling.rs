@@ -28,6 +28,11 @@ pub struct SamplingSpec {
     pub num_logprobs: i32,
     /// The key of the request's random draws (`rng_key`).
     pub rng_key: u64,
+    /// The request has `bad_words` (banned per step from its output's tail).
+    pub has_bad_words: bool,
+    /// The request has a static per-token bias that the engine keeps per batch row
+    /// (`logit_bias`, `allowed_token_ids`): its logits rows are listed in `bias_rows`.
+    pub has_logit_bias: bool,
 }
 
 impl Default for SamplingSpec {
@@ -42,6 +47,8 @@ impl Default for SamplingSpec {
             repetition_penalty: 1.0,
             num_logprobs: -1,
             rng_key: 0,
+            has_bad_words: false,
+            has_logit_bias: false,
         }
     }
 }
@@ -107,6 +114,19 @@ pub fn uniform(rng_key: u64, sample_index: u32, position: u32) -> f64 {
     (xxh3_64_with_seed(&bytes, rng_key) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
+/// The last token of each of `bad_words` whose other tokens end the output `tokens[prompt_len..]`
+/// followed by `pending` (vLLM's rule: a one-token word is always banned; a longer one only once
+/// the output ends with its prefix, which never reaches back into the prompt).
+pub fn bad_word_bans<'a>(bad_words: &'a [Vec<u32>], tokens: &'a [u32], pending: &'a [u32], prompt_len: usize) -> impl Iterator<Item = u32> + 'a {
+    let out_len = (tokens.len() + pending.len()).saturating_sub(prompt_len);
+    // The i-th token from the end of tokens ++ pending.
+    let from_end = move |i: usize| if i < pending.len() { pending[pending.len() - 1 - i] } else { tokens[tokens.len() - 1 - (i - pending.len())] };
+    bad_words.iter().filter_map(move |w| {
+        let (&last, prefix) = w.split_last()?;
+        (prefix.len() <= out_len && prefix.iter().rev().enumerate().all(|(i, &t)| from_end(i) == t)).then_some(last)
+    })
+}
+
 /// A step's sampling parameters per logits row, and flags saying which sampler stages any row
 /// needs (a batch that is all greedy needs none).
 #[derive(Debug, Default, Clone)]
@@ -125,9 +145,12 @@ pub struct SamplingColumns {
     pub batch_rows: Vec<i32>,
     /// Tokens the row's sequence had generated before this step.
     pub num_output: Vec<i32>,
-    /// `min_tokens` bans as (logits row, token) pairs.
+    /// Bans as (logits row, token) pairs: what would stop a row under `min_tokens`, and the
+    /// `bad_words` whose other tokens end the row's output.
     pub banned_rows: Vec<i64>,
     pub banned_tokens: Vec<i64>,
+    /// Logits rows whose request has a static bias (`SamplingSpec::has_logit_bias`).
+    pub bias_rows: Vec<i64>,
     pub num_greedy_rows: usize,
     pub max_top_k: i32,
     pub any_top_p: bool,
@@ -178,6 +201,9 @@ impl SamplingColumns {
         self.uniform.push(u);
         self.batch_rows.push(batch_row);
         self.num_output.push(num_output.min(i32::MAX as u32) as i32);
+        if spec.has_logit_bias {
+            self.bias_rows.push(self.temperature.len() as i64 - 1);
+        }
     }
 
     /// Bans `tokens` for the last pushed row.
@@ -247,6 +273,22 @@ mod tests {
     }
 
     #[test]
+    fn bad_words_ban_their_last_token_once_the_output_ends_with_the_rest() {
+        let words = vec![vec![7], vec![1, 2, 3], vec![2, 9], vec![5, 6]];
+        let bans = |tokens: &[u32], pending: &[u32], prompt_len| bad_word_bans(&words, tokens, pending, prompt_len).collect::<Vec<_>>();
+        // Prompt [5], no output: only the one-token word (the prefix never reaches the prompt).
+        assert_eq!(bans(&[5], &[], 1), vec![7]);
+        assert_eq!(bans(&[5, 1, 2], &[], 1), vec![7, 3, 9]);
+        // The same output split between the sequence and its staged tokens.
+        assert_eq!(bans(&[5, 1], &[2], 1), vec![7, 3, 9]);
+        assert_eq!(bans(&[5], &[1, 2], 1), vec![7, 3, 9]);
+        assert_eq!(bans(&[5, 1, 2, 5], &[], 1), vec![7, 6]);
+        // [5, 6]'s prefix 5 is the prompt's last token, not output: not banned.
+        assert_eq!(bans(&[9, 5], &[], 2), vec![7]);
+        assert_eq!(bans(&[1, 2], &[], 1), vec![7, 9], "[1, 2, 3] needs 1 in the output");
+    }
+
+    #[test]
     fn columns_flags_follow_the_rows() {
         let mut c = SamplingColumns::with_capacity(2);
         c.push(&SamplingSpec::default(), 0, 5, 0, 1);
@@ -260,5 +302,8 @@ mod tests {
         assert_eq!((c.num_greedy_rows, c.max_top_k, c.any_top_p, c.any_penalties, c.any_logprobs), (1, 5, true, true, true));
         assert_eq!((c.banned_rows.clone(), c.banned_tokens.clone()), (vec![1, 1], vec![2, 9]));
         assert_eq!(c.uniform[1], uniform(3, 1, 5));
+        assert!(c.bias_rows.is_empty());
+        c.push(&SamplingSpec { has_logit_bias: true, ..Default::default() }, 0, 5, 2, 0);
+        assert_eq!(c.bias_rows, vec![2], "a biased row lists its logits row");
     }
 }

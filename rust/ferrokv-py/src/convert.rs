@@ -89,3 +89,36 @@ pub(crate) fn token_ids_into(field: &'static str, obj: &Bound<'_, PyAny>, out: &
     out.extend_from_slice(&v);
     Ok(())
 }
+
+/// A list of token-id lists (`bad_words`), each non-empty.
+pub(crate) fn token_id_lists(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+    let mut out = Vec::new();
+    for item in obj.try_iter()? {
+        let ids = token_ids(field, &item?)?.into_iter().map(|t| token_id(field, t)).collect::<PyResult<Vec<u32>>>()?;
+        if ids.is_empty() {
+            return Err(invalid(field, "[]", "must not contain an empty token list"));
+        }
+        out.push(ids);
+    }
+    Ok(out)
+}
+
+/// A request's `SamplingSpec` from its keywords; `knobs` are temperature, top_p, min_p and the
+/// presence, frequency and repetition penalties (the core validates them at admission).
+pub(crate) fn sampling_spec(knobs: [f64; 6], top_k: i64, logprobs: Option<i64>) -> PyResult<ferrokv_core::SamplingSpec> {
+    let [temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty] = knobs.map(|v| v as f32);
+    Ok(ferrokv_core::SamplingSpec {
+        temperature,
+        top_k: top_k.clamp(-1, i32::MAX as i64) as i32,
+        top_p,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        num_logprobs: match logprobs {
+            None => -1,
+            Some(k) => i32::try_from(k).ok().filter(|&k| k >= 0).ok_or_else(|| invalid("logprobs", k, "must be >= 0 (or None)"))?,
+        },
+        ..Default::default()
+    })
+}

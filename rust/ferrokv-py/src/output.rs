@@ -149,6 +149,9 @@ pub(crate) struct PySchedulerOutput {
     any_penalties: bool,
     #[pyo3(get)]
     any_logprobs: bool,
+    /// Some row has a static bias (`bias_rows` is not empty).
+    #[pyo3(get)]
+    any_logit_bias: bool,
 }
 
 /// The per-row sampling columns (`ferrokv_core::SamplingColumns`) as lazy numpy arrays.
@@ -166,6 +169,7 @@ struct LazySampling {
     num_output: Lazy1<i32>,
     banned_rows: Lazy1<i64>,
     banned_tokens: Lazy1<i64>,
+    bias_rows: Lazy1<i64>,
 }
 
 impl LazySampling {
@@ -184,6 +188,7 @@ impl LazySampling {
             num_output: Lazy1::new(c.num_output),
             banned_rows: Lazy1::new(c.banned_rows),
             banned_tokens: Lazy1::new(c.banned_tokens),
+            bias_rows: Lazy1::new(c.bias_rows),
         }
     }
 }
@@ -234,6 +239,7 @@ impl PySchedulerOutput {
             any_min_p: o.sampling.any_min_p,
             any_penalties: o.sampling.any_penalties,
             any_logprobs: o.sampling.any_logprobs,
+            any_logit_bias: !o.sampling.bias_rows.is_empty(),
             sampling: LazySampling::new(o.sampling),
         }
     }
@@ -348,6 +354,10 @@ impl PySchedulerOutput {
     #[getter]
     fn banned_tokens(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
         self.sampling.banned_tokens.get(py)
+    }
+    #[getter]
+    fn bias_rows(&mut self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.sampling.bias_rows.get(py)
     }
     #[getter]
     fn copy_ops(&mut self, py: Python<'_>) -> Py<PyArray2<i32>> {

@@ -127,7 +127,8 @@ impl PyScheduler {
                         stop_token_ids=None, min_tokens=0, ignore_eos=false, cache_salt=None, reserve_seqs=0,
                         stop=None, include_stop_str_in_output=false, skip_special_tokens=true, stream_text=false,
                         temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
-                        frequency_penalty=0.0, repetition_penalty=1.0, seed=None, logprobs=None))]
+                        frequency_penalty=0.0, repetition_penalty=1.0, seed=None, logprobs=None, bad_words=None,
+                        has_logit_bias=false, skip_cache_hits=false, detokenize=true))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -156,6 +157,10 @@ impl PyScheduler {
         repetition_penalty: f64,
         seed: Option<&Bound<'_, PyAny>>,
         logprobs: Option<i64>,
+        bad_words: Option<&Bound<'_, PyAny>>,
+        has_logit_bias: bool,
+        skip_cache_hits: bool,
+        detokenize: bool,
     ) -> PyResult<()> {
         let stop = stop_strings(stop, self.text.is_some())?;
         let request_id: u64 = int_arg("request_id", request_id, "must be in [0, 2^63)")?;
@@ -177,20 +182,9 @@ impl PyScheduler {
         if max_tokens < 1 {
             return Err(invalid("max_tokens", max_tokens, "must be >= 1"));
         }
-        let sampling = SamplingSpec {
-            temperature: temperature as f32,
-            top_k: top_k.clamp(-1, i32::MAX as i64) as i32,
-            top_p: top_p as f32,
-            min_p: min_p as f32,
-            presence_penalty: presence_penalty as f32,
-            frequency_penalty: frequency_penalty as f32,
-            repetition_penalty: repetition_penalty as f32,
-            num_logprobs: match logprobs {
-                None => -1,
-                Some(k) => i32::try_from(k).ok().filter(|&k| k >= 0).ok_or_else(|| invalid("logprobs", k, "must be >= 0 (or None)"))?,
-            },
-            rng_key: 0,
-        };
+        let knobs = [temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty];
+        let sampling = SamplingSpec { has_logit_bias, ..sampling_spec(knobs, top_k, logprobs)? };
+        let bad_words = bad_words.filter(|b| !b.is_none()).map(|b| token_id_lists("bad_words", b)).transpose()?.unwrap_or_default();
         let seed = seed.filter(|s| !s.is_none()).map(|s| any_int_as_u64("seed", s)).transpose()?;
         if n < 1 || n > u32::MAX as i64 {
             return Err(invalid("n", n, "must be >= 1"));
@@ -209,6 +203,8 @@ impl PyScheduler {
             reserve_seqs: u32::try_from(reserve_seqs).map_err(|_| invalid("reserve_seqs", reserve_seqs, "must be >= 0"))?,
             sampling,
             seed,
+            bad_words,
+            skip_cache_hits,
         };
         let prompt = self.text.as_ref().map(|_| req.prompt_token_ids.clone());
         let min_tokens = req.min_tokens;
@@ -217,7 +213,7 @@ impl PyScheduler {
         if let (Some(text), Some(prompt)) = (self.text.as_mut(), prompt) {
             let min_tokens = u32::try_from(min_tokens).unwrap_or(u32::MAX);
             let params = StopStrings::new(stop, include_stop_str_in_output, min_tokens, skip_special_tokens);
-            text.add_request(request_id, params, &prompt, stream_text);
+            text.add_request(request_id, params, &prompt, stream_text, detokenize);
         }
         Ok(())
     }

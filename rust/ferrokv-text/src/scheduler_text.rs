@@ -28,6 +28,9 @@ struct RequestText {
     prompt_tail: Vec<u32>,
     /// It wants text deltas every step (CUMULATIVE / DELTA outputs).
     stream: bool,
+    /// False: its tokens are never decoded (`detokenize=False`): its text stays empty and its
+    /// streaming rows get empty deltas.
+    detokenize: bool,
 }
 
 /// The text of one sequence that ended.
@@ -64,9 +67,10 @@ impl SchedulerText {
     }
 
     /// Registers a request the scheduler has just taken.
-    pub fn add_request(&mut self, request_id: u64, params: StopStrings, prompt: &[u32], stream: bool) {
-        let tail = prompt[prompt.len().saturating_sub(PROMPT_TAIL)..].to_vec();
-        self.requests.insert(request_id, RequestText { params: Arc::new(params), prompt_tail: tail, stream });
+    pub fn add_request(&mut self, request_id: u64, params: StopStrings, prompt: &[u32], stream: bool, detokenize: bool) {
+        debug_assert!(detokenize || params.stop().is_empty(), "stop strings need text");
+        let tail = if detokenize { prompt[prompt.len().saturating_sub(PROMPT_TAIL)..].to_vec() } else { Vec::new() };
+        self.requests.insert(request_id, RequestText { params: Arc::new(params), prompt_tail: tail, stream, detokenize });
     }
 
     /// Requests and sequences with text state (for leak checks).
@@ -99,6 +103,13 @@ impl SchedulerText {
             }
             if f.is_none() && sched.seq_request_id(sid).is_none() {
                 continue; // ended mid-step (a stop string found a step late): `update` ignored its row
+            }
+            if !req.detokenize {
+                if f.is_none() && req.stream {
+                    step.rows.push(r as i64);
+                    step.deltas.push(String::new());
+                }
+                continue;
             }
             let model = &self.model;
             let seq = self.seqs.entry(sid).or_insert_with(|| SeqText::new(model, req.params.clone(), &req.prompt_tail));

@@ -162,8 +162,14 @@ impl Scheduler {
                 stop_token_ids: r.stop_token_ids,
                 ignore_eos: r.ignore_eos,
             },
-            sampling: SamplingSpec { rng_key: rng_key(r.seed, r.request_id, self.cfg.sampling_seed), ..r.sampling },
+            sampling: SamplingSpec {
+                rng_key: rng_key(r.seed, r.request_id, self.cfg.sampling_seed),
+                has_bad_words: !r.bad_words.is_empty(),
+                ..r.sampling
+            },
             cache_salt: r.cache_salt.map(String::into_boxed_str),
+            bad_words: r.bad_words.into_boxed_slice(),
+            skip_cache_hits: r.skip_cache_hits,
             seqs: vec![Sequence {
                 seq_id,
                 sample_index: 0,
@@ -225,6 +231,9 @@ impl Scheduler {
             let c = batch.rows[row].computed as usize;
             if c == 0 && batch.rows[row].num_blocks == 0 {
                 self.hits[i] = kv.find_cached_prefix(&mut s.kv, &s.tokens, req.cache_salt.as_deref());
+                if req.skip_cache_hits {
+                    self.hits[i].clear(); // looked up only for its block hashes
+                }
             }
             let start = c.max(self.hits[i].len() * bs);
             total += s.tokens.len() - start;
@@ -385,6 +394,22 @@ mod tests {
         let st = s.stats();
         assert_eq!((st.cached_prompt_tokens, st.first_admission_cached_tokens), (24, 24));
         assert_eq!(st.prompt_tokens_computed, 13 + 1 + 13 + 1);
+    }
+
+    #[test]
+    fn a_request_that_skips_cache_hits_computes_its_whole_prompt_and_still_registers_it() {
+        let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
+        let prompt: Vec<u32> = (0..13).collect();
+        s.add_request(NewRequest::new(1, prompt.clone(), 2)).unwrap();
+        drain(&mut s, 1);
+        s.add_request(NewRequest { skip_cache_hits: true, ..NewRequest::new(2, prompt.clone(), 2) }).unwrap();
+        let (o, _) = step(&mut s, 1);
+        assert_eq!(o.positions, (0..13).collect::<Vec<i64>>(), "every prompt position is computed");
+        assert_eq!(s.num_cached_tokens(2).unwrap(), 0);
+        drain(&mut s, 1);
+        s.add_request(NewRequest::new(3, prompt, 2)).unwrap();
+        step(&mut s, 1);
+        assert_eq!(s.num_cached_tokens(3).unwrap(), 12, "the others still hit");
     }
 
     #[test]

@@ -175,6 +175,11 @@ pub struct NewRequest {
     pub sampling: SamplingSpec,
     /// Its own sampling seed: its draws then depend on nothing else.
     pub seed: Option<u64>,
+    /// Token sequences it must never generate (`sampling.has_bad_words` is set from it).
+    pub bad_words: Vec<Vec<u32>>,
+    /// Its prompt is computed in full, never read from the prefix cache (prompt logprobs need
+    /// every position's logits); its blocks are still registered for others.
+    pub skip_cache_hits: bool,
 }
 
 impl NewRequest {

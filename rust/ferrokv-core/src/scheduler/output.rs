@@ -11,7 +11,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::output::{BlockTables, SchedulerOutput};
 use crate::batch::Batch;
 use crate::request::Request;
-use crate::sampling::SamplingColumns;
+use crate::sampling::{bad_word_bans, SamplingColumns};
 
 impl Scheduler {
     /// Output buffers with room for a step, `query_start_loc` started.
@@ -97,6 +97,12 @@ impl Scheduler {
                 let req = requests[slot].as_ref().expect("a live row's request is live");
                 c.ban(req.stop.stop_token_ids.iter().copied().filter(|&t| Some(t) != h.stop.eos));
             }
+        }
+        if b.sampling[r].has_bad_words {
+            let owner = b.owner[r];
+            let req = requests[owner.slot as usize].as_ref().expect("a live row's request is live");
+            let seq = &req.seqs[req.seq_pos(owner.seq_id).expect("a live row's sequence is live")];
+            c.ban(bad_word_bans(&req.bad_words, &seq.tokens, b.pending(r), req.prompt_len));
         }
     }
 
@@ -338,7 +344,7 @@ mod tests {
             frequency_penalty: -0.2 * f,
             repetition_penalty: 1.0 + 0.1 * f,
             num_logprobs: i - 1,
-            rng_key: 0,
+            ..Default::default()
         }
     }
 
@@ -371,7 +377,7 @@ mod tests {
                 frequency_penalty: c.frequency[i],
                 repetition_penalty: c.repetition[i],
                 num_logprobs: c.num_logprobs[i],
-                rng_key: sp.rng_key,
+                ..sp
             };
             assert_eq!(got, sp, "row {i} (request {rid})");
             specs.push(sp);
@@ -560,6 +566,31 @@ mod tests {
         let mut s = with_requests(cfg(64, 4, 64), [greedy]);
         let (o, _) = step(&mut s, 9);
         assert_eq!(o.sampling.uniform, vec![0.0], "a greedy row draws nothing, seeded or not");
+    }
+
+    #[test]
+    fn bad_words_are_banned_once_the_output_ends_with_their_prefix() {
+        // The prompt ends with 5: [5, 7]'s prefix must come from the output, not the prompt.
+        let words = vec![vec![9], vec![4, 5, 6], vec![5, 7]];
+        let hot = SamplingSpec { temperature: 1.0, ..Default::default() };
+        let r1 = NewRequest { bad_words: words, sampling: hot, ..NewRequest::new(1, vec![1, 2, 5], 20) };
+        let mut s = with_requests(cfg(64, 4, 64), [r1, req(2, 3, 20)]);
+        let bans = |o: &SchedulerOutput, rid: i64| {
+            let row = o.row_req_ids.iter().position(|&r| r == rid).unwrap() as i64;
+            let mut b: Vec<i64> = o.sampling.banned_rows.iter().zip(&o.sampling.banned_tokens).filter(|(&r, _)| r == row).map(|(_, &t)| t).collect();
+            b.sort();
+            b
+        };
+        // Request 1's token per step, and its bans at the step that samples it.
+        let plan = [(4, vec![9]), (5, vec![9]), (6, vec![6, 7, 9]), (5, vec![9]), (7, vec![7, 9]), (4, vec![9]), (5, vec![9]), (1, vec![6, 7, 9])];
+        for (tok, want) in plan {
+            let o = s.schedule().unwrap();
+            assert_eq!(bans(&o, 1), want, "before sampling {tok}");
+            assert_eq!(bans(&o, 2), Vec::<i64>::new(), "a request without bad words bans nothing");
+            let sampled: Vec<i64> = o.row_req_ids.iter().map(|&r| if r == 1 { tok } else { 3 }).collect();
+            s.update(o.step_id, &sampled).unwrap();
+            s.check_invariants().unwrap();
+        }
     }
 
     #[test]
