@@ -108,3 +108,104 @@ def test_min_tokens_above_max_tokens():
 def test_example_message():
     with pytest.raises(ValueError, match=r"^temperature must be >= 0 and finite, got -1\.0$"):
         SamplingParams(temperature=-1.0)
+
+
+# --- prompt_logprobs, detokenize, logit_bias, allowed_token_ids, bad_words --------------------
+
+
+def test_new_fields_defaults():
+    p = SamplingParams()
+    assert p.prompt_logprobs is None and p.detokenize is True
+    assert p.logit_bias is None and p.allowed_token_ids is None and p.bad_words is None
+
+
+def test_new_fields_normalisation():
+    import numpy as np
+
+    p = SamplingParams(logit_bias={np.int64(3): 1, 5: np.float32(-0.5), 7: 2.5})
+    assert p.logit_bias == {3: 1.0, 5: -0.5, 7: 2.5}
+    assert all(type(k) is int and type(v) is float for k, v in p.logit_bias.items())
+    assert SamplingParams(logit_bias={}).logit_bias == {}
+    for ids in ((3, 4), [3, 4], range(3, 5), np.array([3, 4])):
+        got = SamplingParams(allowed_token_ids=ids).allowed_token_ids
+        assert got == [3, 4] and type(got) is list and all(type(t) is int for t in got), ids
+    assert SamplingParams(bad_words="word").bad_words == ["word"]
+    assert SamplingParams(bad_words=("a b", " c")).bad_words == ["a b", " c"]
+    assert SamplingParams(bad_words=[]).bad_words == []
+    assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    assert SamplingParams(prompt_logprobs=20).prompt_logprobs == 20
+    # detokenize=False is fine without stop strings (stop ids are token ids, not text).
+    p = SamplingParams(detokenize=False, stop=None, stop_token_ids=[5])
+    assert p.stop == [] and p.stop_token_ids == [5] and p.detokenize is False
+
+
+def test_new_fields_are_copied_on_replace():
+    """The engine keeps ``dataclasses.replace(params)``: the caller's later edits of its dict /
+    lists must not reach the copy."""
+    p = SamplingParams(logit_bias={1: 1.0}, allowed_token_ids=[1, 2], bad_words=["x"])
+    q = dataclasses.replace(p)
+    p.logit_bias[2] = 5.0
+    p.allowed_token_ids.append(3)
+    p.bad_words.append("y")
+    assert q.logit_bias == {1: 1.0} and q.allowed_token_ids == [1, 2] and q.bad_words == ["x"]
+
+
+def test_stop_strings_need_detokenize():
+    for stop in ("x", ["a", "bc"]):
+        with pytest.raises(ValueError) as info:
+            SamplingParams(stop=stop, detokenize=False)
+        msg = str(info.value)
+        assert "stop" in msg and "detokenize" in msg, msg
+    p = SamplingParams(detokenize=False)
+    with pytest.raises(ValueError, match="detokenize"):
+        dataclasses.replace(p, stop=["z"])
+    p.stop = ["z"]  # assigned later: the next validate() (the engine's copy) refuses it
+    with pytest.raises(ValueError, match="detokenize"):
+        p.validate()
+
+
+BAD_NEW = [
+    # (field, value, what the message shows)
+    ("prompt_logprobs", -1, -1),
+    ("prompt_logprobs", 1.5, 1.5),
+    ("prompt_logprobs", "2", "2"),
+    ("prompt_logprobs", True, True),
+    ("detokenize", 1, 1),
+    ("detokenize", "no", "no"),
+    ("detokenize", None, None),
+    ("logit_bias", [(1, 2.0)], [(1, 2.0)]),
+    ("logit_bias", {-1: 1.0}, -1),
+    ("logit_bias", {"5": 1.0}, "5"),
+    ("logit_bias", {1.0: 1.0}, 1.0),
+    ("logit_bias", {True: 1.0}, True),
+    ("logit_bias", {5: math.nan}, math.nan),
+    ("logit_bias", {5: math.inf}, math.inf),
+    ("logit_bias", {5: "1"}, "1"),
+    ("logit_bias", {5: None}, None),
+    ("allowed_token_ids", [], []),
+    ("allowed_token_ids", [3, -1], [3, -1]),
+    ("allowed_token_ids", [3, "4"], [3, "4"]),
+    ("allowed_token_ids", [True], [True]),
+    ("allowed_token_ids", 5, 5),
+    ("allowed_token_ids", "12", "12"),
+    ("bad_words", [""], ""),
+    ("bad_words", ["ok", "  "], "  "),
+    ("bad_words", ["ok", 3], 3),
+    ("bad_words", [b"x"], b"x"),
+    ("bad_words", 7, 7),
+    ("bad_words", ["a\ud800"], "a\ud800"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), BAD_NEW, ids=[f"{f}={v!r}" for f, v, _ in BAD_NEW])
+def test_new_fields_validation_names_field_and_value(field, value, shown):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**{field: value})
+    msg = str(info.value)
+    assert field in msg, msg
+    assert repr(shown) in msg, msg
+    # The same value assigned after construction is refused by validate() (add_request runs it).
+    p = SamplingParams()
+    setattr(p, field, value)
+    with pytest.raises(ValueError, match=field):
+        p.validate()

@@ -28,6 +28,7 @@ from ferrokv.logger import configure_logging
 from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, RequestStateStats
 from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.sampling_params import SamplingParams
+from ferrokv.structured_outputs import StructuredOutputsParams
 
 configure_logging()
 
@@ -70,6 +71,7 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "SchedulerStateError",
+    "StructuredOutputsParams",
     "UnknownRequestError",
     "UnknownSequenceError",
     "__version__",

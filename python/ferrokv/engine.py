@@ -65,9 +65,10 @@ from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
-from ferrokv.engine_setup import eos_token_ids, make_scheduler, num_kv_blocks, resolve_device, resolve_dtype
+from ferrokv.engine_setup import load_engine
 from ferrokv.inputs import prompt_cache_salt, prompt_ids, validate_prompt_ids
-from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
+from ferrokv.logit_rules import bad_words_token_ids, check_token_rules
+from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
 from ferrokv.output_processor import (
     RequestState,
@@ -79,7 +80,15 @@ from ferrokv.output_processor import (
     stream_rows,
 )
 from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from ferrokv.prompt_logprobs import PromptLogprobRequests, PromptLogprobsPlan
 from ferrokv.step_profile import StepProfile
+from ferrokv.structured_outputs import (
+    CompiledGrammar,
+    GrammarRows,
+    GrammarStep,
+    LazyGrammarCompiler,
+    StructuredOutputsParams,
+)
 from ferrokv.step_sampling import StepSampler, core_sampling_kwargs
 from ferrokv.step_worker import StepWorker
 from ferrokv.sampling_params import SamplingParams
@@ -128,41 +137,19 @@ class LLMEngine:
     """Owns the tokenizer, the model runner, the KV cache and the Rust scheduler."""
 
     def __init__(self, args: EngineArgs) -> None:
-        from transformers import AutoTokenizer
-
-        from ferrokv.model_loader import load_config, load_model, resolve_model_path, resolve_tokenizer_path
-
-        args.validate()
+        parts = load_engine(args)  # validates args, loads the model and tokenizer, sizes the KV cache
         self.args = args
-        t0 = time.perf_counter()
-        hub = dict(revision=args.revision, download_dir=args.download_dir)
-        self.model_path: Path = resolve_model_path(args.model, **hub)
-        # Resolved before the weights load, so a bad tokenizer fails fast.
-        tokenizer_path = resolve_tokenizer_path(args.tokenizer, **hub) if args.tokenizer else self.model_path
-        config = load_config(self.model_path)
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, config, self.device)
-        backend = args.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        self.model = load_model(self.model_path, dtype=self.dtype, device=self.device, attn_backend=backend)
+        self.model_path: Path = parts.model_path
+        self.device, self.dtype = parts.device, parts.dtype
+        self.model = parts.model
         self.model_config = self.model.config
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
-        self.vocab_size = int(self.model_config.vocab_size)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, config, self.model_path, self.vocab_size)
-
-        max_len = args.max_model_len or int(self.model_config.max_position_embeddings)
-        self.max_model_len = max_len
-        spec = KVCacheSpec(
-            num_layers=self.model_config.num_hidden_layers,
-            num_kv_heads=self.model_config.num_key_value_heads,
-            head_dim=self.model_config.head_dim,
-            block_size=args.block_size,
-            dtype=self.dtype,
-        )
-        num_blocks = num_kv_blocks(args, spec, self.device, max_len)
-        self.kv_cache = PagedKVCache(spec, num_blocks, args.num_cpu_blocks, self.device)
-        self.scheduler = make_scheduler(args, num_blocks, max_len, self.device)
+        self.tokenizer = parts.tokenizer
+        self.vocab_size = parts.vocab_size
+        self.eos_token_ids = parts.eos_token_ids
+        self.max_model_len = parts.max_model_len
+        self.kv_cache = parts.kv_cache
+        self.scheduler = parts.scheduler
+        num_blocks = parts.num_blocks
         self.text = make_text_layer(self.tokenizer, self.scheduler)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.step_sampler = StepSampler(self.vocab_size, self.device, args.seed)
@@ -173,6 +160,11 @@ class LLMEngine:
         self._pending: _Pending | None = None  # the step whose text and outputs are not made yet
         self._unreturned: list[RequestOutput] = []  # made by a step() that then raised
         self._beam_ids: set[int] = set()
+        self._plp_wanted = PromptLogprobRequests()
+        self.grammars = LazyGrammarCompiler(self.tokenizer, self.vocab_size,
+                                            self.eos_token_ids[0] if self.eos_token_ids else None)
+        self.grammar_rows = GrammarRows(max(self.vocab_size, len(self.tokenizer)),
+                                        pin_memory=self.device.type == "cuda")
         self.profile: StepProfile | None = None
         """Set to a ``StepProfile`` to time each step's stages (benches/engine_overhead.py)."""
         self._requests: dict[int, RequestState] = {}
@@ -193,17 +185,6 @@ class LLMEngine:
         self._stats_wanted = False
         self._num_free_blocks: int = self.scheduler.num_free_blocks
         self._num_blocks = num_blocks  # a scheduler getter would borrow it, failing mid-step
-        tokens_capacity = (num_blocks - 1) * args.block_size
-        logger.info(
-            "model %s (%s, %s, %s) loaded in %.1fs; KV cache: %d blocks x %d tokens, "
-            "%.1f KiB per block (M_KV = 2 * %d layers * %d kv heads * %d head_dim * %d tokens * %d bytes), "
-            "%d tokens in all, max concurrency %.1f at max_model_len=%d",
-            args.model or self.model_path.name, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
-            self.device, time.perf_counter() - t0, num_blocks, args.block_size, spec.bytes_per_block / 1024,
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, args.block_size,
-            torch.empty((), dtype=self.dtype).element_size(), tokens_capacity, tokens_capacity / max_len, max_len,
-        )
-
     # ------------------------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -239,6 +220,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, through SamplingParams.validate
+        check_token_rules(params, self.vocab_size)
+        grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
         request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt)
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
@@ -246,6 +229,14 @@ class LLMEngine:
         room = max(self.max_model_len - len(ids), 1)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._submit(request_id, text, ids, params, max_tokens, priority, cache_salt, beam=None)
+        if grammar is not None:
+            self.grammar_rows.register(self._by_name[request_id], grammar)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The request's grammar, compiled once per distinct params (cached); ValueError names
+        the ``structured_outputs`` field. Safe from any thread, without the engine lock
+        (``EngineLoop`` warms the cache from the caller's thread)."""
+        return self.grammars.compile(params)
 
     def _submit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                 max_tokens: int, priority: int, cache_salt: str | None, beam: BeamSearchState | None) -> None:
@@ -263,6 +254,10 @@ class LLMEngine:
             raise
         kind = RequestOutputKind.FINAL_ONLY if beam is not None else params.output_kind
         req = RequestState(request_id, core_id, text, ids, params, kind, new_stats(), beam=beam)
+        if beam is None and params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+            if len(ids) > 1:
+                self._plp_wanted.add(req)
         if beam is None:
             self.text.add_request(core_id, params, ids, kind != RequestOutputKind.FINAL_ONLY)
         if beam is not None:
@@ -279,8 +274,9 @@ class LLMEngine:
             core_id, np.asarray(ids, dtype=np.int64), max_tokens,
             n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
             min_tokens=min(params.min_tokens, max_tokens), ignore_eos=params.ignore_eos or beam is not None,
-            cache_salt=cache_salt,
-            reserve_seqs=beam.beam_width if beam is not None else 0, **text, **core_sampling_kwargs(params),
+            cache_salt=cache_salt, reserve_seqs=beam.beam_width if beam is not None else 0,
+            bad_words=bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else None,
+            **text, **core_sampling_kwargs(params),
         )
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
@@ -397,18 +393,27 @@ class LLMEngine:
         prev_done = prev is None
         try:
             t1 = time.perf_counter()
-            md = self.step_sampler.metadata(out, self._prompt_of_row(out), self.scheduler.output_tokens)
-            inputs = self.runner.prepare(out)
+            md = self.step_sampler.metadata(out, self._params_of_row(out), self.scheduler.output_tokens)
+            plp = prompt_logprobs.plan(out, self._requests, self._plp_wanted.ids()) if self._plp_wanted else None
+            grammar = self.grammar_rows.step(out)
+            inputs = self.runner.prepare(out, None if plp is None else plp.token_indices)
             t2 = time.perf_counter()
-            job = self.worker.submit(functools.partial(self._forward_and_sample, inputs, md))
+            job = self.worker.submit(functools.partial(self._forward_and_sample, inputs, md, out.num_rows, plp, grammar))
             if prev is not None:
                 outputs += self._finish_step(prev)  # overlapped with the forward pass
                 prev_done = True
             t3 = time.perf_counter()
-            logits, tokens = job.wait()
+            logits, tokens, plp_result = job.wait()
             t4 = time.perf_counter()
             sampled, row_lp = self._tokens(out, logits, tokens, undo)
             self.scheduler.update(out, sampled, defer_text=True)
+            # Committed with the step's tokens (a cancelled step adds nothing), and before the
+            # next step plans its prompt positions or masks.
+            if grammar is not None:
+                grammar.accept(sampled)
+            if plp is not None and plp_result is not None:
+                plp.apply(plp_result, self._decode_token)
+                self._plp_wanted.drop_complete()
         except BaseException:
             if job is not None:
                 job.join()
@@ -430,25 +435,32 @@ class LLMEngine:
             prof.add(out.num_rows, t0, t1, t2, t3, t4, t5, time.perf_counter())
         return outputs
 
-    def _forward_and_sample(self, inputs: Any, md: Any) -> tuple[torch.Tensor | None, Any]:
-        """The step job: the forward pass and sampling (tensors only; the step worker may run it
-        on its own thread)."""
+    def _forward_and_sample(self, inputs: Any, md: Any, num_rows: int, plp: PromptLogprobsPlan | None,
+                            grammar: GrammarStep | None) -> tuple[torch.Tensor | None, Any, Any]:
+        """The step job: the forward pass, prompt logprobs, grammar masks and sampling (tensors
+        and the step's matchers only; the step worker may run it on its own thread)."""
         t0 = time.perf_counter()
         logits = self.runner.forward(inputs)
         t1 = time.perf_counter()
+        plp_result = None
+        if plp is not None and logits is not None:
+            plp_result = prompt_logprobs.compute(logits[num_rows:], plp)
+            logits = logits[:num_rows]
+        if grammar is not None and logits is not None:
+            grammar.mask(logits)
         tokens = None if logits is None or md is None else self.step_sampler.sample(logits, md)
         if self.profile is not None:
             self.profile.add_job(t1 - t0, time.perf_counter() - t1)
-        return logits, tokens
+        return logits, tokens, plp_result
 
-    def _prompt_of_row(self, out: Any) -> Callable[[int], Sequence[int]]:
+    def _params_of_row(self, out: Any) -> Callable[[int], tuple[SamplingParams, Sequence[int]] | None]:
         requests = self._requests
 
-        def prompt_of(r: int) -> Sequence[int]:
+        def params_of(r: int) -> tuple[SamplingParams, Sequence[int]] | None:
             req = requests.get(int(out.row_req_ids[r]))
-            return () if req is None else req.prompt_token_ids
+            return None if req is None else (req.params, req.prompt_token_ids)
 
-        return prompt_of
+        return params_of
 
     def _cancel_step(self, out: Any, undo: _StepUndo) -> None:
         """Undoes a step whose forward pass, sampling or ``update()`` raised."""
@@ -508,7 +520,10 @@ class LLMEngine:
         finished, rows, deltas = self.text.step_results(self.scheduler, p.out, p.sampled)
         if self.profile is not None:
             self.profile.detokenize += time.perf_counter() - t0
-        return self._apply_step(p.out, p.sampled, p.row_lp, finished, rows, deltas)
+        return self._apply_step(p, finished, rows, deltas)
+
+    def _decode_token(self, token_id: int) -> str:
+        return decode_token(self.tokenizer, token_id)
 
     def _seq_of_row(self, out: Any) -> Callable[[int], tuple[RequestState, Any] | None]:
         """Row -> (request, its sequence's output state, made on first use), for the step's rows."""
@@ -523,14 +538,14 @@ class LLMEngine:
 
         return find
 
-    def _apply_step(self, out: Any, sampled: np.ndarray, row_lp: Any, finished: list[Any], rows: np.ndarray,
-                    deltas: list[str]) -> list[RequestOutput]:
+    def _apply_step(self, p: _Pending, finished: list[Any], rows: np.ndarray, deltas: list[str]) -> list[RequestOutput]:
         """Hands the step's logprobs and streaming rows to the requests' output states, ends what
         the scheduler ended, and builds the outputs."""
+        out, sampled, row_lp = p.out, p.sampled, p.row_lp
         t0 = time.perf_counter()
         touched: dict[int, RequestState] = {}
         if row_lp is not None:
-            append_logprobs(self._seq_of_row(out), row_lp, sampled, lambda t: decode_token(self.tokenizer, t))
+            append_logprobs(self._seq_of_row(out), row_lp, sampled, self._decode_token)
         if len(rows):
             stream_rows(self._requests, out.row_req_ids[rows].tolist(), out.row_seq_ids[rows].tolist(),
                         out.row_sample_index[rows].tolist(), sampled[rows].tolist(), deltas, touched)
@@ -571,6 +586,8 @@ class LLMEngine:
     def _finish(self, req: RequestState) -> None:
         req.finished = True
         self._beam_ids.discard(req.core_id)
+        self._plp_wanted.discard(req.core_id)
+        self.grammar_rows.release(req.core_id)
         self._requests.pop(req.core_id, None)
         self._by_name.pop(req.request_id, None)
 

@@ -150,7 +150,16 @@ class EngineLoop:
     def submit(self, request_id: str, prompt: Any, params: SamplingParams | None = None, *, sink: OutputSink,
                priority: int = 0, cache_salt: str | None = None) -> None:
         """Queues ``LLMEngine.add_request(request_id, prompt, params, ...)``; its error, if any,
-        is the request's terminal item. Raises ``EngineDeadError`` after ``shutdown``."""
+        is the request's terminal item. Raises ``EngineDeadError`` after ``shutdown``. A
+        structured-output grammar is compiled here, on the caller's thread, so that the loop
+        finds it cached."""
+        so = getattr(params, "structured_outputs", None)
+        if so is not None:
+            try:
+                self.engine.compile_grammar(so)
+            except Exception:
+                pass  # add_request raises it again: the request's terminal item
+
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
 

@@ -1,5 +1,6 @@
 """What an engine derives from its arguments and model before it serves: the device, the dtype,
-the EOS token ids, how many KV blocks the cache gets, and the scheduler built from them.
+the model and tokenizer, the EOS token ids, how many KV blocks the cache gets, and the cache and
+scheduler built from them (``load_engine``).
 
 Invariants: each function reads only its arguments (and, for the KV budget on CUDA, the free
 device memory); a choice the user cannot satisfy raises ``ValueError`` naming the field.
@@ -14,13 +15,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import logging
+import time
+from dataclasses import dataclass
+
 import torch
 
 from ferrokv._core import Scheduler
 from ferrokv.engine_args import DTYPE_ALIASES, EngineArgs
-from ferrokv.kv_cache import KVCacheSpec
+from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 
-__all__ = ["eos_token_ids", "make_scheduler", "num_kv_blocks", "resolve_device", "resolve_dtype"]
+logger = logging.getLogger("ferrokv")
+
+__all__ = ["EngineParts", "eos_token_ids", "load_engine", "make_scheduler", "num_kv_blocks", "resolve_device",
+           "resolve_dtype"]
 
 _DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -106,3 +114,64 @@ def make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torc
         # Unseeded requests' draws derive from it and their id: a seeded engine replays.
         sampling_seed=(random.getrandbits(64) if args.seed is None else args.seed) & ((1 << 64) - 1),
     )
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """What ``load_engine`` built."""
+
+    model_path: Path
+    device: torch.device
+    dtype: torch.dtype
+    model: torch.nn.Module
+    tokenizer: Any
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    num_blocks: int
+    kv_cache: PagedKVCache
+    scheduler: Scheduler
+
+
+def load_engine(args: EngineArgs) -> EngineParts:
+    """Validates ``args``, resolves the model (a folder or a Hub id) and the tokenizer, loads the
+    weights, sizes and allocates the KV cache and builds the scheduler; logs what it made."""
+    from transformers import AutoTokenizer
+
+    from ferrokv.model_loader import load_config, load_model, resolve_model_path, resolve_tokenizer_path
+
+    args.validate()
+    t0 = time.perf_counter()
+    hub = dict(revision=args.revision, download_dir=args.download_dir)
+    model_path = resolve_model_path(args.model, **hub)
+    # Resolved before the weights load, so a bad tokenizer fails fast.
+    tokenizer_path = resolve_tokenizer_path(args.tokenizer, **hub) if args.tokenizer else model_path
+    config = load_config(model_path)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, config, device)
+    backend = args.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    model = load_model(model_path, dtype=dtype, device=device, attn_backend=backend)
+    mc = model.config
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    vocab_size = int(mc.vocab_size)
+    eos = eos_token_ids(tokenizer, config, model_path, vocab_size)
+    max_len = args.max_model_len or int(mc.max_position_embeddings)
+    spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
+                       head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
+    num_blocks = num_kv_blocks(args, spec, device, max_len)
+    kv_cache = PagedKVCache(spec, num_blocks, args.num_cpu_blocks, device)
+    scheduler = make_scheduler(args, num_blocks, max_len, device)
+    tokens_capacity = (num_blocks - 1) * args.block_size
+    logger.info(
+        "model %s (%s, %s, %s) loaded in %.1fs; KV cache: %d blocks x %d tokens, "
+        "%.1f KiB per block (M_KV = 2 * %d layers * %d kv heads * %d head_dim * %d tokens * %d bytes), "
+        "%d tokens in all, max concurrency %.1f at max_model_len=%d",
+        args.model or model_path.name, mc.architecture, str(dtype).replace("torch.", ""),
+        device, time.perf_counter() - t0, num_blocks, args.block_size, spec.bytes_per_block / 1024,
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, args.block_size,
+        torch.empty((), dtype=dtype).element_size(), tokens_capacity, tokens_capacity / max_len, max_len,
+    )
+    return EngineParts(model_path, device, dtype, model, tokenizer, vocab_size, eos, max_len, num_blocks,
+                       kv_cache, scheduler)

@@ -40,7 +40,7 @@ class StepInputs:
     input_ids: Tensor | None  # int64 [T]; None when the step computes no token
     positions: Tensor | None  # int64 [T]
     meta: AttentionMetadata | None
-    logits_indices: Tensor | None  # int64 [R]; None when no row samples
+    logits_indices: Tensor | None  # int64 [R + P]; None when no row samples and P = 0
     # Block operations to apply before the forward pass (int32 pairs, flattened).
     swap_out: np.ndarray
     swap_in: np.ndarray
@@ -59,10 +59,12 @@ class ModelRunner:
         self.device = device
         self.buffers = InputBuffers(device)
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, prompt_indices: np.ndarray | None = None) -> StepInputs:
         """The step's tensors; call between ``schedule()`` and ``update()`` (block tables), on
         the thread that drives the scheduler. Everything the forward pass needs is copied or
-        viewed here, so ``forward`` touches neither the scheduler nor ``out``."""
+        viewed here, so ``forward`` touches neither the scheduler nor ``out``.
+        ``prompt_indices`` (int64 [P]): token indices whose logits follow the sampling rows'
+        (prompt logprobs)."""
         ops = (out.swap_out, out.swap_in, out.copy_ops)
         if out.num_tokens == 0:
             return StepInputs(None, None, None, None, *ops)
@@ -74,8 +76,11 @@ class ModelRunner:
         # upload copies it into the staging buffer.
         block_tables = out.block_tables
         arrays = [out.input_ids, out.positions, out.slot_mapping, qsl, seq_lens, block_tables]
-        if out.num_rows:
-            arrays.append(out.logits_indices)
+        logits_indices = out.logits_indices if out.num_rows else None
+        if prompt_indices is not None and len(prompt_indices):
+            logits_indices = prompt_indices if logits_indices is None else np.concatenate([logits_indices, prompt_indices])
+        if logits_indices is not None:
+            arrays.append(logits_indices)
         staged = self.buffers.stage(arrays)
         input_ids, positions, slot_mapping, qsl_t, seq_lens_t, tables_t = staged[:6]
         meta = AttentionMetadata(
@@ -88,14 +93,14 @@ class ModelRunner:
             query_start_loc_host=qsl.astype(np.int64),
             seq_lens_host=seq_lens.astype(np.int64),
         )
-        logits_indices = staged[6] if out.num_rows else None
-        return StepInputs(input_ids, positions, meta, logits_indices, *ops)
+        return StepInputs(input_ids, positions, meta, staged[6] if logits_indices is not None else None, *ops)
 
     # No torch.no_grad() here: the models' forward and compute_logits run under their own, so
     # nothing here records a graph, and a context per step is host time for nothing.
     def forward(self, inputs: StepInputs) -> Tensor | None:
         """Applies the block operations and runs the model; returns float32 logits
-        ``[num_rows, vocab]`` or None if nothing samples. Reads only ``inputs``: it may run off
+        ``[num_rows + P, vocab]`` (the sampling rows, then ``prepare``'s prompt indices) or None
+        if there are none. Reads only ``inputs``: it may run off
         the scheduler's thread."""
         self.kv_cache.apply_block_ops(inputs.swap_out, inputs.swap_in, inputs.copy_ops)
         if inputs.meta is None:

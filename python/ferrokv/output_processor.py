@@ -75,6 +75,8 @@ class RequestState:
     live_times: Any = None  # the core's timestamps once its first token is out (engine._times_of)
     beam: BeamSearchState | None = None
     finished: bool = False
+    prompt_logprobs: list[Any] | None = None  # [None, entries...] when the request asked (ferrokv.prompt_logprobs)
+    num_prompt_logprobs_sent: int = 0  # DELTA: entries handed out
 
     def new_seq(self, index: int) -> SeqState:
         """A sequence's output state (not registered: see ``seq_state``)."""
@@ -116,12 +118,12 @@ def append_logprobs(seq_of_row: Callable[[int], tuple[RequestState, SeqState] | 
         found = seq_of_row(r)
         if found is None:
             continue
-        _, seq = found
+        req, seq = found
         n = int(lpr.num_top[j])
         lp = float(lpr.sampled_logprobs[j])
         seq.logprobs.append(make_logprobs_entry(
             int(sampled[r]), lp, int(lpr.sampled_ranks[j]), lpr.top_ids[j, :n], lpr.top_logprobs[j, :n],
-            decode=decode))
+            decode=decode if req.params.detokenize else None))
         seq.cumulative_logprob += lp
 
 
@@ -208,8 +210,20 @@ def build_outputs(touched: Iterable[RequestState], ended_now: dict[int, list[Com
         for s in req.seqs.values():
             generated += s.num_emitted
         outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished,
-                                     req.num_cached_tokens, None, fill_metrics(req.stats, times_of(req), generated)))
+                                     req.num_cached_tokens, _prompt_logprobs_out(req),
+                                     fill_metrics(req.stats, times_of(req), generated)))
     return outputs
+
+
+def _prompt_logprobs_out(req: RequestState) -> list[Any] | None:
+    """What an output carries of the prompt logprobs: all of them, or for DELTA those not
+    handed out yet (vLLM's semantics)."""
+    plp = req.prompt_logprobs
+    if plp is None or req.kind != _DELTA:
+        return plp
+    new = plp[req.num_prompt_logprobs_sent:]
+    req.num_prompt_logprobs_sent = len(plp)
+    return new
 
 
 def end_completion(req: RequestState, f: Any, ended_now: dict[int, list[CompletionOutput]]) -> None:

@@ -13,8 +13,11 @@ greedy, with no penalty, ``min_tokens`` ban or logprobs, is one ``argmax``):
 1. logprobs (only rows that asked): ``log_softmax`` of the **raw model logits**, before any
    penalty / temperature / truncation -- vLLM V1's default ("raw_logprobs"), so the numbers are
    the model's own beliefs and do not depend on sampling knobs.
-2. ``min_tokens``: while a row has fewer than ``min_tokens`` outputs, its stop token ids and (unless
-   ``ignore_eos``) the EOS ids are set to ``-inf`` (the scheduler lists the pairs).
+2. ``allowed_token_ids`` and ``logit_bias``: each biased row gets its request's additive row
+   (``-inf`` outside the allowed ids; ``ferrokv.logit_rules``). Then the bans: while a row has
+   fewer than ``min_tokens`` outputs, its stop token ids and (unless ``ignore_eos``) the EOS ids,
+   and the ``bad_words`` whose other tokens end its output, are set to ``-inf`` (the scheduler
+   lists the pairs). A grammar's mask is applied before the sampler (``ferrokv.step_sampling``).
 3. penalties, on the penalty rows only: repetition (HF semantics, over prompt + output tokens:
    ``logit > 0 -> logit / p``, else ``logit * p``), then ``frequency * count`` and
    ``presence * (count > 0)`` subtracted, with counts over output tokens only
@@ -220,9 +223,12 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None  # float32 [P, 1]
     output_counts: torch.Tensor | None  # float32 [P, V]
     seen_mask: torch.Tensor | None  # bool [P, V]
-    # min_tokens: (row, token) pairs to set to -inf.
+    # min_tokens and bad_words: (row, token) pairs to set to -inf.
     banned_rows: torch.Tensor | None  # int64 [B]
     banned_tokens: torch.Tensor | None  # int64 [B]
+    # logit_bias / allowed_token_ids: rows and the additive rows they get (ferrokv.logit_rules).
+    bias_rows: torch.Tensor | None  # int64 [S]
+    bias: torch.Tensor | None  # float32 [S, V]
     uniforms: torch.Tensor | None  # float64 [R]; NaN entries draw from the sampler's generator
     draw_missing: bool  # some uniform is NaN (decided on the host, so the device never waits)
     # Logprobs: rows that asked and how many top alternatives each wants.
@@ -231,7 +237,8 @@ class SamplingMetadata:
 
     @classmethod
     def from_arrays(cls, a: Any, vocab_size: int, device: torch.device | str = "cpu",
-                    penalties: PenaltyInputs | None = None) -> SamplingMetadata:
+                    penalties: PenaltyInputs | None = None,
+                    bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingMetadata:
         """The batch tensors of a step's columns ``a`` (a ``SamplingArrays`` or a scheduler
         output): array operations only, and a batch that is all greedy with no penalty, ban or
         logprobs reads nothing but the flags. Token ids outside ``[0, vocab_size)`` are ignored."""
@@ -295,6 +302,7 @@ class SamplingMetadata:
             repetition_penalty=repetition, output_counts=counts, seen_mask=seen,
             banned_rows=banned_rows, banned_tokens=banned_tokens, uniforms=uniforms, draw_missing=draw_missing,
             logprob_rows=logprob_rows, num_top_logprobs=num_top,
+            bias_rows=None if bias is None else bias[0], bias=None if bias is None else bias[1],
         )
 
     @classmethod
@@ -528,6 +536,8 @@ def sample_async(logits: torch.Tensor, metadata: SamplingMetadata,
     # Everything below is out of place, so the caller's tensor is never touched.
     x = logits.float()
 
+    if md.bias_rows is not None:
+        x = x.index_add(0, md.bias_rows, md.bias)
     if md.banned_rows is not None:
         x = x.index_put((md.banned_rows, md.banned_tokens), x.new_tensor(_NEG_INF))
     if md.penalty_rows is not None:

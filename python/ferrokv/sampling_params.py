@@ -13,6 +13,15 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
   are accepted on construction); ``stop_token_ids`` is always a ``list[int]`` of ids ``>= 0``.
 * ``logprobs`` is ``None`` or ``>= 0`` (how many top alternatives to return *in addition to* the
   sampled token's own logprob).
+* ``prompt_logprobs`` is ``None`` or ``>= 0``: the prompt's logprobs (each prompt token's own,
+  plus that many top alternatives), computed from every prompt position, never a cache hit.
+* ``detokenize`` is a bool; without it no text is made, so ``stop`` must be empty.
+* ``logit_bias`` is ``None`` or a ``dict[int, float]`` of token ids ``>= 0`` to finite biases added
+  to their logits; ``allowed_token_ids`` is ``None`` or a non-empty ``list[int]`` of ids ``>= 0``
+  (every other token is masked); ``bad_words`` is ``None`` or a ``list[str]`` of non-empty words
+  never generated (as vLLM, each word with and without a leading space). Ids are checked
+  against the vocabulary when the engine takes the request.
+* ``structured_outputs`` is ``None`` or a ``StructuredOutputsParams`` (a dict is converted).
 * ``output_kind`` is a ``RequestOutputKind`` (an int 0-2 is accepted and converted): what each
   output of the request carries (``ferrokv.outputs``). ``LLM.generate`` sets ``FINAL_ONLY``.
 * Greedy means ``temperature < GREEDY_EPS``; for greedy requests top_p/top_k/min_p are reset to
@@ -24,14 +33,16 @@ params is cheap enough to do per request on the API thread.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
 
 from ferrokv.checks import check_text
 from ferrokv.outputs import RequestOutputKind
+from ferrokv.structured_outputs import StructuredOutputsParams  # stdlib-only at import
 
-__all__ = ["GREEDY_EPS", "SamplingParams"]
+__all__ = ["GREEDY_EPS", "SamplingParams", "StructuredOutputsParams"]  # vLLM exports both here
 
 # Below this temperature a request is treated as greedy: dividing logits by ~0 would overflow, and
 # vLLM uses the same threshold, so requests behave the same on both engines.
@@ -69,6 +80,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
     # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -147,9 +164,13 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
         self.stop_token_ids = [int(t) for t in ids]
 
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop strings need detokenize=True, got stop={self.stop!r} with detokenize=False")
+        self._validate_token_rules()
 
         kind = self.output_kind
         if isinstance(kind, bool) or not isinstance(kind, (RequestOutputKind, numbers.Integral)) \
@@ -161,6 +182,50 @@ class SamplingParams:
         if self.is_greedy:
             # These cannot change an argmax; neutralising them lets the sampler take fast paths.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _validate_token_rules(self) -> None:
+        """``prompt_logprobs``, ``logit_bias``, ``allowed_token_ids``, ``bad_words`` and
+        ``structured_outputs`` (normalised: a dict's keys and values to int and float)."""
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias = {}
+            for tok, value in self.logit_bias.items():
+                if not _is_int(tok) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
+                if not _is_real(value) or not math.isfinite(value):
+                    raise ValueError(f"logit_bias[{tok}] must be a finite number, got {value!r}")
+                bias[int(tok)] = float(value)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {ids!r}")
+            ids = list(ids)
+            if not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of ints >= 0, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = [int(t) for t in ids]
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (str, list, tuple)):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            for w in words:
+                if not isinstance(w, str) or not w.strip():
+                    raise ValueError(f"bad_words must contain non-empty strings, got {w!r}")
+                check_text("bad_words", w)
+            self.bad_words = words
+        so = self.structured_outputs
+        if so is None:
+            return
+        if isinstance(so, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(so)
+        elif isinstance(so, StructuredOutputsParams):
+            # A copy, checked again: its fields may have been assigned since it was built.
+            self.structured_outputs = dataclasses.replace(so)
+        else:
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {so!r}")
 
     def _check_real(self, name: str) -> None:
         value = getattr(self, name)

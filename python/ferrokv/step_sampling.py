@@ -6,11 +6,10 @@ The core keeps each request's sampling parameters and hands them out per logits 
 uniform draw); so building a step's metadata is O(1) numpy and torch calls, with no Python per
 row, and a batch that is all greedy reads nothing but the flags and takes one ``argmax``.
 
-Per-token logit masks fit the same shape: ``min_tokens`` bans already come as sparse ``(row,
-token)`` pairs (``banned_rows``/``banned_tokens``) applied with one ``index_put``; ``bad_words``,
-``allowed_token_ids`` and ``logit_bias`` are per-request lists the core can hand out the same way
-(pairs, with a value column for a bias), and a grammar's per-step mask is a ``[R, V]`` bitmask
-tensor keyed by logits row, applied before the penalties like the bans.
+Per-token logit rules: ``min_tokens`` and ``bad_words`` bans come as sparse ``(row, token)``
+pairs (``banned_rows``/``banned_tokens``) applied with one ``index_put``; ``logit_bias`` and
+``allowed_token_ids`` are static rows kept per batch row (``ferrokv.logit_rules``), gathered for
+the rows the core lists (``bias_rows``).
 
 Invariants: ``metadata`` runs on the scheduler's thread (it reads ``out`` and, for a penalty row
 that joined or moved, the core's tokens); ``sample`` touches only tensors, so it may run on the
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ferrokv.logit_rules import LogitBiasState, has_logit_bias
 from ferrokv.penalties import PenaltyState
 from ferrokv.sampler import SampledTokens, Sampler, SamplingMetadata, penalty_rows
 from ferrokv.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ __all__ = ["StepSampler", "core_sampling_kwargs"]
 class StepSampler:
     """Samples a step's logits rows with the parameters the scheduler handed out."""
 
-    __slots__ = ("vocab_size", "device", "sampler", "penalties")
+    __slots__ = ("vocab_size", "device", "sampler", "penalties", "bias")
 
     def __init__(self, vocab_size: int, device: torch.device, seed: int | None) -> None:
         self.vocab_size = vocab_size
@@ -42,17 +42,25 @@ class StepSampler:
         # Only rows without a uniform of their own draw from it (none that the scheduler built).
         self.sampler = Sampler(seed=seed, device=device)
         self.penalties = PenaltyState(vocab_size, device)
+        self.bias = LogitBiasState(vocab_size, device)
 
-    def metadata(self, out: Any, prompt_of: Callable[[int], Sequence[int]],
+    def metadata(self, out: Any, params_of: Callable[[int], tuple[SamplingParams, Sequence[int]] | None],
                  history_of: Callable[[int], Sequence[int]]) -> SamplingMetadata | None:
-        """The step's metadata (None when no row samples). ``prompt_of(logits row)`` and
-        ``history_of(seq id)`` are read only for penalty rows whose statistics are stale."""
+        """The step's metadata (None when no row samples). ``params_of(logits row)`` (the
+        request's parameters and prompt, None once it ended) and ``history_of(seq id)`` are read
+        only for penalty and bias rows whose state is stale."""
         if not out.num_rows:
             return None
-        pens = None
+        pens = bias = None
         if out.any_penalties:
+            def prompt_of(r: int) -> Sequence[int]:
+                got = params_of(r)
+                return () if got is None else got[1]
+
             pens = self.penalties.inputs(out, penalty_rows(out), prompt_of, history_of)
-        return SamplingMetadata.from_arrays(out, self.vocab_size, self.device, pens)
+        if out.any_logit_bias:
+            bias = self.bias.inputs(out, lambda r: (params_of(r) or (None,))[0])
+        return SamplingMetadata.from_arrays(out, self.vocab_size, self.device, pens, bias)
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SampledTokens:
         """The step's tokens, left on the device; counts them into the penalty statistics."""
@@ -69,5 +77,6 @@ def core_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
         top_p=params.top_p, min_p=params.min_p, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        seed=params.seed, logprobs=params.logprobs,
+        seed=params.seed, logprobs=params.logprobs, has_logit_bias=has_logit_bias(params),
+        skip_cache_hits=params.prompt_logprobs is not None,
     )

@@ -47,7 +47,8 @@ class RustText:
     def request_kwargs(self, params: SamplingParams, stream: bool) -> dict[str, Any]:
         """Keywords for ``Scheduler.add_request`` that register the request's text."""
         return dict(stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-                    skip_special_tokens=params.skip_special_tokens, stream_text=stream)
+                    skip_special_tokens=params.skip_special_tokens, stream_text=stream,
+                    detokenize=params.detokenize)
 
     def add_request(self, core_id: int, params: SamplingParams, prompt_ids: list[int], stream: bool) -> None:
         pass  # registered by Scheduler.add_request (request_kwargs)
@@ -85,8 +86,8 @@ class PythonText:
         st = self._seqs.get(seq_id)
         if st is None:
             req = self._requests.get(core_id)
-            if req is None or seq_id in self._ended.get(core_id, ()):
-                return None  # not a text request (beam search) or already ended
+            if req is None or seq_id in self._ended.get(core_id, ()) or not req[0].detokenize:
+                return None  # not a text request (beam search, detokenize=False) or already ended
             st = self._seqs[seq_id] = [IncrementalDetokenizer.from_params(self.tokenizer, req[0], req[1]), 0]
         return st
 
@@ -98,9 +99,15 @@ class PythonText:
         deltas: list[str] = []
         for r, (cid, sid) in enumerate(zip(out.row_req_ids.tolist(), out.row_seq_ids.tolist())):
             st = self._state(cid, sid)
-            if st is None or st[0].stopped:
-                continue
             f = ended.get(sid)
+            if st is None:
+                req = self._requests.get(cid)
+                if req is not None and req[2] and f is None and not req[0].detokenize:
+                    rows.append(r)  # detokenize=False: it streams token ids, with no text
+                    deltas.append("")
+                continue
+            if st[0].stopped:
+                continue
             if f is not None and f.reason == "stop":
                 continue  # EOS / a stop token id: kept out of the text, as in vLLM
             d = st[0]

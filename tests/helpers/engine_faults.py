@@ -79,6 +79,25 @@ def drive(engine: LLMEngine, fails: type[BaseException] | None = None) -> dict[s
     return last
 
 
+def run_requests(engine: LLMEngine, requests: list[tuple[str, Any, SamplingParams]],
+                 record: Callable[[Any], Any] = lambda o: o) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """Adds the ``(request_id, prompt, params)`` requests and steps until none is unfinished;
+    returns (final output by id, ``record(output)`` of every output by id, in order)."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    final: dict[str, Any] = {}
+    every: dict[str, list[Any]] = {rid: [] for rid, _, _ in requests}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps <= MAX_STEPS, f"still unfinished after {MAX_STEPS} steps: {engine.stats()}"
+        for o in engine.step():
+            every.setdefault(o.request_id, []).append(record(o))
+            if o.finished:
+                final[o.request_id] = o
+    return final, every
+
+
 class RunnerHook:
     """Wraps ``engine.runner.forward``: ``action(call_number, step_inputs)`` runs before each
     forward pass (numbered from 1; ``step_inputs`` is the runner's ``StepInputs``, with the step's

@@ -1,0 +1,494 @@
+"""Structured outputs: decoding under a JSON schema, regex, choice list or grammar (llguidance).
+
+``StructuredOutputsParams`` (vLLM's names) says what a request's output must match;
+``GrammarCompiler`` turns it into an llguidance grammar once per distinct params (LRU cache);
+``GrammarRows`` is the engine's per-step state: one matcher per generation, the bitmask of each
+grammar row's allowed next tokens, the masking of logits, and the advance by the sampled token.
+
+Invariants:
+
+* A params object sets exactly one of ``json``/``regex``/``choice``/``grammar``/``json_object``;
+  ``validate`` (run on construction) raises ``ValueError`` naming ``structured_outputs.<field>``.
+  ``cache_key()`` is canonical: a schema's keyword order, and dict vs JSON text, do not matter;
+  the order of its ``properties`` does (llguidance generates properties in that order), as does
+  the key order of the data in ``enum``/``const``.
+* A ``CompiledGrammar`` is immutable and shared by every request with the same key; each
+  generation (``key = request_core_id * 65536 + sample_index``) gets its own matcher, a deep copy
+  of the grammar's template matcher, made the first time the key is seen.
+* Masks are ``ceil(n_vocab / 32)`` int32 words per row, bit ``t % 32`` of word ``t // 32`` set
+  when token ``t`` is allowed, ``n_vocab = max(vocab_size, len(tokenizer))``. Ids the tokenizer
+  lacks (logits padding) and special tokens other than EOS are never allowed; columns of the logits
+  beyond the mask are masked too.
+* A stopped matcher (the grammar is complete and admits nothing more) allows only EOS, and so does
+  a matcher in error (``accept`` of a token it rejects, which never raises): the sequence ends.
+  Its output then need not match the grammar; only a rejected token (a bug upstream) causes it.
+
+Threading: ``GrammarCompiler.compile`` may be called from any thread (a lock guards the cache; the
+grammar build itself runs unlocked, llguidance releases the GIL). ``GrammarRows`` guards its
+bookkeeping with a lock, but a matcher's state is not: the engine orders, per key,
+``fill`` (step t) -> ``apply`` -> sample -> ``accept`` (step t) -> ``fill`` (step t+1), and may run
+``fill``/``apply`` on a worker thread as long as nothing else touches those keys meanwhile.
+
+Costs: wrapping the tokenizer ~0.5 s for a 49k vocab (once per compiler); compiling a grammar
+~1-100 ms (up to ~1 s for huge schemas), then a cache hit; a matcher ~µs (deep copy); ``fill``
+~10-100 µs per row, with several rows in parallel on llguidance's threads without the GIL;
+``apply`` O(R * V) torch ops plus one host-to-device copy of R * V / 8 bytes; ``rows_of`` one
+``np.isin``. Importing this module costs only the standard library (params are built per request
+on API threads): numpy, torch and llguidance are imported by the compiler and the rows.
+"""
+
+from __future__ import annotations
+
+import json as _json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import llguidance
+    import numpy as np
+    import torch
+
+__all__ = ["KEY_STRIDE", "CompiledGrammar", "GrammarCompiler", "GrammarRows", "GrammarStep", "LazyGrammarCompiler",
+           "StructuredOutputsParams", "grammar_key"]
+
+KEY_STRIDE = 65536  # key = request_core_id * KEY_STRIDE + sample_index
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# JSON's whitespace between tokens by default: any JSON whitespace, as in vLLM, but at most 20
+# characters in a run (pretty-printing with room to spare), so a model cannot loop on whitespace
+# and a bounded schema bounds the output. ``whitespace_pattern`` overrides it.
+JSON_WHITESPACE = r"[ \t\n\r]{0,20}"
+_MAX_ERROR = 2000  # characters of an llguidance error message kept in ours
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _canonical(node: Any, in_properties: bool = False) -> Any:
+    """A schema with its keywords sorted, but not the order llguidance generates in: the property
+    names of ``properties`` and the values of ``enum``/``const``/``default``/``examples`` (data)."""
+    if isinstance(node, list):
+        return [_canonical(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    items = node.items() if in_properties else sorted(node.items())
+    return {k: v if not in_properties and k in ("enum", "const", "default", "examples")
+            else _canonical(v, in_properties=not in_properties and k == "properties") for k, v in items}
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What a request's output must match: exactly one of ``json`` (a JSON schema, dict or JSON
+    text), ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark as llguidance takes it,
+    or GBNF when it has ``::=``), ``json_object=True`` (any JSON object). The other three options
+    shape JSON output only: ``disable_any_whitespace`` (no whitespace between tokens),
+    ``disable_additional_properties`` (objects with ``properties`` take no others unless they say
+    so), ``whitespace_pattern`` (the regex of whitespace between tokens; it wins over
+    ``disable_any_whitespace``)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    # The schema as canonical JSON text (keywords sorted, see _canonical), set by validate().
+    _schema: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    FIELDS: ClassVar[tuple[str, ...]] = (*_KINDS, "disable_any_whitespace", "disable_additional_properties",
+                                         "whitespace_pattern")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks every field's type and the exactly-one rule; raises ``ValueError``."""
+        self._schema = None if self.json is None else self._canonical_schema(self.json)
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"structured_outputs.regex must be a string, got {_show(self.regex)}")
+        c = self.choice
+        if c is not None and (not isinstance(c, list) or not c or not all(isinstance(s, str) for s in c)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {_show(c)}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty string, got {_show(self.grammar)}")
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            value = getattr(self, name)
+            if not (type(value) is bool or (value is None and name == "json_object")):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {_show(value)}")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError(f"structured_outputs.whitespace_pattern must be a string, got "
+                             f"{_show(self.whitespace_pattern)}")
+        chosen = self._chosen()
+        if len(chosen) != 1:
+            names = ", ".join(f"structured_outputs.{k}" for k in _KINDS)
+            got = ", ".join(chosen) if chosen else "none"
+            raise ValueError(f"exactly one of {names} (=True) must be set, got {got}")
+
+    @staticmethod
+    def _canonical_schema(schema: Any) -> str:
+        if isinstance(schema, str):
+            try:
+                schema = _json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object (a dict or JSON text), "
+                             f"got {_show(schema)}")
+        try:
+            return _json.dumps(_canonical(schema), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.json is not JSON-serializable: {e}") from None
+
+    @property
+    def kind(self) -> str:
+        """The field that holds the constraint: ``json``, ``regex``, ``choice``, ``grammar`` or
+        ``json_object``."""
+        return self._chosen()[0]
+
+    def _chosen(self) -> list[str]:
+        return [k for k in _KINDS if (self.json_object is True if k == "json_object" else getattr(self, k) is not None)]
+
+    def cache_key(self) -> tuple:
+        """A hashable key, equal for params that compile to the same grammar."""
+        kind = self.kind
+        if kind in ("json", "json_object"):
+            return (kind, self._schema, self.disable_any_whitespace, self.disable_additional_properties,
+                    self.whitespace_pattern)
+        return (kind, tuple(self.choice) if kind == "choice" else getattr(self, kind))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StructuredOutputsParams:
+        """From the server's JSON body (vLLM's field names); an unknown key raises ``ValueError``."""
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs must be an object, got {_show(d)}")
+        for key in d:
+            if key not in cls.FIELDS:
+                raise ValueError(f"unknown field structured_outputs.{key} (known: {', '.join(cls.FIELDS)})")
+        return cls(**d)
+
+
+@dataclass(slots=True, frozen=True)
+class CompiledGrammar:
+    """A validated llguidance grammar; shared (never advanced itself), so cached by the compiler."""
+
+    kind: str
+    grammar: str  # llguidance's serialized grammar
+    vocab_size: int  # n_vocab: the bitmask width in bits
+    template: llguidance.LLMatcher = field(repr=False)
+
+    def new_matcher(self) -> llguidance.LLMatcher:
+        """A fresh matcher at the grammar's start (a deep copy of the template: no rebuild)."""
+        return self.template.deep_copy()
+
+
+def _additional_properties_off(schema: Any) -> None:
+    """In place: every (sub)schema with ``properties`` and no ``additionalProperties`` gets
+    ``additionalProperties: false``."""
+    if isinstance(schema, list):
+        for item in schema:
+            _additional_properties_off(item)
+    elif isinstance(schema, dict):
+        if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+        for key, value in schema.items():
+            if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+                if isinstance(value, dict):
+                    for sub in value.values():
+                        _additional_properties_off(sub)
+            elif key not in ("enum", "const", "default", "examples", "required"):
+                _additional_properties_off(value)
+
+
+class GrammarCompiler:
+    """Params -> ``CompiledGrammar`` for one tokenizer, with an LRU cache of ``cache_size``."""
+
+    __slots__ = ("tokenizer", "vocab_size", "cache_size", "_cache", "_lock")
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, cache_size: int = 256) -> None:
+        import llguidance.hf
+
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        # The logits may be wider than the tokenizer (padding ids) and, rarely, narrower.
+        n_vocab = max(int(vocab_size), len(tokenizer))
+        self.tokenizer: llguidance.LLTokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=n_vocab, eos_token=eos_token_id)
+        self.vocab_size = self.tokenizer.vocab_size
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled grammar of ``params``; an invalid one raises ``ValueError`` naming its field."""
+        key = params.cache_key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._build(params)  # unlocked: can take long, other threads go on
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:  # another thread built it meanwhile: everyone shares one
+                self._cache.move_to_end(key)
+                return hit
+            if self.cache_size:
+                self._cache[key] = compiled
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return compiled
+
+    def _build(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        from llguidance import LLMatcher
+
+        kind = params.kind
+        try:
+            grammar = self.grammar_text(params)
+            error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+            template = None
+            if not error:
+                template = LLMatcher(self.tokenizer, grammar, log_level=0)
+                error = template.get_error() if template.is_error() else ""
+        except Exception as e:  # llguidance and the GBNF converter raise various types
+            error = f"{type(e).__name__}: {e}"
+        if error:
+            error = error if len(error) <= _MAX_ERROR else error[:_MAX_ERROR] + "..."
+            raise ValueError(f"structured_outputs.{kind} is not a valid grammar: {error.rstrip()}")
+        return CompiledGrammar(kind, grammar, self.vocab_size, template)
+
+    @staticmethod
+    def grammar_text(params: StructuredOutputsParams) -> str:
+        """The llguidance grammar (serialized) of ``params``; not yet validated."""
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+        kind = params.kind
+        if kind in ("json", "json_object"):
+            schema: Any = params._schema if kind == "json" else '{"type": "object"}'
+            if params.disable_additional_properties:
+                schema = _json.loads(schema)
+                _additional_properties_off(schema)
+            options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+            if params.whitespace_pattern is not None:
+                options["whitespace_pattern"] = params.whitespace_pattern
+            elif not params.disable_any_whitespace:
+                options["whitespace_pattern"] = JSON_WHITESPACE
+            return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(params.regex)
+        if kind == "choice":  # Lark string literals take JSON's escapes
+            return LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(_json.dumps(c, ensure_ascii=False) for c in params.choice))
+        text = params.grammar
+        if "::=" in text and not is_lark_syntax(text):
+            text = gbnf_to_lark(text)
+        return LLMatcher.grammar_from_lark(text)
+
+
+class LazyGrammarCompiler:
+    """A ``GrammarCompiler`` made on first use, once, from any thread: wrapping a large
+    vocabulary's tokenizer costs, and most engines never see a grammar."""
+
+    __slots__ = ("_args", "_compiler", "_lock")
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        self._args = (tokenizer, vocab_size, eos_token_id)
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(*self._args)
+        return self._compiler.compile(params)
+
+
+def grammar_key(req_ids: np.ndarray, sample_idx: np.ndarray) -> np.ndarray:
+    """The int64 generation keys ``req_id * 65536 + sample_index`` (``0 <= sample_index < 65536``)."""
+    import numpy as np
+
+    s = np.asarray(sample_idx, dtype=np.int64)
+    if s.size and (s.min() < 0 or s.max() >= KEY_STRIDE):
+        raise ValueError(f"sample indices must be in [0, {KEY_STRIDE}), got {s.min()}..{s.max()}")
+    return np.asarray(req_ids, dtype=np.int64) * KEY_STRIDE + s
+
+
+@dataclass(slots=True)
+class _Request:
+    compiled: CompiledGrammar
+    matchers: dict[int, Any] = field(default_factory=dict)  # sample index -> LLMatcher
+
+
+class GrammarRows:
+    """The matchers of the requests decoding under a grammar, by generation key (module docs)."""
+
+    __slots__ = ("vocab_size", "words", "pin_memory", "num_threads", "_requests", "_ids", "_lock", "_executor")
+
+    def __init__(self, vocab_size: int, *, num_threads: int | None = None, pin_memory: bool = False) -> None:
+        """``vocab_size``: the compiler's ``vocab_size`` (n_vocab); ``num_threads``: llguidance's
+        mask threads (None: its default, 80% of the CPUs up to 32); ``pin_memory``: pinned masks,
+        for an asynchronous copy to the GPU."""
+        import numpy as np
+
+        self.vocab_size = int(vocab_size)
+        self.words = (self.vocab_size + 31) // 32
+        self.pin_memory = pin_memory
+        self.num_threads = num_threads
+        self._requests: dict[int, _Request] = {}
+        self._ids = np.zeros(0, dtype=np.int64)  # the registered request ids, for rows_of
+        self._lock = threading.Lock()
+        self._executor: llguidance.LLExecutor | None = None
+
+    def _sync_ids(self) -> None:
+        import numpy as np
+
+        self._ids = np.fromiter(self._requests, dtype=np.int64, count=len(self._requests))
+
+    def register(self, request_core_id: int, compiled: CompiledGrammar) -> None:
+        """Request ``request_core_id`` decodes under ``compiled`` (each sample its own matcher)."""
+        if compiled.vocab_size != self.vocab_size:
+            raise ValueError(f"grammar compiled for vocab {compiled.vocab_size}, rows have {self.vocab_size}")
+        with self._lock:
+            if request_core_id in self._requests:
+                raise ValueError(f"request {request_core_id} already decodes under a grammar")
+            self._requests[int(request_core_id)] = _Request(compiled)
+            self._sync_ids()
+
+    def release(self, request_core_id: int) -> None:
+        """Drops the request's matchers (finished or aborted); unknown ids are ignored."""
+        with self._lock:
+            if self._requests.pop(int(request_core_id), None) is not None:
+                self._sync_ids()
+
+    def has_any(self) -> bool:
+        return bool(self._requests)
+
+    def rows_of(self, req_ids: np.ndarray, sample_idx: np.ndarray) -> np.ndarray:
+        """The indices of the rows (of ``req_ids``/``sample_idx``, one per logits row) whose request
+        decodes under a grammar; their keys are ``grammar_key(req_ids[rows], sample_idx[rows])``."""
+        import numpy as np
+
+        if len(req_ids) != len(sample_idx):
+            raise ValueError(f"{len(req_ids)} request ids but {len(sample_idx)} sample indices")
+        ids = self._ids  # one read: register/release replace, never mutate, the array
+        if not ids.size:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(np.isin(req_ids, ids))
+
+    def step(self, out: Any) -> GrammarStep | None:
+        """The rows of step ``out`` (a ``SchedulerOutput``) under a grammar and their matchers,
+        resolved now, on the scheduler's thread: the step job and ``GrammarStep.accept`` then
+        use them even if their request is released meanwhile. None when no row has a grammar."""
+        if not self._requests:
+            return None
+        rows = self.rows_of(out.row_req_ids, out.row_sample_index)
+        if not len(rows):
+            return None
+        keys = grammar_key(out.row_req_ids[rows], out.row_sample_index[rows])
+        return GrammarStep(rows, self._matchers(keys), self)
+
+    def _matchers(self, keys: np.ndarray | list[int]) -> list[Any]:
+        import numpy as np
+
+        out = []
+        with self._lock:
+            for key in np.asarray(keys, dtype=np.int64).tolist():
+                req = self._requests.get(key // KEY_STRIDE)
+                if req is None:
+                    raise KeyError(f"key {key}: request {key // KEY_STRIDE} decodes under no grammar")
+                m = req.matchers.get(key % KEY_STRIDE)
+                if m is None:
+                    m = req.matchers[key % KEY_STRIDE] = req.compiled.new_matcher()
+                out.append(m)
+        return out
+
+    def fill(self, keys: np.ndarray) -> torch.Tensor:
+        """The int32 CPU bitmask ``[len(keys), words]`` of each key's allowed next tokens (keys
+        unique). A stopped or errored matcher allows only EOS."""
+        return self.fill_matchers(self._matchers(keys))
+
+    def fill_matchers(self, ms: list[Any]) -> torch.Tensor:
+        """``fill`` for matchers already resolved (``GrammarStep``)."""
+        import llguidance
+        import torch
+
+        mask = torch.empty((len(ms), self.words), dtype=torch.int32, pin_memory=self.pin_memory)
+        row_bytes = 4 * self.words
+        if len(ms) == 1:  # what llguidance.torch.fill_next_token_bitmask does, without importing it
+            ms[0].unsafe_compute_mask_ptr(mask.data_ptr(), row_bytes)
+        elif ms:  # llguidance.torch.fill_next_token_bitmask_par: parallel, without the GIL
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(self.num_threads)
+            self._executor.unsafe_compute_mask_ptr(list(zip(ms, range(len(ms)))), mask.data_ptr(), row_bytes,
+                                                   len(ms))
+        return mask
+
+    @staticmethod
+    def apply(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """In place: ``logits[rows[i], t] = -inf`` where bit ``t`` of ``bitmask[i]`` is clear, and
+        for ``t >= 32 * words``. ``logits`` ``[B, V]`` on any device; ``bitmask`` from ``fill``."""
+        import torch
+
+        if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+            raise ValueError(f"logits [B, V] and an int32 bitmask [R, words], got {tuple(logits.shape)}, "
+                             f"{tuple(bitmask.shape)} {bitmask.dtype}")
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        n = rows.numel()
+        if n != bitmask.shape[0]:
+            raise ValueError(f"{n} rows but {bitmask.shape[0]} bitmask rows")
+        if n == 0:
+            return
+        dev, vocab = logits.device, logits.shape[1]
+        rows = rows.to(dev, non_blocking=True)
+        # Little-endian int32 words as bytes: token t is bit t % 8 of byte t // 8.
+        masks = bitmask.contiguous().to(dev, non_blocking=True).view(torch.uint8)
+        shifts = torch.arange(8, dtype=torch.uint8, device=dev)
+        allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(n, -1).bool()
+        if allowed.shape[1] >= vocab:
+            allowed = allowed[:, :vocab]
+        else:
+            allowed = torch.cat([allowed, allowed.new_zeros((n, vocab - allowed.shape[1]))], dim=1)
+        sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+        logits.index_copy_(0, rows, sub)
+
+    def accept(self, keys: np.ndarray, tokens: np.ndarray) -> None:
+        """Advances each key's matcher by its committed token; a rejected token leaves the matcher
+        in error (then it allows only EOS) and never raises."""
+        if len(keys) != len(tokens):
+            raise ValueError(f"{len(keys)} keys but {len(tokens)} tokens")
+        for m, token in zip(self._matchers(keys), [int(t) for t in tokens]):
+            m.consume_token(token)
+
+    def is_finished(self, key: int) -> bool:
+        """Whether the key's grammar is complete (its matcher stopped: only EOS is allowed)."""
+        return self._matchers([key])[0].is_stopped()
+
+    def error(self, key: int) -> str:
+        """The key's matcher error ("" when none), for logs."""
+        return self._matchers([key])[0].get_error()
+
+
+@dataclass(slots=True)
+class GrammarStep:
+    """One step's rows under a grammar (``GrammarRows.step``)."""
+
+    rows: np.ndarray  # int64 [G]: logits rows
+    matchers: list[Any]  # their matchers, one per row
+    owner: GrammarRows
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Masks the rows' disallowed tokens to -inf, in place (the step job, before sampling)."""
+        import torch
+
+        GrammarRows.apply(logits, torch.from_numpy(self.rows), self.owner.fill_matchers(self.matchers))
+
+    def accept(self, sampled: np.ndarray) -> None:
+        """Advances each row's matcher by its token, once the step's ``update()`` committed them
+        (a row ended meanwhile only advances a matcher nobody reads again)."""
+        for m, token in zip(self.matchers, sampled[self.rows].tolist()):
+            m.consume_token(int(token))

