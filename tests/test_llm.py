@@ -321,3 +321,21 @@ def test_chat_without_template_is_value_error(tmp_path, llama_path):
     llm = tiny_llm(path)
     with pytest.raises(ValueError, match="chat template"):
         llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+
+
+def test_generate_priority_orders_admission_under_the_priority_policy(llama_path):
+    """vLLM's ``generate(..., priority=[...])``: lower runs first; one sequence at a time, so the
+    first-scheduled times follow the priorities, not the prompt order."""
+    llm = tiny_llm(llama_path, scheduling_policy="priority", max_num_seqs=1)
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False, priority=[2, 0, 1])
+    order = sorted(range(3), key=lambda i: outs[i].metrics.scheduled_ts)
+    assert order == [1, 2, 0], [o.metrics.scheduled_ts for o in outs]
+    with pytest.raises(ValueError, match="priority: got 2 for 3 prompts"):
+        llm.generate(prompts, use_tqdm=False, priority=[0, 1])
+
+
+def test_priority_without_the_priority_policy_is_refused(llama_llm):
+    with pytest.raises(ValueError, match=r"priority=3 needs scheduling_policy='priority'"):
+        llama_llm.generate([[5, 6, 7]], use_tqdm=False, priority=[3])
+    assert llama_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0])[0].finished

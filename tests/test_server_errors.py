@@ -119,6 +119,15 @@ BAD_PARAMS = [
     (_CH, "top_logprobs", -1, "-1"),
     (_CH, "max_completion_tokens", 0, "0"),
     (_CH, "temperature", -0.5, "-0.5"),
+    (_C, "logit_bias", {"abc": 1}, "abc"),
+    (_C, "logit_bias", {"5": "x"}, "x"),
+    (_C, "logit_bias", {str(10 ** 9): 1}, str(10 ** 9)),  # outside the vocabulary (the engine's check)
+    (_CH, "response_format", {"type": "xml"}, "xml"),
+    (_CH, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "None"),
+    (_C, "prompt_logprobs", 21, "21"),
+    (_C, "allowed_token_ids", [10 ** 9], str(10 ** 9)),
+    (_CH, "structured_outputs", {"regex": "(ab"}, "(ab"),  # does not compile (the engine's check)
+    (_C, "guided_regex", "[a-", "[a-"),
     (_TOK, "prompt", 42, "42"),
     (_DETOK, "tokens", [-1], None),
     (_DETOK, "tokens", [10 ** 9], None),

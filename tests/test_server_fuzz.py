@@ -36,12 +36,20 @@ INTERESTING: list[Any] = [
     {"a": 1}, {"include_usage": True}, {"role": "user", "content": "hi"}, [{"role": "user", "content": "hi"}],
     [{"role": "user"}], [{"role": "user", "content": None}], [{"content": "hi"}], [{"role": 3, "content": "x"}],
     MODEL, "no-such-model",
+    # response_format, structured_outputs, guided_*, logit_bias, bad_words values
+    {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {}}}}},
+    {"regex": "[0-9]+"}, {"choice": ["a", "b"]}, {"json": {"type": "integer"}}, {"grammar": "start: \"x\""},
+    {"json_object": True}, "[a-", ["a", "b"], {"type": "string", "maxLength": 3}, {"5": 100}, {"5": -1e9}, {"x": 1},
+    ["the"],
 ]
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
           "stream", "stream_options", "stop", "seed", "logprobs", "top_logprobs", "presence_penalty",
           "frequency_penalty", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
-          "cache_salt", "priority", "tokens", "add_special_tokens", "echo", "suffix", "best_of", "logit_bias"]
+          "cache_salt", "priority", "tokens", "add_special_tokens", "echo", "suffix", "best_of", "logit_bias",
+          "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+          "guided_whitespace_pattern", "allowed_token_ids", "bad_words", "prompt_logprobs"]
 
 
 def valid_body(path: str, rng: random.Random) -> dict[str, Any]:

@@ -241,6 +241,9 @@ class LLMEngine:
     def _submit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                 max_tokens: int, priority: int, cache_salt: str | None, beam: BeamSearchState | None) -> None:
         check_int("priority", priority, _PRIORITY_MIN, _PRIORITY_MAX)
+        if priority != 0 and self.args.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
+                             f"(the engine runs {self.args.scheduling_policy!r})")  # as vLLM refuses it
         core_id = next(self._next_core_id)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         stop_ids = list(params.stop_token_ids or [])

@@ -153,7 +153,7 @@ class LLM:
         return str(next(self._request_counter))  # atomic under the GIL: safe from any thread
 
     def _run(self, prompts: Sequence[Any], params: Sequence[SamplingParams] | None, use_tqdm: bool,
-             beam: dict[str, Any] | None = None) -> list[RequestOutput]:
+             beam: dict[str, Any] | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Submits every prompt to the engine loop and returns their finished outputs in order."""
         loop = self.engine_loop
         sink: queue.SimpleQueue[StreamItem] = queue.SimpleQueue()
@@ -171,7 +171,8 @@ class LLM:
                 if beam is not None:
                     loop.submit_beam(rid, p, sink=sink, **beam)
                 else:
-                    loop.submit(rid, p, _final_only(params[i]), sink=sink)
+                    loop.submit(rid, p, _final_only(params[i]), sink=sink,
+                                priority=0 if priority is None else priority[i])
                 ids.append(rid)
             while len(done) < len(ids):
                 item = sink.get()
@@ -191,10 +192,12 @@ class LLM:
         return [done[rid].output for rid in ids]
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generates for every prompt (vLLM's forms, ``ferrokv.inputs``: a str, a ``TextPrompt`` or
         ``TokensPrompt`` dict, a list of ints, or a list of these); returns one finished
-        ``RequestOutput`` per prompt, in order. A dict's ``cache_salt`` isolates its prefix cache."""
+        ``RequestOutput`` per prompt, in order. A dict's ``cache_salt`` isolates its prefix cache.
+        ``priority``: one per prompt (lower runs first), under ``scheduling_policy="priority"``
+        only, as in vLLM."""
         prompts = batch_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -206,7 +209,11 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts (give one, or one per prompt)"
                 )
-        return self._run(prompts, params, use_tqdm)
+        if priority is not None:
+            priority = list(priority)
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts (give one per prompt)")
+        return self._run(prompts, params, use_tqdm, priority=priority)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,

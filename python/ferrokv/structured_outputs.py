@@ -134,8 +134,8 @@ class StructuredOutputsParams:
         if isinstance(schema, str):
             try:
                 schema = _json.loads(schema)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON ({e}), got {_show(schema)}") from None
         if not isinstance(schema, dict):
             raise ValueError(f"structured_outputs.json must be a JSON schema object (a dict or JSON text), "
                              f"got {_show(schema)}")
@@ -143,6 +143,8 @@ class StructuredOutputsParams:
             return _json.dumps(_canonical(schema), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ValueError(f"structured_outputs.json is not JSON-serializable: {e}") from None
+        except RecursionError:
+            raise ValueError(f"structured_outputs.json is nested too deeply, got {_show(schema)}") from None
 
     @property
     def kind(self) -> str:

@@ -4,13 +4,23 @@ and the errors and response pieces the endpoints send back.
 Invariants: every parser takes the decoded JSON as it came (any type) and either returns a
 request whose fields have the right types, or raises ``OpenAIError(400, ...)`` whose message
 names the field and its value (``param`` is the field). The sampling rules live in
-``SamplingParams.validate``: its ``ValueError`` is mapped here, never repeated. ``null`` means
-"not given" for every optional field, as OpenAI's clients send it.
+``SamplingParams.validate`` (and ``StructuredOutputsParams.validate``): their ``ValueError`` is
+mapped here, never repeated. ``null`` means "not given" for every optional field, as OpenAI's
+clients send it.
+
+Structured outputs come from one of: OpenAI's ``response_format`` (``json_object`` or
+``json_schema``), vLLM's ``structured_outputs`` object, or vLLM's older ``guided_json`` /
+``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (with ``guided_whitespace_pattern``);
+two of them at once is a 400. Errors about the constraint, here or later from the engine (a
+grammar that does not compile), are told in the request's own names (``StructuredSource``).
+``logit_bias`` is OpenAI's ``{"token id": bias}``, each bias clamped to [-100, 100] as vLLM does.
 Costs: O(size of the body) per request; nothing here touches torch or the engine.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -18,10 +28,11 @@ from typing import Any
 from ferrokv.checks import shown
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
+from ferrokv.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "MAX_LOGPROBS", "ChatRequest", "CompletionRequest", "OpenAIError", "error_body", "parse_chat_request",
-    "parse_completion_request", "parse_detokenize_request", "parse_tokenize_request",
+    "StructuredSource", "parse_completion_request", "parse_detokenize_request", "parse_tokenize_request",
 ]
 
 MAX_LOGPROBS = 20  # most top alternatives per token (OpenAI's and vLLM's default cap)
@@ -34,9 +45,11 @@ _SAMPLING_FIELDS = (
 )
 _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
 # OpenAI fields this server does not implement: refused when set to anything but their no-op value.
-_UNSUPPORTED = {"suffix": (None, ""), "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}),
-                "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
-                "prompt_logprobs": (None, 0)}
+_UNSUPPORTED = {"suffix": (None, ""), "echo": (None, False), "best_of": (None, 1), "tools": (None, []),
+                "functions": (None, []), "structural_tag": (None,)}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it
+_TOKEN_ID_KEY = re.compile(r"\d{1,18}")
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
 
@@ -107,8 +120,9 @@ _I32 = (1 << 31) - 1
 
 
 def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None,
-                    kind: RequestOutputKind) -> SamplingParams:
-    """The request's ``SamplingParams``; their own checks, mapped to a 400 naming the field."""
+                    kind: RequestOutputKind) -> tuple[SamplingParams, StructuredSource | None]:
+    """The request's ``SamplingParams`` (their own checks mapped to a 400 naming the field), and
+    where its structured-output constraint came from (None: it has none)."""
     for name, (*noop,) in _UNSUPPORTED.items():
         if body.get(name) not in noop:
             raise bad(name, f"{name} is not supported by this server, got {shown(body.get(name))}")
@@ -118,13 +132,136 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
             raise bad(name, f"{name} must be at most {hi}, got {kw[name]}")
     if "stop" in kw and not isinstance(kw["stop"], (str, list)):
         raise bad("stop", f"stop must be a string or a list of strings, got {shown(kw['stop'])}")
-    if "stop_token_ids" in kw and not isinstance(kw["stop_token_ids"], list):
-        raise bad("stop_token_ids", f"stop_token_ids must be a list of integers, got {shown(kw['stop_token_ids'])}")
+    for name, what in (("stop_token_ids", "integers"), ("allowed_token_ids", "token ids"), ("bad_words", "strings")):
+        v = body.get(name)
+        if v is not None and not isinstance(v, list):
+            raise bad(name, f"{name} must be a list of {what}, got {shown(v)}")
+    if body.get("allowed_token_ids") is not None:
+        kw["allowed_token_ids"] = body["allowed_token_ids"]
+    if body.get("bad_words"):  # [] is vLLM's default: no bad words
+        kw["bad_words"] = body["bad_words"]
+    bias = _logit_bias(body.get("logit_bias"))
+    if bias:
+        kw["logit_bias"] = bias
+    prompt_logprobs = _int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None and _bool(body, "stream", False):
+        # vLLM: a stream carries no prompt logprobs, so asking for alternatives is an error
+        # and prompt_logprobs=0 is accepted and not computed.
+        if prompt_logprobs > 0:
+            raise bad("prompt_logprobs", f"prompt_logprobs are not available with stream: true, got "
+                                         f"prompt_logprobs={prompt_logprobs}")
+        prompt_logprobs = None
+    structured, source = _structured(body)
     try:
-        return SamplingParams(**kw, max_tokens=max_tokens, logprobs=logprobs, output_kind=kind)
+        params = SamplingParams(**kw, max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
+                                prompt_logprobs=prompt_logprobs, structured_outputs=structured)
     except ValueError as e:
-        name = str(e).split(" ", 1)[0]
+        m = re.match(r"[A-Za-z_]+", str(e))
+        name = m.group(0) if m else None
         raise bad(name if name in _SAMPLING_NAMES else None, str(e)) from None  # type: ignore[arg-type]
+    return params, source
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's ``{"token id": bias}`` -> ``{id: bias clamped to [-100, 100]}`` (ids checked
+    against the vocabulary by the engine)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise bad("logit_bias", f"logit_bias must be an object mapping token ids (as strings) to biases, "
+                                f"got {shown(value)}")
+    out = {}
+    for key, bias in value.items():
+        if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key):
+            raise bad("logit_bias", f"logit_bias keys must be token ids (integers >= 0, as strings), got {shown(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+            raise bad("logit_bias", f"logit_bias[{key!r}] must be a number, got {shown(bias)}")
+        out[int(key)] = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, float(bias)))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredSource:
+    """The request field a structured-output constraint came from, and how that field names
+    the ``structured_outputs.<field>`` that ``StructuredOutputsParams`` and the engine's grammar
+    compiler talk about."""
+
+    param: str
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def error(self, message: str) -> OpenAIError:
+        """A 400 for a ``ValueError`` about the constraint, in the request's names."""
+        for old, new in self.renames:
+            message = re.sub(rf"\bstructured_outputs\.{old}\b", new, message)
+        return bad(self.param, message)
+
+
+def _structured(body: Mapping[str, Any]) -> tuple[StructuredOutputsParams | None, StructuredSource | None]:
+    """The request's structured-output constraint, from whichever field gives it (module docs)."""
+    found: list[tuple[str, dict[str, Any], StructuredSource]] = []
+    rf = _response_format(body.get("response_format"))
+    if rf is not None:
+        found.append(("response_format", rf, StructuredSource(
+            "response_format.json_schema" if "json" in rf else "response_format",
+            (("json", "response_format.json_schema.schema"), ("json_object", "response_format"),
+             ("whitespace_pattern", "guided_whitespace_pattern")))))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, Mapping):
+            raise bad("structured_outputs", f"structured_outputs must be an object (json, regex, choice, grammar or "
+                                            f"json_object, and options), got {shown(so)}")
+        found.append(("structured_outputs", dict(so), StructuredSource("structured_outputs")))
+    for name, kind in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, {kind: body[name]}, StructuredSource(
+                name, ((kind, name), ("whitespace_pattern", "guided_whitespace_pattern")))))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        names = [n for n, _, _ in found]
+        raise bad(names[1], f"give at most one of response_format (json_object/json_schema), structured_outputs, "
+                            f"{', '.join(_GUIDED)}; got {' and '.join(names)}")
+    name, spec, source = found[0]
+    ws = _str(body, "guided_whitespace_pattern")
+    if ws is not None and name != "structured_outputs":
+        spec["whitespace_pattern"] = ws
+    try:
+        return StructuredOutputsParams.from_dict(spec), source
+    except ValueError as e:
+        raise source.error(str(e)) from None
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` -> ``StructuredOutputsParams`` fields (None: plain text)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise bad("response_format", f"response_format must be an object such as {{'type': 'json_object'}}, "
+                                     f"got {shown(value)}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = value.get("json_schema")
+        if not isinstance(js, Mapping):
+            raise bad("response_format.json_schema", "response_format.json_schema must be an object "
+                      f"{{'name': ..., 'schema': {{...}}, 'strict': ...}}, got {shown(js)}")
+        schema = js.get("schema")
+        if not isinstance(schema, Mapping):
+            raise bad("response_format.json_schema", "response_format.json_schema.schema must be a JSON schema "
+                                                     f"object, got {shown(schema)}")
+        for key, types, what in (("name", (str,), "a string"), ("description", (str,), "a string"),
+                                 ("strict", (bool,), "a boolean")):
+            if js.get(key) is not None and not isinstance(js[key], types):
+                raise bad("response_format.json_schema", f"response_format.json_schema.{key} must be {what}, "
+                                                         f"got {shown(js[key])}")
+        return {"json": dict(schema)}
+    if kind == "structural_tag":
+        raise bad("response_format", "response_format type 'structural_tag' is not supported by this server")
+    raise bad("response_format", "response_format.type must be 'text', 'json_object' or 'json_schema', "
+                                 f"got {shown(kind)}")
 
 
 def _max_tokens(body: Mapping[str, Any], default: int | None) -> int | None:
@@ -149,9 +286,17 @@ class _Common:
     user: str | None
     priority: int
     cache_salt: str | None
+    structured: StructuredSource | None
+
+    def engine_error(self, e: ValueError) -> Exception:
+        """The engine's ``ValueError`` about this request's constraint (a grammar that does not
+        compile), told in the request's names; any other error as it is."""
+        if self.structured is not None and str(e).startswith("structured_outputs"):
+            return self.structured.error(str(e))
+        return e
 
 
-def _common(body: Mapping[str, Any], params: SamplingParams) -> dict[str, Any]:
+def _common(body: Mapping[str, Any], params: SamplingParams, structured: StructuredSource | None) -> dict[str, Any]:
     stream = _bool(body, "stream", False)
     opts = _opt(body, "stream_options", {})
     opts = _object(opts, "stream_options")
@@ -162,7 +307,8 @@ def _common(body: Mapping[str, Any], params: SamplingParams) -> dict[str, Any]:
     if salt is not None and not salt:
         raise bad("cache_salt", "cache_salt must be a non-empty string")
     return dict(model=_str(body, "model"), stream=stream, include_usage=include_usage, params=params,
-                user=_str(body, "user"), priority=_int(body, "priority", 0, -_I32 - 1, _I32), cache_salt=salt)
+                user=_str(body, "user"), priority=_int(body, "priority", 0, -_I32 - 1, _I32), cache_salt=salt,
+                structured=structured)
 
 
 @dataclass(slots=True)
@@ -193,8 +339,8 @@ def parse_completion_request(body: Any, stream_kind: RequestOutputKind = Request
     prompts = _prompts(body["prompt"])
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
-    params = sampling_params(body, _max_tokens(body, 16), logprobs, kind)
-    return CompletionRequest(**_common(body, params), prompts=prompts, logprobs=logprobs)
+    params, source = sampling_params(body, _max_tokens(body, 16), logprobs, kind)
+    return CompletionRequest(**_common(body, params, source), prompts=prompts, logprobs=logprobs)
 
 
 @dataclass(slots=True)
@@ -241,9 +387,9 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     if top is not None and not want_logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
-    params = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind)
-    return ChatRequest(**_common(body, params), messages=messages, logprobs=want_logprobs, top_logprobs=top or 0,
-                       add_generation_prompt=_bool(body, "add_generation_prompt", True))
+    params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind)
+    return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
+                       top_logprobs=top or 0, add_generation_prompt=_bool(body, "add_generation_prompt", True))
 
 
 @dataclass(slots=True)

@@ -64,14 +64,6 @@ class ServerState:
                                    f"{', '.join(map(repr, self.model_names))}", "model", "NotFoundError")
         return self.model_names[0]
 
-    def check_priority(self, priority: int) -> None:
-        """A priority means something only under the priority policy (vLLM refuses it otherwise)."""
-        policy = self.llm.engine.args.scheduling_policy
-        if priority != 0 and policy != "priority":
-            raise OpenAIError(400, f"priority={priority} needs priority scheduling, but the server runs "
-                                   f"--scheduling-policy {policy} (start it with --scheduling-policy priority)",
-                              "priority")
-
     def admit(self, num_requests: int) -> None:
         if self.draining or not self.llm.is_running:
             raise OpenAIError(503, "the server is shutting down")
@@ -255,18 +247,22 @@ class Generation:
 
 
 async def run_generation(request: Request, state: ServerState, gens: list[AsyncIterator[RequestOutput]],
-                         respond: Callable[[Generation], Awaitable[Any]], prompt_field: str) -> Any:
+                         respond: Callable[[Generation], Awaitable[Any]], prompt_field: str,
+                         engine_error: Callable[[ValueError], Exception] | None = None) -> Any:
     """Starts the requests (watched for a disconnect) and hands them to ``respond``, which
     returns the response; errors become OpenAI errors and every generator is closed. The
     engine's prompt errors ("prompt_token_ids[3]=...") are told as errors of ``prompt_field``,
-    the request's own name for the prompt."""
+    the request's own name for the prompt; ``engine_error`` renames the others it knows (a
+    grammar that does not compile, told as the request's ``guided_regex``...)."""
     gen = Generation(gens, state)
     try:
         try:
             await watched(request, gen.start())
         except ValueError as e:
-            if str(e).startswith("prompt"):
+            if re.match(r"(prompts?|prompt_token_ids)\b", str(e)):  # not prompt_logprobs
                 raise OpenAIError(400, f"{prompt_field}: {e}", prompt_field) from None
+            if engine_error is not None:
+                raise engine_error(e) from None
             raise
         response = await respond(gen)
         if not isinstance(response, SSEResponse):  # the stream closes it when it ends

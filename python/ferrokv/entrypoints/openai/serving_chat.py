@@ -5,7 +5,8 @@ Streaming sends, per choice, a first chunk with ``delta.role`` "assistant", cont
 engine steps, a last chunk with ``finish_reason`` (its delta empty unless text came with it),
 then a usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``. ``logprobs``
 follow OpenAI's chat shape (``content: [{token, logprob, bytes, top_logprobs}]``), with
-``top_logprobs`` alternatives ranked 1..top_logprobs.
+``top_logprobs`` alternatives ranked 1..top_logprobs. ``prompt_logprobs`` (vLLM's extra) are a
+top-level field of the non-streamed response, in vLLM's shape (``serving_completion``).
 Costs: as completions, plus one chat-template render per request.
 """
 
@@ -22,7 +23,7 @@ from starlette.responses import JSONResponse
 from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
 from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, run_generation,
                                                stream_events, watched)
-from ferrokv.entrypoints.openai.serving_completion import finite_logprob, usage
+from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, usage
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
@@ -72,7 +73,6 @@ class _Chat:
 async def create_chat_completion(request: Request, state: ServerState, body: Any) -> Any:
     req = parse_chat_request(body)
     model = state.check_model(req.model)
-    state.check_priority(req.priority)
     state.admit(1)
     call = _Chat(req, model, state.created)
     rid = call.head["id"]
@@ -96,9 +96,10 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": call.logprobs(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for c in sorted(out.outputs, key=lambda c: c.index)]
-        return JSONResponse({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage()})
+        return JSONResponse({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
+                             "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)})
 
-    return await run_generation(request, state, [prompt_then_generate()], respond, "messages")
+    return await run_generation(request, state, [prompt_then_generate()], respond, "messages", req.engine_error)
 
 
 def _stream(gen: Generation, call: _Chat) -> Any:

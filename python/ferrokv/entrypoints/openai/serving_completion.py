@@ -5,7 +5,9 @@ requests run ``FINAL_ONLY`` (one output each); streaming ones ``DELTA``, one chu
 that moved per engine step, then a usage chunk if ``stream_options.include_usage``, then
 ``data: [DONE]``. ``logprobs`` follow OpenAI's completion shape (``tokens``, ``token_logprobs``,
 ``top_logprobs``, ``text_offset``; the sampled token first in each ``top_logprobs`` entry, which
-keeps a key that several tokens decode to, e.g. a partial UTF-8 character).
+keeps a key that several tokens decode to, e.g. a partial UTF-8 character). ``prompt_logprobs``
+(vLLM's extra) are in each non-streamed choice, as vLLM sends them: one entry per prompt token,
+``null`` for the first, else ``{"token id": {logprob, rank, decoded_token}}``.
 Costs: O(tokens) per response for the text and logprobs, nothing per step beyond the chunks.
 """
 
@@ -25,7 +27,7 @@ from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
 
-__all__ = ["create_completion", "finite_logprob", "usage"]
+__all__ = ["create_completion", "finite_logprob", "prompt_logprobs_json", "usage"]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
@@ -37,6 +39,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, 
 def finite_logprob(x: float) -> float:
     """JSON has no -inf: an impossible token's logprob is sent as -9999.0, as vLLM does."""
     return x if x >= -9999.0 else -9999.0  # NaN too (every comparison with NaN is false)
+
+
+def prompt_logprobs_json(plp: list[Any] | None) -> list[Any] | None:
+    """``RequestOutput.prompt_logprobs`` as vLLM's JSON: ``[null, {"id": {logprob, rank,
+    decoded_token}}, ...]`` (an impossible token's logprob as -9999.0)."""
+    if plp is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in entry.items()}
+            for entry in plp]
 
 
 def _token_text(entry: dict[int, Any], tid: int) -> str:
@@ -104,7 +117,6 @@ class _Completion:
 async def create_completion(request: Request, state: ServerState, body: Any) -> Any:
     req = parse_completion_request(body)
     model = state.check_model(req.model)
-    state.check_priority(req.priority)
     state.admit(len(req.prompts))
     call = _Completion(req, model)
     if state.log_prompts:
@@ -121,11 +133,12 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
         choices = []
         for i, out in enumerate(finals):
             call.count(i, out)
-            choices += [call.choice(i, c) for c in out.outputs]
+            plp = prompt_logprobs_json(out.prompt_logprobs)
+            choices += [{**call.choice(i, c), "prompt_logprobs": plp} for c in out.outputs]
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({**call.head(state.created), "choices": choices, "usage": call.usage()})
 
-    return await run_generation(request, state, gens, respond, "prompt")
+    return await run_generation(request, state, gens, respond, "prompt", req.engine_error)
 
 
 def _stream(gen: Generation, call: _Completion, created: int) -> Any:
