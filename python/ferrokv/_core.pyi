@@ -75,6 +75,8 @@ class SchedulerOutput:
     num_rows: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    max_query_len: int  # the longest query of the step (0 when none)
+    max_seq_len: int  # the longest sequence of the step (0 when none)
     block_size: int
     @property
     def req_ids(self) -> npt.NDArray[np.int64]: ...  # [S]

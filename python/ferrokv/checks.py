@@ -94,7 +94,7 @@ def _canonical(device: Any) -> tuple[str, int]:
 def check_same_device(what: str, device: Any, other_what: str, other_device: Any) -> None:
     """Raises ``DeviceMismatchError`` unless ``device`` and ``other_device`` are one device
     (``cuda`` and ``cuda:<current>`` are the same)."""
-    if _canonical(device) != _canonical(other_device):
+    if device != other_device and _canonical(device) != _canonical(other_device):
         raise DeviceMismatchError(
             f"{what} is on {device} but {other_what} is on {other_device}; they must be on the same device"
         )

@@ -3,7 +3,9 @@
 One ``step()``: the Rust scheduler picks the batch and hands out, per logits row, the sampling
 parameters it keeps for each request (``ferrokv.step_sampling``); the model runner's inputs are
 staged (``prepare``); the step job (forward pass + sampler, ``ferrokv.step_worker``) runs; beam
-searches choose their tokens; ``update`` appends the tokens and decides stops. The text layer
+searches choose their tokens; ``update`` appends the tokens and decides stops. Requests that ask
+for them also get their prompt positions' logprobs (``ferrokv.prompt_logprobs``) and a grammar's
+token mask (``ferrokv.structured_outputs``) in the job; both advance only once ``update`` ran. The text layer
 (``ferrokv.text``) then detokenizes them and ends sequences on stop strings, and
 ``ferrokv.output_processor`` builds the outputs each request's ``output_kind`` asks for. The core
 is the one home of a sequence's tokens and sampling parameters.

@@ -88,8 +88,8 @@ class ModelRunner:
             query_start_loc=qsl_t,
             seq_lens=seq_lens_t,
             block_tables=tables_t,
-            max_query_len=int(np.diff(qsl).max()),
-            max_seq_len=int(seq_lens.max()),
+            max_query_len=out.max_query_len,
+            max_seq_len=out.max_seq_len,
             query_start_loc_host=qsl.astype(np.int64),
             seq_lens_host=seq_lens.astype(np.int64),
         )

@@ -117,6 +117,12 @@ pub(crate) struct PySchedulerOutput {
     num_prefill_tokens: usize,
     #[pyo3(get)]
     num_decode_tokens: usize,
+    /// The longest query (tokens computed for one sequence) and the longest sequence of the
+    /// step: host ints for the attention metadata, with no pass over the arrays in Python.
+    #[pyo3(get)]
+    max_query_len: usize,
+    #[pyo3(get)]
+    max_seq_len: usize,
     #[pyo3(get)]
     block_size: usize,
     req_ids: Lazy1<i64>,
@@ -207,6 +213,8 @@ impl PySchedulerOutput {
             num_rows: r,
             num_prefill_tokens: o.num_prefill_tokens,
             num_decode_tokens: o.num_decode_tokens,
+            max_query_len: o.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0),
+            max_seq_len: o.seq_lens.iter().copied().max().unwrap_or(0).max(0) as usize,
             block_size: o.block_size,
             req_ids: Lazy1::new(o.req_ids),
             seq_ids: Lazy1::new(o.seq_ids),
