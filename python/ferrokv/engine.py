@@ -79,6 +79,7 @@ from ferrokv.output_processor import (
     build_outputs,
     end_completion,
     new_stats,
+    request_times,
     stream_rows,
 )
 from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
@@ -571,22 +572,7 @@ class LLMEngine:
         return outputs
 
     def _times_of(self, req: RequestState) -> Any:
-        """The core's timestamps of a request: from its last record once it has ended; read
-        from the core until its first token (with its cache hits), then only the last-token
-        time moves, and it is this step's (the request got a token in it)."""
-        if req.finished:
-            return req.final_times
-        if req.live_times is None:
-            try:
-                req.num_cached_tokens = self.scheduler.num_cached_tokens(req.core_id)
-                times = self.scheduler.request_times(req.core_id)
-            except ValueError:
-                return None
-            if times[2]:
-                req.live_times = times
-            return times
-        queued, scheduled, first, _, _ = req.live_times
-        return queued, scheduled, first, self.scheduler.clock_ts, 0.0
+        return request_times(self.scheduler, req)
 
     def _finish(self, req: RequestState) -> None:
         req.finished = True

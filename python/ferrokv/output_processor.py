@@ -38,7 +38,7 @@ from ferrokv.sampling_params import SamplingParams
 
 __all__ = [
     "RequestState", "SeqState", "aborted_output", "append_logprobs", "build_outputs", "end_completion", "fill_metrics", "final_completion", "new_stats",
-    "stream_rows",
+    "request_times", "stream_rows",
 ]
 
 _CUMULATIVE, _DELTA, _FINAL = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
@@ -72,7 +72,7 @@ class RequestState:
     num_cached_tokens: int = 0
     num_generated_done: int = 0  # tokens of its sequences that ended
     final_times: Any = None  # the core's timestamps, from its last record once it has ended
-    live_times: Any = None  # the core's timestamps once its first token is out (engine._times_of)
+    live_times: Any = None  # the core's timestamps once its first token is out (request_times)
     beam: BeamSearchState | None = None
     finished: bool = False
     prompt_logprobs: list[Any] | None = None  # [None, entries...] when the request asked (ferrokv.prompt_logprobs)
@@ -259,3 +259,22 @@ def aborted_output(req: RequestState, ended: list[Any], times_of: Callable[[Requ
         req.done.append(c)
         now.setdefault(req.core_id, []).append(c)
     return build_outputs([req], now, times_of)[0]
+
+
+def request_times(scheduler: Any, req: RequestState) -> Any:
+    """The core's timestamps of a request: from its last record once it has ended; read from
+    the core until its first token (with its cache hits), then only the last-token time moves,
+    and it is this step's (the request got a token in it)."""
+    if req.finished:
+        return req.final_times
+    if req.live_times is None:
+        try:
+            req.num_cached_tokens = scheduler.num_cached_tokens(req.core_id)
+            times = scheduler.request_times(req.core_id)
+        except ValueError:
+            return None
+        if times[2]:
+            req.live_times = times
+        return times
+    queued, scheduled, first, _, _ = req.live_times
+    return queued, scheduled, first, scheduler.clock_ts, 0.0
