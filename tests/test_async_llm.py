@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from ferrokv import AsyncLLM
+from ferrokv import AsyncLLM, SamplingParams
 from ferrokv.engine_loop import EngineDeadError
 from ferrokv.outputs import RequestOutputKind as Kind
 from helpers.engine_faults import engine_kwargs, greedy, rand_prompts, tiny_llm, token_ids
@@ -136,6 +136,27 @@ def test_text_prompts_are_tokenized_on_the_pool(allm, sequential):
     assert outs[0].prompt == "the quick brown fox"
     assert outs[0].prompt_token_ids == encode("the quick brown fox")
     assert token_ids(outs) == token_ids(sequential(["the quick brown fox"], 4))
+
+
+def test_a_grammar_is_compiled_on_the_pool_not_the_event_loop(allm):
+    """A structured-output grammar may take long to compile: never on the event loop's thread."""
+    engine = allm.engine
+    threads: list[str] = []
+    compile_grammar = engine.compile_grammar
+
+    def recording_compile(so):
+        threads.append(threading.current_thread().name)
+        return compile_grammar(so)
+
+    engine.compile_grammar = recording_compile
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=30, output_kind=Kind.FINAL_ONLY,
+                                structured_outputs={"choice": ["yes", "no"]})
+        outs = asyncio.run(collect(allm, {"prompt_token_ids": [5, 6, 7]}, params, "grammar"))
+    finally:
+        del engine.compile_grammar
+    assert threads and threads[0].startswith("ferrokv-tokenize"), threads
+    assert outs[-1].outputs[0].text in ("yes", "no") and outs[-1].outputs[0].finish_reason == "stop"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -264,6 +264,8 @@ class AsyncLLM:
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         kind = params.output_kind if isinstance(params, SamplingParams) else None
         prompt = await self.tokenize_prompt(prompt)
+        if getattr(params, "structured_outputs", None) is not None:
+            await self._in_pool(self.engine_loop.warm_grammar, params)  # never on the event loop
         stream = _RequestStream(rid, self._dispatcher(), kind)
         self.engine_loop.submit(rid, prompt, params, sink=stream, priority=priority, cache_salt=cache_salt)
         with self._lock:

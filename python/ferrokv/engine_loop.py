@@ -153,17 +153,23 @@ class EngineLoop:
         is the request's terminal item. Raises ``EngineDeadError`` after ``shutdown``. A
         structured-output grammar is compiled here, on the caller's thread, so that the loop
         finds it cached."""
-        so = getattr(params, "structured_outputs", None)
-        if so is not None:
-            try:
-                self.engine.compile_grammar(so)
-            except Exception:
-                pass  # add_request raises it again: the request's terminal item
+        self.warm_grammar(params)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
 
         self._queue(_Submit(str(request_id), add, sink), start=True)
+
+    def warm_grammar(self, params: Any) -> None:
+        """Compiles a request's structured-output grammar into the engine's cache, on the
+        caller's thread (any), so that the loop's ``add_request`` finds it there. An error is
+        left for ``add_request``, which raises it as the request's terminal item."""
+        so = getattr(params, "structured_outputs", None)
+        if so is not None:
+            try:
+                self.engine.compile_grammar(so)
+            except Exception:
+                pass
 
     def submit_beam(self, request_id: str, prompt: Any, *, sink: OutputSink, beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, ignore_eos: bool = False) -> None:
