@@ -310,6 +310,20 @@ class LazyGrammarCompiler:
         return self._compiler.compile(params)
 
 
+_BIT_BIAS: dict[Any, Any] = {}
+
+
+def _bit_bias(device: Any) -> torch.Tensor:
+    """``[256, 8]`` float32: entry ``[b, i]`` is 0 when bit ``i`` of byte ``b`` is set, else -inf."""
+    import torch
+
+    t = _BIT_BIAS.get(device)
+    if t is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        t = _BIT_BIAS[device] = torch.where(bits == 1, 0.0, float("-inf")).to(device=device, dtype=torch.float32)
+    return t
+
+
 def grammar_key(req_ids: np.ndarray, sample_idx: np.ndarray) -> np.ndarray:
     """The int64 generation keys ``req_id * 65536 + sample_index`` (``0 <= sample_index < 65536``)."""
     import numpy as np
@@ -447,16 +461,16 @@ class GrammarRows:
             return
         dev, vocab = logits.device, logits.shape[1]
         rows = rows.to(dev, non_blocking=True)
-        # Little-endian int32 words as bytes: token t is bit t % 8 of byte t // 8.
-        masks = bitmask.contiguous().to(dev, non_blocking=True).view(torch.uint8)
-        shifts = torch.arange(8, dtype=torch.uint8, device=dev)
-        allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(n, -1).bool()
-        if allowed.shape[1] >= vocab:
-            allowed = allowed[:, :vocab]
+        # Branch-free: each byte of the little-endian words (token t is bit t % 8 of byte t // 8)
+        # looks up its 8 additive entries (0 or -inf) and the rows get them added in one pass. A
+        # masked_fill over a bool mask runs at branch-misprediction speed on a CPU.
+        idx = bitmask.contiguous().to(dev, non_blocking=True).view(torch.uint8).long()
+        bias = torch.nn.functional.embedding(idx, _bit_bias(dev)).view(n, -1)
+        if bias.shape[1] >= vocab:
+            bias = bias[:, :vocab]
         else:
-            allowed = torch.cat([allowed, allowed.new_zeros((n, vocab - allowed.shape[1]))], dim=1)
-        sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-        logits.index_copy_(0, rows, sub)
+            bias = torch.cat([bias, bias.new_full((n, vocab - bias.shape[1]), float("-inf"))], dim=1)
+        logits.index_add_(0, rows, bias.to(logits.dtype))
 
     def accept(self, keys: np.ndarray, tokens: np.ndarray) -> None:
         """Advances each key's matcher by its committed token; a rejected token leaves the matcher
