@@ -339,3 +339,18 @@ def test_priority_without_the_priority_policy_is_refused(llama_llm):
     with pytest.raises(ValueError, match=r"priority=3 needs scheduling_policy='priority'"):
         llama_llm.generate([[5, 6, 7]], use_tqdm=False, priority=[3])
     assert llama_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0])[0].finished
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_llm, llama_path, hf_greedy):
+    """vLLM's left truncation: the request runs on the last k prompt tokens (its output's
+    ``prompt_token_ids``), exactly as if those had been the prompt; -1 means max_model_len."""
+    prompt = [17, 99, 250, 3, 8, 77, 140, 200, 31, 64, 12]
+    out = llama_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, truncate_prompt_tokens=4),
+                             use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-4:]
+    assert out.outputs[0].token_ids == hf_greedy(llama_path, prompt[-4:], 5)
+    long_prompt = [5 + i % 300 for i in range(llama_llm.llm_engine.max_model_len + 10)]
+    with pytest.raises(ValueError, match="max_model_len"):
+        llama_llm.generate([long_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    out = llama_llm.generate([long_prompt], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == long_prompt[-llama_llm.llm_engine.max_model_len:]

@@ -45,6 +45,10 @@ def test_replace_revalidates():
 BAD = [
     ("n", 0),
     ("n", -2),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("truncate_prompt_tokens", 2.5),
+    ("truncate_prompt_tokens", True),
     ("n", 1.5),
     ("n", True),
     ("temperature", -1.0),

@@ -115,6 +115,13 @@ def test_completion_matches_offline_llm(client, reference):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 10
 
 
+def test_truncate_prompt_tokens_runs_on_the_prompts_last_tokens(client, reference):
+    ids = prompt_ids(PROMPT)
+    r = complete(client, max_tokens=6, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3 < len(ids)
+    assert r.choices[0].text == greedy_reference(reference, {"prompt_token_ids": ids[-3:]}, 6)
+
+
 def test_chat_matches_offline_llm(client, reference):
     r = chat(client, max_tokens=10)
     assert r.object == "chat.completion" and r.model == MODEL and r.id

@@ -192,14 +192,18 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def _checked_prompt(self, request_id: Any, prompt: Any,
-                        cache_salt: str | None) -> tuple[str, str | None, list[int], str | None]:
+    def _checked_prompt(self, request_id: Any, prompt: Any, cache_salt: str | None,
+                        truncate: int | None = None) -> tuple[str, str | None, list[int], str | None]:
         """The request id as a string (checked not to be in use), the prompt's text and
-        validated token ids, and its cache salt (the dict's and the keyword's, ``ferrokv.inputs``)."""
+        validated token ids (its last ``truncate`` only, -1 meaning ``max_model_len``, as vLLM's
+        ``truncate_prompt_tokens``), and its cache salt (the dict's and the keyword's,
+        ``ferrokv.inputs``)."""
         request_id = str(request_id)
         if request_id in self._by_name:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = prompt_ids(self.tokenizer, prompt)
+        if truncate is not None:
+            ids = ids[-(self.max_model_len if truncate == -1 else truncate):]
         validate_prompt_ids(ids, self.vocab_size, self.max_model_len)
         return request_id, text, ids, prompt_cache_salt(prompt, cache_salt)
 
@@ -225,7 +229,8 @@ class LLMEngine:
         params = dataclasses.replace(params)  # a copy, through SamplingParams.validate
         check_token_rules(params, self.vocab_size)
         grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
-        request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt)
+        request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt,
+                                                                 params.truncate_prompt_tokens)
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
         # The core stops at max_model_len anyway; capping here keeps huge values in its int range.

@@ -22,6 +22,8 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
   never generated (as vLLM, each word with and without a leading space). Ids are checked
   against the vocabulary when the engine takes the request.
 * ``structured_outputs`` is ``None`` or a ``StructuredOutputsParams`` (a dict is converted).
+* ``truncate_prompt_tokens`` is ``None``, ``-1`` (``max_model_len``) or ``>= 1``: only the
+  prompt's last that many tokens are used (left truncation, as vLLM).
 * ``output_kind`` is a ``RequestOutputKind`` (an int 0-2 is accepted and converted): what each
   output of the request carries (``ferrokv.outputs``). ``LLM.generate`` sets ``FINAL_ONLY``.
 * Greedy means ``temperature < GREEDY_EPS``; for greedy requests top_p/top_k/min_p are reset to
@@ -86,6 +88,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
     # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -186,6 +189,9 @@ class SamplingParams:
     def _validate_token_rules(self) -> None:
         """``prompt_logprobs``, ``logit_bias``, ``allowed_token_ids``, ``bad_words`` and
         ``structured_outputs`` (normalised: a dict's keys and values to int and float)."""
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (t >= 1 or t == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or an int >= 1, got {t!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
         if self.logit_bias is not None:
