@@ -264,7 +264,7 @@ CASES = [
     Case("sp-n-zero", sp(n=0), ValueError, ("n must", "0")),
     Case("sp-max_tokens-zero", sp(max_tokens=0), ValueError, ("max_tokens", "0")),
     Case("sp-min_tokens-above-max", sp(min_tokens=5, max_tokens=2), ValueError, ("min_tokens", "5")),
-    Case("sp-logprobs-negative", sp(logprobs=-1), ValueError, ("logprobs", "-1")),
+    Case("sp-logprobs-negative", sp(logprobs=-2), ValueError, ("logprobs", "-2")),
     Case("sp-stop-empty", sp(stop=[""]), ValueError, ("stop",)),
     Case("sp-stop-surrogate", sp(stop=["ok", SURROGATE]), ValueError, ("stop", r"\ud800")),
     Case("sp-stop_token_ids-negative", sp(stop_token_ids=[-3]), ValueError, ("stop_token_ids", "-3")),

@@ -288,7 +288,7 @@ def test_bad_requests_rejected_while_others_complete(llama_path, hf_greedy):
         (dict(n=0), "n"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=-2), "logprobs"),
         (dict(stop=[""]), "stop"),
         (dict(stop_token_ids=[-3]), "stop_token_ids"),
         (dict(presence_penalty=3.0), "presence_penalty"),

@@ -178,7 +178,7 @@ def test_output_kinds(llama_path, reference, overlap, chunked):
     assert all(not o.prompt_logprobs for o in delta[1:]), "later ones carry nothing twice"
 
 
-@pytest.mark.parametrize("value", [-1, 1.5, "2", True, 2.0, [2]])
+@pytest.mark.parametrize("value", [-2, 1.5, "2", True, 2.0, [2]])
 def test_bad_values_name_the_field(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
@@ -213,3 +213,16 @@ def test_under_preemption(llama_path, reference, mode):
         if RequestOutputKind(i % 3) == RequestOutputKind.DELTA:
             plp = [e for o in every[rid] for e in (o.prompt_logprobs or [])]
         check_against(reference, p["prompt_token_ids"], plp, 2)
+
+
+def test_minus_one_asks_for_the_whole_vocabulary(engine):
+    """vLLM's ``-1``: every token's logprob, for the prompt's positions and the sampled ones."""
+    V = engine.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=-1, logprobs=-1)
+    final, _ = run(engine, [("all", rand_prompts(3, [6])[0], params)])
+    out = final["all"]
+    assert out.prompt_logprobs[0] is None
+    assert all(len(e) == V for e in out.prompt_logprobs[1:]), [len(e) for e in out.prompt_logprobs[1:]]
+    assert [len(e) for e in out.outputs[0].logprobs] == [V, V]
+    ranks = sorted(lp.rank for lp in out.prompt_logprobs[1].values())
+    assert ranks[0] == 1 and len(set(ranks)) >= V - 1  # the prompt token may repeat its own rank

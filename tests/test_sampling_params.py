@@ -76,7 +76,7 @@ BAD = [
     ("max_tokens", -5),
     ("max_tokens", 3.0),
     ("min_tokens", -1),
-    ("logprobs", -1),
+    ("logprobs", -2),
     ("logprobs", 2.0),
     ("stop_token_ids", [3, -1]),
     ("stop_token_ids", [3, "4"]),
@@ -170,7 +170,7 @@ def test_stop_strings_need_detokenize():
 
 BAD_NEW = [
     # (field, value, what the message shows)
-    ("prompt_logprobs", -1, -1),
+    ("prompt_logprobs", -2, -2),
     ("prompt_logprobs", 1.5, 1.5),
     ("prompt_logprobs", "2", "2"),
     ("prompt_logprobs", True, True),

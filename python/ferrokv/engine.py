@@ -287,7 +287,7 @@ class LLMEngine:
             min_tokens=min(params.min_tokens, max_tokens), ignore_eos=params.ignore_eos or beam is not None,
             cache_salt=cache_salt, reserve_seqs=beam.beam_width if beam is not None else 0,
             bad_words=bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else None,
-            **text, **core_sampling_kwargs(params),
+            **text, **core_sampling_kwargs(params, self.vocab_size),
         )
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:

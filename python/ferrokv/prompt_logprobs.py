@@ -87,6 +87,8 @@ def plan(out: Any, requests: dict[int, Any], wanted: np.ndarray) -> PromptLogpro
         indices.append(idx)
         targets += [req.prompt_token_ids[q + 1] for q in p.tolist()]
         k = int(req.params.prompt_logprobs)
+        if k < 0:  # -1: the whole vocabulary (compute caps it at the logits' width)
+            k = 1 << 62
         spans.append((req, first, len(idx), k))
         top = max(top, k)
     if not indices:

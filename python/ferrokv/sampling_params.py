@@ -11,9 +11,9 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
   ``0 <= min_tokens`` and ``min_tokens <= max_tokens`` when ``max_tokens`` is set.
 * ``stop`` is always a ``list[str]`` of non-empty, valid Unicode strings afterwards (a single ``str`` or ``None``
   are accepted on construction); ``stop_token_ids`` is always a ``list[int]`` of ids ``>= 0``.
-* ``logprobs`` is ``None`` or ``>= 0`` (how many top alternatives to return *in addition to* the
+* ``logprobs`` is ``None``, ``-1`` (the whole vocabulary, as vLLM) or ``>= 0`` (how many top alternatives to return *in addition to* the
   sampled token's own logprob).
-* ``prompt_logprobs`` is ``None`` or ``>= 0``: the prompt's logprobs (each prompt token's own,
+* ``prompt_logprobs`` is ``None``, ``-1`` or ``>= 0``: the prompt's logprobs (each prompt token's own,
   plus that many top alternatives), computed from every prompt position, never a cache hit.
 * ``detokenize`` is a bool; without it no text is made, so ``stop`` must be empty.
 * ``logit_bias`` is ``None`` or a ``dict[int, float]`` of token ids ``>= 0`` to finite biases added
@@ -117,8 +117,8 @@ class SamplingParams:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
+            raise ValueError(f"logprobs must be None, -1 (the whole vocabulary) or an int >= 0, got {self.logprobs!r}")
 
         # --- floats: written as `not (lo <= x <= hi)` so NaN fails every check ----------------
         self._check_real("temperature")
@@ -192,8 +192,9 @@ class SamplingParams:
         t = self.truncate_prompt_tokens
         if t is not None and (not _is_int(t) or not (t >= 1 or t == -1)):
             raise ValueError(f"truncate_prompt_tokens must be None, -1 or an int >= 1, got {t!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < -1):
+            raise ValueError(f"prompt_logprobs must be None, -1 (the whole vocabulary) or an int >= 0, "
+                             f"got {self.prompt_logprobs!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")

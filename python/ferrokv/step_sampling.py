@@ -70,13 +70,14 @@ class StepSampler:
         return tokens
 
 
-def core_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
+def core_sampling_kwargs(params: SamplingParams, vocab_size: int) -> dict[str, Any]:
     """A request's sampling parameters as ``Scheduler.add_request`` keywords (the core keeps
-    them and hands them out per row; temperature 0 means greedy, ``is_greedy`` deciding)."""
+    them and hands them out per row; temperature 0 means greedy, ``is_greedy`` deciding;
+    ``logprobs=-1`` asks for the whole vocabulary)."""
     return dict(
         temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
         top_p=params.top_p, min_p=params.min_p, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        seed=params.seed, logprobs=params.logprobs, has_logit_bias=has_logit_bias(params),
+        seed=params.seed, logprobs=vocab_size if params.logprobs == -1 else params.logprobs, has_logit_bias=has_logit_bias(params),
         skip_cache_hits=params.prompt_logprobs is not None,
     )
