@@ -181,7 +181,9 @@ def expected_row(params: SamplingParams) -> torch.Tensor:
     return row
 
 
-def test_logit_bias_state_follows_rows_that_join_fork_and_move():
+def test_logit_bias_state_gives_each_biased_row_its_requests_row():
+    """Driven by a real scheduler: rows join, fork (n=2, a row at -1), move and end; every biased
+    logits row gets its own request's row, and slots are reused once requests end."""
     s = Scheduler(64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, watermark=0.0)
     params = {
         1: (SamplingParams(temperature=0.0, logit_bias={5: 2.0, 7: -1.5}), 3),
@@ -190,12 +192,14 @@ def test_logit_bias_state_follows_rows_that_join_fork_and_move():
         4: (SamplingParams(n=2, temperature=1.0, logit_bias={9: 3.0}), 5),  # forks: a row at -1
         5: (SamplingParams(temperature=0.0, allowed_token_ids=[3, 4]), 4),
     }
+    state = LogitBiasState(V, torch.device("cpu"))
     for rid, (p, max_tokens) in params.items():
         s.add_request(rid, np.arange(3, 8 + rid), max_tokens, n=p.n, temperature=p.temperature,
                       has_logit_bias=has_logit_bias(p))
-    state = LogitBiasState(V, torch.device("cpu"))
-    prev: dict[int, int] = {}  # seq -> its batch row at the previous step (biased rows)
-    moved = forked = reused = 0
+        if has_logit_bias(p):
+            state.register(rid, p)
+    assert len(state) == 4
+    forked = 0
     for _ in range(20):
         out = s.schedule()
         if not out.num_rows:
@@ -204,54 +208,44 @@ def test_logit_bias_state_follows_rows_that_join_fork_and_move():
         want_rows = [r for r, q in enumerate(req_ids) if has_logit_bias(params[q][0])]
         assert out.any_logit_bias == bool(want_rows)
         assert sorted(out.bias_rows.tolist()) == want_rows
-        calls: list[int] = []
-
-        def params_of(r: int) -> SamplingParams:
-            calls.append(r)
-            return params[req_ids[r]][0]
-
-        rows, bias = state.inputs(out, params_of)
+        rows, bias = state.inputs(out)
         assert rows.dtype == torch.int64 and rows.tolist() == out.bias_rows.tolist()
         assert bias.shape == (len(want_rows), V)
         for j, r in enumerate(out.bias_rows.tolist()):
             assert torch.equal(bias[j], expected_row(params[req_ids[r]][0])), (r, req_ids[r])
-        now: dict[int, int] = {}
-        for r in out.bias_rows.tolist():
-            seq, brow = int(out.row_seq_ids[r]), int(out.row_batch_rows[r])
-            if brow < 0:
-                assert r in calls, "a fork gets a scratch row, rebuilt"
-                forked += 1
-                continue
-            if prev.get(seq) == brow:
-                assert r not in calls, f"seq {seq} stayed at row {brow}: its bias row is reused"
-                reused += 1
-            else:
-                assert r in calls, f"seq {seq} joined or moved to row {brow}: rebuilt"
-                moved += seq in prev
-            now[seq] = brow
-        assert len(calls) == len(set(calls))
-        prev = now
-        s.update(out, np.full(out.num_rows, 3))
-    assert not s.has_unfinished()
-    assert forked >= 1 and moved >= 1 and reused >= 5, (forked, moved, reused)
-    assert state.bias.shape[0] == len(state.owner) >= 6
+            forked += int(out.row_batch_rows[r]) < 0
+        for f in s.update(out, np.full(out.num_rows, 3)):
+            if f.request_finished:
+                state.release(f.request_id)
+    assert not s.has_unfinished() and len(state) == 0 and forked >= 1
+    table = state.table
+    p = SamplingParams(logit_bias={1: 1.0})
+    state.register(9, p)
+    assert state.table is table, "a freed slot is reused: the table does not grow"
+    assert torch.equal(state.table[state._slot_of[9]], expected_row(p)), "the reused slot is rebuilt"
 
 
-def test_logit_bias_state_rows_of_an_ended_request_are_neutral():
-    """``params_of`` returning None (the request ended meanwhile): a zero row, not a stale one."""
+def test_logit_bias_state_rows_of_a_released_request_are_neutral():
+    """A request that ended while its row was in flight: a zero row, never another's."""
     state = LogitBiasState(V, torch.device("cpu"))
+    p, q = SamplingParams(allowed_token_ids=[1]), SamplingParams(logit_bias={4: 2.0})
+    state.register(10, p)
+    state.register(12, q)
 
     class Out:
-        bias_rows = np.array([0, 1])
-        row_batch_rows = np.array([0, 1], dtype=np.int32)
-        row_seq_ids = np.array([10, 11])
+        bias_rows = np.array([0, 2])
+        row_req_ids = np.array([10, 11, 12])
 
-    p = SamplingParams(allowed_token_ids=[1])
-    _, bias = state.inputs(Out, lambda r: p)
-    assert torch.isinf(bias).sum() == 2 * (V - 1)
-    Out.row_seq_ids = np.array([12, 11])  # row 0 now holds another sequence, already ended
-    _, bias = state.inputs(Out, lambda r: None if r == 0 else p)
-    assert torch.equal(bias[0], torch.zeros(V)) and torch.equal(bias[1], expected_row(p))
+    _, bias = state.inputs(Out)
+    assert torch.equal(bias[0], expected_row(p)) and torch.equal(bias[1], expected_row(q))
+    state.release(10)
+    state.register(13, q)  # takes request 10's slot
+    _, bias = state.inputs(Out)
+    assert torch.equal(bias[0], torch.zeros(V)) and torch.equal(bias[1], expected_row(q))
+    state.release(12)
+    state.release(13)
+    _, bias = state.inputs(Out)
+    assert torch.equal(bias, torch.zeros(2, V))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_setup import load_engine
 from ferrokv.inputs import prompt_cache_salt, prompt_ids, validate_prompt_ids
-from ferrokv.logit_rules import bad_words_token_ids, check_token_rules
+from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
 from ferrokv.output_processor import (
@@ -265,6 +265,8 @@ class LLMEngine:
             raise
         kind = RequestOutputKind.FINAL_ONLY if beam is not None else params.output_kind
         req = RequestState(request_id, core_id, text, ids, params, kind, new_stats(), beam=beam)
+        if beam is None and has_logit_bias(params):
+            self.step_sampler.bias.register(core_id, params)
         if beam is None and params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
             if len(ids) > 1:
@@ -584,6 +586,7 @@ class LLMEngine:
         self._beam_ids.discard(req.core_id)
         self._plp_wanted.discard(req.core_id)
         self.grammar_rows.release(req.core_id)
+        self.step_sampler.bias.release(req.core_id)
         self._requests.pop(req.core_id, None)
         self._by_name.pop(req.request_id, None)
 

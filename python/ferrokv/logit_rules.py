@@ -5,23 +5,22 @@ are banned by the core: each step it hands out the last token of every word whos
 end a row's output, with the ``min_tokens`` bans (``SchedulerOutput.banned_*``).
 
 ``logit_bias`` and ``allowed_token_ids`` are static: one additive row per request (``-inf``
-outside the allowed ids, then the biases added), kept by ``LogitBiasState`` in a ``[rows, V]``
-tensor indexed by the scheduler's batch row, like the penalty statistics. The core lists the
-logits rows of such requests each step (``bias_rows``); a row whose batch row holds another
-sequence (it joined or moved) is rebuilt from the request's parameters, the others are used as
-they are. So it is a cache the core's output validates, never a mirror that can drift.
+outside the allowed ids, then the biases added), built once when the request is added and kept by
+``LogitBiasState`` in a ``[slots, V]`` tensor, one slot per live biased request (its samples
+share it), freed when the request ends. The core lists the logits rows of such requests each step
+(``bias_rows``); their slots are found with one ``searchsorted`` over the sorted request ids, and
+the rows gathered with one ``index_select``.
 
-Invariants: a bias row is used only when its owner is the step's sequence; a fork-to-be (batch
-row -1) gets a scratch row after the batch rows. The bias never touches logprobs, which are the
-raw model's (vLLM's default).
-Costs per step: nothing when no row has a bias; else O(S * V) for the S biased rows (gather, add),
-plus O(|bias| + |allowed|) once when a sequence joins or moves rows.
-Memory: (highest biased batch row + 1) * V * 4 bytes, grown on demand.
+Invariants: a slot holds the row of the request registered in it; a row whose request was
+released meanwhile (it ended while its row was in flight) gets a zero row. The bias never touches
+logprobs, which are the raw model's (vLLM's default).
+Costs per step: nothing when no row has a bias; else O(S * V) for the S biased rows (gather, add)
+and O(S log B) to find the slots of B biased requests; O(|bias| + |allowed|) once per request.
+Memory: (most biased requests alive at once) * V * 4 bytes, grown on demand.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -65,50 +64,71 @@ def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> li
 
 
 class LogitBiasState:
-    """The biased rows' additive logit rows, by batch row (see the module docs)."""
+    """The live biased requests' additive rows, one slot each (see the module docs)."""
 
-    __slots__ = ("vocab_size", "device", "bias", "owner")
+    __slots__ = ("vocab_size", "device", "table", "_slot_of", "_free", "_ids", "_slots")
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.bias = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
-        self.owner = np.zeros(0, dtype=np.int64)  # seq id whose bias a row holds (-1: none)
+        self.table = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
+        self._slot_of: dict[int, int] = {}  # request core id -> its slot
+        self._free: list[int] = []
+        self._ids = np.zeros(0, dtype=np.int64)  # the registered core ids, sorted
+        self._slots = np.zeros(0, dtype=np.int64)  # ... and their slots
 
-    def _grow(self, rows: int) -> None:
-        have = len(self.owner)
-        if rows <= have:
-            return
-        new = max(rows, 2 * have, 8)
-        self.bias = torch.cat([self.bias, self.bias.new_zeros((new - have, self.vocab_size))])
-        self.owner = np.concatenate([self.owner, np.full(new - have, -1, dtype=np.int64)])
+    def __len__(self) -> int:
+        return len(self._slot_of)
 
-    def inputs(self, out: Any, params_of: Callable[[int], SamplingParams | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's biased logits rows and their bias rows ``[S, V]``; ``params_of(logits
-        row)`` is read only for rows that are stale (joined, moved or forked)."""
-        rows = out.bias_rows
-        brow = out.row_batch_rows[rows].astype(np.int64)
-        seqs = out.row_seq_ids[rows]
-        slots = brow.copy()
-        scratch = slots < 0
-        if scratch.any():
-            slots[scratch] = int(brow.max(initial=-1)) + 1 + np.arange(int(scratch.sum()))
-        self._grow(int(slots.max()) + 1)
-        stale = scratch | (self.owner[slots] != seqs)
-        for j in np.flatnonzero(stale).tolist():
-            self._rebuild(int(slots[j]), params_of(int(rows[j])))
-            self.owner[slots[j]] = -1 if scratch[j] else seqs[j]
-        idx = torch.from_numpy(slots).to(self.device)
-        return torch.from_numpy(rows.astype(np.int64)).to(self.device), self.bias.index_select(0, idx)
-
-    def _rebuild(self, slot: int, params: SamplingParams | None) -> None:
-        row = self.bias[slot]
+    def register(self, core_id: int, params: SamplingParams) -> None:
+        """Builds the request's row (``has_logit_bias(params)``) in a free slot."""
+        if not self._free:
+            have = self.table.shape[0]
+            new = max(2 * have, 8)
+            self.table = torch.cat([self.table, self.table.new_zeros((new - have, self.vocab_size))])
+            self._free = list(range(new - 1, have - 1, -1))
+        slot = self._free.pop()
+        row = self.table[slot]
         row.zero_()
-        if params is None:
-            return  # ended meanwhile: its token is dropped
         if params.allowed_token_ids is not None:
             row.fill_(float("-inf"))
             row[torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=self.device)] = 0.0
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device)
             row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
+        self._slot_of[core_id] = slot
+        self._sync()
+
+    def release(self, core_id: int) -> None:
+        """Frees the request's slot (unknown ids are ignored)."""
+        slot = self._slot_of.pop(core_id, None)
+        if slot is not None:
+            self._free.append(slot)
+            self._sync()
+
+    def _sync(self) -> None:
+        ids = np.fromiter(self._slot_of, dtype=np.int64, count=len(self._slot_of))
+        order = np.argsort(ids)
+        self._ids = ids[order]
+        self._slots = np.fromiter(self._slot_of.values(), dtype=np.int64, count=len(self._slot_of))[order]
+
+    def inputs(self, out: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's biased logits rows (``out.bias_rows``) and their bias rows ``[S, V]``."""
+        rows = out.bias_rows
+        req = out.row_req_ids[rows]
+        ids = self._ids
+        if len(ids):
+            pos = np.minimum(np.searchsorted(ids, req), len(ids) - 1)
+            known = ids[pos] == req
+            slots = self._slots[pos]
+        else:
+            known = np.zeros(len(rows), dtype=bool)
+            slots = np.zeros(len(rows), dtype=np.int64)
+        if known.all():
+            bias = self.table.index_select(0, torch.from_numpy(slots).to(self.device))
+        else:  # a request released meanwhile: its row (dead this step) gets no bias
+            bias = torch.zeros((len(rows), self.vocab_size), dtype=torch.float32, device=self.device)
+            if known.any():
+                keep = torch.from_numpy(np.flatnonzero(known)).to(self.device)
+                bias.index_copy_(0, keep, self.table.index_select(0, torch.from_numpy(slots[known]).to(self.device)))
+        return torch.from_numpy(rows.astype(np.int64)).to(self.device), bias

@@ -8,7 +8,7 @@ row, and a batch that is all greedy reads nothing but the flags and takes one ``
 
 Per-token logit rules: ``min_tokens`` and ``bad_words`` bans come as sparse ``(row, token)``
 pairs (``banned_rows``/``banned_tokens``) applied with one ``index_put``; ``logit_bias`` and
-``allowed_token_ids`` are static rows kept per batch row (``ferrokv.logit_rules``), gathered for
+``allowed_token_ids`` are static rows kept per request (``ferrokv.logit_rules``), gathered for
 the rows the core lists (``bias_rows``).
 
 Invariants: ``metadata`` runs on the scheduler's thread (it reads ``out`` and, for a penalty row
@@ -48,7 +48,7 @@ class StepSampler:
                  history_of: Callable[[int], Sequence[int]]) -> SamplingMetadata | None:
         """The step's metadata (None when no row samples). ``params_of(logits row)`` (the
         request's parameters and prompt, None once it ended) and ``history_of(seq id)`` are read
-        only for penalty and bias rows whose state is stale."""
+        only for penalty rows whose statistics are stale."""
         if not out.num_rows:
             return None
         pens = bias = None
@@ -59,7 +59,7 @@ class StepSampler:
 
             pens = self.penalties.inputs(out, penalty_rows(out), prompt_of, history_of)
         if out.any_logit_bias:
-            bias = self.bias.inputs(out, lambda r: (params_of(r) or (None,))[0])
+            bias = self.bias.inputs(out)
         return SamplingMetadata.from_arrays(out, self.vocab_size, self.device, pens, bias)
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SampledTokens:

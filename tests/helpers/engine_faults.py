@@ -56,6 +56,9 @@ def assert_idle(engine: LLMEngine) -> None:
     assert sch.num_free_blocks == sch.num_blocks - 1, sch.stats()
     assert engine.num_free_blocks == sch.num_blocks - 1
     sch.check_invariants()
+    # No per-request state left behind: bias slots, grammar matchers, prompt-logprob requests.
+    assert len(engine.step_sampler.bias) == 0 and not engine.grammar_rows.has_any()
+    assert len(engine._plp_wanted) == 0 and not engine._requests
 
 
 def drive(engine: LLMEngine, fails: type[BaseException] | None = None) -> dict[str, Any]:
