@@ -292,8 +292,6 @@ CASES = [
     Case("generate-params-mutated-max_tokens", gen(PROBE, mutated(max_tokens=-3)), ValueError, ("max_tokens", "-3")),
     Case("generate-n-above-max_num_seqs", gen(PROBE, SamplingParams(n=MAX_NUM_SEQS + 1)), ValueError,
          (f"n={MAX_NUM_SEQS + 1}", "max_num_seqs")),
-    Case("generate-stop_token_ids-huge", gen(PROBE, SamplingParams(stop_token_ids=[2**70])), InvalidArgumentError,
-         ("stop_token_ids",)),
     # --- LLMEngine.add_request ------------------------------------------------------------------------
     Case("engine-cache-capacity", add(params=SamplingParams(n=MAX_NUM_SEQS, max_tokens=100)), CacheCapacityError,
          ("request_id='bad'", "max_tokens")),

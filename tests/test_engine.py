@@ -670,3 +670,34 @@ def test_requests_admitted_together_hit_the_prefix_their_first_computes(llama_pa
         assert last[f"f{i}"].outputs[0].token_ids == hf_greedy(llama_path, p, 8), i
     assert engine.stats()["cached_prompt_tokens"] == 24
     assert_no_leak(engine)
+
+
+def test_top_k_and_logprobs_beyond_the_vocabulary_mean_the_whole_vocabulary(llama_path):
+    """Huge values are legal (an int, >= the checks' bounds) and never overflow the core's 32-bit
+    fields: top_k >= V keeps every token (as top_k off), logprobs >= V returns every token."""
+    from helpers.engine_faults import run_requests, tiny_engine
+
+    engine = tiny_engine(llama_path)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    sampled = dict(temperature=1.0, seed=3, max_tokens=6)
+    final, _ = run_requests(engine, [
+        ("off", prompt, SamplingParams(**sampled)),
+        ("huge", prompt, SamplingParams(**sampled, top_k=2**70)),
+        ("all", prompt, SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1)),
+        ("many", prompt, SamplingParams(temperature=0.0, max_tokens=2, logprobs=2**70)),
+    ])
+    assert final["huge"].outputs[0].token_ids == final["off"].outputs[0].token_ids
+    # Stop ids outside the vocabulary can never be sampled: accepted, and they change nothing.
+    greedy = dict(temperature=0.0, max_tokens=6)
+    plain, _ = run_requests(engine, [("g", prompt, SamplingParams(**greedy))])
+    stop = plain["g"].outputs[0].token_ids[2]
+    final2, _ = run_requests(engine, [
+        ("far", prompt, SamplingParams(**greedy, stop_token_ids=[2**70, 2**40, stop])),
+        ("hot", prompt, SamplingParams(temperature=1e300, repetition_penalty=1e300, seed=1, max_tokens=3)),
+    ])
+    far = final2["far"].outputs[0]
+    assert far.token_ids == plain["g"].outputs[0].token_ids[:3] and far.stop_reason == stop
+    assert final2["hot"].outputs[0].finish_reason == "length"
+    V = engine.vocab_size
+    assert [len(e) for e in final["many"].outputs[0].logprobs] == [V, V]
+    assert final["many"].outputs[0].logprobs == final["all"].outputs[0].logprobs

@@ -254,7 +254,8 @@ class LLMEngine:
                              f"(the engine runs {self.args.scheduling_policy!r})")  # as vLLM refuses it
         core_id = next(self._next_core_id)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        stop_ids = list(params.stop_token_ids or [])
+        # An id outside the vocabulary is never sampled: it cannot stop anything.
+        stop_ids = [t for t in params.stop_token_ids or [] if t < self.vocab_size]
         if not params.ignore_eos:
             stop_ids += [e for e in self.eos_token_ids[1:] if e not in stop_ids]
         try:

@@ -70,14 +70,29 @@ class StepSampler:
         return tokens
 
 
+_F32_MAX, _F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
+
+def _f32(x: float) -> float:
+    """A positive finite float as the core's float32 keeps it: clipped, never rounded to 0 or
+    inf (a temperature of 1e300 samples uniformly either way; a penalty of 1e-300 is as small)."""
+    return min(max(x, _F32_TINY), _F32_MAX)
+
+
 def core_sampling_kwargs(params: SamplingParams, vocab_size: int) -> dict[str, Any]:
     """A request's sampling parameters as ``Scheduler.add_request`` keywords (the core keeps
     them and hands them out per row; temperature 0 means greedy, ``is_greedy`` deciding;
-    ``logprobs=-1`` asks for the whole vocabulary)."""
+    ``logprobs=-1`` asks for the whole vocabulary). ``top_k`` and ``logprobs`` beyond the vocabulary
+    mean what the vocabulary's size means (no truncation; every token), so huge values never
+    overflow the core's 32-bit fields."""
+    logprobs = params.logprobs
+    if logprobs is not None:
+        logprobs = vocab_size if logprobs == -1 else min(logprobs, vocab_size)
     return dict(
-        temperature=0.0 if params.is_greedy else params.temperature, top_k=params.top_k,
+        temperature=0.0 if params.is_greedy else _f32(params.temperature),
+        top_k=params.top_k if params.top_k < vocab_size else 0,
         top_p=params.top_p, min_p=params.min_p, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        seed=params.seed, logprobs=vocab_size if params.logprobs == -1 else params.logprobs, has_logit_bias=has_logit_bias(params),
+        frequency_penalty=params.frequency_penalty, repetition_penalty=_f32(params.repetition_penalty),
+        seed=params.seed, logprobs=logprobs, has_logit_bias=has_logit_bias(params),
         skip_cache_hits=params.prompt_logprobs is not None,
     )
