@@ -79,7 +79,9 @@ from ferrokv.output_processor import (
     build_outputs,
     end_completion,
     new_stats,
+    prompt_of_row,
     request_times,
+    seq_of_row,
     stream_rows,
 )
 from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
@@ -236,9 +238,7 @@ class LLMEngine:
         # The core stops at max_model_len anyway; capping here keeps huge values in its int range.
         room = max(self.max_model_len - len(ids), 1)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        self._submit(request_id, text, ids, params, max_tokens, priority, cache_salt, beam=None)
-        if grammar is not None:
-            self.grammar_rows.register(self._by_name[request_id], grammar)
+        self._submit(request_id, text, ids, params, max_tokens, priority, cache_salt, beam=None, grammar=grammar)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The request's grammar, compiled once per distinct params (cached); ValueError names
@@ -247,7 +247,8 @@ class LLMEngine:
         return self.grammars.compile(params)
 
     def _submit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                max_tokens: int, priority: int, cache_salt: str | None, beam: BeamSearchState | None) -> None:
+                max_tokens: int, priority: int, cache_salt: str | None, beam: BeamSearchState | None,
+                grammar: CompiledGrammar | None = None) -> None:
         check_int("priority", priority, _PRIORITY_MIN, _PRIORITY_MAX)
         if priority != 0 and self.args.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
@@ -266,16 +267,18 @@ class LLMEngine:
             raise
         kind = RequestOutputKind.FINAL_ONLY if beam is not None else params.output_kind
         req = RequestState(request_id, core_id, text, ids, params, kind, new_stats(), beam=beam)
-        if beam is None and has_logit_bias(params):
-            self.step_sampler.bias.register(core_id, params)
-        if beam is None and params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
-            if len(ids) > 1:
-                self._plp_wanted.add(req)
-        if beam is None:
-            self.text.add_request(core_id, params, ids, kind != RequestOutputKind.FINAL_ONLY)
         if beam is not None:
             self._beam_ids.add(core_id)
+        else:  # its text, and its bias row, matchers and prompt logprobs (which _finish drops)
+            self.text.add_request(core_id, params, ids, kind != RequestOutputKind.FINAL_ONLY)
+            if has_logit_bias(params):
+                self.step_sampler.bias.register(core_id, params)
+            if grammar is not None:
+                self.grammar_rows.register(core_id, grammar)
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+                if len(ids) > 1:
+                    self._plp_wanted.add(req)
         self._requests[core_id] = req
         self._by_name[request_id] = core_id
 
@@ -407,7 +410,7 @@ class LLMEngine:
         prev_done = prev is None
         try:
             t1 = time.perf_counter()
-            md = self.step_sampler.metadata(out, self._params_of_row(out), self.scheduler.output_tokens)
+            md = self.step_sampler.metadata(out, prompt_of_row(self._requests, out), self.scheduler.output_tokens)
             plp = prompt_logprobs.plan(out, self._requests, self._plp_wanted.ids()) if self._plp_wanted else None
             grammar = self.grammar_rows.step(out)
             inputs = self.runner.prepare(out, None if plp is None else plp.token_indices)
@@ -466,15 +469,6 @@ class LLMEngine:
         if self.profile is not None:
             self.profile.add_job(t1 - t0, time.perf_counter() - t1)
         return logits, tokens, plp_result
-
-    def _params_of_row(self, out: Any) -> Callable[[int], tuple[SamplingParams, Sequence[int]] | None]:
-        requests = self._requests
-
-        def params_of(r: int) -> tuple[SamplingParams, Sequence[int]] | None:
-            req = requests.get(int(out.row_req_ids[r]))
-            return None if req is None else (req.params, req.prompt_token_ids)
-
-        return params_of
 
     def _cancel_step(self, out: Any, undo: _StepUndo) -> None:
         """Undoes a step whose forward pass, sampling or ``update()`` raised."""
@@ -539,19 +533,6 @@ class LLMEngine:
     def _decode_token(self, token_id: int) -> str:
         return decode_token(self.tokenizer, token_id)
 
-    def _seq_of_row(self, out: Any) -> Callable[[int], tuple[RequestState, Any] | None]:
-        """Row -> (request, its sequence's output state, made on first use), for the step's rows."""
-        row_req, row_seq, row_idx = out.row_req_ids, out.row_seq_ids, out.row_sample_index
-        requests = self._requests
-
-        def find(r: int) -> tuple[RequestState, Any] | None:
-            req = requests.get(int(row_req[r]))
-            if req is None or req.beam is not None:
-                return None
-            return req, req.seq_state(int(row_seq[r]), int(row_idx[r]))
-
-        return find
-
     def _apply_step(self, p: _Pending, finished: list[Any], rows: np.ndarray, deltas: list[str]) -> list[RequestOutput]:
         """Hands the step's logprobs and streaming rows to the requests' output states, ends what
         the scheduler ended, and builds the outputs."""
@@ -559,7 +540,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         touched: dict[int, RequestState] = {}
         if row_lp is not None:
-            append_logprobs(self._seq_of_row(out), row_lp, sampled, self._decode_token)
+            append_logprobs(seq_of_row(self._requests, out), row_lp, sampled, self._decode_token)
         if len(rows):
             stream_rows(self._requests, out.row_req_ids[rows].tolist(), out.row_seq_ids[rows].tolist(),
                         out.row_sample_index[rows].tolist(), sampled[rows].tolist(), deltas, touched)

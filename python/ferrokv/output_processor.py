@@ -19,7 +19,7 @@ or output (``prompt_token_ids`` is the request's own list, shared by its outputs
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ from ferrokv.sampling_params import SamplingParams
 
 __all__ = [
     "RequestState", "SeqState", "aborted_output", "append_logprobs", "build_outputs", "end_completion", "fill_metrics", "final_completion", "new_stats",
-    "request_times", "stream_rows",
+    "prompt_of_row", "request_times", "seq_of_row", "stream_rows",
 ]
 
 _CUMULATIVE, _DELTA, _FINAL = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
@@ -278,3 +278,26 @@ def request_times(scheduler: Any, req: RequestState) -> Any:
         return times
     queued, scheduled, first, _, _ = req.live_times
     return queued, scheduled, first, scheduler.clock_ts, 0.0
+
+
+def prompt_of_row(requests: dict[int, RequestState], out: Any) -> Callable[[int], Sequence[int]]:
+    """Logits row of step ``out`` -> its request's prompt ids (empty once the request ended)."""
+    def prompt_of(r: int) -> Sequence[int]:
+        req = requests.get(int(out.row_req_ids[r]))
+        return () if req is None else req.prompt_token_ids
+
+    return prompt_of
+
+
+def seq_of_row(requests: dict[int, RequestState], out: Any) -> Callable[[int], tuple[RequestState, SeqState] | None]:
+    """Logits row of step ``out`` -> (its request, its sequence's output state, made on first
+    use); None for an ended request or a beam search."""
+    row_req, row_seq, row_idx = out.row_req_ids, out.row_seq_ids, out.row_sample_index
+
+    def find(r: int) -> tuple[RequestState, SeqState] | None:
+        req = requests.get(int(row_req[r]))
+        if req is None or req.beam is not None:
+            return None
+        return req, req.seq_state(int(row_seq[r]), int(row_idx[r]))
+
+    return find

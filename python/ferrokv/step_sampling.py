@@ -44,19 +44,14 @@ class StepSampler:
         self.penalties = PenaltyState(vocab_size, device)
         self.bias = LogitBiasState(vocab_size, device)
 
-    def metadata(self, out: Any, params_of: Callable[[int], tuple[SamplingParams, Sequence[int]] | None],
+    def metadata(self, out: Any, prompt_of: Callable[[int], Sequence[int]],
                  history_of: Callable[[int], Sequence[int]]) -> SamplingMetadata | None:
-        """The step's metadata (None when no row samples). ``params_of(logits row)`` (the
-        request's parameters and prompt, None once it ended) and ``history_of(seq id)`` are read
-        only for penalty rows whose statistics are stale."""
+        """The step's metadata (None when no row samples). ``prompt_of(logits row)`` and
+        ``history_of(seq id)`` are read only for penalty rows whose statistics are stale."""
         if not out.num_rows:
             return None
         pens = bias = None
         if out.any_penalties:
-            def prompt_of(r: int) -> Sequence[int]:
-                got = params_of(r)
-                return () if got is None else got[1]
-
             pens = self.penalties.inputs(out, penalty_rows(out), prompt_of, history_of)
         if out.any_logit_bias:
             bias = self.bias.inputs(out)
