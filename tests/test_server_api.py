@@ -120,6 +120,10 @@ def test_truncate_prompt_tokens_runs_on_the_prompts_last_tokens(client, referenc
     r = complete(client, max_tokens=6, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 3})
     assert r.usage.prompt_tokens == 3 < len(ids)
     assert r.choices[0].text == greedy_reference(reference, {"prompt_token_ids": ids[-3:]}, 6)
+    # A prompt longer than the context fits once truncated: the room is checked after truncation.
+    long_ids = [5 + i % 300 for i in range(MAX_MODEL_LEN + 20)]
+    r = complete(client, prompt=long_ids, max_tokens=4, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 8})
+    assert r.usage.prompt_tokens == 8 and r.usage.completion_tokens == 4
 
 
 def test_chat_matches_offline_llm(client, reference):

@@ -128,7 +128,11 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
     inner generator is closed as soon as this one is (which aborts its request)."""
     prompt = await llm.tokenize_prompt(prompt)
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
-        check_room(len(prompt["prompt_token_ids"]), params.max_tokens, llm.max_model_len, field)
+        n = len(prompt["prompt_token_ids"])
+        keep = params.truncate_prompt_tokens  # the engine keeps only the prompt's last `keep` tokens
+        if keep is not None:
+            n = min(n, llm.max_model_len if keep == -1 else keep)
+        check_room(n, params.max_tokens, llm.max_model_len, field)
     stream = llm.generate(prompt, params, request_id, **kw)
     async with contextlib.aclosing(stream):
         async for out in stream:
