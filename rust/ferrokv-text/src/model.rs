@@ -14,6 +14,8 @@
 //!   char outside the table keeps its UTF-8 bytes (as the `ByteLevel` decoder does). Decoding a
 //!   window is then a byte concatenation plus `String::from_utf8_lossy`, which is exactly what the
 //!   `ByteLevel` decoder returns. Every other decoder is called through `tokenizers` itself.
+//!   The ids whose bytes are valid UTF-8 on their own also keep them as text (`utf8_token`), so
+//!   the common token (one complete piece after complete text) decodes with no copy at all.
 //!
 //! Costs: load is O(vocab) (one `id_to_token` per id, a few bytes per id kept); a window decode
 //! is O(window bytes) on the fast path (no allocation unless the bytes are invalid UTF-8), and one
@@ -61,6 +63,11 @@ struct ByteTable {
     bytes: Vec<u8>,
     /// `ends[i]..ends[i + 1]` are id i's bytes (`ends.len() == num ids + 1`).
     ends: Vec<u32>,
+    /// The ids whose bytes are valid UTF-8 on their own, back to back: `text_ends[i]..
+    /// text_ends[i + 1]` is id i's text (empty for the others; `utf8` says which).
+    text: String,
+    text_ends: Vec<u32>,
+    utf8: Vec<bool>,
 }
 
 /// A tokenizer loaded for decoding (see the module header).
@@ -143,7 +150,17 @@ impl TextModel {
             }
             ends.push(bytes.len() as u32);
         }
-        ByteTable { bytes, ends }
+        let mut text = String::new();
+        let mut text_ends = Vec::with_capacity(ends.len());
+        let mut utf8 = Vec::with_capacity(ends.len() - 1);
+        text_ends.push(0u32);
+        for w in ends.windows(2) {
+            let s = std::str::from_utf8(&bytes[w[0] as usize..w[1] as usize]).ok();
+            utf8.push(s.is_some());
+            text.push_str(s.unwrap_or(""));
+            text_ends.push(text.len() as u32);
+        }
+        ByteTable { bytes, ends, text, text_ends, utf8 }
     }
 
     /// Test / bench hook: the same model decoding every window through the `tokenizers`
@@ -190,6 +207,19 @@ impl TextModel {
         match self.flags.get(id as usize) {
             Some(&f) => f & FLAG_KNOWN != 0 && !(skip_special_tokens && f & FLAG_SPECIAL != 0),
             None => false,
+        }
+    }
+
+    /// On the byte-level fast path, `id`'s bytes as text when they are valid UTF-8 on their own
+    /// (None otherwise, and for every id of another decoder).
+    #[inline]
+    pub(crate) fn utf8_token(&self, id: u32) -> Option<&str> {
+        let t = self.byte_level.as_ref()?;
+        let i = id as usize;
+        if *t.utf8.get(i)? {
+            Some(&t.text[t.text_ends[i] as usize..t.text_ends[i + 1] as usize])
+        } else {
+            None
         }
     }
 

@@ -101,7 +101,7 @@ impl SchedulerText {
             if f.is_some_and(|i| finished[i].reason == FinishReason::Stop && finished[i].stop_str.is_none()) {
                 continue; // EOS or a stop token id: kept out of the text
             }
-            if f.is_none() && sched.seq_request_id(sid).is_none() {
+            if f.is_none() && !sched.is_live_seq(sid) {
                 continue; // ended mid-step (a stop string found a step late): `update` ignored its row
             }
             if !req.detokenize {

@@ -8,6 +8,11 @@
 //!   characters past the prefix's count. It is held back while the decode ends in U+FFFD (an
 //!   incomplete character) and fewer than `MAX_PENDING` tokens pend, or while it adds no
 //!   character; otherwise it is emitted and the window slides to the just-emitted ids.
+//! * Byte-level fast path (the same text, fewer decodes): while the prefix's bytes end clean
+//!   (`prefix_clean`: their last UTF-8 chunk has no invalid tail, so a lossy decode of more bytes
+//!   never reaches back into them), decode(window) is decode(prefix) followed by
+//!   decode(window[read..]): only the pending tokens are decoded, and a lone pending token whose
+//!   bytes are valid UTF-8 is its own new text (no decode at all).
 //! * The text is final once emitted (see stop.rs for held-back stop-string prefixes); the
 //!   concatenation of all `take_delta` results is `text()`.
 //! * After a stop string no token is accepted (`append` is a no-op, a debug assertion).
@@ -15,10 +20,11 @@
 //!   token that ended a sequence (it is not part of the text and is not counted here), and calls
 //!   `flush` when a sequence ends for any reason other than a stop string.
 //!
-//! Costs per appended token: two window decodes over at most ~`MAX_PENDING + 5` tokens (on the
-//! byte-level path: byte copies and a UTF-8 check, no allocation for valid text) plus the stop
-//! search of stop.rs. Memory: the window, a few small buffers and the emitted text.
+//! Costs per appended token: on the byte-level fast path a table lookup, or a decode of the
+//! pending tokens after an incomplete character; otherwise two window decodes over at most
+//! ~`MAX_PENDING + 5` tokens; plus the stop search of stop.rs. Memory: the window, a few small buffers and the emitted text.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::model::TextModel;
@@ -40,15 +46,29 @@ pub struct SeqText {
     read: usize,
     /// Character count of decode(window[..read]); None until needed after a slide.
     prefix_chars: Option<usize>,
+    /// Byte-level models only: the prefix's bytes end clean, so the next text is the pending
+    /// tokens' bytes decoded alone (module header).
+    prefix_clean: bool,
     scratch: Vec<u8>,
-    /// The last newly decoded text (reused buffer).
-    delta: String,
     scan: StopScan,
     text: String,
     /// `text[..taken]` was returned by take_delta already.
     taken: usize,
     num_tokens: u32,
     stop_index: Option<u32>,
+}
+
+/// Whether `new_text`, the text `pending` tokens add to a prefix, is emitted now: it adds a
+/// character and does not end mid-character (unless `MAX_PENDING` tokens pend).
+fn completes(new_text: &str, pending: usize) -> bool {
+    !new_text.is_empty() && !(new_text.ends_with(REPLACEMENT) && pending < MAX_PENDING)
+}
+
+/// Whether the bytes a byte-level decode (lossy UTF-8) returned `text` for end clean: their last
+/// chunk has no invalid tail. Conservative: valid text, or text not ending in U+FFFD (an invalid
+/// tail always decodes to a final U+FFFD; a literal one ends valid bytes).
+fn ends_clean(text: &Cow<'_, str>) -> bool {
+    matches!(text, Cow::Borrowed(_)) || !text.ends_with(REPLACEMENT)
 }
 
 /// Byte offset of the `n`-th char of `s` (`s.len()` when `s` is shorter).
@@ -68,8 +88,9 @@ impl SeqText {
             window: Vec::with_capacity(PROMPT_CONTEXT + MAX_PENDING),
             read: 0,
             prefix_chars: Some(0),
+            // Empty, or context whose decode does not end in U+FFFD: clean either way.
+            prefix_clean: model.is_byte_level(),
             scratch: Vec::new(),
-            delta: String::new(),
             scan: StopScan::default(),
             text: String::new(),
             taken: 0,
@@ -100,10 +121,25 @@ impl SeqText {
             return None;
         }
         self.num_tokens = self.num_tokens.saturating_add(1);
-        if !self.decode_step(model, token) {
+        if !model.keeps(token, self.params.skip_special_tokens()) {
             return None;
         }
-        let hit = self.scan.emit(&self.params, self.num_tokens, &self.delta, &mut self.text);
+        self.window.push(token);
+        if model.is_byte_level() && !self.prefix_clean {
+            self.prefix_chars(model); // finds out whether the prefix ends clean after all
+        }
+        let hit = if !self.prefix_clean {
+            self.decode_window_step(model)
+        } else if let Some(piece) = model.utf8_token(token).filter(|_| self.window.len() - self.read == 1) {
+            // The common token: complete text after complete text, emitted as it is.
+            if !completes(piece, 1) {
+                return None;
+            }
+            self.slide(true);
+            self.scan.emit(&self.params, self.num_tokens, piece, &mut self.text)
+        } else {
+            self.decode_pending_step(model)
+        };
         if hit.is_some() {
             self.stop_index = hit;
             self.window.clear();
@@ -112,12 +148,30 @@ impl SeqText {
         hit
     }
 
-    /// Adds `token` to the window; true when `self.delta` holds newly completed text.
-    fn decode_step(&mut self, model: &TextModel, token: u32) -> bool {
-        if !model.keeps(token, self.params.skip_special_tokens()) {
-            return false;
+    /// The pending tokens were emitted: they become the prefix (`clean`: their bytes end clean).
+    fn slide(&mut self, clean: bool) {
+        self.window.drain(..self.read);
+        self.read = self.window.len();
+        self.prefix_chars = None;
+        self.prefix_clean = clean;
+    }
+
+    /// The prefix ends clean, so decode(prefix + pending) is decode(prefix) followed by
+    /// decode(pending): only the pending tokens are decoded.
+    fn decode_pending_step(&mut self, model: &TextModel) -> Option<u32> {
+        let new_text = model.decode_window(&self.window[self.read..], &mut self.scratch);
+        if !completes(&new_text, self.window.len() - self.read) {
+            return None;
         }
-        self.window.push(token);
+        let clean = ends_clean(&new_text);
+        let hit = self.scan.emit(&self.params, self.num_tokens, &new_text, &mut self.text);
+        self.slide(clean);
+        hit
+    }
+
+    /// The general step (spec): decodes the window and its prefix; the new text is the
+    /// characters past the prefix's.
+    fn decode_window_step(&mut self, model: &TextModel) -> Option<u32> {
         let prefix_chars = self.prefix_chars(model);
         let new_text = model.decode_window(&self.window, &mut self.scratch);
         let pending = self.window.len() - self.read;
@@ -125,21 +179,20 @@ impl SeqText {
         // Python: len(new_text) <= len(prefix_text); only count as far as needed.
         let start = match new_text.char_indices().nth(prefix_chars) {
             Some((i, _)) if !incomplete => i,
-            _ => return false,
+            _ => return None,
         };
-        self.delta.clear();
-        self.delta.push_str(&new_text[start..]);
-        self.window.drain(..self.read);
-        self.read = self.window.len();
-        self.prefix_chars = None;
-        true
+        let hit = self.scan.emit(&self.params, self.num_tokens, &new_text[start..], &mut self.text);
+        self.slide(false); // whether the new prefix ends clean is found out when it is decoded
+        hit
     }
 
     fn prefix_chars(&mut self, model: &TextModel) -> usize {
         match self.prefix_chars {
             Some(n) => n,
             None => {
-                let n = model.decode_window(&self.window[..self.read], &mut self.scratch).chars().count();
+                let text = model.decode_window(&self.window[..self.read], &mut self.scratch);
+                let n = text.chars().count();
+                self.prefix_clean = model.is_byte_level() && ends_clean(&text);
                 self.prefix_chars = Some(n);
                 n
             }
@@ -154,9 +207,7 @@ impl SeqText {
             let prefix_chars = self.prefix_chars(model);
             let new_text = model.decode_window(&self.window, &mut self.scratch);
             self.text.push_str(&new_text[char_offset(&new_text, prefix_chars)..]);
-            self.window.drain(..self.read);
-            self.read = self.window.len();
-            self.prefix_chars = None;
+            self.slide(false);
         }
     }
 

@@ -28,6 +28,8 @@ pub struct StopStrings {
     tail_len: usize,
     /// Characters withheld from the emitted text: `tail_len`, or 0 with include_stop_str_in_output.
     holdback: usize,
+    /// Some stop string is non-empty (read for every token: kept apart from `stop_chars`).
+    any_stop: bool,
 }
 
 impl StopStrings {
@@ -35,6 +37,7 @@ impl StopStrings {
         let stop_chars: Vec<usize> = stop.iter().map(|s| s.chars().count()).collect();
         let tail_len = stop_chars.iter().max().copied().unwrap_or(0).saturating_sub(1);
         let holdback = if include_stop_str_in_output { 0 } else { tail_len };
+        let any_stop = stop_chars.iter().any(|&n| n > 0);
         StopStrings {
             stop,
             stop_chars,
@@ -43,6 +46,7 @@ impl StopStrings {
             skip_special_tokens,
             tail_len,
             holdback,
+            any_stop,
         }
     }
 
@@ -60,7 +64,7 @@ impl StopStrings {
     }
     /// Whether any non-empty stop string is set.
     pub fn has_stop(&self) -> bool {
-        self.stop_chars.iter().any(|&n| n > 0)
+        self.any_stop
     }
 }
 

@@ -327,3 +327,71 @@ fn holdback_never_streams_a_partial_stop_string() {
     seq.flush(&bl);
     assert_eq!(seq.text(), "the cat runs");
 }
+
+/// Each append's delta, then the flushed rest (stream timing, not just the final text).
+fn deltas_per_append(model: &TextModel, params: &Arc<StopStrings>, prompt: &[u32], ids: &[u32]) -> Vec<String> {
+    let mut seq = SeqText::new(model, params.clone(), prompt);
+    let mut out = Vec::new();
+    for &t in ids {
+        let hit = seq.append(model, t);
+        out.push(seq.take_delta().to_owned());
+        if hit.is_some() {
+            return out;
+        }
+    }
+    seq.flush(model);
+    out.push(seq.take_delta().to_owned());
+    out
+}
+
+/// The id of each single-byte token of the byte-level fixture (GPT-2's byte -> char map).
+fn byte_ids(tok: &Tokenizer) -> Vec<u32> {
+    let mut extra = 0u32;
+    (0..=255u8)
+        .map(|b| {
+            let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+            let c = if printable {
+                char::from(b)
+            } else {
+                extra += 1;
+                char::from_u32(255 + extra).unwrap()
+            };
+            tok.token_to_id(&c.to_string()).unwrap_or_else(|| panic!("no byte token for {b:#x}"))
+        })
+        .collect()
+}
+
+#[test]
+fn byte_level_fast_path_equals_decoder_path_on_split_and_invalid_bytes() {
+    // Characters cut into single bytes, stray continuation and lead bytes, a literal U+FFFD:
+    // the fast path's prefix goes valid -> invalid -> valid, and each append must emit what
+    // the general path emits, when it emits it.
+    let (bl, _, tok, _) = models();
+    let general = TextModel::from_json(BYTE_LEVEL).unwrap().without_byte_level_fast_path();
+    let bytes = byte_ids(&tok);
+    let mut rng = Rng(7);
+    let stops: [&[&str]; 3] = [&[], &["\u{FFFD}"], &["é", "🚀a"]];
+    for case in 0..800 {
+        let mut ids = Vec::new();
+        for _ in 0..1 + rng.below(6) {
+            let text = TEXTS[rng.below(TEXTS.len())];
+            let chars: Vec<char> = text.chars().collect();
+            let a = rng.below(chars.len());
+            let piece: String = chars[a..(a + 1 + rng.below(6)).min(chars.len())].iter().collect();
+            match rng.below(5) {
+                0 => ids.extend(piece.bytes().map(|b| bytes[b as usize])),
+                1 => ids.push(bytes[0x80 + rng.below(0x80)]),
+                2 => ids.extend("\u{FFFD}".bytes().map(|b| bytes[b as usize])),
+                3 => ids.extend(piece.bytes().take(1 + rng.below(3)).map(|b| bytes[b as usize])),
+                _ => ids.extend(encode(&tok, &piece)),
+            }
+        }
+        let prompt: Vec<u32> = (0..rng.below(8)).map(|_| bytes[rng.below(256)]).collect();
+        let p = params(stops[case % 3], case % 4 == 0, 0, true);
+        let fast = deltas_per_append(&bl, &p, &prompt, &ids);
+        assert_eq!(fast, deltas_per_append(&general, &p, &prompt, &ids), "{ids:?} prompt {prompt:?}");
+        if stops[case % 3].is_empty() {
+            assert_eq!(fast.concat(), bl.decode(&ids, true), "{ids:?}");
+        }
+    }
+}

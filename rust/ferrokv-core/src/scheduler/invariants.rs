@@ -53,6 +53,10 @@ impl Scheduler {
                 _ => {}
             }
         }
+        let live_seqs: usize = live().map(|r| r.seqs.len()).sum();
+        if self.seq_owner.len() != live_seqs {
+            return Err(format!("owner map holds {} sequences, {live_seqs} are live", self.seq_owner.len()));
+        }
         self.kv.check(live().flat_map(|r| r.seqs.iter().map(|s| (&s.kv, self.seq_blocks(s)))))?;
         if running_seqs != self.num_running_seqs {
             return Err(format!("num_running_seqs={} but running requests hold {running_seqs}", self.num_running_seqs));

@@ -97,6 +97,11 @@ impl Scheduler {
         self.ts
     }
 
+    /// Whether `seq_id` is a live sequence (one hash probe: the text layer asks per row).
+    pub fn is_live_seq(&self, seq_id: u64) -> bool {
+        self.seq_owner.contains_key(&seq_id)
+    }
+
     /// The request live sequence `seq_id` belongs to.
     pub fn seq_request_id(&self, seq_id: u64) -> Option<u64> {
         self.locate_seq(seq_id).ok().map(|(slot, _)| self.req(slot).request_id)
