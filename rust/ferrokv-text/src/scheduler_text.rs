@@ -11,7 +11,8 @@
 //! has a `SeqText` from its first token until its record passes. The token that ended a sequence
 //! by EOS or a stop token id is not decoded (vLLM keeps it out of the text); a sequence that
 //! reached its length on the token that completed a stop string ends on the string ("stop").
-//! Costs per step: per sampling row one hash lookup and one `SeqText::append`; per ended
+//! Costs per step: per sampling row a liveness probe of the core, one lookup of the sequence's
+//! entry (its request's too at its first token) and one `SeqText::append`; per ended
 //! sequence its text is moved out once. Nothing grows with the output length but the text.
 
 use std::sync::Arc;
@@ -54,7 +55,15 @@ pub struct StepDeltas {
 pub struct SchedulerText {
     model: Arc<TextModel>,
     requests: IdMap<RequestText>,
-    seqs: IdMap<SeqText>,
+    seqs: IdMap<SeqState>,
+}
+
+/// A live sequence's text state, with what a step needs of its request (so that a row touches
+/// only this entry).
+struct SeqState {
+    text: SeqText,
+    /// Its request wants text deltas every step.
+    stream: bool,
 }
 
 impl SchedulerText {
@@ -94,29 +103,23 @@ impl SchedulerText {
         let mut ended: IdMap<usize> = finished.iter().enumerate().map(|(i, f)| (f.seq_id, i)).collect();
         for r in 0..row_seqs.len().min(row_reqs.len()).min(sampled.len()) {
             let (rid, sid) = (row_reqs[r] as u64, row_seqs[r] as u64);
-            let Some(req) = self.requests.get(&rid) else {
-                continue; // not a text request (beam search), or already ended
-            };
-            let f = ended.get(&sid).copied();
+            let f = if ended.is_empty() { None } else { ended.get(&sid).copied() };
             if f.is_some_and(|i| finished[i].reason == FinishReason::Stop && finished[i].stop_str.is_none()) {
                 continue; // EOS or a stop token id: kept out of the text
             }
             if f.is_none() && !sched.is_live_seq(sid) {
                 continue; // ended mid-step (a stop string found a step late): `update` ignored its row
             }
-            if !req.detokenize {
-                if f.is_none() && req.stream {
-                    step.rows.push(r as i64);
-                    step.deltas.push(String::new());
-                }
+            // A sequence's first token (or one of a request without text state) looks its
+            // request up; every later one touches only the sequence's own entry.
+            if !self.seqs.contains_key(&sid) && !self.start_seq(rid, sid, f.is_none(), r, &mut step) {
                 continue;
             }
-            let model = &self.model;
-            let seq = self.seqs.entry(sid).or_insert_with(|| SeqText::new(model, req.params.clone(), &req.prompt_tail));
-            if seq.stop_index().is_some() {
+            let Some(seq) = self.seqs.get_mut(&sid) else { continue };
+            if seq.text.stop_index().is_some() {
                 continue;
             }
-            if let Some(k) = seq.append(model, sampled[r] as u32) {
+            if let Some(k) = seq.text.append(&self.model, sampled[r] as u32) {
                 match f {
                     Some(i) => {
                         let rec = &mut finished[i];
@@ -131,13 +134,32 @@ impl SchedulerText {
                         }
                     }
                 }
-            } else if f.is_none() && req.stream {
+            } else if f.is_none() && seq.stream {
                 step.rows.push(r as i64);
-                step.deltas.push(seq.take_delta().to_owned());
+                step.deltas.push(seq.text.take_delta().to_owned());
             }
         }
         let texts = self.end(finished);
         (step, texts)
+    }
+
+    /// Gives sequence `sid` of request `rid` its text state at its first token; false when it
+    /// gets none: its request has no text state (beam search, or ended), or does not detokenize
+    /// (a streaming row, `goes_on`, then gets an empty delta at row `r`).
+    fn start_seq(&mut self, rid: u64, sid: u64, goes_on: bool, r: usize, step: &mut StepDeltas) -> bool {
+        let Some(req) = self.requests.get(&rid) else {
+            return false;
+        };
+        if !req.detokenize {
+            if goes_on && req.stream {
+                step.rows.push(r as i64);
+                step.deltas.push(String::new());
+            }
+            return false;
+        }
+        let text = SeqText::new(&self.model, req.params.clone(), &req.prompt_tail);
+        self.seqs.insert(sid, SeqState { text, stream: req.stream });
+        true
     }
 
     /// The text of each ended sequence of `finished` (None for a request without text), its
@@ -147,7 +169,7 @@ impl SchedulerText {
     }
 
     fn end_one(&mut self, f: &FinishedSeq) -> Option<EndedText> {
-        let seq = self.seqs.remove(&f.seq_id);
+        let seq = self.seqs.remove(&f.seq_id).map(|s| s.text);
         let req = if f.request_finished { self.requests.remove(&f.request_id) } else { None };
         let params = match (&seq, &req) {
             (Some(s), _) => s.params().clone(),

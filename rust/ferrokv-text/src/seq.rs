@@ -42,6 +42,9 @@ const REPLACEMENT: char = '\u{FFFD}';
 #[derive(Debug)]
 pub struct SeqText {
     params: Arc<StopStrings>,
+    /// `params`' two flags read for every token, kept here (one cache line less per token).
+    skip_special_tokens: bool,
+    has_stop: bool,
     window: Vec<u32>,
     read: usize,
     /// Character count of decode(window[..read]); None until needed after a slide.
@@ -84,6 +87,8 @@ impl SeqText {
     /// the last 5 kept ones become decoding context, unless they end mid-character).
     pub fn new(model: &TextModel, params: Arc<StopStrings>, prompt_tail: &[u32]) -> SeqText {
         let mut seq = SeqText {
+            skip_special_tokens: params.skip_special_tokens(),
+            has_stop: params.has_stop(),
             params,
             window: Vec::with_capacity(PROMPT_CONTEXT + MAX_PENDING),
             read: 0,
@@ -97,7 +102,7 @@ impl SeqText {
             num_tokens: 0,
             stop_index: None,
         };
-        let skip = seq.params.skip_special_tokens();
+        let skip = seq.skip_special_tokens;
         let from = prompt_tail.len().saturating_sub(PROMPT_LOOKBACK);
         let mut ctx: Vec<u32> = prompt_tail[from..].iter().copied().filter(|&id| model.keeps(id, skip)).collect();
         ctx.drain(..ctx.len().saturating_sub(PROMPT_CONTEXT));
@@ -121,7 +126,7 @@ impl SeqText {
             return None;
         }
         self.num_tokens = self.num_tokens.saturating_add(1);
-        if !model.keeps(token, self.params.skip_special_tokens()) {
+        if !model.keeps(token, self.skip_special_tokens) {
             return None;
         }
         self.window.push(token);
@@ -136,6 +141,10 @@ impl SeqText {
                 return None;
             }
             self.slide(true);
+            if !self.has_stop {
+                self.text.push_str(piece);
+                return None;
+            }
             self.scan.emit(&self.params, self.num_tokens, piece, &mut self.text)
         } else {
             self.decode_pending_step(model)
