@@ -47,7 +47,7 @@ def test_greedy_is_argmax_with_lowest_index_ties():
     x = rand_logits(16, 300)
     x[3, 7] = x[3, 250] = x[3].max() + 1.0  # exact tie: the lower index wins
     out = run(x, [SamplingRow(SP(temperature=0.0)) for _ in range(16)])
-    assert out.token_ids.dtype == np.int32
+    assert out.token_ids.dtype == np.int64
     assert np.array_equal(out.token_ids, x.argmax(-1).numpy())
     assert out.token_ids[3] == 7
     # Greedy rows in a mixed batch break ties the same way.
@@ -521,7 +521,7 @@ def test_sample_async_result_equals_sample(kind):
     assert isinstance(pending, SampledTokens)
     assert isinstance(pending.token_ids, torch.Tensor) and pending.token_ids.device == x.device
     got, want = pending.result(), Sampler(seed=4)(x, md)
-    assert got.token_ids.dtype == np.int32 and np.array_equal(got.token_ids, want.token_ids)
+    assert got.token_ids.dtype == np.int64 and np.array_equal(got.token_ids, want.token_ids)
     assert np.array_equal(sample_async(x, md, torch.Generator().manual_seed(4)).result().token_ids,
                           want.token_ids)
     assert (got.logprobs is None) == (want.logprobs is None)

@@ -110,7 +110,7 @@ class _Pending:
     """A step whose ``update()`` ran and whose text and outputs are still to be made."""
 
     out: Any  # its SchedulerOutput
-    sampled: np.ndarray  # int32 [R]: its tokens
+    sampled: np.ndarray  # int64 [R]: its tokens
     row_lp: Any  # its LogprobsResult, or None
 
 
@@ -499,7 +499,7 @@ class LLMEngine:
         """The step's tokens, one per logits row, on the host, and the rows' logprobs; beam
         searches replace theirs (forking and dropping sequences)."""
         if tokens is None:
-            return np.zeros(out.num_rows, dtype=np.int32), None
+            return np.zeros(out.num_rows, dtype=np.int64), None
         so = tokens.result()
         sampled = so.token_ids
         if self._beam_ids:

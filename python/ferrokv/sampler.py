@@ -337,7 +337,7 @@ class LogprobsResult:
 class SamplerOutput:
     """``token_ids[r]`` is the token sampled for batch row ``r``."""
 
-    token_ids: np.ndarray  # int32 [R]
+    token_ids: np.ndarray  # int64 [R] (the core's update takes it as is)
     logprobs: LogprobsResult | None = None
 
 
@@ -496,7 +496,7 @@ class SampledTokens:
             rows, tok_lp, ranks, top_ids, top_lp = (t.cpu().numpy() for t in self.logprob_parts)
             lp = LogprobsResult(rows=rows, sampled_logprobs=tok_lp, sampled_ranks=ranks,
                                 top_ids=top_ids.astype(np.int32), top_logprobs=top_lp, num_top=self.num_top_logprobs)
-        return SamplerOutput(token_ids=self.token_ids.to(torch.int32).cpu().numpy(), logprobs=lp)
+        return SamplerOutput(token_ids=self.token_ids.cpu().numpy(), logprobs=lp)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
