@@ -34,7 +34,7 @@ greedy, with no penalty, ``min_tokens`` ban or logprobs, is one ``argmax``):
    depends only on its own logits row and those, never on the batch, a preemption or a
    cancelled step. NaN entries (rows built without one) draw from the sampler's generator.
 
-Invariants: the input ``logits`` tensor is never modified; output ids are ``int32`` numpy, one per
+Invariants: the input ``logits`` tensor is never modified; output ids are ``int64`` numpy, one per
 row; a token whose processed probability is 0 is never sampled. Devices: the metadata tensors and
 the sampler's generator are on the logits' device (checked: ``DeviceMismatchError`` names both
 devices otherwise). Every stage is row-local and no path choice depends on other rows, so a row's
