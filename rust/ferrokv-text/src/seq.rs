@@ -22,7 +22,8 @@
 //!
 //! Costs per appended token: on the byte-level fast path a table lookup, or a decode of the
 //! pending tokens after an incomplete character; otherwise two window decodes over at most
-//! ~`MAX_PENDING + 5` tokens; plus the stop search of stop.rs. Memory: the window, a few small buffers and the emitted text.
+//! ~`MAX_PENDING + 5` tokens; plus the stop search of stop.rs. Memory: the window, a few small
+//! buffers and the emitted text.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -195,6 +196,8 @@ impl SeqText {
         hit
     }
 
+    /// Character count of decode(prefix), decoded once per slide (which also finds out whether
+    /// the prefix ends clean).
     fn prefix_chars(&mut self, model: &TextModel) -> usize {
         match self.prefix_chars {
             Some(n) => n,
