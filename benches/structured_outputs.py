@@ -62,10 +62,10 @@ def compile_and_mask(llm, rows: list[int]) -> dict:
     for r in rows:
         for i in range(r):
             state.register(i, grammar)
-        matchers = state._matchers(grammar_key(np.arange(r), np.zeros(r, dtype=np.int64)))
+        matchers = state.matchers_of(grammar_key(np.arange(r), np.zeros(r, dtype=np.int64)))
         logits = torch.randn(r, engine.vocab_size)
-        bitmask = state.fill_matchers(matchers)
-        fill = _timed(lambda: state.fill_matchers(matchers), 10)
+        bitmask = state.fill(matchers)
+        fill = _timed(lambda: state.fill(matchers), 10)
         apply = _timed(lambda: GrammarRows.apply(logits, torch.arange(r), bitmask), 10)
         mask[r] = {"fill_us_per_row": round(fill / r * 1e6, 1), "apply_us_per_row": round(apply / r * 1e6, 1)}
         for i in range(r):

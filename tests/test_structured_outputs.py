@@ -25,6 +25,7 @@ from ferrokv.structured_outputs import (
     KEY_STRIDE,
     GrammarCompiler,
     GrammarRows,
+    GrammarStep,
     StructuredOutputsParams as SOP,
     grammar_key,
 )
@@ -47,6 +48,19 @@ def compiler(tok):
 def accepts(compiler, params: SOP, text: str, tok) -> bool:
     m = compiler.compile(params).new_matcher()
     return m.consume_tokens(tok.encode(text)) and m.is_accepting()
+
+
+def fill(rows: GrammarRows, keys) -> torch.Tensor:
+    return rows.fill(rows.matchers_of(keys))
+
+
+def accept(rows: GrammarRows, keys, tokens) -> None:
+    """Advances the keys' matchers as the engine does (a ``GrammarStep`` over rows 0..K-1)."""
+    GrammarStep(np.arange(len(keys)), rows.matchers_of(keys), rows).accept(np.asarray(tokens))
+
+
+def matcher(rows: GrammarRows, key):
+    return rows.matchers_of([key])[0]
 
 
 def allowed_of(mask_row: torch.Tensor) -> set[int]:
@@ -236,7 +250,7 @@ def test_grammar_key_and_rows_of(compiler):
     rows.release(9)  # twice: no error
     assert rows.rows_of(req, s).tolist() == [3]
     with pytest.raises(KeyError):
-        rows.fill(grammar_key(np.array([9]), np.array([0])))
+        fill(rows, grammar_key(np.array([9]), np.array([0])))
     rows.release(2)
     assert not rows.has_any() and rows.rows_of(req, s).tolist() == []
     with pytest.raises(ValueError, match="vocab"):
@@ -251,20 +265,20 @@ def test_eos_only_when_stopped_or_in_error(compiler, tok):
     keys = np.array([k_acc, k_stop, k_err])
     yes = tok.encode("yes")
     for t in yes:
-        rows.accept(np.array([k_acc, k_stop]), np.array([t, t]))
-    rows.accept(np.array([k_err]), np.array([tok.encode("x")[0]]))  # rejected: no raise
-    mask = rows.fill(keys)
+        accept(rows, np.array([k_acc, k_stop]), np.array([t, t]))
+    accept(rows, np.array([k_err]), np.array([tok.encode("x")[0]]))  # rejected: no raise
+    mask = fill(rows, keys)
     assert mask.shape == (3, (V + 31) // 32) and mask.dtype == torch.int32
     acc = allowed_of(mask[0])
     assert EOS in acc and len(acc) > 1 and all(t < TINY_VOCAB_SIZE for t in acc)  # " sir" goes on
-    assert allowed_of(mask[1]) == {EOS} and rows.is_finished(k_stop) and not rows.is_finished(k_acc)
-    assert allowed_of(mask[2]) == {EOS} and rows.error(k_err) and not rows.error(k_stop)
-    rows.accept(keys, np.array([EOS, EOS, EOS]))  # EOS after the end: still fine
-    assert rows.is_finished(k_acc) and allowed_of(rows.fill(keys[:1])[0]) == {EOS}
+    assert allowed_of(mask[1]) == {EOS} and matcher(rows, k_stop).is_stopped() and not matcher(rows, k_acc).is_stopped()
+    assert allowed_of(mask[2]) == {EOS} and matcher(rows, k_err).get_error() and not matcher(rows, k_stop).get_error()
+    accept(rows, keys, np.array([EOS, EOS, EOS]))  # EOS after the end: still fine
+    assert matcher(rows, k_acc).is_stopped() and allowed_of(fill(rows, keys[:1])[0]) == {EOS}
     # Released and registered again: fresh matchers.
     rows.release(2)
     rows.register(2, compiler.compile(SOP(regex="(yes|no)")))
-    assert not rows.is_finished(k_stop) and len(allowed_of(rows.fill(np.array([k_stop, k_err]))[1])) > 1
+    assert not matcher(rows, k_stop).is_stopped() and len(allowed_of(fill(rows, np.array([k_stop, k_err]))[1])) > 1
 
 
 def test_fill_on_a_worker_thread_matches(compiler):
@@ -272,13 +286,13 @@ def test_fill_on_a_worker_thread_matches(compiler):
     rows.register(4, compiler.compile(SOP(regex=r"\d{4}-\d{2}")))
     rows.register(5, compiler.compile(SOP(choice=["alpha", "beta"])))
     keys = grammar_key(np.array([4, 5, 5]), np.array([0, 0, 3]))
-    here = rows.fill(keys)
+    here = fill(rows, keys)
     there = []
-    t = threading.Thread(target=lambda: there.append(rows.fill(keys)))
+    t = threading.Thread(target=lambda: there.append(fill(rows, keys)))
     t.start()
     t.join()
     assert torch.equal(here, there[0]) and torch.equal(here[1], here[2]) and not torch.equal(here[0], here[1])
-    assert torch.equal(rows.fill(keys[1:2])[0], here[1])  # the single-row path agrees with the parallel one
+    assert torch.equal(fill(rows, keys[1:2])[0], here[1])  # the single-row path agrees with the parallel one
 
 
 def _reference_apply(logits, rows, mask):
@@ -362,22 +376,22 @@ def decode(rows: GrammarRows, requests: dict[int, tuple[SOP, int]], compiler, to
         rows_np = rows.rows_of(req, smp)
         assert rows_np.tolist() == list(range(len(active)))
         keys = grammar_key(req[rows_np], smp[rows_np])
-        rows.apply(logits, torch.from_numpy(rows_np), rows.fill(keys))
+        rows.apply(logits, torch.from_numpy(rows_np), fill(rows, keys))
         assert torch.equal(logits[len(active):], before[len(active):])
         if greedy:
             picked = logits.argmax(dim=1)
         else:
             picked = torch.multinomial(torch.softmax(logits, dim=1), 1, generator=gen)[:, 0]
         tokens = picked.numpy()[rows_np]
-        rows.accept(keys, tokens)
+        accept(rows, keys, tokens)
         for (rid, s), t in zip(active, tokens.tolist()):
             if t != eos:
                 out[(rid, s)].append(t)
         active = [a for a, t in zip(active, tokens.tolist()) if t != eos]
     assert not (must_finish and active), f"unfinished after {max_steps} steps: {active}"
     for key in active:
-        assert not rows.is_finished(grammar_key(np.array([key[0]]), np.array([key[1]]))[0]) and not rows.error(
-            grammar_key(np.array([key[0]]), np.array([key[1]]))[0])
+        m = matcher(rows, grammar_key(np.array([key[0]]), np.array([key[1]]))[0])
+        assert not m.is_stopped() and not m.get_error()
         del out[key]
     for rid in requests:
         rows.release(rid)

@@ -406,9 +406,11 @@ class GrammarRows:
         if not len(rows):
             return None
         keys = grammar_key(out.row_req_ids[rows], out.row_sample_index[rows])
-        return GrammarStep(rows, self._matchers(keys), self)
+        return GrammarStep(rows, self.matchers_of(keys), self)
 
-    def _matchers(self, keys: np.ndarray | list[int]) -> list[Any]:
+    def matchers_of(self, keys: np.ndarray | list[int]) -> list[Any]:
+        """The matchers of ``keys`` (``grammar_key``), each made on its first use; KeyError for a
+        key whose request decodes under no grammar."""
         import numpy as np
 
         out = []
@@ -423,13 +425,9 @@ class GrammarRows:
                 out.append(m)
         return out
 
-    def fill(self, keys: np.ndarray) -> torch.Tensor:
-        """The int32 CPU bitmask ``[len(keys), words]`` of each key's allowed next tokens (keys
-        unique). A stopped or errored matcher allows only EOS."""
-        return self.fill_matchers(self._matchers(keys))
-
-    def fill_matchers(self, ms: list[Any]) -> torch.Tensor:
-        """``fill`` for matchers already resolved (``GrammarStep``)."""
+    def fill(self, ms: list[Any]) -> torch.Tensor:
+        """The int32 CPU bitmask ``[len(ms), words]`` of each matcher's allowed next tokens
+        (matchers distinct, from ``matchers_of``). A stopped or errored matcher allows only EOS."""
         import llguidance
         import torch
 
@@ -472,22 +470,6 @@ class GrammarRows:
             bias = torch.cat([bias, bias.new_full((n, vocab - bias.shape[1]), float("-inf"))], dim=1)
         logits.index_add_(0, rows, bias.to(logits.dtype))
 
-    def accept(self, keys: np.ndarray, tokens: np.ndarray) -> None:
-        """Advances each key's matcher by its committed token; a rejected token leaves the matcher
-        in error (then it allows only EOS) and never raises."""
-        if len(keys) != len(tokens):
-            raise ValueError(f"{len(keys)} keys but {len(tokens)} tokens")
-        for m, token in zip(self._matchers(keys), [int(t) for t in tokens]):
-            m.consume_token(token)
-
-    def is_finished(self, key: int) -> bool:
-        """Whether the key's grammar is complete (its matcher stopped: only EOS is allowed)."""
-        return self._matchers([key])[0].is_stopped()
-
-    def error(self, key: int) -> str:
-        """The key's matcher error ("" when none), for logs."""
-        return self._matchers([key])[0].get_error()
-
 
 @dataclass(slots=True)
 class GrammarStep:
@@ -501,10 +483,11 @@ class GrammarStep:
         """Masks the rows' disallowed tokens to -inf, in place (the step job, before sampling)."""
         import torch
 
-        GrammarRows.apply(logits, torch.from_numpy(self.rows), self.owner.fill_matchers(self.matchers))
+        GrammarRows.apply(logits, torch.from_numpy(self.rows), self.owner.fill(self.matchers))
 
     def accept(self, sampled: np.ndarray) -> None:
         """Advances each row's matcher by its token, once the step's ``update()`` committed them
-        (a row ended meanwhile only advances a matcher nobody reads again)."""
+        (a row ended meanwhile only advances a matcher nobody reads again). A rejected token
+        leaves the matcher in error (then it allows only EOS) and never raises."""
         for m, token in zip(self.matchers, sampled[self.rows].tolist()):
             m.consume_token(int(token))
