@@ -57,6 +57,12 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def llama_path(tiny_model_dir):
+    """The tiny Llama checkpoint most engine tests run on."""
+    return tiny_model_dir("llama", "llama")
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """``hf_model(path)`` -> the transformers model of a folder (fp32, eval), loaded once per session."""
     import torch

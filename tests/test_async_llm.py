@@ -21,11 +21,6 @@ from ferrokv.outputs import RequestOutputKind as Kind
 from helpers.engine_faults import engine_kwargs, greedy, rand_prompts, tiny_llm, token_ids
 
 
-@pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
 def make_async_llm(path, **kw) -> AsyncLLM:
     args = engine_kwargs(path, **kw)
     return AsyncLLM(args.pop("model"), **args)

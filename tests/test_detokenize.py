@@ -17,11 +17,6 @@ from helpers.engine_faults import assert_idle, rand_prompts, run_requests, tiny_
 KINDS = list(RequestOutputKind)
 
 
-@pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
 def make_engine(path, layer: str, **kw):
     if layer == "rust":
         engine = tiny_engine(path, **kw)

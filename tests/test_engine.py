@@ -126,11 +126,6 @@ def test_greedy_matches_transformers(model, config, tiny_model_dir, hf_greedy):
 # ------------------------------------------------------------------------------------------------
 # Engine-level behaviour on the tiny llama
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    arch, kw = MODELS["llama"]
-    return tiny_model_dir("llama", arch, **kw)
-
 
 def make_engine(path, **kw) -> LLMEngine:
     args = dict(model=str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=4,

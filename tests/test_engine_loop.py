@@ -23,11 +23,6 @@ from helpers.engine_faults import (RunnerHook, assert_idle, drive, greedy, rand_
 N_THREADS = 4
 
 
-@pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
 def run_threads(target, n: int) -> list:
     """Runs ``target(i)`` in n threads; returns their results, re-raising the first error."""
     results: list = [None] * n

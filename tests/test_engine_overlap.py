@@ -19,11 +19,6 @@ from helpers.engine_faults import RunnerHook, assert_idle, drive, greedy, rand_p
 LENGTHS = [5, 23, 11, 40, 3, 17]
 
 
-@pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
 class _Close(float):
     """A logprob compared to within float32 rounding: overlap may leave a row that a stop string
     ended a step late in the next step's batch, and the model's matmuls are not batch-invariant

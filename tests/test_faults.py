@@ -30,11 +30,6 @@ MAX_NEW = 10
 
 
 @pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
-@pytest.fixture(scope="module")
 def clean(llama_path):
     """``clean(prompts, params, **engine_kwargs)``: token ids of a fault-free run in a fresh LLM."""
     memo: dict[str, list] = {}

@@ -29,11 +29,6 @@ def assert_no_leak(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
-@pytest.fixture(scope="module")
 def llama_llm(llama_path):
     return tiny_llm(llama_path)
 

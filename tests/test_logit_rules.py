@@ -36,11 +36,6 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
-@pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()
 

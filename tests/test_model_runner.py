@@ -22,11 +22,6 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
-@pytest.fixture(scope="module")
 def model(llama_path):
     return load_model(llama_path, attn_backend="torch")
 

@@ -18,11 +18,6 @@ from helpers.engine_faults import assert_idle, rand_prompts, tiny_engine
 KINDS = list(RequestOutputKind)
 
 
-@pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
 def params(kind: RequestOutputKind, **kw) -> SamplingParams:
     base = dict(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, output_kind=kind)
     base.update(kw)

@@ -18,11 +18,6 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
-@pytest.fixture(scope="module")
 def engine(llama_path):
     return tiny_engine(llama_path)
 

@@ -143,11 +143,6 @@ def assert_no_leak(engine: LLMEngine) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
-@pytest.fixture(scope="module")
 def llm(llama_path):
     return LLM(str(llama_path), **BASE)
 

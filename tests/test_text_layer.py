@@ -22,11 +22,6 @@ from helpers.tiny_tokenizer import tiny_tokenizer
 KINDS = list(RequestOutputKind)
 
 
-@pytest.fixture(scope="module")
-def llama_path(tiny_model_dir):
-    return tiny_model_dir("llama", "llama")
-
-
 def greedy(**kw) -> SamplingParams:
     base = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
     base.update(kw)
