@@ -53,7 +53,9 @@ def _check_inputs(sched: Scheduler, out: SchedulerOutput, inp: StepInputs, token
     assert inp.meta.block_tables.dtype == torch.int32 and inp.meta.block_tables.stride(1) == 1  # rows contiguous
     assert inp.meta.max_query_len == max(b - a for a, b in zip(qsl, qsl[1:]))
     assert inp.meta.max_seq_len == max(seq_lens)
-    if out.num_rows:
+    every_token = out.num_rows == out.num_tokens and out.logits_indices.tolist() == list(range(out.num_tokens))
+    assert inp.every_token_samples == (every_token and out.num_decode_tokens == out.num_tokens)
+    if out.num_rows and not inp.every_token_samples:
         assert inp.logits_indices.tolist() == out.logits_indices.tolist()
     else:
         assert inp.logits_indices is None
@@ -84,7 +86,26 @@ def test_prepare_maps_prefill_chunks_and_decodes(model):
     # (prefill tokens, decode tokens, a row that does not sample)
     assert (True, False, True) in kinds, kinds  # a chunk whose prompt is not done yet
     assert (True, True, False) in kinds, kinds  # prefills beside decodes
-    assert (False, True, False) in kinds, kinds  # all decode
+    assert (False, True, False) in kinds, kinds  # all decode: logits row i is token i, no gather
+
+
+def test_a_step_with_as_many_rows_as_tokens_that_are_not_all_decodes_keeps_its_gather(model):
+    """Budget 4: request 0's 6-token prompt takes a 4-token chunk, then its last 2 tokens (one
+    row) beside request 1's 1-token prompt with n=2 (two rows at its one token): 3 tokens and 3
+    rows, logits indices [1, 2, 2], which only the decode count tells from an all-decode step."""
+    sched, runner = _setup(model, budget=4)
+    tokens = {0: list(range(10, 16)), 1: [5]}
+    sched.add_request(0, tokens[0], 3)
+    sched.add_request(1, tokens[1], 3, n=2)
+    seen = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        inp = runner.prepare(out)
+        _check_inputs(sched, out, inp, {rid: t + [7] * 8 for rid, t in tokens.items()})
+        seen.append((out.num_tokens, out.num_rows, out.num_decode_tokens, inp.every_token_samples))
+        sched.update(out, np.full(out.num_rows, 7, np.int64))
+    assert any(t == r and d < t for t, r, d, _ in seen), seen
+    assert any(e for *_, e in seen), seen
 
 
 def test_block_tables_of_a_decode_step_view_the_batch_matrix_until_the_next_schedule(model):

@@ -40,7 +40,8 @@ class StepInputs:
     input_ids: Tensor | None  # int64 [T]; None when the step computes no token
     positions: Tensor | None  # int64 [T]
     meta: AttentionMetadata | None
-    logits_indices: Tensor | None  # int64 [R + P]; None when no row samples and P = 0
+    logits_indices: Tensor | None  # int64 [R + P]; None when no row samples and P = 0, or every token samples
+    every_token_samples: bool  # logits row i is token i, for every token: the hidden states as they are
     # Block operations to apply before the forward pass (int32 pairs, flattened).
     swap_out: np.ndarray
     swap_in: np.ndarray
@@ -67,7 +68,7 @@ class ModelRunner:
         (prompt logprobs)."""
         ops = (out.swap_out, out.swap_in, out.copy_ops)
         if out.num_tokens == 0:
-            return StepInputs(None, None, None, None, *ops)
+            return StepInputs(None, None, None, None, False, *ops)
         qsl = out.query_start_loc
         seq_lens = out.seq_lens
         # Possibly a strided view of the scheduler's persistent batch matrix (rows wider than this
@@ -76,8 +77,13 @@ class ModelRunner:
         # upload copies it into the staging buffer.
         block_tables = out.block_tables
         arrays = [out.input_ids, out.positions, out.slot_mapping, qsl, seq_lens, block_tables]
-        logits_indices = out.logits_indices if out.num_rows else None
-        if prompt_indices is not None and len(prompt_indices):
+        # Every token a single-token decode that samples once (each decode samples at least one
+        # row, so R = T means exactly one, at its own token): logits row i is token i, and the
+        # hidden states need no gather (a copy of [T, hidden] on the CPU, a kernel on a GPU).
+        plp = prompt_indices is not None and len(prompt_indices) > 0
+        every_token = out.num_decode_tokens == out.num_tokens == out.num_rows and not plp
+        logits_indices = out.logits_indices if out.num_rows and not every_token else None
+        if plp:
             logits_indices = prompt_indices if logits_indices is None else np.concatenate([logits_indices, prompt_indices])
         if logits_indices is not None:
             arrays.append(logits_indices)
@@ -93,7 +99,8 @@ class ModelRunner:
             query_start_loc_host=qsl.astype(np.int64),
             seq_lens_host=seq_lens.astype(np.int64),
         )
-        return StepInputs(input_ids, positions, meta, staged[6] if logits_indices is not None else None, *ops)
+        return StepInputs(input_ids, positions, meta, staged[6] if logits_indices is not None else None,
+                          every_token, *ops)
 
     # No torch.no_grad() here: the models' forward and compute_logits run under their own, so
     # nothing here records a graph, and a context per step is host time for nothing.
@@ -106,6 +113,8 @@ class ModelRunner:
         if inputs.meta is None:
             return None
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+        if inputs.every_token_samples:
+            return self.model.compute_logits(hidden)
         if inputs.logits_indices is None:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
