@@ -194,24 +194,25 @@ def build_outputs(touched: Iterable[RequestState], ended_now: dict[int, list[Com
     ``ended_now``: per request, the completions that ended at this step (already in ``done``)."""
     outputs = []
     for req in touched:
-        if req.kind == _FINAL and not req.finished:
+        kind = req.kind
+        if kind == _FINAL and not req.finished:
             continue
-        if req.kind == _DELTA:
-            comps = list(ended_now.get(req.core_id, ()))
+        if kind == _DELTA:
+            ended = ended_now.get(req.core_id)
+            comps = [] if ended is None else list(ended)
         else:
             comps = list(req.done)
+        generated = req.num_generated_done
         for seq in req.seqs.values():
             c = _live_completion(req, seq)
             if c is not None:
                 comps.append(c)
+            generated += seq.num_emitted
         if len(comps) > 1:
             comps.sort(key=_by_index)
-        generated = req.num_generated_done
-        for s in req.seqs.values():
-            generated += s.num_emitted
+        plp = None if req.prompt_logprobs is None else _prompt_logprobs_out(req)
         outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished,
-                                     req.num_cached_tokens, _prompt_logprobs_out(req),
-                                     fill_metrics(req.stats, times_of(req), generated)))
+                                     req.num_cached_tokens, plp, fill_metrics(req.stats, times_of(req), generated)))
     return outputs
 
 
