@@ -89,6 +89,8 @@ def batch_prompts(prompts: Any) -> list[Any]:
         return [prompts]
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist()
+    if isinstance(prompts, (bytes, bytearray)):  # not token ids: text would be a str
+        raise ValueError(f"prompts must be a str, a dict or a list of them, got {shown(prompts)}")
     try:
         items = list(prompts)
     except TypeError:

@@ -204,11 +204,17 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)):
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                                f"got {shown(sampling_params)}")
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts (give one, or one per prompt)"
                 )
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {shown(p)}")
         if priority is not None:
             priority = list(priority)
             if len(priority) != len(prompts):

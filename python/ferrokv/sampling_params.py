@@ -38,9 +38,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ferrokv.checks import check_text
+from ferrokv.checks import check_text, shown
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.structured_outputs import StructuredOutputsParams  # stdlib-only at import
 
@@ -54,6 +55,12 @@ GREEDY_EPS: float = 1e-5
 def _is_int(x: object) -> bool:
     # bool is an Integral subclass, but n=True is almost certainly a bug, not "1".
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_list_like(x: object) -> bool:
+    """A list, tuple or other iterable of items; not text, bytes or a mapping (whose iteration
+    would quietly read characters or keys as items)."""
+    return isinstance(x, Iterable) and not isinstance(x, (str, bytes, bytearray, Mapping))
 
 
 def _is_real(x: object) -> bool:
@@ -150,6 +157,8 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
+            if not _is_list_like(self.stop):
+                raise ValueError(f"stop must be a str or a list of strings, got {shown(self.stop)}")
             stop = list(self.stop)
             for s in stop:
                 if not isinstance(s, str):
@@ -161,6 +170,8 @@ class SamplingParams:
                 raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
 
+        if self.stop_token_ids is not None and not _is_list_like(self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {shown(self.stop_token_ids)}")
         ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         for t in ids:
             if not _is_int(t) or t < 0:
