@@ -97,6 +97,7 @@ BAD_PARAMS = [
     (_C, "seed", "abc", "abc"),
     (_C, "seed", 2 ** 64, str(2 ** 64)),
     (_C, "n", 129, "129"),
+    (_C, "n", -2 ** 63 - 5, "at least"),  # below the core's range: the bound it broke is the lower one
     (_C, "logprobs", 21, "21"),
     (_C, "stop", [1, 2], None),
     (_C, "stop", "", None),
@@ -106,6 +107,7 @@ BAD_PARAMS = [
     (_C, "priority", 5, "5"),  # the server runs fcfs: vLLM refuses a priority it would ignore
     (_C, "ignore_eos", "maybe", "maybe"),
     (_C, "stream_options", {"include_usage": True}, None),  # without stream: true
+    (_C, "stream_options", 5, "5"),
     (_C, "prompt", _MISSING, None),
     (_C, "prompt", 123, "123"),
     (_C, "prompt", [], None),
@@ -129,6 +131,7 @@ BAD_PARAMS = [
     (_CH, "structured_outputs", {"regex": "(ab"}, "(ab"),  # does not compile (the engine's check)
     (_C, "guided_regex", "[a-", "[a-"),
     (_TOK, "prompt", 42, "42"),
+    (_TOK, "prompt", "bad \ud800 surrogate", None),
     (_DETOK, "tokens", [-1], None),
     (_DETOK, "tokens", [10 ** 9], None),
     (_DETOK, "tokens", "abc", "abc"),
@@ -157,6 +160,44 @@ def test_400_bad_parameter_names_field_and_value(http, path, field, value, shown
     if shown is not None:
         assert shown in err["message"], f"value {shown!r} not shown in {err['message']!r}"
     assert_still_serves(http)
+
+
+def test_400_stream_options_include_usage_names_the_nested_field(http):
+    r = http.post(_C, json=completion_body(stream=True, stream_options={"include_usage": "yes"}))
+    err = assert_openai_error(r, 400, "stream_options.include_usage", "'yes'")
+    assert err["param"] == "stream_options.include_usage", err
+
+
+def test_400_a_bad_prompt_of_a_batch_is_named_by_its_index(http):
+    r = http.post(_C, json=completion_body(prompt=[[1], [10 ** 9]]))
+    err = assert_openai_error(r, 400, "prompt[1]", str(10 ** 9))
+    assert err["param"] == "prompt[1]", err
+    assert_still_serves(http)
+
+
+def test_400_a_batch_larger_than_the_server_ever_admits(http):
+    # --max-num-seqs 1 and --max-waiting-requests 1: three prompts never fit, so no retry helps (not a 503).
+    r = http.post(_C, json=completion_body(prompt=["a", "b", "c"]))
+    err = assert_openai_error(r, 400, "3 prompts")
+    assert err["param"] == "prompt", err
+    assert_still_serves(http)
+
+
+def test_a_top_p_below_float32s_range_samples_like_the_smallest_one(http):
+    # 1e-300 is a valid top_p (in (0, 1]); the core keeps float32, where it would round to 0.
+    r = http.post(_C, json=completion_body(top_p=1e-300, temperature=1.0, max_tokens=3, seed=1))
+    assert r.status_code == 200, r.text
+    greedy = http.post(_C, json=completion_body(max_tokens=3))
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]  # top_p -> 0 keeps the argmax
+
+
+def test_a_request_whose_worst_case_never_fits_the_kv_cache_is_a_400_on_max_tokens():
+    from ferrokv import CacheCapacityError
+    from ferrokv.entrypoints.openai.serving import to_openai_error
+
+    msg = "request_id='x' needs up to 64 KV blocks but the cache can only ever give it 63; lower max_tokens/n"
+    err = to_openai_error(CacheCapacityError(msg))
+    assert (err.status, err.param, err.message) == (400, "max_tokens", msg)
 
 
 def test_400_top_logprobs_without_logprobs(http):

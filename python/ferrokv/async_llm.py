@@ -35,6 +35,7 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ferrokv.checks import check_text
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
@@ -222,6 +223,8 @@ class AsyncLLM:
         return await future
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids (ValueError when it is not Unicode text: a lone surrogate)."""
+        check_text("prompt", text)
         tok = self.engine.tokenizer
         return list(await self._in_pool(lambda: tok.encode(text, add_special_tokens=add_special_tokens)))
 

@@ -70,7 +70,8 @@ _F32_MAX, _F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
 
 def _f32(x: float) -> float:
     """A positive finite float as the core's float32 keeps it: clipped, never rounded to 0 or
-    inf (a temperature of 1e300 samples uniformly either way; a penalty of 1e-300 is as small)."""
+    inf (a temperature of 1e300 samples uniformly either way; a penalty or a top_p of 1e-300 is
+    as small)."""
     return min(max(x, _F32_TINY), _F32_MAX)
 
 
@@ -86,7 +87,7 @@ def core_sampling_kwargs(params: SamplingParams, vocab_size: int) -> dict[str, A
     return dict(
         temperature=0.0 if params.is_greedy else _f32(params.temperature),
         top_k=params.top_k if params.top_k < vocab_size else 0,
-        top_p=params.top_p, min_p=params.min_p, presence_penalty=params.presence_penalty,
+        top_p=_f32(params.top_p), min_p=params.min_p, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=_f32(params.repetition_penalty),
         seed=params.seed, logprobs=logprobs, has_logit_bias=has_logit_bias(params),
         skip_cache_hits=params.prompt_logprobs is not None,

@@ -129,7 +129,8 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
     kw: dict[str, Any] = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     for name, hi in (("seed", _I64), ("top_k", _I32), ("min_tokens", _I32), ("n", 128)):
         if name in kw and _is_int(kw[name]) and not -_I64 - 1 <= kw[name] <= hi:
-            raise bad(name, f"{name} must be at most {hi}, got {kw[name]}")
+            bound = f"at most {hi}" if kw[name] > hi else f"at least {-_I64 - 1}"
+            raise bad(name, f"{name} must be {bound}, got {kw[name]}")
     if "stop" in kw and not isinstance(kw["stop"], (str, list)):
         raise bad("stop", f"stop must be a string or a list of strings, got {shown(kw['stop'])}")
     for name, what in (("stop_token_ids", "integers"), ("allowed_token_ids", "token ids"), ("bad_words", "strings")):
@@ -299,8 +300,12 @@ class _Common:
 def _common(body: Mapping[str, Any], params: SamplingParams, structured: StructuredSource | None) -> dict[str, Any]:
     stream = _bool(body, "stream", False)
     opts = _opt(body, "stream_options", {})
-    opts = _object(opts, "stream_options")
-    include_usage = _bool(opts, "include_usage", False)
+    if not isinstance(opts, Mapping):
+        raise bad("stream_options", f"stream_options must be a JSON object, got {shown(opts)}")
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise bad("stream_options.include_usage", f"stream_options.include_usage must be a boolean, got {shown(usage)}")
+    include_usage = bool(usage)
     if opts and not stream:
         raise bad("stream_options", "stream_options is only allowed with stream: true")
     salt = _str(body, "cache_salt")

@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from ferrokv._core import CacheCapacityError
 from ferrokv.engine_loop import EngineDeadError
 from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
@@ -68,6 +69,9 @@ class ServerState:
         if self.draining or not self.llm.is_running:
             raise OpenAIError(503, "the server is shutting down")
         slots = self.llm.engine.args.max_num_seqs
+        if num_requests > slots + self.max_waiting_requests:  # not even an idle server takes it: no retry helps
+            raise OpenAIError(400, f"prompt: {num_requests} prompts in one request are more than this server "
+                                   f"admits at once ({slots} running + {self.max_waiting_requests} waiting)", "prompt")
         if self.admitted + num_requests > slots + self.max_waiting_requests:
             raise OpenAIError(503, f"the waiting queue is full ({self.max_waiting_requests} requests wait "
                                    f"beyond the {slots} running); retry later")
@@ -79,6 +83,8 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         return e
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, "the server is shutting down")
+    if isinstance(e, CacheCapacityError):  # the request's worst case (prompt + max_tokens, times n) never fits
+        return OpenAIError(400, str(e), "max_tokens")
     if isinstance(e, ValueError):  # the engine's checks name the field first ("prompt_token_ids[3]=...")
         m = re.match(r"[A-Za-z_]+", str(e))
         return OpenAIError(400, str(e), m.group(0) if m else None)
@@ -125,8 +131,13 @@ def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
 async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, field: str,
                            **kw: Any) -> AsyncIterator[RequestOutput]:
     """``llm.generate``, after tokenizing a text prompt (on the pool) and ``check_room``; the
-    inner generator is closed as soon as this one is (which aborts its request)."""
-    prompt = await llm.tokenize_prompt(prompt)
+    inner generator is closed as soon as this one is (which aborts its request). The engine's
+    prompt errors ("prompt_token_ids[3]=...") are told as errors of ``field``, the request's own
+    name for this prompt (``prompt[2]`` of a batch)."""
+    try:
+        prompt = await llm.tokenize_prompt(prompt)
+    except ValueError as e:
+        raise _prompt_error(e, field)
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
         n = len(prompt["prompt_token_ids"])
         keep = params.truncate_prompt_tokens  # the engine keeps only the prompt's last `keep` tokens
@@ -135,8 +146,22 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
         check_room(n, params.max_tokens, llm.max_model_len, field)
     stream = llm.generate(prompt, params, request_id, **kw)
     async with contextlib.aclosing(stream):
+        try:
+            first = await anext(stream)  # the engine checks the request before its first output
+        except ValueError as e:
+            raise _prompt_error(e, field)
+        except StopAsyncIteration:
+            return
+        yield first
         async for out in stream:
             yield out
+
+
+def _prompt_error(e: ValueError, field: str) -> Exception:
+    """A prompt error ("prompt_token_ids[3]=...") as a 400 naming ``field``; others as they are."""
+    if re.match(r"(prompts?|prompt_token_ids)\b", str(e)):  # not prompt_logprobs
+        return OpenAIError(400, f"{field}: {e}", field)
+    return e
 
 
 class ClientGone(Exception):
@@ -251,20 +276,17 @@ class Generation:
 
 
 async def run_generation(request: Request, state: ServerState, gens: list[AsyncIterator[RequestOutput]],
-                         respond: Callable[[Generation], Awaitable[Any]], prompt_field: str,
+                         respond: Callable[[Generation], Awaitable[Any]],
                          engine_error: Callable[[ValueError], Exception] | None = None) -> Any:
     """Starts the requests (watched for a disconnect) and hands them to ``respond``, which
-    returns the response; errors become OpenAI errors and every generator is closed. The
-    engine's prompt errors ("prompt_token_ids[3]=...") are told as errors of ``prompt_field``,
-    the request's own name for the prompt; ``engine_error`` renames the others it knows (a
-    grammar that does not compile, told as the request's ``guided_regex``...)."""
+    returns the response; errors become OpenAI errors and every generator is closed.
+    ``engine_error`` renames the engine's errors it knows (a grammar that does not compile, told
+    as the request's ``guided_regex``...); prompt errors were named by ``generate_checked``."""
     gen = Generation(gens, state)
     try:
         try:
             await watched(request, gen.start())
         except ValueError as e:
-            if re.match(r"(prompts?|prompt_token_ids)\b", str(e)):  # not prompt_logprobs
-                raise OpenAIError(400, f"{prompt_field}: {e}", prompt_field) from None
             if engine_error is not None:
                 raise engine_error(e) from None
             raise

@@ -138,7 +138,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({**call.head(state.created), "choices": choices, "usage": call.usage()})
 
-    return await run_generation(request, state, gens, respond, "prompt", req.engine_error)
+    return await run_generation(request, state, gens, respond, req.engine_error)
 
 
 def _stream(gen: Generation, call: _Completion, created: int) -> Any:
