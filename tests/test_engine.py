@@ -123,6 +123,47 @@ def test_greedy_matches_transformers(model, config, tiny_model_dir, hf_greedy):
         assert_no_leak(engine)
 
 
+# Dynamic NTK RoPE: transformers rescales the base from the length of each call (the whole prompt,
+# then one token at a time), so a prompt's keys depend on its length, not on how it was chunked.
+DYNAMIC_ROPE = dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16)
+
+
+def hf_greedy_fresh_rope(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, its dynamic RoPE state reset first (it keeps the
+    longest length it has seen across calls)."""
+    rot = hf.model.rotary_emb
+    rot.inv_freq = rot.original_inv_freq.clone()
+    rot.max_seq_len_cached = rot.original_max_seq_len
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("config", ["chunked-16", "prefix-cache", "preempt-recompute"])
+def test_dynamic_rope_matches_transformers_however_prompts_are_chunked_cached_or_recomputed(
+        config, tiny_model_dir, hf_model, caplog):
+    path = tiny_model_dir("llama-dynamic-rope", "llama", **DYNAMIC_ROPE)
+    prompts = ragged_prompts()  # most are longer than the model's 16 positions; two share 24 tokens
+    hf = hf_model(path)
+    refs = [hf_greedy_fresh_rope(hf, p, MAX_NEW) for p in prompts]
+    with caplog.at_level("WARNING", logger="ferrokv"):
+        llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, **CONFIGS[config])
+    assert "prefix caching is off" in caplog.text  # equal prefixes of prompts of different lengths differ
+    for _ in range(2):  # the second pass would hit the prefix cache if it were on
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+        for i, (o, ref) in enumerate(zip(outs, refs)):
+            assert o.outputs[0].token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens)"
+    st = llm.llm_engine.stats()
+    assert st["cached_prompt_tokens"] == 0, st
+    if config == "chunked-16":
+        assert st["max_step_tokens"] <= 16, st
+    if config == "preempt-recompute":
+        assert st["recompute_preemptions"] > 0, st
+    assert_no_leak(llm.llm_engine)
+
+
 # ------------------------------------------------------------------------------------------------
 # Engine-level behaviour on the tiny llama
 # ------------------------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ class SchedulerOutput:
     @property
     def seq_lens(self) -> npt.NDArray[np.int32]: ...  # [S], context length after this step
     @property
+    def prompt_lens(self) -> npt.NDArray[np.int32]: ...  # [S], the length of each sequence's prompt
+    @property
     def block_tables(self) -> npt.NDArray[np.int32]: ...  # [S, M], padded with block 0 (see above)
     @property
     def block_tables_is_view(self) -> bool: ...  # block_tables views the batch matrix: copy to keep

@@ -97,7 +97,8 @@ def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_mo
     return int(n)
 
 
-def make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torch.device) -> Scheduler:
+def make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torch.device,
+                   enable_prefix_caching: bool) -> Scheduler:
     """The engine's scheduler: its step budget (8192 tokens on a GPU, 2048 on a CPU, at least
     max_num_seqs) and the sampling seed of unseeded requests (random unless ``args.seed``)."""
     budget = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
@@ -107,7 +108,7 @@ def make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torc
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max(budget, args.max_num_seqs),
         max_model_len=max_len,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=enable_prefix_caching,
         preemption_mode=args.preemption_mode,
         num_cpu_blocks=args.num_cpu_blocks,
         policy=args.scheduling_policy,
@@ -139,6 +140,7 @@ def load_engine(args: EngineArgs) -> EngineParts:
     from transformers import AutoTokenizer
 
     from ferrokv.model_loader import load_config, load_model, resolve_model_path, resolve_tokenizer_path
+    from ferrokv.models.rope import dynamic_rope_rescales
 
     args.validate()
     t0 = time.perf_counter()
@@ -162,7 +164,13 @@ def load_engine(args: EngineArgs) -> EngineParts:
                        head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
     num_blocks = num_kv_blocks(args, spec, device, max_len)
     kv_cache = PagedKVCache(spec, num_blocks, args.num_cpu_blocks, device)
-    scheduler = make_scheduler(args, num_blocks, max_len, device)
+    prefix_caching = args.enable_prefix_caching
+    if prefix_caching and dynamic_rope_rescales(mc.rope, max_len):
+        logger.warning("prefix caching is off: with dynamic RoPE and max_model_len=%d above the model's %d "
+                       "positions, a prompt token's key depends on its prompt's length, so equal prefixes "
+                       "of prompts of different lengths do not share KV", max_len, mc.rope.max_position_embeddings)
+        prefix_caching = False
+    scheduler = make_scheduler(args, num_blocks, max_len, device, prefix_caching)
     tokens_capacity = (num_blocks - 1) * args.block_size
     logger.info(
         "model %s (%s, %s, %s) loaded in %.1fs; KV cache: %d blocks x %d tokens, "

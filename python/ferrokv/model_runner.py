@@ -98,6 +98,7 @@ class ModelRunner:
             max_seq_len=out.max_seq_len,
             query_start_loc_host=qsl.astype(np.int64),
             seq_lens_host=seq_lens.astype(np.int64),
+            prompt_lens_host=out.prompt_lens,
         )
         return StepInputs(input_ids, positions, meta, staged[6] if logits_indices is not None else None,
                           every_token, *ops)

@@ -36,6 +36,10 @@ class AttentionMetadata:
     # device tensors when a caller did not provide them.
     query_start_loc_host: np.ndarray | None = None  # int64 [S+1]
     seq_lens_host: np.ndarray | None = None  # int64 [S]
+    # Host [S] (any int dtype): the length of each sequence's prompt (dynamic RoPE rescales a prompt
+    # token's angles for it, as transformers does when it computes the prompt in one call). None:
+    # each sequence's prompt is this step's context (seq_lens), as transformers sees one call.
+    prompt_lens_host: np.ndarray | None = None
     # Backend-private caches derived from this metadata (index tensors, masks), keyed by the backend.
     # They live here because the metadata's lifetime is exactly one step.
     plans: dict[Any, Any] = field(default_factory=dict)
@@ -45,6 +49,8 @@ class AttentionMetadata:
             self.query_start_loc_host = self.query_start_loc.cpu().numpy().astype(np.int64)
         if self.seq_lens_host is None:
             self.seq_lens_host = self.seq_lens.cpu().numpy().astype(np.int64)
+        if self.prompt_lens_host is None:
+            self.prompt_lens_host = self.seq_lens_host
 
     @property
     def num_seqs(self) -> int:

@@ -5,17 +5,20 @@ transformers (default, linear, llama3, dynamic NTK) so positions map to bit-iden
 are computed once per forward for the step's tokens (``[T, head_dim/2]``) and shared by all layers,
 then cast to the activation dtype like transformers does.
 
-Dynamic NTK: transformers rescales the base from the largest position seen in the current call (a
-batch-wide, stateful quantity). Here it is per sequence: a token of a sequence whose context length
-after this step is ``L > max_position_embeddings`` uses the base for ``L``, else the original
-frequencies. For one sequence fed as one prefill and then single-token decodes this equals
-transformers exactly; a chunked prefill uses each chunk's end length (as a transformers cache would).
+Dynamic NTK: transformers rescales the base from the largest position of the current call, and
+``generate`` computes a prompt in one call, then one token per call. Here it is per token, with the
+same result however a prompt is chunked or recomputed: a token at position ``p`` of a sequence whose
+prompt has ``P`` tokens uses the base for ``L = max(P, p + 1)`` when ``L > max_position_embeddings``,
+else the original frequencies. So a prompt token's key depends on its prompt's length, and equal
+prefixes of prompts of different lengths differ: the engine turns prefix caching off when
+``max_model_len`` lets a prompt be that long (``dynamic_rope_rescales``).
 Cost: O(T * head_dim) per step; dynamic adds O(T * head_dim) pow ops only when a sequence is long.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -74,7 +77,7 @@ class RotaryEmbedding:
         """fp32 cos, sin of shape [T, head_dim/2] for int positions [T]."""
         inv = self.inv_freq(positions.device)
         cfg = self.cfg
-        if cfg.rope_type == "dynamic" and meta is not None and meta.max_seq_len > cfg.max_position_embeddings:
+        if cfg.rope_type == "dynamic" and meta is not None and _longest(meta) > cfg.max_position_embeddings:
             freqs = positions[:, None].float() * self._dynamic_inv_freq(positions, meta, inv)
         else:
             freqs = positions[:, None].float() * inv[None, :]
@@ -86,15 +89,27 @@ class RotaryEmbedding:
         mp = cfg.max_position_embeddings
         dev = positions.device
         q_lens = torch.from_numpy(meta.query_lens_host)
-        lens = torch.from_numpy(meta.seq_lens_host)
-        tok_len = torch.zeros(positions.shape[0], dtype=torch.int64)
-        tok_len[: int(q_lens.sum())] = torch.repeat_interleave(lens, q_lens)
-        tok_len = tok_len.to(dev)
+        prompt = torch.from_numpy(np.asarray(meta.prompt_lens_host, dtype=np.int64))
+        n = int(q_lens.sum())
+        prompt_of_tok = torch.zeros(positions.shape[0], dtype=torch.int64)  # padding rows: 0
+        prompt_of_tok[:n] = torch.repeat_interleave(prompt, q_lens)
+        tok_len = torch.maximum(prompt_of_tok.to(dev), positions + 1)
         # Same fp32 tensor arithmetic as transformers' update path (seq_len is a tensor there).
         base = cfg.theta * ((cfg.factor * tok_len / mp) - (cfg.factor - 1)) ** (dim / (dim - 2))
         exps = torch.arange(0, dim, 2, dtype=torch.int64, device=dev).to(dtype=torch.float) / dim
         scaled = 1.0 / (base[:, None] ** exps[None, :])
         return torch.where((tok_len > mp)[:, None], scaled, inv[None, :])
+
+
+def _longest(meta: AttentionMetadata) -> int:
+    """The largest ``L`` of the step's tokens: its longest context or prompt."""
+    prompts = meta.prompt_lens_host
+    return max(meta.max_seq_len, int(prompts.max()) if prompts is not None and len(prompts) else 0)
+
+
+def dynamic_rope_rescales(cfg: RopeConfig, max_model_len: int) -> bool:
+    """Whether dynamic NTK RoPE can rescale a token (a context longer than the model's positions)."""
+    return cfg.rope_type == "dynamic" and max_model_len > cfg.max_position_embeddings
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

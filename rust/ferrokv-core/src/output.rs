@@ -2,7 +2,7 @@
 //!
 //! Layout (S scheduled sequences, T tokens, R sampling rows, M = max blocks in the batch):
 //! - per sequence: `req_ids[S]`, `seq_ids[S]`, `query_start_loc[S+1]`, `seq_lens[S]` (context
-//!   length after this step), block tables `[S, M]` padded with the null block 0: when every
+//!   length after this step), `prompt_lens[S]` (its prompt's length), block tables `[S, M]` padded with the null block 0: when every
 //!   running sequence is in the step (the usual case) they are rows `0..S` of the scheduler's
 //!   persistent batch matrix, read in place (`Scheduler::batch_table`) until `update`;
 //!   otherwise a compact row-major copy;
@@ -26,6 +26,7 @@ pub struct SchedulerOutput {
     pub seq_ids: Vec<i64>,
     pub query_start_loc: Vec<i32>,
     pub seq_lens: Vec<i32>,
+    pub prompt_lens: Vec<i32>,
     pub block_tables: BlockTables,
     /// M, the widest block table in the step.
     pub max_blocks: usize,

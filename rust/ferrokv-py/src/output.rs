@@ -129,6 +129,7 @@ pub(crate) struct PySchedulerOutput {
     seq_ids: Lazy1<i64>,
     query_start_loc: Lazy1<i32>,
     seq_lens: Lazy1<i32>,
+    prompt_lens: Lazy1<i32>,
     block_tables: LazyTables,
     input_ids: Lazy1<i64>,
     positions: Lazy1<i64>,
@@ -220,6 +221,7 @@ impl PySchedulerOutput {
             seq_ids: Lazy1::new(o.seq_ids),
             query_start_loc: Lazy1::new(o.query_start_loc),
             seq_lens: Lazy1::new(o.seq_lens),
+            prompt_lens: Lazy1::new(o.prompt_lens),
             block_tables: match o.block_tables {
                 BlockTables::Owned(v) => LazyTables::Owned(Lazy2::new(v, s, o.max_blocks)),
                 BlockTables::Batch => LazyTables::Batch {
@@ -270,6 +272,10 @@ impl PySchedulerOutput {
     #[getter]
     fn seq_lens(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
         self.seq_lens.get(py)
+    }
+    #[getter]
+    fn prompt_lens(&mut self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.prompt_lens.get(py)
     }
     /// Valid between `schedule()` and `update()`: a read-only view of the scheduler's batch
     /// matrix when every running sequence is in the step (read it before `update`).

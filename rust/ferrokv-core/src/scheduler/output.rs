@@ -21,6 +21,7 @@ impl Scheduler {
             seq_ids: Vec::with_capacity(seqs),
             query_start_loc: Vec::with_capacity(seqs + 1),
             seq_lens: Vec::with_capacity(seqs),
+            prompt_lens: Vec::with_capacity(seqs),
             input_ids: Vec::with_capacity(tokens),
             positions: Vec::with_capacity(tokens),
             slot_mapping: Vec::with_capacity(tokens),
@@ -71,6 +72,7 @@ impl Scheduler {
         o.slot_mapping.truncate(k);
         o.req_ids.extend_from_slice(&b.req_id[..k]);
         o.seq_ids.extend_from_slice(&b.seq_id[..k]);
+        o.prompt_lens.extend(b.rows[..k].iter().map(|h| h.prompt_len as i32));
         o.input_ids.extend_from_slice(&b.last_token[..k]);
         o.row_req_ids.extend_from_slice(&b.req_id[..k]);
         o.row_seq_ids.extend_from_slice(&b.seq_id[..k]);
@@ -132,6 +134,7 @@ impl Scheduler {
                 v.reserve(s_count - seqs);
             }
             o.seq_lens.reserve(s_count - seqs);
+            o.prompt_lens.reserve(s_count - seqs);
             o.query_start_loc.reserve(s_count - seqs);
             for v in [&mut o.input_ids, &mut o.positions, &mut o.slot_mapping] {
                 v.reserve(t_count - tokens);
@@ -154,6 +157,7 @@ impl Scheduler {
             o.req_ids.push(b.req_id[r]);
             o.seq_ids.push(b.seq_id[r]);
             o.seq_lens.push(after as i32);
+            o.prompt_lens.push(b.rows[r].prompt_len as i32);
             if before + 1 == b.rows[r].num_tokens as usize {
                 o.input_ids.push(b.last_token[r]);
             } else {
@@ -301,6 +305,7 @@ mod tests {
         let (o, _) = step(&mut s, 5);
         assert_eq!(o.step_id, first.step_id + 1);
         assert_eq!((o.req_ids.clone(), o.query_start_loc.clone(), o.seq_lens.clone()), (vec![1, 2], vec![0, 1, 6], vec![4, 5]));
+        assert_eq!(o.prompt_lens, vec![3, 9], "a decode row's and a partial chunk's prompt lengths");
         assert_eq!(o.input_ids, vec![5, 2100, 2101, 2102, 2103, 2104]);
         assert_eq!(o.positions, vec![3, 0, 1, 2, 3, 4]);
         assert_eq!((bt(&o), o.max_blocks), (vec![1, 0, 2, 3], 2), "tables padded with the null block");
@@ -310,6 +315,9 @@ mod tests {
         assert_eq!((o.num_decode_tokens, o.num_prefill_tokens, o.block_size), (1, 5, 4));
         let (o, _) = step(&mut s, 5); // the budget finishes the prompt: both sample
         assert_eq!((o.query_start_loc.clone(), o.logits_indices), (vec![0, 1, 5], vec![0, 4]));
+        assert_eq!(o.prompt_lens, vec![3, 9]);
+        let (o, _) = step(&mut s, 5); // all decode: the bulk path
+        assert_eq!((o.num_decode_tokens, o.prompt_lens), (2, vec![3, 9]));
     }
 
     #[test]
