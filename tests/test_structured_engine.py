@@ -577,6 +577,24 @@ def test_conflicting_options_do_not_break_the_engine(llm):
     assert good[0].outputs[0].finish_reason == "stop" and good[0].outputs[0].text in ("yes", "no")
 
 
+def test_a_grammar_that_fails_while_decoding_ends_its_sequence_with_a_warning(llm, caplog):
+    """``(a{1000}){1000}`` compiles and validates, but llguidance's lexer gives up ("too many
+    expressions") once the first token is consumed: the matcher falls into error, the sequence
+    ends (only EOS is allowed), a warning says why, nothing leaks, and the grammar's cached
+    template is unharmed (the same request again behaves the same)."""
+    p = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"regex": "(a{1000}){1000}"})
+    runs = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ferrokv"):
+            out = llm.generate(["hello"], p, use_tqdm=False)[0].outputs[0]
+        assert "grammar matcher failed" in caplog.text and "too many expressions" in caplog.text, caplog.text
+        assert out.finish_reason == "stop" and len(out.token_ids) < 16
+        runs.append((out.token_ids, out.text))
+        assert_no_leak(llm.llm_engine)
+    assert runs[0] == runs[1] and runs[0][1].startswith("a"), runs
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 def test_with_stop_strings(request, battery_run, overlap):
     """A stop string that no valid output contains changes nothing. One that a valid output may

@@ -20,8 +20,12 @@ Invariants:
   lacks (logits padding) and special tokens other than EOS are never allowed; columns of the logits
   beyond the mask are masked too.
 * A stopped matcher (the grammar is complete and admits nothing more) allows only EOS, and so does
-  a matcher in error (``accept`` of a token it rejects, which never raises): the sequence ends.
-  Its output then need not match the grammar; only a rejected token (a bug upstream) causes it.
+  a matcher in error: the sequence ends. Its output then need not match the grammar. An error
+  comes from a token the matcher rejects (a bug upstream) or from a limit of llguidance's lexer
+  that a pathological grammar hits only while decoding (``(a{1000}){1000}``); ``accept`` never
+  raises, and logs a warning with llguidance's message when a matcher falls into error (as vLLM).
+  Matchers share their template's lexer, so such a grammar is dropped from the compiler's cache
+  (``GrammarRows.on_failed_grammar``): the next request with it starts from a fresh template.
 
 Threading: ``GrammarCompiler.compile`` may be called from any thread (a lock guards the cache; the
 grammar build itself runs unlocked, llguidance releases the GIL). ``GrammarRows`` guards its
@@ -40,12 +44,15 @@ on API threads): numpy, torch and llguidance are imported by the compiler and th
 from __future__ import annotations
 
 import json as _json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import llguidance
     import numpy as np
     import torch
@@ -59,6 +66,7 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # characters in a run (pretty-printing with room to spare), so a model cannot loop on whitespace
 # and a bounded schema bounds the output. ``whitespace_pattern`` overrides it.
 JSON_WHITESPACE = r"[ \t\n\r]{0,20}"
+logger = logging.getLogger("ferrokv")
 _MAX_ERROR = 2000  # characters of an llguidance error message kept in ours
 
 
@@ -245,6 +253,14 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         return compiled
 
+    def forget(self, compiled: CompiledGrammar) -> None:
+        """Drops ``compiled`` from the cache: its matchers share the template's lexer, so one that
+        exhausted a lexer limit leaves every later copy failing at once; the next request with
+        the same spec compiles afresh."""
+        with self._lock:
+            for key in [k for k, v in self._cache.items() if v is compiled]:
+                del self._cache[key]
+
     def _build(self, params: StructuredOutputsParams) -> CompiledGrammar:
         from llguidance import LLMatcher
 
@@ -309,6 +325,10 @@ class LazyGrammarCompiler:
                 self._compiler = GrammarCompiler(*self._args)
         return self._compiler.compile(params)
 
+    def forget(self, compiled: CompiledGrammar) -> None:
+        if self._compiler is not None:
+            self._compiler.forget(compiled)
+
 
 _BIT_BIAS: dict[Any, Any] = {}
 
@@ -343,18 +363,22 @@ class _Request:
 class GrammarRows:
     """The matchers of the requests decoding under a grammar, by generation key (module docs)."""
 
-    __slots__ = ("vocab_size", "words", "pin_memory", "num_threads", "_requests", "_ids", "_lock", "_executor")
+    __slots__ = ("vocab_size", "words", "pin_memory", "num_threads", "on_failed_grammar", "_requests", "_ids",
+                 "_lock", "_executor")
 
-    def __init__(self, vocab_size: int, *, num_threads: int | None = None, pin_memory: bool = False) -> None:
+    def __init__(self, vocab_size: int, *, num_threads: int | None = None, pin_memory: bool = False,
+                 on_failed_grammar: Callable[[CompiledGrammar], None] | None = None) -> None:
         """``vocab_size``: the compiler's ``vocab_size`` (n_vocab); ``num_threads``: llguidance's
         mask threads (None: its default, 80% of the CPUs up to 32); ``pin_memory``: pinned masks,
-        for an asynchronous copy to the GPU."""
+        for an asynchronous copy to the GPU; ``on_failed_grammar``: told the grammar of a matcher
+        that fell into error (the engine drops it from the compiler's cache)."""
         import numpy as np
 
         self.vocab_size = int(vocab_size)
         self.words = (self.vocab_size + 31) // 32
         self.pin_memory = pin_memory
         self.num_threads = num_threads
+        self.on_failed_grammar = on_failed_grammar
         self._requests: dict[int, _Request] = {}
         self._ids = np.zeros(0, dtype=np.int64)  # the registered request ids, for rows_of
         self._lock = threading.Lock()
@@ -383,6 +407,18 @@ class GrammarRows:
 
     def has_any(self) -> bool:
         return bool(self._requests)
+
+    def failed(self, matcher: Any, token: int) -> None:
+        """``matcher`` fell into error consuming ``token``: logs llguidance's reason and tells
+        ``on_failed_grammar`` its grammar."""
+        error = (matcher.get_error().splitlines() or [""])[0][:_MAX_ERROR]  # the message, not the state dump
+        logger.warning("structured output: the grammar matcher failed after token %d, so the sequence ends "
+                       "as if the grammar were complete: %s", token, error)
+        with self._lock:
+            compiled = next((r.compiled for r in self._requests.values()
+                             if any(m is matcher for m in r.matchers.values())), None)
+        if compiled is not None and self.on_failed_grammar is not None:
+            self.on_failed_grammar(compiled)
 
     def rows_of(self, req_ids: np.ndarray, sample_idx: np.ndarray) -> np.ndarray:
         """The indices of the rows (of ``req_ids``/``sample_idx``, one per logits row) whose request
@@ -488,6 +524,11 @@ class GrammarStep:
     def accept(self, sampled: np.ndarray) -> None:
         """Advances each row's matcher by its token, once the step's ``update()`` committed them
         (a row ended meanwhile only advances a matcher nobody reads again). A rejected token
-        leaves the matcher in error (then it allows only EOS) and never raises."""
+        leaves the matcher in error (then it allows only EOS) and never raises; the error is
+        logged once, when the matcher falls into it."""
         for m, token in zip(self.matchers, sampled[self.rows].tolist()):
+            if m.is_error():
+                continue
             m.consume_token(int(token))
+            if m.is_error():
+                self.owner.failed(m, int(token))
