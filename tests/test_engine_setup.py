@@ -107,3 +107,18 @@ def test_llm_takes_both_names_and_refuses_remote_code(tiny_model_dir, tmp_path):
     (remote / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="auto_map.*never executes a model's remote code"):
         LLM(str(remote), trust_remote_code=True, **common)
+
+
+def test_a_kv_cache_smaller_than_max_model_len_is_warned_about(tiny_model_dir, caplog):
+    """vLLM refuses to start then; here small caches are allowed (tests and tiny machines use
+    them), with a warning that long requests will be refused."""
+    from ferrokv import LLM
+
+    path = tiny_model_dir("llama", "llama")
+    common = dict(device="cpu", dtype="float32", max_model_len=64, block_size=4)
+    for blocks, warned in ((9, True), (17, False)):  # 8 or 16 usable blocks of 4 tokens: 32 or 64 tokens
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ferrokv"):
+            llm = LLM(str(path), num_kv_blocks=blocks, **common)
+        llm.engine_loop.shutdown()
+        assert ("the KV cache holds 32 tokens, fewer than max_model_len=64" in caplog.text) == warned, caplog.text

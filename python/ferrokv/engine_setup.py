@@ -181,5 +181,9 @@ def load_engine(args: EngineArgs) -> EngineParts:
         spec.num_layers, spec.num_kv_heads, spec.head_dim, args.block_size,
         torch.empty((), dtype=dtype).element_size(), tokens_capacity, tokens_capacity / max_len, max_len,
     )
+    if tokens_capacity < max_len:
+        logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request whose prompt + "
+                       "max_tokens (times n) needs more is refused (give more KV memory or lower max_model_len)",
+                       tokens_capacity, max_len)
     return EngineParts(model_path, device, dtype, model, tokenizer, vocab_size, eos, max_len, num_blocks,
                        kv_cache, scheduler)
