@@ -122,3 +122,18 @@ def test_a_kv_cache_smaller_than_max_model_len_is_warned_about(tiny_model_dir, c
             llm = LLM(str(path), num_kv_blocks=blocks, **common)
         llm.engine_loop.shutdown()
         assert ("the KV cache holds 32 tokens, fewer than max_model_len=64" in caplog.text) == warned, caplog.text
+
+
+def test_a_model_folder_without_a_tokenizer_says_so_and_names_tokenizer(tiny_model_dir, tmp_path):
+    from ferrokv import LLM
+
+    path = tiny_model_dir("llama", "llama")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (bare / f).write_bytes((path / f).read_bytes())
+    with pytest.raises(ValueError, match=r"model: '.*bare' has no tokenizer \(tokenizer.json.*give tokenizer="):
+        LLM(str(bare), device="cpu", dtype="float32", max_model_len=32, num_kv_blocks=16)
+    llm = LLM(str(bare), tokenizer=str(path), device="cpu", dtype="float32", max_model_len=32, num_kv_blocks=16)
+    assert llm.generate([5, 6, 7], use_tqdm=False)[0].outputs[0].token_ids
+    llm.engine_loop.shutdown()

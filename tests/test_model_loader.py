@@ -160,3 +160,23 @@ def test_constructor_ties_the_lm_head(arch, name):
         assert (m.lm_head.weight is m.model.embed_tokens.weight) == tie
         names = [n for n, _ in m.named_parameters()]  # a tied head is one parameter, not two
         assert ("lm_head.weight" in names) != tie
+
+
+def test_a_quantized_checkpoint_is_refused_not_loaded_without_its_scales(tmp_path):
+    make_tiny_hf_model("llama").save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"quantization_config \(quant_method='fp8'\)"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("field,value", [("max_position_embeddings", None), ("hidden_size", "64"),
+                                         ("num_hidden_layers", 0), ("vocab_size", 1.5)])
+def test_a_bad_config_number_is_a_value_error_naming_it(tmp_path, field, value):
+    make_tiny_hf_model("llama").save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"config.json: {field} must be a positive integer, got {value!r}"):
+        load_model(tmp_path)

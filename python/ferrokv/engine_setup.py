@@ -134,6 +134,10 @@ class EngineParts:
     scheduler: Scheduler
 
 
+# What AutoTokenizer can build a tokenizer from (fast, SentencePiece, BPE vocab).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_engine(args: EngineArgs) -> EngineParts:
     """Validates ``args``, resolves the model (a folder or a Hub id) and the tokenizer, loads the
     weights, sizes and allocates the KV cache and builds the scheduler; logs what it made."""
@@ -148,6 +152,10 @@ def load_engine(args: EngineArgs) -> EngineParts:
     model_path = resolve_model_path(args.model, **hub)
     # Resolved before the weights load, so a bad tokenizer fails fast.
     tokenizer_path = resolve_tokenizer_path(args.tokenizer, **hub) if args.tokenizer else model_path
+    if not any((tokenizer_path / f).is_file() for f in _TOKENIZER_FILES):
+        where = "tokenizer" if args.tokenizer else "model"
+        raise ValueError(f"{where}: {str(tokenizer_path)!r} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
+                         f"give tokenizer= a folder or Hub id that has one")
     config = load_config(model_path)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, config, device)

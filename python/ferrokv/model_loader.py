@@ -121,6 +121,11 @@ def load_model(
     folder = _model_dir(path)
     config = load_config(folder)
     cls = resolve_model_class(config)
+    quant = config.get("quantization_config")
+    if quant is not None:  # its weights mean nothing without the method's scales and kernels
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"unsupported model: config.json has quantization_config (quant_method={method!r}); "
+                         f"ferrokv loads unquantized checkpoints (float32, float16, bfloat16) and GGUF files")
     files = _safetensors_files(folder)  # fail on a weightless folder before building anything
     del files
     with torch.device("meta"):

@@ -56,6 +56,17 @@ def _req(d: dict[str, Any], key: str) -> Any:
     return d[key]
 
 
+def _count(d: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer field (``default`` when absent; required when there is none). A JSON
+    null is a value here, and a wrong one: transformers would keep it and fail later."""
+    if key not in d and default is not None:
+        return default
+    v = _req(d, key) if default is None else d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 1:
+        raise ValueError(f"config.json: {key} must be a positive integer, got {v!r}")
+    return int(v)
+
+
 def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
     """Read RoPE settings from either layout: 5.x ``rope_parameters`` (holds rope_theta too) or 4.x
     ``rope_theta`` + ``rope_scaling`` (``type`` or ``rope_type`` key)."""
@@ -73,7 +84,7 @@ def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
     if prf not in (None, 1, 1.0):
         raise ValueError(f"config.json: partial_rotary_factor={prf} is not supported")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    max_pos = int(d.get("max_position_embeddings", 2048))
+    max_pos = _count(d, "max_position_embeddings", 2048)
     factor = float(params.get("factor", 1.0))
     if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
         raise ValueError(f"config.json: rope_type {rope_type!r} needs a 'factor'")
@@ -104,9 +115,9 @@ def parse_common(
     sliding_windows: tuple[int | None, ...] | None = None,
     default_head_dim: int | None = None,
 ) -> ModelConfig:
-    hidden = int(_req(d, "hidden_size"))
-    heads = int(_req(d, "num_attention_heads"))
-    layers = int(_req(d, "num_hidden_layers"))
+    hidden = _count(d, "hidden_size")
+    heads = _count(d, "num_attention_heads")
+    layers = _count(d, "num_hidden_layers")
     # Absent means multi-head attention here; some transformers classes default differently (Qwen2: 32,
     # Mistral: 8), but every real checkpoint's config.json states it.
     kv_heads = int(d.get("num_key_value_heads") or heads)
@@ -120,16 +131,16 @@ def parse_common(
         sliding_windows = (None,) * layers
     return ModelConfig(
         architecture=architecture,
-        vocab_size=int(_req(d, "vocab_size")),
+        vocab_size=_count(d, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(_req(d, "intermediate_size")),
+        intermediate_size=_count(d, "intermediate_size"),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         hidden_act=act,
-        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_count(d, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
@@ -146,7 +157,7 @@ def qwen_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     """Qwen2/Qwen3: a window applies only when ``use_sliding_window`` is true, and then only on the
     layers ``layer_types`` marks ``sliding_attention`` (default: layers >= ``max_window_layers``),
     exactly as transformers resolves it."""
-    layers = int(_req(d, "num_hidden_layers"))
+    layers = _count(d, "num_hidden_layers")
     window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
     if window is None:
         return (None,) * layers
