@@ -152,10 +152,6 @@ def load_engine(args: EngineArgs) -> EngineParts:
     model_path = resolve_model_path(args.model, **hub)
     # Resolved before the weights load, so a bad tokenizer fails fast.
     tokenizer_path = resolve_tokenizer_path(args.tokenizer, **hub) if args.tokenizer else model_path
-    if not any((tokenizer_path / f).is_file() for f in _TOKENIZER_FILES):
-        where = "tokenizer" if args.tokenizer else "model"
-        raise ValueError(f"{where}: {str(tokenizer_path)!r} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
-                         f"give tokenizer= a folder or Hub id that has one")
     config = load_config(model_path)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, config, device)
@@ -164,6 +160,10 @@ def load_engine(args: EngineArgs) -> EngineParts:
         backend = "triton" if device.type == "cuda" else "torch"
     model = load_model(model_path, dtype=dtype, device=device, attn_backend=backend)
     mc = model.config
+    if not any((tokenizer_path / f).is_file() for f in _TOKENIZER_FILES):
+        where = "tokenizer" if args.tokenizer else "model"
+        raise ValueError(f"{where}: {str(tokenizer_path)!r} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
+                         f"give tokenizer= a folder or Hub id that has one")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     vocab_size = int(mc.vocab_size)
     eos = eos_token_ids(tokenizer, config, model_path, vocab_size)
