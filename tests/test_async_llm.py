@@ -303,6 +303,57 @@ def test_a_request_id_in_use_is_refused_without_touching_the_first(allm, sequent
     assert_engine_idle(allm)
 
 
+def test_a_refused_duplicate_that_is_cancelled_does_not_abort_the_first(allm, sequential):
+    """The duplicate is refused at submit, so its caller never holds the id: cancelling or
+    closing it cannot abort the request that owns the id."""
+    prompt = rand_prompts(47, [8])[0]
+
+    async def main():
+        first = allm.generate(prompt, greedy(6, output_kind=Kind.DELTA), "dup2")
+        outs = [await anext(first)]
+        second = allm.generate(prompt, greedy(6), "dup2")
+        task = asyncio.ensure_future(anext(second))
+        await asyncio.sleep(0)  # the duplicate is submitted (and refused) ...
+        task.cancel()  # ... and its caller goes away
+        await asyncio.gather(task, return_exceptions=True)
+        await second.aclose()
+        outs += [o async for o in first]
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert sum((o.outputs[0].token_ids for o in outs), []) == token_ids(sequential([prompt], 6))[0][0]
+    assert_engine_idle(allm)
+
+
+def test_ids_the_engine_makes_never_match_a_callers(allm):
+    async def main():
+        mine = asyncio.ensure_future(collect(allm, {"prompt_token_ids": [5, 6]}, greedy(4), "1"))
+        auto = [o async for o in allm.generate({"prompt_token_ids": [7, 8]}, greedy(4))]
+        return await mine, auto
+
+    mine, auto = asyncio.run(main())
+    assert mine[-1].request_id == "1" and auto[-1].request_id not in ("1", "2")
+    assert auto[-1].outputs[0].finish_reason == "length"
+    assert_engine_idle(allm)
+
+
+@pytest.mark.parametrize("bad", [None, 1.5, b"\x01\x02", True, ("a", 1)])
+def test_a_request_id_that_is_not_a_str_or_an_int_is_refused_by_generate_and_abort(allm, bad):
+    async def main():
+        with pytest.raises(ValueError, match="request_id must be a str"):
+            await collect(allm, {"prompt_token_ids": [5, 6]}, greedy(2), bad)
+
+    if bad is not None:  # generate's None means "make one"
+        asyncio.run(main())
+    if not isinstance(bad, tuple):  # a tuple is several ids to abort, each checked
+        with pytest.raises(ValueError, match="request_id must be a str"):
+            allm.abort(bad)
+    with pytest.raises(ValueError, match="request_id must be a str"):
+        allm.abort(["ok", bad] if not isinstance(bad, tuple) else [bad])
+    assert_engine_idle(allm)
+
+
 def test_a_chat_template_that_refuses_the_conversation_is_a_value_error(allm):
     tok = allm.get_tokenizer()
     template = tok.chat_template

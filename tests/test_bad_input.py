@@ -221,6 +221,25 @@ def duplicate_request(w: World, cli: Any) -> None:
         w.engine.abort_request("dup")
 
 
+def request_id_typed(request_id: Any) -> Callable[[World, Any], Any]:
+    def call(w: World, cli: Any) -> None:
+        w.engine.add_request(request_id, PROBE, GREEDY)  # refused before anything is queued
+
+    return call
+
+
+def abort_typed(request_ids: Any) -> Callable[[World, Any], Any]:
+    def call(w: World, cli: Any) -> None:
+        w.engine.add_request("1", PROBE, GREEDY)
+        try:
+            w.engine.abort_request(request_ids)  # bytes would iterate as ints: ids "1" and "2"
+            assert w.engine.has_unfinished_requests(), "a refused abort ended a request"
+        finally:
+            w.engine.abort_request("1")
+
+    return call
+
+
 def core_duplicate(w: World, cli: Any) -> None:
     rid = w.core_id()
     w.scheduler.add_request(rid, [5, 6], 2)
@@ -301,6 +320,10 @@ CASES = [
     Case("engine-cache-capacity", add(params=SamplingParams(n=MAX_NUM_SEQS, max_tokens=100)), CacheCapacityError,
          ("request_id='bad'", "max_tokens")),
     Case("engine-duplicate-request_id", duplicate_request, ValueError, ("request_id='dup'", "in use")),
+    Case("engine-request_id-none", request_id_typed(None), ValueError, ("request_id must be a str", "None")),
+    Case("engine-request_id-float", request_id_typed(1.5), ValueError, ("request_id must be a str", "1.5")),
+    Case("engine-abort-bytes", abort_typed(b"\x01\x02"), ValueError, ("request_id must be a str", "bytes")),
+    Case("engine-abort-none-in-list", abort_typed(["1", None]), ValueError, ("request_id must be a str", "None")),
     Case("engine-priority-huge", add(priority=2**40), ValueError, ("priority", str(2**40))),
     Case("engine-priority-str", add(priority="high"), ValueError, ("priority", "'high'")),
     Case("engine-cache_salt-surrogate", add(cache_salt=SURROGATE), ValueError, ("cache_salt", r"\ud800")),

@@ -28,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import itertools
+import functools
 import os
 import threading
+import uuid
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,7 +40,7 @@ from ferrokv.checks import check_text
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
-from ferrokv.inputs import prompt_ids
+from ferrokv.inputs import prompt_ids, request_id_str
 from ferrokv.llm import chat_token_ids
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
@@ -176,7 +177,6 @@ class AsyncLLM:
         self._lock = threading.Lock()  # the dispatchers and the live requests: event loops may be several
         self._in_flight = 0
         self._live: dict[str, int] = {}  # request id -> event-loop streams using it (abort_all)
-        self._ids = itertools.count(1)
         weakref.finalize(self, _close, self.engine_loop, self._pool)
 
     # ------------------------------------------------------------------------------------------
@@ -264,7 +264,8 @@ class AsyncLLM:
         """Submits one request and yields its outputs (module docs); raises its error. Closing
         or cancelling the generator before the last output aborts the request."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        # An id of our own never matches one a caller chose (vLLM makes callers give one).
+        rid = f"ferrokv-{uuid.uuid4().hex}" if request_id is None else request_id_str(request_id)
         kind = params.output_kind if isinstance(params, SamplingParams) else None
         prompt = await self.tokenize_prompt(prompt)
         if getattr(params, "structured_outputs", None) is not None:

@@ -68,7 +68,7 @@ from ferrokv.checks import check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_setup import load_engine
-from ferrokv.inputs import prompt_cache_salt, prompt_ids, validate_prompt_ids
+from ferrokv.inputs import prompt_cache_salt, prompt_ids, request_id_str, validate_prompt_ids
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -200,7 +200,7 @@ class LLMEngine:
         validated token ids (its last ``truncate`` only, -1 meaning ``max_model_len``, as vLLM's
         ``truncate_prompt_tokens``), and its cache salt (the dict's and the keyword's,
         ``ferrokv.inputs``)."""
-        request_id = str(request_id)
+        request_id = request_id_str(request_id)
         if request_id in self._by_name:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = prompt_ids(self.tokenizer, prompt)
@@ -300,9 +300,9 @@ class LLMEngine:
         """Ends the requests (unknown or finished ids are ignored) and frees their blocks; they
         report no more outputs (``on_abort`` aside). Safe from any thread: applied at once when no
         step is in progress, else when the step in progress ends."""
-        # One id (any type add_request took, e.g. an int) or an iterable of them.
-        ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
-        self._abort_inbox.extend(str(rid) for rid in ids)
+        # One id (a str or an int, as add_request takes them) or a list, tuple or set of them.
+        ids = list(request_id) if isinstance(request_id, (list, tuple, set, frozenset)) else [request_id]
+        self._abort_inbox.extend([request_id_str(rid) for rid in ids])  # all checked before any is queued
         self._drain_aborts()
 
     @_exclusive

@@ -12,6 +12,8 @@ Interface (every method is safe from any thread):
 * ``submit(request_id, prompt, params, *, sink, priority=0, cache_salt=None)``
   and ``submit_beam(request_id, prompt, *, sink, beam_width, max_tokens, ...)`` queue a request;
 * ``abort(request_ids)`` queues aborts (unknown or finished ids are ignored);
+* a request id (a str, or an int) is claimed from its submit to its terminal item: submitting
+  an id in use raises ``ValueError`` at once;
 * ``stream(request_id, prompt, params)``: one request's outputs as an iterator (closing it early
   aborts the request);
 * ``shutdown()`` ends the loop, and with it every request still in it; idempotent.
@@ -61,6 +63,7 @@ import torch
 
 from ferrokv._core import FerrokvError
 from ferrokv.engine import LLMEngine
+from ferrokv.inputs import request_id_str
 from ferrokv.outputs import RequestOutput
 from ferrokv.sampling_params import SamplingParams
 
@@ -138,6 +141,7 @@ class EngineLoop:
         self._inbox: deque[Any] = deque()  # commands, appended by any thread
         self._wake = threading.Event()
         self._records: dict[str, _Record] = {}  # the loop thread's alone
+        self._claimed: set[str] = set()  # ids submitted and not ended (under _state)
         self._flushes: set[Callable[[], None]] = set()  # the loop thread's: flush() of sinks put to since the last
         self._state = threading.Lock()  # orders starting/ending the thread against queuing
         self._thread: threading.Thread | None = None
@@ -158,7 +162,7 @@ class EngineLoop:
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
 
-        self._queue(_Submit(str(request_id), add, sink), start=True)
+        self._queue(_Submit(request_id_str(request_id), add, sink), start=True)
 
     def warm_grammar(self, params: Any) -> None:
         """Compiles a request's structured-output grammar into the engine's cache, on the
@@ -177,11 +181,12 @@ class EngineLoop:
         def add(engine: LLMEngine) -> None:
             engine.add_beam_request(request_id, prompt, beam_width, max_tokens, length_penalty, ignore_eos)
 
-        self._queue(_Submit(str(request_id), add, sink), start=True)
+        self._queue(_Submit(request_id_str(request_id), add, sink), start=True)
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Queues aborts, applied between steps; each request's terminal item follows."""
-        ids = [request_ids] if isinstance(request_ids, str) else [str(r) for r in request_ids]
+        many = isinstance(request_ids, (list, tuple, set, frozenset))
+        ids = [request_id_str(r) for r in request_ids] if many else [request_id_str(request_ids)]
         if ids:
             self._queue(_Abort(ids), start=False)
 
@@ -191,7 +196,7 @@ class EngineLoop:
         raises the request's error; closing the iterator before the end aborts the request."""
         sink: queue.SimpleQueue[StreamItem] = queue.SimpleQueue()
         self.submit(request_id, prompt, params, sink=sink, **kwargs)
-        return self._iterate(str(request_id), sink)
+        return self._iterate(request_id_str(request_id), sink)
 
     def shutdown(self, wait: bool = True) -> None:
         """Ends the loop after the step in progress; requests still in it end with
@@ -230,6 +235,12 @@ class EngineLoop:
                 if not start:
                     return  # nothing is left to abort
                 raise EngineDeadError(str(self._dead))
+            if isinstance(command, _Submit):
+                # Claimed until its terminal item: a second submit of the id fails here, so the
+                # refused caller never holds (and, cancelled, never aborts) the id of another.
+                if command.request_id in self._claimed:
+                    raise ValueError(f"request_id={command.request_id!r} is already in use")
+                self._claimed.add(command.request_id)
             if self._thread is None:
                 if not start:
                     return
@@ -284,6 +295,9 @@ class EngineLoop:
         return True
 
     def _deliver(self, sink: OutputSink, item: StreamItem) -> None:
+        if item.finished:
+            with self._state:
+                self._claimed.discard(item.request_id)
         _deliver(sink, item)
         flush = getattr(sink, "flush", None)
         if flush is not None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ferrokv.checks import check_text, shown
 
-__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "validate_prompt_ids"]
+__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "request_id_str", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -120,3 +120,13 @@ def validate_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> 
         raise ValueError(
             f"prompt_token_ids: the prompt has {len(ids)} tokens, more than max_model_len={max_model_len}"
         )
+
+
+def request_id_str(request_id: Any) -> str:
+    """A request id as the engine keeps it: a str, or an int as its decimal string (vLLM takes only
+    str); anything else is a ValueError naming it, so add and abort always agree on the id."""
+    if isinstance(request_id, str):
+        return request_id
+    if isinstance(request_id, int) and not isinstance(request_id, bool):
+        return str(request_id)
+    raise ValueError(f"request_id must be a str (or an int), got {type(request_id).__name__} {shown(request_id)}")
