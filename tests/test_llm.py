@@ -267,6 +267,14 @@ def test_chat_template_and_continue_final_message(llama_llm):
         llm.chat(conv, params, use_tqdm=False, chat_template="  ")
     with pytest.raises(ValueError, match="chat_template refused this conversation"):
         llm.chat(conv, params, use_tqdm=False, chat_template="{{ raise_exception('no') }}")
+    greet = "{% if greeting %}{{ greeting }} {% endif %}" + template
+    out = llm.chat(conv, params, use_tqdm=False, chat_template=greet, chat_template_kwargs={"greeting": "Hello there."})[0]
+    assert out.prompt_token_ids == ids(chat_template=greet, add_generation_prompt=True, greeting="Hello there.")
+    assert tok.decode(out.prompt_token_ids).startswith("Hello there. [user]")
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
+        llm.chat(conv, params, use_tqdm=False, chat_template_kwargs={"tokenize": False})
+    with pytest.raises(ValueError, match="chat_template_kwargs must be a dict"):
+        llm.chat(conv, params, use_tqdm=False, chat_template_kwargs=["x"])
     assert_no_leak(llm)
 
 

@@ -406,6 +406,35 @@ def test_tokenize_messages_uses_chat_template(http):
     assert r.json()["count"] == len(chat_ids(MESSAGES))
 
 
+def test_chat_template_fields_shape_the_prompt_as_in_vllm(http):
+    """chat_template, continue_final_message and chat_template_kwargs reach the template, in chat
+    completions and /tokenize alike (the prompt's size is in usage)."""
+    from ferrokv.llm import chat_token_ids
+
+    conv = MESSAGES + [{"role": "assistant", "content": "The sky is"}]
+    template = "{% if hi %}{{ hi }} {% endif %}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    cases = [
+        (dict(add_generation_prompt=False, continue_final_message=True), dict(add_generation_prompt=False,
+                                                                            continue_final_message=True)),
+        (dict(chat_template=template), dict(chat_template=template)),
+        (dict(chat_template=template, chat_template_kwargs={"hi": "Hello."}),
+         dict(chat_template=template, chat_template_kwargs={"hi": "Hello."})),
+    ]
+    for body, kw in cases:
+        add = kw.pop("add_generation_prompt", True)
+        want = chat_token_ids(tiny_tokenizer(), conv, add, **kw)
+        tok = http.post("/tokenize", json={"model": MODEL, "messages": conv, **body})
+        assert tok.status_code == 200 and tok.json()["tokens"] == want, (body, tok.text)
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": conv, "max_tokens": 1, **body})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), (body, r.text)
+    assert want != chat_token_ids(tiny_tokenizer(), conv, True, chat_template=template)
+    for body, field in [({"continue_final_message": True}, "continue_final_message"),
+                        ({"chat_template_kwargs": 5}, "chat_template_kwargs"),
+                        ({"add_special_tokens": True}, "add_special_tokens")]:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": conv, "max_tokens": 1, **body})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
+
+
 def test_metrics_names(server, client):
     complete(client, max_tokens=4)
     resp = httpx.get(server.url + "/metrics", timeout=60.0)  # open: no key

@@ -228,10 +228,13 @@ class AsyncLLM:
         tok = self.engine.tokenizer
         return list(await self._in_pool(lambda: tok.encode(text, add_special_tokens=add_special_tokens)))
 
-    async def encode_chat(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
-        """The conversation through the chat template (``llm.chat_token_ids``; ValueError names
-        the bad message, or quotes the template's own refusal, e.g. roles that do not alternate)."""
-        return await self._in_pool(chat_token_ids, self.engine.tokenizer, messages, add_generation_prompt)
+    async def encode_chat(self, messages: Any, add_generation_prompt: bool = True, **template: Any) -> list[int]:
+        """The conversation through the chat template (``llm.chat_token_ids``, whose keywords
+        ``chat_template``, ``continue_final_message`` and ``chat_template_kwargs`` pass on;
+        ValueError names the bad message, or quotes the template's own refusal, e.g. roles that
+        do not alternate)."""
+        return await self._in_pool(functools.partial(chat_token_ids, self.engine.tokenizer, messages,
+                                                     add_generation_prompt, **template))
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_pool(self.engine.tokenizer.decode, token_ids)

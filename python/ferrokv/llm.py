@@ -72,12 +72,22 @@ def check_messages(conversation: Any, name: str = "messages") -> None:
             check_text(f"{name}[{i}].{key}", message[key])
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM drops them).
+_TEMPLATE_RESERVED = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
                    name: str = "messages", *, chat_template: str | None = None,
-                   continue_final_message: bool = False) -> list[int]:
+                   continue_final_message: bool = False,
+                   chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """One conversation (checked by ``check_messages``) through the chat template (the
     tokenizer's, or ``chat_template``), as token ids; ``name`` is what errors call it. A template's
-    own refusal or syntax error is a ``ValueError`` naming it."""
+    own refusal or syntax error is a ``ValueError`` naming it. ``chat_template_kwargs``: extra
+    variables for the template (vLLM's; e.g. ``enable_thinking``)."""
     from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
 
     check_messages(conversation, name)
@@ -92,16 +102,28 @@ def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_gener
             raise ValueError("chat_template must be a non-empty Jinja template string")
     elif not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}: the tokenizer has no chat template")
+    extra = _template_kwargs(chat_template_kwargs)
     try:
         ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=True,
                                             add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message)
+                                            continue_final_message=continue_final_message, **extra)
     except TemplateError as e:
         which = "chat_template" if chat_template is not None else f"{name}: the model's chat template"
         raise ValueError(f"{which} refused this conversation ({e})") from None
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _template_kwargs(kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got {shown(kwargs)}")
+    reserved = sorted(_TEMPLATE_RESERVED.intersection(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (arguments of their own)")
+    return dict(kwargs)
 
 
 def _final_only(params: Any) -> Any:
@@ -224,17 +246,20 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, *, chat_template: str | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Applies the chat template (the tokenizer's, or ``chat_template``, a Jinja string) to one
         conversation (or a list of them). ``continue_final_message`` leaves the last message open
-        for the model to continue (vLLM's semantics: then ``add_generation_prompt`` must be False)."""
+        for the model to continue (vLLM's semantics: then ``add_generation_prompt`` must be False);
+        ``chat_template_kwargs`` are extra variables for the template."""
         if isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
             named = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
         else:
             named = [("messages", messages)]
         tok = self.get_tokenizer()
         prompts = [{"prompt_token_ids": chat_token_ids(tok, conv, add_generation_prompt, name, chat_template=chat_template,
-                                                       continue_final_message=continue_final_message)}
+                                                       continue_final_message=continue_final_message,
+                                                       chat_template_kwargs=chat_template_kwargs)}
                    for name, conv in named]
         return self.generate(prompts, sampling_params, use_tqdm)
 

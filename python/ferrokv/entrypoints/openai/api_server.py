@@ -215,7 +215,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(req.model)
         try:
             if req.messages is not None:
-                ids = await llm.encode_chat(req.messages, req.add_generation_prompt)
+                ids = await llm.encode_chat(req.messages, req.add_generation_prompt, **req.template)
             else:
                 ids = await llm.encode(req.prompt, req.add_special_tokens)
         except ValueError as e:

@@ -354,6 +354,19 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int = 0
     add_generation_prompt: bool = True
+    template: dict[str, Any] = field(default_factory=dict)  # chat_token_ids' template keywords
+
+
+def _template(body: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's chat-template fields of a request: ``chat_template`` (a Jinja string),
+    ``continue_final_message`` and ``chat_template_kwargs`` (``chat_token_ids`` checks the rest)."""
+    kwargs = _opt(body, "chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise bad("chat_template_kwargs", f"chat_template_kwargs must be a JSON object, got {shown(kwargs)}")
+    if _bool(body, "add_special_tokens", False):  # vLLM's default for chat: the template has them
+        raise bad("add_special_tokens", "add_special_tokens: true is not supported for chat (the template adds them)")
+    return dict(chat_template=_str(body, "chat_template"),
+                continue_final_message=_bool(body, "continue_final_message", False), chat_template_kwargs=kwargs)
 
 
 def _content(i: int, content: Any) -> Any:
@@ -394,7 +407,8 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
     params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind)
     return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
-                       top_logprobs=top or 0, add_generation_prompt=_bool(body, "add_generation_prompt", True))
+                       top_logprobs=top or 0, add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                       template=_template(body))
 
 
 @dataclass(slots=True)
@@ -404,6 +418,7 @@ class TokenizeRequest:
     messages: list[dict[str, Any]] | None
     add_special_tokens: bool
     add_generation_prompt: bool
+    template: dict[str, Any]  # with messages: chat_token_ids' template keywords
 
 
 def parse_tokenize_request(body: Any) -> TokenizeRequest:
@@ -414,9 +429,10 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
         raise bad("prompt", "give exactly one of prompt and messages")
     prompt = _str(body, "prompt")
     messages = _messages(body["messages"]) if has_messages else None
+    template = _template(body) if has_messages else {}
     return TokenizeRequest(_str(body, "model"), prompt, messages,
                            _bool(body, "add_special_tokens", not has_messages),
-                           _bool(body, "add_generation_prompt", True))
+                           _bool(body, "add_generation_prompt", True), template)
 
 
 @dataclass(slots=True)

@@ -81,7 +81,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
 
     async def prompt_then_generate() -> Any:
         # The template runs inside the generator, so its errors surface in Generation.start.
-        ids = await state.llm.encode_chat(req.messages, req.add_generation_prompt)
+        ids = await state.llm.encode_chat(req.messages, req.add_generation_prompt, **req.template)
         stream = generate_checked(state.llm, {"prompt_token_ids": ids}, req.params, rid, "messages",
                                   priority=req.priority, cache_salt=req.cache_salt)
         async with contextlib.aclosing(stream):  # closed at once when this one is (the abort)
