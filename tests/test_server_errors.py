@@ -524,3 +524,35 @@ def test_serve_unusable_host_exits_2_naming_it(long_model):
                           "--port", "0"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
     assert "--host" in out.stderr and "256.1.1.1" in out.stderr, out.stderr[-3000:]
+
+
+def test_an_unexpected_error_is_a_json_500_that_keeps_the_connection(llama_path, monkeypatch):
+    """In-process (httpx's ASGI transport raises whatever the app lets out): a bug in a route is
+    answered as OpenAI's 500 by the gate and not re-raised, which is what made the server drop
+    the client's keep-alive connection."""
+    import asyncio
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    try:
+        async def broken_encode(*args, **kwargs):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(llm, "encode", broken_encode)
+        app = build_app(llm, ServerConfig(served_model_name=MODEL))
+
+        async def main():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                bad = await c.post("/tokenize", json={"prompt": "hi"})
+                good = await c.post("/detokenize", json={"tokens": [5, 6]})
+            return bad, good
+
+        bad, good = asyncio.run(main())
+        err = assert_openai_error(bad, 500, "RuntimeError")
+        assert "a bug" not in err["message"], "the detail stays in the log"
+        assert good.status_code == 200, good.text
+    finally:
+        llm.shutdown()

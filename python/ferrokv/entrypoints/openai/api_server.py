@@ -80,12 +80,30 @@ class _Gate:
                     scope, receive, send)
             replay = _replay(body, receive)
         if path in _OPEN_PATHS:
-            return await self.app(scope, replay, send)
+            return await self._serve(scope, replay, send)
         self.state.http_in_flight += 1
         try:
-            await self.app(scope, replay, send)
+            await self._serve(scope, replay, send)
         finally:
             self.state.http_in_flight -= 1
+
+    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
+        """The app, with an unexpected error answered here as a JSON 500 (logged with its
+        traceback): Starlette's own handler would answer and then re-raise it, and the server
+        would drop the client's keep-alive connection."""
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            if started:
+                raise  # the response is under way: nothing can be answered any more
+            await error_response(e)(scope, receive, send)
 
     def _authorized(self, scope: Any) -> bool:
         got = b""
