@@ -146,6 +146,41 @@ def test_a_stop_string_completed_by_the_last_allowed_token_stops(llama_path, lay
         assert (c.finish_reason, c.stop_reason, c.text) == ("stop", stop, text), rid
 
 
+@pytest.mark.parametrize("layer", ["rust", "python"])
+def test_the_stop_token_is_in_the_text_only_with_include_stop_str_in_output(llama_path, layer):
+    """vLLM's detokenizer leaves out the EOS or stop token id that ended a sequence unless
+    include_stop_str_in_output; a special token then still obeys skip_special_tokens."""
+    prompt = rand_prompts(9, [6])[0]
+    full = plain_texts(llama_path, [prompt], max_tokens=12)[0]
+    rust, py = engines(llama_path)
+    engine = rust if layer == "rust" else py
+    tok = engine.tokenizer
+    k = next(k for k in range(2, 12) if tok.decode(full.token_ids[:k + 1]) != tok.decode(full.token_ids[:k])
+             and full.token_ids[k] not in full.token_ids[:k])
+    stop_id = full.token_ids[k]  # a token that adds text, first generated at position k
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    reqs = []
+    for incl in (False, True):
+        reqs.append((f"id-{incl}", prompt, greedy(max_tokens=12, stop_token_ids=[stop_id],
+                                                  include_stop_str_in_output=incl,
+                                                  output_kind=RequestOutputKind.DELTA)))
+        for skip in (True, False):  # the tiny model's greedy text never reaches EOS: allowed_token_ids forces it
+            reqs.append((f"eos-{incl}-{skip}", prompt, greedy(max_tokens=3, ignore_eos=False, allowed_token_ids=[eos],
+                                                              include_stop_str_in_output=incl,
+                                                              skip_special_tokens=skip)))
+    final, streamed = run(engine, reqs)
+    for incl in (False, True):
+        c, pieces = final[f"id-{incl}"].outputs[0], [o.outputs[0] for o in streamed[f"id-{incl}"]]
+        assert (c.finish_reason, c.stop_reason) == ("stop", stop_id)
+        assert sum((p.token_ids for p in pieces), []) == full.token_ids[:k + 1]  # DELTA: the pieces add up
+        want = tok.decode(full.token_ids[:k + 1] if incl else full.token_ids[:k])
+        assert "".join(p.text for p in pieces) == want, incl
+        for skip in (True, False):
+            e = final[f"eos-{incl}-{skip}"].outputs[0]
+            assert (e.finish_reason, e.token_ids) == ("stop", [eos])
+            assert e.text == (tok.eos_token if incl and not skip else ""), (incl, skip, e.text)
+
+
 def test_text_state_is_freed_by_every_ending(llama_path):
     rust, _ = engines(llama_path)
     prompts = rand_prompts(30, [6, 8, 10, 12])

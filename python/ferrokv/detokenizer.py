@@ -30,8 +30,8 @@ search over ``len(new text) + max_stop_len`` characters per stop string -- indep
 long the output already is. :attr:`text` joins the emitted pieces (cached until the next append).
 
 The engine should not append the token that stopped the sequence by EOS / ``stop_token_ids``
-(vLLM leaves it out of the text too), and should call :meth:`flush` when a sequence finishes for
-any reason other than a stop string.
+unless ``include_stop_str_in_output`` (vLLM's detokenizer does the same), and should call
+:meth:`flush` when a sequence finishes for any reason other than a stop string.
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ class PythonText:
                 continue
             if st[0].stopped:
                 continue
-            if f is not None and f.reason == "stop":
-                continue  # EOS / a stop token id: kept out of the text, as in vLLM
+            if f is not None and f.reason == "stop" and not self._requests[cid][0].include_stop_str_in_output:
+                continue  # EOS / a stop token id: kept out of the text unless asked, as in vLLM
             d = st[0]
             d.append(int(sampled[r]))
             if d.stopped and f is None:

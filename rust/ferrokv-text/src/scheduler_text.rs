@@ -82,6 +82,13 @@ impl SchedulerText {
         self.requests.insert(request_id, RequestText { params: Arc::new(params), prompt_tail: tail, stream, detokenize });
     }
 
+    /// Whether request `rid`'s text takes the EOS or stop token id that ended a sequence
+    /// (`include_stop_str_in_output`, as vLLM's detokenizer; a special token still obeys
+    /// `skip_special_tokens`). Looked up only on a sequence's last token.
+    fn keeps_stop_token(&self, rid: u64) -> bool {
+        self.requests.get(&rid).is_some_and(|q| q.params.include_stop_str_in_output())
+    }
+
     /// Requests and sequences with text state (for leak checks).
     pub fn len(&self) -> (usize, usize) {
         (self.requests.len(), self.seqs.len())
@@ -104,8 +111,10 @@ impl SchedulerText {
         for r in 0..row_seqs.len().min(row_reqs.len()).min(sampled.len()) {
             let (rid, sid) = (row_reqs[r] as u64, row_seqs[r] as u64);
             let f = if ended.is_empty() { None } else { ended.get(&sid).copied() };
-            if f.is_some_and(|i| finished[i].reason == FinishReason::Stop && finished[i].stop_str.is_none()) {
-                continue; // EOS or a stop token id: kept out of the text
+            if f.is_some_and(|i| finished[i].reason == FinishReason::Stop && finished[i].stop_str.is_none())
+                && !self.keeps_stop_token(rid)
+            {
+                continue; // EOS or a stop token id: kept out of the text, unless include_stop_str_in_output (vLLM)
             }
             if f.is_none() && !sched.is_live_seq(sid) {
                 continue; // ended mid-step (a stop string found a step late): `update` ignored its row
