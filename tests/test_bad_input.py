@@ -343,6 +343,8 @@ CASES = [
     Case("beam-width-zero", beam(beam_width=0), ValueError, ("beam_width", "0")),
     Case("beam-width-above-max_num_seqs", beam(beam_width=MAX_NUM_SEQS + 1), ValueError,
          (f"beam_width={MAX_NUM_SEQS + 1}",)),
+    Case("beam-width-forks-past-max_num_seqs", beam(beam_width=MAX_NUM_SEQS // 2 + 1), ValueError,
+         (f"beam_width={MAX_NUM_SEQS // 2 + 1}", "sequence slots", f"max_num_seqs={MAX_NUM_SEQS}")),
     Case("beam-length_penalty-nan", beam(length_penalty=math.nan), ValueError, ("length_penalty", "nan")),
     Case("beam-max_tokens-str", beam(max_tokens="3"), ValueError, ("max_tokens", "'3'")),
     # --- LLM() ---------------------------------------------------------------------------------------------

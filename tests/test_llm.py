@@ -134,6 +134,21 @@ def test_beam_search_matches_transformers(k, with_eos, llama_path, eos_model_dir
     assert st["cow_copies"] > 0  # beams fork off shared blocks
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_beam_searches_that_fill_max_num_seqs_wait_rather_than_fail_a_step(k, llama_path):
+    """A search holds 2k - 1 sequence slots (its k beams and one step's forks, made before the
+    beams without children are dropped), so searches that fill max_num_seqs queue instead of
+    failing a step by forking past it; the results equal those of a roomy engine."""
+    prompts = [{"prompt_token_ids": rand_prompt(3 + i, 50 + i)} for i in range(4)]
+    roomy = tiny_llm(llama_path).beam_search(prompts, beam_width=k, max_tokens=BEAM_NEW, ignore_eos=True)
+    tight = tiny_llm(llama_path, max_num_seqs=2 * k - 1)
+    outs = tight.beam_search(prompts, beam_width=k, max_tokens=BEAM_NEW, ignore_eos=True)
+    assert [[s.tokens for s in o.sequences] for o in outs] == [[s.tokens for s in o.sequences] for o in roomy]
+    assert_no_leak(tight)
+    with pytest.raises(ValueError, match=rf"beam_width={k + 1} needs {2 * k + 1} sequence slots"):
+        tight.beam_search(prompts[:1], beam_width=k + 1, max_tokens=2)
+
+
 @pytest.mark.parametrize("prompt_len, k, length_penalty", [(14, 3, 2.0), (9, 4, 0.0)])
 def test_beam_search_length_penalty_matches_transformers(prompt_len, k, length_penalty, eos_model_dir, hf_model):
     """A length penalty other than 1 re-ranks hypotheses of different lengths (each case is one

@@ -21,7 +21,14 @@ from ferrokv.output_processor import RequestState, fill_metrics
 from ferrokv.outputs import CompletionOutput, RequestOutput
 from ferrokv.sampler import compute_logprobs
 
-__all__ = ["advance", "beam_output"]
+__all__ = ["advance", "beam_output", "beam_seq_slots"]
+
+
+def beam_seq_slots(beam_width: int) -> int:
+    """Sequence slots a search holds in the scheduler: its beams, and the forks of one step made
+    before the step drops the beams without children (all of them from one parent: width - 1);
+    a dropped sequence keeps its batch row until the step's update."""
+    return 2 * beam_width - 1
 
 
 def advance(scheduler: Any, req: RequestState, rows: list[int], row_seq: list[int], logits: torch.Tensor,

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from ferrokv._core import SchedulerStateError, UnknownRequestError
-from ferrokv.beam_engine import advance, beam_output
+from ferrokv.beam_engine import advance, beam_output, beam_seq_slots
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import check_int, rename_field
@@ -291,7 +291,7 @@ class LLMEngine:
             core_id, np.asarray(ids, dtype=np.int64), max_tokens,
             n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
             min_tokens=min(params.min_tokens, max_tokens), ignore_eos=params.ignore_eos or beam is not None,
-            cache_salt=cache_salt, reserve_seqs=beam.beam_width if beam is not None else 0,
+            cache_salt=cache_salt, reserve_seqs=beam_seq_slots(beam.beam_width) if beam is not None else 0,
             bad_words=bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else None,
             **text, **core_sampling_kwargs(params, self.vocab_size),
         )
@@ -579,8 +579,9 @@ class LLMEngine:
                          length_penalty: float = 1.0, ignore_eos: bool = False) -> None:
         p = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
                              ignore_eos=ignore_eos)  # checks every field
-        if p.beam_width > self.args.max_num_seqs:
-            raise ValueError(f"beam_width={p.beam_width} is larger than max_num_seqs={self.args.max_num_seqs}")
+        if beam_seq_slots(p.beam_width) > self.args.max_num_seqs:
+            raise ValueError(f"beam_width={p.beam_width} needs {beam_seq_slots(p.beam_width)} sequence slots (its beams "
+                             f"and one step's forks), more than max_num_seqs={self.args.max_num_seqs}")
         request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, None)
         max_tokens = min(p.max_tokens, self.max_model_len - len(ids)) if len(ids) < self.max_model_len else 1
         eos = () if p.ignore_eos else self.eos_token_ids
