@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from ferrokv import LLM, InvalidArgumentError, SamplingParams
+from ferrokv import LLM, CacheCapacityError, InvalidArgumentError, SamplingParams
 from ferrokv.engine import EngineArgs, LLMEngine
 from helpers.tiny_models import TINY_VOCAB
 
@@ -241,12 +241,29 @@ def test_n_samples_survive_preemption(llama_path, mode, prefix_caching):
 
     ample, st = run()
     assert st["preemptions"] == 0
-    # Recompute mode cannot count on the samples sharing their prompt after a preemption, so a
-    # request is admitted only if its samples fit unshared: 3 x ceil(61 / 4) = 48 blocks.
-    blocks = 50 if mode == "recompute" else 30
-    small, st = run(num_kv_blocks=blocks, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    # No mode can count on the samples sharing their prompt after a preemption (swap falls back
+    # to recompute when the CPU pool is full), so a request is admitted only if its samples fit
+    # unshared: 3 x ceil(61 / 4) = 48 blocks.
+    small, st = run(num_kv_blocks=50, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
     assert st["preemptions"] > 0 and st["capacity_aborts"] == 0, st
     assert small == ample
+
+
+def test_samples_that_could_outgrow_the_cache_unshared_are_refused_up_front_in_swap_mode(llama_path):
+    """Swap mode falls back to recompute when the CPU pool is full, and then each sample holds
+    its own prompt: a request whose samples fit only while they share it used to be admitted and
+    capacity-aborted mid-generation ("abort" after some tokens); now it is refused at once."""
+    engine = make_engine(llama_path, block_size=16, num_kv_blocks=13, preemption_mode="swap", num_cpu_blocks=1,
+                         max_model_len=128)
+    rng = random.Random(5)
+    engine.add_request("a", {"prompt_token_ids": [rng.randrange(3, TINY_VOCAB) for _ in range(16)]},
+                       greedy(max_tokens=64))
+    big = SamplingParams(n=4, temperature=0.0, max_tokens=32, ignore_eos=True)  # 4 x ceil(96 / 16) = 24 > 12
+    with pytest.raises(CacheCapacityError, match="needs up to 24 KV blocks"):
+        engine.add_request("b", {"prompt_token_ids": [rng.randrange(3, TINY_VOCAB) for _ in range(64)]}, big)
+    outs = run_engine(engine)
+    assert outs["a"].outputs[0].finish_reason == "length" and engine.stats()["capacity_aborts"] == 0
+    assert_no_leak(engine)
 
 
 def test_seeded_request_independent_of_batch(llama_path):

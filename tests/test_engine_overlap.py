@@ -99,7 +99,7 @@ def test_overlap_under_preemption_and_small_budget(llama_path):
     prompts = rand_prompts(7, [30, 45, 20, 38, 12, 26])
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=14, ignore_eos=True, presence_penalty=0.5)
     requests = [(str(i), p, params) for i, p in enumerate(prompts)]
-    for kw in (dict(block_size=8, num_kv_blocks=16, preemption_mode="swap", num_cpu_blocks=64),
+    for kw in (dict(block_size=8, num_kv_blocks=17, preemption_mode="swap", num_cpu_blocks=64),
                dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=16)):
         assert run_all(llama_path, requests, True, **kw) == run_all(llama_path, requests, False, **kw)
 

@@ -66,7 +66,7 @@ def test_a_failed_step_is_cancelled_and_its_requests_go_on(llama_path, clean, er
     assert_idle(engine)
 
 
-SWAP_N2 = dict(block_size=8, num_kv_blocks=16, preemption_mode="swap", num_cpu_blocks=64)
+SWAP_N2 = dict(block_size=8, num_kv_blocks=17, preemption_mode="swap", num_cpu_blocks=64)
 
 
 @pytest.mark.parametrize("op", ["copy_ops", "swap_out", "swap_in"])

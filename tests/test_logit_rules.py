@@ -365,7 +365,7 @@ def test_bad_word_whose_prefix_is_in_the_prompt_is_not_banned(engine, plain, tok
 CONFIGS = {
     "overlap-off": dict(overlap=False),
     "overlap-on": dict(overlap=True),
-    "swap-preemption": dict(overlap=True, block_size=8, num_kv_blocks=16, preemption_mode="swap", num_cpu_blocks=64),
+    "swap-preemption": dict(overlap=True, block_size=8, num_kv_blocks=17, preemption_mode="swap", num_cpu_blocks=64),
     "recompute-chunked": dict(overlap=False, block_size=4, num_kv_blocks=40, max_num_batched_tokens=16),
 }
 

@@ -6,7 +6,7 @@
 //! checked for the whole request before any block moves. Costs: O(prompt blocks) for a
 //! prefix lookup, O(new blocks) per allocation; the waiting queue is only read at its head.
 
-use super::{NewRequest, Policy, PreemptionMode, Scheduler};
+use super::{NewRequest, Policy, Scheduler};
 use crate::batch::NO_ROW;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache_manager::SeqKv;
@@ -89,16 +89,14 @@ impl Scheduler {
         }
     }
 
-    /// Blocks a request may need in the worst case: the prompt's full blocks are shared by
-    /// its samples, everything after them is private to each sample. After a recompute
-    /// preemption every sample is recomputed on its own and sharing is not guaranteed (it
-    /// comes back only through prefix-cache hits), so in recompute mode nothing is shared.
+    /// Blocks a request may need in the worst case: every sample its whole context. Samples
+    /// share their prompt's full blocks while they run, but a recompute preemption (swap mode
+    /// too, when the CPU pool is full) recomputes each sample on its own, and sharing comes
+    /// back only through prefix-cache hits; counting on it let a request in that its samples
+    /// could outgrow, to be capacity-aborted mid-generation.
     pub(super) fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, n: usize) -> usize {
-        let bs = self.cfg.block_size;
         let total = prompt_len.saturating_add(max_tokens).min(self.cfg.max_model_len).max(prompt_len);
-        let shares = n > 1 && self.cfg.preemption_mode == PreemptionMode::Swap;
-        let shared = if shares { prompt_len / bs } else { 0 };
-        shared + n * (total.div_ceil(bs) - shared)
+        n * total.div_ceil(self.cfg.block_size)
     }
 
     /// Every check `add_request` makes before it changes anything.
@@ -448,18 +446,18 @@ mod tests {
 
     #[test]
     fn samples_sharing_a_partial_block_fit_a_cache_with_just_the_one_copy_they_need() {
-        // 3 usable blocks of 4: a prompt of 6 (2 blocks) with two samples (swap mode shares
-        // the prompt, so the request fits). Both samples write position 6 in the shared block:
-        // one copy, the last writer keeps it. The one free block is enough: nobody is
-        // preempted or aborted.
-        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, ..cfg(4, 4, 16) };
+        // 4 usable blocks of 4 (the worst case: 2 samples of 2 blocks): a prompt of 6 (2
+        // blocks) with two samples, which share it. Both samples write position 6 in the shared
+        // block: one copy, the last writer keeps it, so one of the two free blocks is used and
+        // nobody is preempted or aborted.
+        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, ..cfg(5, 4, 16) };
         let mut s = with_requests(c, [NewRequest { n: 2, ..req(1, 6, 2) }]);
         step(&mut s, 5);
-        assert_eq!((s.request_seq_ids(1).unwrap().len(), s.num_free_blocks()), (2, 1));
+        assert_eq!((s.request_seq_ids(1).unwrap().len(), s.num_free_blocks()), (2, 2));
         let (o, done) = step(&mut s, 5);
         assert_eq!((o.num_tokens(), o.copy_ops.len() / 2, o.preempted_req_ids.len()), (2, 1, 0));
         assert_eq!(done.iter().map(|d| d.reason).collect::<Vec<_>>(), vec![FinishReason::Length; 2]);
-        assert_eq!((s.stats().preemptions, s.stats().capacity_aborts, s.num_free_blocks()), (0, 0, 3));
+        assert_eq!((s.stats().preemptions, s.stats().capacity_aborts, s.num_free_blocks()), (0, 0, 4));
     }
 
     #[test]
@@ -535,12 +533,14 @@ mod tests {
     }
 
     #[test]
-    fn the_worst_case_shares_the_prompt_of_samples_only_in_swap_mode() {
-        // Blocks of 4, a prompt of 10 (2 full blocks), 6 new tokens: 4 blocks per sequence.
+    fn the_worst_case_never_counts_on_samples_sharing_their_prompt() {
+        // Blocks of 4, a prompt of 10 (2 full blocks), 6 new tokens: 4 blocks per sequence. Swap
+        // mode falls back to recompute when the CPU pool is full, so it shares nothing either.
         let recompute = Scheduler::new(cfg(64, 4, 16)).unwrap();
         let swap = Scheduler::new(SchedulerConfig { preemption_mode: PreemptionMode::Swap, ..cfg(64, 4, 16) }).unwrap();
-        assert_eq!((recompute.worst_case_blocks(10, 6, 1), recompute.worst_case_blocks(10, 6, 3)), (4, 12));
-        assert_eq!((swap.worst_case_blocks(10, 6, 1), swap.worst_case_blocks(10, 6, 3)), (4, 2 + 3 * 2));
+        for s in [&recompute, &swap] {
+            assert_eq!((s.worst_case_blocks(10, 6, 1), s.worst_case_blocks(10, 6, 3)), (4, 12));
+        }
         assert_eq!(swap.worst_case_blocks(10, 2000, 1), 1024 / 4, "capped at max_model_len");
     }
 
