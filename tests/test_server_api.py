@@ -10,6 +10,7 @@ requests are sequential unless a test says otherwise, so the greedy reference ho
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -433,6 +434,42 @@ def test_chat_template_fields_shape_the_prompt_as_in_vllm(http):
                         ({"add_special_tokens": True}, "add_special_tokens")]:
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": conv, "max_tokens": 1, **body})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
+
+
+def test_created_is_when_each_completion_was_made(http, client):
+    import time
+
+    started = http.get("/v1/models").json()["data"][0]["created"]  # the server's start
+    time.sleep(1.1)
+    t0 = int(time.time())
+    assert complete(client, max_tokens=1).created >= t0 > started
+    assert chat(client, max_tokens=1).created >= t0
+    chunks = list(complete(client, max_tokens=2, stream=True))
+    assert chunks and all(c.created >= t0 for c in chunks)
+
+
+def test_the_success_counter_counts_each_choice_once_streamed_or_not():
+    """A DELTA choice that ended early is not in the request's last output; it counts anyway."""
+    from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+    from ferrokv.outputs import CompletionOutput, RequestOutput
+
+    class _Engine:
+        def stats(self):
+            return collections.defaultdict(int)  # the engine gauges read at scrape time
+
+    def out(finished, *choices):
+        comps = [CompletionOutput(i, "x", [5], finish_reason=r) for i, r in choices]
+        return RequestOutput("r", None, [1], comps, finished)
+
+    m = ServerMetrics(_Engine(), "m", lambda: 0)
+    delta = RequestTimer()
+    delta.on_output(m, out(False, (0, "stop"), (1, None)))  # choice 0 ends first ...
+    m.finished(out(True, (1, "length")), delta)  # ... and is not in the last DELTA output
+    cumulative = RequestTimer()
+    m.finished(out(True, (0, "stop"), (1, "length")), cumulative)
+    for reason in ("stop", "length"):
+        labels = {"model_name": "m", "finished_reason": reason}
+        assert m.registry.get_sample_value("ferrokv:request_success_total", labels) == 2, reason
 
 
 def test_metrics_names(server, client):

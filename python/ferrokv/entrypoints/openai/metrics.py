@@ -13,7 +13,7 @@ Costs: a scrape is one ``stats()`` snapshot, O(KV blocks); an observation is O(1
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import prometheus_client
@@ -88,7 +88,8 @@ class ServerMetrics:
                              labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
         self.queue = Histogram("ferrokv:request_queue_time_seconds", "Time from queued to first scheduled.",
                                labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
-        self._success = Counter("ferrokv:request_success", "Requests finished, by finish reason.",
+        self._success = Counter("ferrokv:request_success",
+                                "Sequences finished (each of a request's n choices), by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._model = model_name
 
@@ -96,11 +97,13 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def finished(self, output: RequestOutput, timer: RequestTimer) -> None:
-        """Observes a finished request's latencies (``output``: its last output)."""
+        """Observes a finished request's latencies (``output``: its last output) and counts its
+        choices by finish reason (streamed or not: a DELTA choice that ended earlier is not in
+        the last output, the timer saw it)."""
         m = output.metrics
-        for c in output.outputs:
-            if c.finish_reason is not None:
-                self._success.labels(self._model, c.finish_reason).inc()
+        timer.see_finishes(output)
+        for reason in timer.finish_reasons.values():
+            self._success.labels(self._model, reason).inc()
         if m is None or not m.queued_ts:
             return  # aborted before the engine recorded anything
         if m.first_token_ts:
@@ -117,12 +120,20 @@ class ServerMetrics:
 
 @dataclass(slots=True)
 class RequestTimer:
-    """Per request: the last token time seen, for inter-token latency across streamed outputs."""
+    """Per request: the last token time seen, for inter-token latency across streamed outputs, and
+    the finish reason of each choice as it ends."""
 
     last_token_ts: float = 0.0
     observed: int = 0
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # choice index -> its finish reason
+
+    def see_finishes(self, output: RequestOutput) -> None:
+        for c in output.outputs:
+            if c.finish_reason is not None:
+                self.finish_reasons.setdefault(c.index, c.finish_reason)
 
     def on_output(self, metrics: ServerMetrics, output: RequestOutput) -> None:
+        self.see_finishes(output)
         m = output.metrics
         if m is None or not m.last_token_ts:
             return

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -74,7 +75,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     req = parse_chat_request(body)
     model = state.check_model(req.model)
     state.admit(1)
-    call = _Chat(req, model, state.created)
+    call = _Chat(req, model, int(time.time()))  # OpenAI's created: when this completion was made
     rid = call.head["id"]
     if state.log_prompts:
         logger.info("%s: messages %r, params %r", rid, req.messages, req.params)

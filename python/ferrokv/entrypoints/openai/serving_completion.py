@@ -14,6 +14,7 @@ Costs: O(tokens) per response for the text and logprobs, nothing per step beyond
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -119,6 +120,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
     model = state.check_model(req.model)
     state.admit(len(req.prompts))
     call = _Completion(req, model)
+    created = int(time.time())  # OpenAI's created: when this completion was made
     if state.log_prompts:
         logger.info("%s: prompts %r, params %r", call.id, req.prompts, req.params)
     field = "prompt" if len(req.prompts) == 1 else "prompt[{}]"
@@ -128,7 +130,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
 
     async def respond(gen: Generation) -> Any:
         if req.stream:
-            return SSEResponse(_stream(gen, call, state.created), gen)
+            return SSEResponse(_stream(gen, call, created), gen)
         finals = await watched(request, gen.finals())
         choices = []
         for i, out in enumerate(finals):
@@ -136,7 +138,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
             plp = prompt_logprobs_json(out.prompt_logprobs)
             choices += [{**call.choice(i, c), "prompt_logprobs": plp} for c in out.outputs]
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({**call.head(state.created), "choices": choices, "usage": call.usage()})
+        return JSONResponse({**call.head(created), "choices": choices, "usage": call.usage()})
 
     return await run_generation(request, state, gens, respond, req.engine_error)
 
