@@ -232,6 +232,24 @@ def test_choice_and_grammars(compiler, tok):
     assert accepts(compiler, SOP(grammar=lark), "aaab", tok) and not accepts(compiler, SOP(grammar=lark), "b", tok)
 
 
+def test_a_choice_list_past_the_parsers_row_limit_decodes(compiler, tok):
+    """2100 choices: as Lark alternatives each was a parser item, and past llguidance's 2000 the
+    matcher failed on the first token (the output ended as "stop", invalid); one regex lexeme
+    has no such limit."""
+    many = [f"w{i}" for i in range(2100)]
+    params = SOP(choice=many)
+    assert accepts(compiler, params, "w2099", tok) and accepts(compiler, params, "w7", tok)
+    assert not accepts(compiler, params, "w2100", tok) and not accepts(compiler, params, "w", tok)
+
+
+def test_a_schema_nested_too_deeply_is_a_value_error_not_a_recursion_error():
+    deep: dict = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValueError, match="structured_outputs.json is nested too deeply"):
+        SOP(json=deep)
+
+
 # --- GrammarRows: bookkeeping and masks -------------------------------------------------------------
 def test_grammar_key_and_rows_of(compiler):
     assert grammar_key(np.array([3, 7]), np.array([0, 2])).tolist() == [3 * KEY_STRIDE, 7 * KEY_STRIDE + 2]

@@ -70,6 +70,12 @@ logger = logging.getLogger("ferrokv")
 _MAX_ERROR = 2000  # characters of an llguidance error message kept in ours
 
 
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex (llguidance's: Rust's syntax) matching exactly it, inside a Lark
+    ``/.../``: letters, digits and non-ASCII as they are, every other character as a hex escape."""
+    return "".join(c if c.isalnum() or ord(c) > 127 else f"\\x{{{ord(c):x}}}" for c in text)
+
+
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 200 else text[:197] + "..."
@@ -151,8 +157,8 @@ class StructuredOutputsParams:
             return _json.dumps(_canonical(schema), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ValueError(f"structured_outputs.json is not JSON-serializable: {e}") from None
-        except RecursionError:
-            raise ValueError(f"structured_outputs.json is nested too deeply, got {_show(schema)}") from None
+        except RecursionError:  # not shown: its repr would recurse as deep
+            raise ValueError("structured_outputs.json is nested too deeply") from None
 
     @property
     def kind(self) -> str:
@@ -299,9 +305,11 @@ class GrammarCompiler:
             return LLMatcher.grammar_from_json_schema(schema, defaults=options)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(params.regex)
-        if kind == "choice":  # Lark string literals take JSON's escapes
+        if kind == "choice":
+            # One lexeme, a regex alternation: as Lark alternatives ("a" | "b" | ...) every choice
+            # is an item of the parser's row, and past llguidance's 2000 items decoding fails.
             return LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(_json.dumps(c, ensure_ascii=False) for c in params.choice))
+                "start: /(?:" + "|".join(_regex_literal(c) for c in params.choice) + ")/")
         text = params.grammar
         if "::=" in text and not is_lark_syntax(text):
             text = gbnf_to_lark(text)
