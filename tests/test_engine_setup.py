@@ -76,6 +76,12 @@ def test_an_alias_and_its_name_together_or_bad_values_fail(kw, match):
     (dict(quantization="awq"), "quantization='awq' is not supported yet"),
     (dict(enforce_eager="yes"), "enforce_eager must be True or False, got 'yes'"),
     (dict(trust_remote_code=1), "trust_remote_code must be True or False, got 1"),
+    (dict(swap_space=-1), "swap_space must be a number of GiB >= 0, got -1"),
+    (dict(disable_log_stats="no"), "disable_log_stats must be True or False, got 'no'"),
+    (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False is not supported"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of auto; got 'fp8'"),
+    (dict(load_format="pt"), "load_format must be one of auto, safetensors; got 'pt'"),
+    (dict(tokenizer_mode="slow"), "tokenizer_mode must be one of auto; got 'slow'"),
 ])
 def test_vllm_arguments_check_their_values(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -85,6 +91,9 @@ def test_vllm_arguments_check_their_values(kw, match):
 def test_vllm_arguments_at_supported_values_are_accepted():
     EngineArgs(enforce_eager=True, tensor_parallel_size=1, trust_remote_code=True, quantization=None).validate()
     EngineArgs(enforce_eager=False, trust_remote_code=False).validate()
+    # What scripts written for vLLM commonly pass.
+    EngineArgs(swap_space=8, disable_log_stats=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
+               load_format="safetensors", tokenizer_mode="auto").validate()
 
 
 def test_llm_takes_both_names_and_refuses_remote_code(tiny_model_dir, tmp_path):

@@ -372,3 +372,39 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_llm, llama_p
         llama_llm.generate([long_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     out = llama_llm.generate([long_prompt], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert out.prompt_token_ids == long_prompt[-llama_llm.llm_engine.max_model_len:]
+
+
+def test_lora_request_none_is_accepted_everywhere_and_an_adapter_refused(llama_llm, llama_path):
+    """vLLM's keyword: wrappers pass lora_request=None through every call."""
+    import asyncio
+
+    from ferrokv import AsyncLLM
+    from ferrokv.engine import EngineArgs, LLMEngine
+
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    assert llama_llm.generate([5, 6, 7], params, use_tqdm=False, lora_request=None)[0].finished
+    assert llama_llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, lora_request=None)[0].finished
+    assert llama_llm.beam_search([[5, 6]], beam_width=2, max_tokens=2, lora_request=None)
+    for call in (lambda: llama_llm.generate([5], params, use_tqdm=False, lora_request="adapter"),
+                 lambda: llama_llm.chat([{"role": "user", "content": "hi"}], params, lora_request=object()),
+                 lambda: llama_llm.beam_search([[5]], beam_width=2, max_tokens=2, lora_request="adapter")):
+        with pytest.raises(ValueError, match="lora_request must be None: LoRA adapters are not supported"):
+            call()
+    engine = LLMEngine(EngineArgs(model=str(llama_path), device="cpu", max_model_len=32, num_kv_blocks=16))
+    engine.add_request("a", {"prompt_token_ids": [5, 6]}, params, lora_request=None)
+    with pytest.raises(ValueError, match="lora_request must be None"):
+        engine.add_request("b", {"prompt_token_ids": [5, 6]}, params, lora_request="adapter")
+    engine.abort_request("a")
+    allm = AsyncLLM(str(llama_path), device="cpu", max_model_len=32, num_kv_blocks=16, disable_log_requests=True)
+    try:
+        async def main():
+            ids = {"prompt_token_ids": [5, 6]}
+            outs = [o async for o in allm.generate(ids, params, "x", lora_request=None)]
+            with pytest.raises(ValueError, match="lora_request must be None"):
+                _ = [o async for o in allm.generate(ids, params, "y", lora_request="adapter")]
+            return outs
+
+        assert asyncio.run(main())[-1].finished
+    finally:
+        allm.shutdown()
+    assert_no_leak(llama_llm)

@@ -40,7 +40,7 @@ from ferrokv.checks import check_text
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
-from ferrokv.inputs import prompt_ids, request_id_str
+from ferrokv.inputs import check_no_lora, prompt_ids, request_id_str
 from ferrokv.llm import chat_token_ids
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
@@ -153,7 +153,11 @@ class AsyncLLM:
     takes ``LLM``'s arguments; ``from_engine_args(EngineArgs)`` an ``EngineArgs``."""
 
     def __init__(self, model: str | None = None, *, tokenizer_threads: int | None = None,
-                 **engine_kwargs: Any) -> None:
+                 disable_log_requests: bool = False, **engine_kwargs: Any) -> None:
+        """``disable_log_requests``: vLLM's, accepted (AsyncLLM logs no requests; ``serve`` logs
+        prompts only with ``--log-prompts``)."""
+        if not isinstance(disable_log_requests, bool):
+            raise ValueError(f"disable_log_requests must be True or False, got {disable_log_requests!r}")
         unknown = sorted(set(engine_kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise TypeError(
@@ -262,10 +266,11 @@ class AsyncLLM:
         return d
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0,
+                       request_id: str | None = None, *, lora_request: Any = None, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submits one request and yields its outputs (module docs); raises its error. Closing
         or cancelling the generator before the last output aborts the request."""
+        check_no_lora(lora_request)
         params = sampling_params if sampling_params is not None else SamplingParams()
         # An id of our own never matches one a caller chose (vLLM makes callers give one).
         rid = f"ferrokv-{uuid.uuid4().hex}" if request_id is None else request_id_str(request_id)

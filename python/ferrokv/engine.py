@@ -68,7 +68,7 @@ from ferrokv.checks import check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_setup import load_engine
-from ferrokv.inputs import prompt_cache_salt, prompt_ids, request_id_str, validate_prompt_ids
+from ferrokv.inputs import check_no_lora, prompt_cache_salt, prompt_ids, request_id_str, validate_prompt_ids
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -216,6 +216,7 @@ class LLMEngine:
         prompt: Any,
         params: SamplingParams | None = None,
         *,
+        lora_request: Any = None,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
@@ -225,6 +226,7 @@ class LLMEngine:
 
         The request keeps its own copy of ``params``, checked again here: fields may have been
         assigned since construction, and a later assignment must not reach a running request."""
+        check_no_lora(lora_request)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")

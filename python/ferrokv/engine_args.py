@@ -13,8 +13,10 @@ Invariants: importing this module does not import torch, so ``ferrokv --help`` s
 ``validate`` raises ``ValueError`` (``InvalidArgumentError`` for the core's rules) naming the field
 and the offending value. vLLM's names are the fields; ``ALIASES`` (ferrokv's former names, e.g.
 ``num_kv_blocks``) are accepted fields too, folded into vLLM's by ``__post_init__`` (both given:
-``ValueError``). ``enforce_eager``, ``tensor_parallel_size``, ``trust_remote_code`` and
-``quantization`` are vLLM's, accepted at the values ferrokv implements.
+``ValueError``). ``enforce_eager``, ``tensor_parallel_size``, ``trust_remote_code``,
+``quantization``, ``swap_space``, ``disable_log_stats``, ``enable_chunked_prefill``,
+``kv_cache_dtype``, ``load_format`` and ``tokenizer_mode`` are vLLM's, accepted at the values
+ferrokv implements (so scripts written for vLLM run unchanged).
 """
 
 from __future__ import annotations
@@ -102,6 +104,17 @@ class EngineArgs:
         False, "accepted for vLLM compatibility: ferrokv never executes a model's remote code, so a model "
         "that needs it (auto_map, an architecture ferrokv does not implement) is refused either way")
     quantization: str | None = _arg(None, "weight quantization method; none is supported yet (unquantized only)")
+    swap_space: float = _arg(
+        4.0, "accepted for vLLM compatibility (GiB of CPU swap): ferrokv's swap pool is num_cpu_blocks blocks")
+    disable_log_stats: bool = _arg(False, "accepted for vLLM compatibility: ferrokv logs no periodic stats")
+    enable_chunked_prefill: bool | None = _arg(
+        None, "accepted for vLLM compatibility: ferrokv always chunks prompts longer than the step's token "
+        "budget (False is refused)", default_doc="on")
+    kv_cache_dtype: str = _arg("auto", "the KV cache's dtype: the model's ('auto' only)", choices=("auto",))
+    load_format: str = _arg("auto", "weight format: safetensors, or a .gguf file given as the model",
+                            choices=("auto", "safetensors"))
+    tokenizer_mode: str = _arg("auto", "the model's fast tokenizer (tokenizer.json), as vLLM's 'auto'",
+                               choices=("auto",))
     overlap: bool | None = _arg(
         None, "make a step's text and outputs while the next step's forward pass runs (each step then "
         "returns the previous step's outputs)", default_doc="on with a GPU, off on a CPU")
@@ -158,6 +171,14 @@ class EngineArgs:
         if self.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet: ferrokv loads "
                              "unquantized weights only (use None)")
+        swap = self.swap_space
+        if isinstance(swap, bool) or not isinstance(swap, (int, float)) or not 0 <= swap < float("inf"):
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r}")
+        if not isinstance(self.disable_log_stats, bool):
+            raise ValueError(f"disable_log_stats must be True or False, got {self.disable_log_stats!r}")
+        if not (self.enable_chunked_prefill is None or self.enable_chunked_prefill is True):
+            raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r} is not supported: ferrokv "
+                             "always chunks prompts longer than max_num_batched_tokens (use None or True)")
 
     def resolved_overlap(self, device: Any) -> bool:
         """Whether the engine overlaps host work with the forward pass on ``device``: on a GPU

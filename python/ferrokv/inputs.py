@@ -21,7 +21,7 @@ import numpy as np
 
 from ferrokv.checks import check_text, shown
 
-__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "request_id_str", "validate_prompt_ids"]
+__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "request_id_str", "validate_prompt_ids", "check_no_lora"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -130,3 +130,10 @@ def request_id_str(request_id: Any) -> str:
     if isinstance(request_id, int) and not isinstance(request_id, bool):
         return str(request_id)
     raise ValueError(f"request_id must be a str (or an int), got {type(request_id).__name__} {shown(request_id)}")
+
+
+def check_no_lora(lora_request: Any) -> None:
+    """vLLM's ``lora_request``: None (the base model) is accepted everywhere; an adapter is not
+    supported yet, a ValueError naming it."""
+    if lora_request is not None:
+        raise ValueError(f"lora_request must be None: LoRA adapters are not supported yet, got {shown(lora_request)}")

@@ -31,7 +31,7 @@ from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineLoop, StreamItem
-from ferrokv.inputs import batch_prompts
+from ferrokv.inputs import batch_prompts, check_no_lora
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
@@ -214,12 +214,14 @@ class LLM:
         return [done[rid].output for rid in ids]
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None, *,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generates for every prompt (vLLM's forms, ``ferrokv.inputs``: a str, a ``TextPrompt`` or
         ``TokensPrompt`` dict, a list of ints, or a list of these); returns one finished
         ``RequestOutput`` per prompt, in order. A dict's ``cache_salt`` isolates its prefix cache.
         ``priority``: one per prompt (lower runs first), under ``scheduling_policy="priority"``
         only, as in vLLM."""
+        check_no_lora(lora_request)
         prompts = batch_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -245,7 +247,7 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, *, chat_template: str | None = None,
+             lora_request: Any = None, add_generation_prompt: bool = True, *, chat_template: str | None = None,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Applies the chat template (the tokenizer's, or ``chat_template``, a Jinja string) to one
@@ -261,16 +263,17 @@ class LLM:
                                                        continue_final_message=continue_final_message,
                                                        chat_template_kwargs=chat_template_kwargs)}
                    for name, conv in named]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams | int | None = None, max_tokens: int | None = None,
                     length_penalty: float = 1.0, ignore_eos: bool = False, use_tqdm: bool = False, *,
-                    beam_width: int | None = None) -> list[BeamSearchOutput]:
+                    beam_width: int | None = None, lora_request: Any = None) -> list[BeamSearchOutput]:
         """Beam search built on the core's fork and copy-on-write (transformers' semantics).
 
         vLLM's form is ``beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))``;
         ferrokv's earlier ``beam_search(prompts, beam_width, max_tokens, length_penalty, ignore_eos)``
         (``beam_width`` positionally or by keyword) builds the same ``BeamSearchParams``."""
+        check_no_lora(lora_request)
         if isinstance(params, BeamSearchParams):
             if beam_width is not None or max_tokens is not None:
                 raise ValueError("beam_search: give a BeamSearchParams or beam_width and max_tokens, not both")
