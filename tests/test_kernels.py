@@ -300,6 +300,30 @@ def test_launchers_validate_arguments():
         copy_blocks([k_cache], [v_cache], torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE))
 
 
+def test_launchers_refuse_strided_index_tensors_the_kernels_read_back_to_back():
+    """slot_mapping, seq_lens and query_start_loc are read at ptr + i: a strided view with the
+    same values was read wrongly (writes into the null block, wrong outputs, a segfault)."""
+    bs, hkv, d = 4, 2, 16
+    meta, nb = _layout([(0, 3), (5, 1)], bs, seed=0)  # two sequences: a strided [S] view is not contiguous
+    k_cache, v_cache = _caches(nb, bs, hkv, d, torch.float32, seed=0)
+    key = torch.randn(4, hkv, d, device=DEVICE)
+    q = torch.randn(2, 4, d, device=DEVICE)
+
+    def strided(t):  # same values, every other element of a wider tensor
+        return torch.stack([t, torch.full_like(t, 999)], 1)[:, 0]
+
+    assert torch.equal(strided(meta.slot_mapping), meta.slot_mapping) and not strided(meta.seq_lens).is_contiguous()
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        reshape_and_cache(key, key, k_cache, v_cache, strided(meta.slot_mapping))
+    with pytest.raises(ValueError, match="seq_lens must be contiguous"):
+        paged_attention_decode(q, k_cache, v_cache, meta.block_tables, strided(meta.seq_lens), 1.0)
+    with pytest.raises(ValueError, match="query_start_loc must be contiguous"):
+        paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, strided(meta.query_start_loc), meta.seq_lens,
+                                1, 1.0)
+    with pytest.raises(ValueError, match="max_query_len must be an int >= 0"):
+        paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 1.0, 1.0)
+
+
 def test_kernels_compile_for_gpu_target():
     """GPU-only compile rules (tl.dot dims >= 16, lowering) checked on CPU: build sm_90 cubins."""
     import os

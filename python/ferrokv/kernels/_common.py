@@ -28,7 +28,10 @@ def check_tensor(
     ndim: int | None = None,
     dtypes: tuple[torch.dtype, ...] | None = None,
     device: torch.device | None = None,
+    contiguous: bool = False,
 ) -> Tensor:
+    """``contiguous``: the kernel reads ``t`` at ``ptr + i`` (no stride passed), so a strided view
+    would be read wrongly (or out of bounds)."""
     if not isinstance(t, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -37,6 +40,9 @@ def check_tensor(
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the kernel reads its elements back to back), "
+                         f"got strides {t.stride()}")
     return t
 
 

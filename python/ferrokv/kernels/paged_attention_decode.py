@@ -85,7 +85,7 @@ def check_attention_args(
     dev = k_cache.device
     check_tensor("query", query, ndim=3, dtypes=(k_cache.dtype,), device=dev)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=dev)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev, contiguous=True)
     _, block_size, hkv, d = k_cache.shape
     h = query.shape[1]
     if query.shape[2] != d:

@@ -111,12 +111,13 @@ def paged_attention_prefill(
     ``max_query_len`` (host int) sizes the grid, so no device sync happens here.
     """
     h, hkv, d, block_size, group = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, sliding_window)
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=query.device)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=query.device,
+                 contiguous=True)
     S = seq_lens.shape[0]
     if query_start_loc.shape[0] != S + 1:
         raise ValueError(f"query_start_loc must have {S + 1} entries for {S} sequences, got {query_start_loc.shape[0]}")
-    if max_query_len < 0:
-        raise ValueError(f"max_query_len must be >= 0, got {max_query_len}")
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be an int >= 0 (a host int: no device sync), got {max_query_len!r}")
     if out is None:
         out = torch.zeros_like(query)
     elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:

@@ -58,7 +58,7 @@ def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
     dev = k_cache.device
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=dev, contiguous=True)
     _, block_size, hkv, d = k_cache.shape
     if tuple(key.shape[1:]) != (hkv, d):
         raise ValueError(f"key must be [T, {hkv}, {d}] to match k_cache, got {tuple(key.shape)}")
