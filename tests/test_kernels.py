@@ -224,6 +224,23 @@ def test_copy_blocks(dtype, block_size):
         assert torch.equal(got, ref)
 
 
+def test_copy_blocks_takes_caches_torch_calls_contiguous_and_refuses_strided_blocks():
+    """One KV head (MQA) laid out by a transpose: the size-1 dimension's stride differs from a
+    fresh tensor's, yet each block is contiguous, as torch says; a block whose elements are
+    strided is refused."""
+    base_k = torch.randn(10, 4, 8, 1, device=DEVICE)
+    k = base_k.transpose(2, 3)  # [10, 4, 1, 8], strides (32, 8, 1, 1)
+    v = torch.randn(10, 4, 8, 1, device=DEVICE).transpose(2, 3)
+    assert k.is_contiguous() and k.stride() != torch.empty(10, 4, 1, 8).stride()
+    mapping = torch.tensor([[3, 7], [1, 2]], dtype=torch.int64, device=DEVICE)
+    ref_k, ref_v = copy_blocks_reference([k.clone()], [v.clone()], mapping)
+    copy_blocks([k], [v], mapping)
+    assert torch.equal(k, ref_k[0]) and torch.equal(v, ref_v[0])
+    strided = torch.randn(10, 4, 2, 16, device=DEVICE)[..., ::2]  # [10, 4, 2, 8], every other element
+    with pytest.raises(ValueError, match="each block must be contiguous"):
+        copy_blocks([strided], [strided.clone()], mapping)
+
+
 # ------------------------------------------------------------------------------------------------
 def _huge_cache(num_blocks: int, block_size: int, hkv: int, d: int, dtype=torch.float16) -> torch.Tensor:
     """A [num_blocks, block_size, hkv, d] CPU tensor over lazily committed anonymous memory."""

@@ -43,8 +43,9 @@ def _copy_blocks_kernel(
 
 
 def _check_block_contiguous(name: str, c: Tensor) -> None:
-    _, bs, h, d = c.shape
-    if c.stride(3) != 1 or c.stride(2) != d or c.stride(1) != h * d:
+    """Each block ``c[i]`` is read as ``numel`` elements from ``i * stride(0)`` (torch's notion of
+    contiguous: the strides of size-1 dimensions do not matter)."""
+    if c.shape[0] and not c[0].is_contiguous():
         raise ValueError(f"{name}: each block must be contiguous (strides {c.stride()})")
 
 
