@@ -253,6 +253,19 @@ def test_chat_uses_the_chat_template(llama_llm):
     assert_no_leak(llm)
 
 
+def test_chat_takes_content_as_openai_text_parts(llama_llm):
+    """vLLM's chat() takes OpenAI's content parts: text parts are joined (other parts refused)."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    plain = llama_llm.chat([{"role": "user", "content": "A dog runs."}], params, use_tqdm=False)[0]
+    parts = [{"type": "text", "text": "A dog "}, {"type": "text", "text": "runs."}]
+    joined = llama_llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0]
+    assert joined.prompt_token_ids == plain.prompt_token_ids
+    assert joined.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\] must be a \{'type': 'text'"):
+        llama_llm.chat([{"role": "user", "content": [parts[0], {"type": "image_url", "image_url": {}}]}], params)
+    assert_no_leak(llama_llm)
+
+
 def test_chat_template_and_continue_final_message(llama_llm):
     """vLLM's chat(): a chat_template string replaces the tokenizer's, and continue_final_message
     leaves the last (assistant) message open, both as transformers renders them; bad values name

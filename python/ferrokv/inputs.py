@@ -21,7 +21,7 @@ import numpy as np
 
 from ferrokv.checks import check_text, shown
 
-__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "request_id_str", "validate_prompt_ids", "check_no_lora"]
+__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "request_id_str", "validate_prompt_ids", "check_no_lora", "message_text"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -137,3 +137,17 @@ def check_no_lora(lora_request: Any) -> None:
     supported yet, a ValueError naming it."""
     if lora_request is not None:
         raise ValueError(f"lora_request must be None: LoRA adapters are not supported yet, got {shown(lora_request)}")
+
+
+def message_text(content: Any, name: str) -> str:
+    """A chat message's content as text: a string, or OpenAI's list of ``{"type": "text",
+    "text": ...}`` parts, joined (only text is supported); ``name`` is what errors call it."""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"{name}[{j}] must be a {{'type': 'text', 'text': ...}} part (only text is "
+                                 f"supported), got {shown(part)}")
+            parts.append(check_text(f"{name}[{j}].text", part["text"]))
+        return "".join(parts)
+    return check_text(name, content)

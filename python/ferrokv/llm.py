@@ -31,7 +31,7 @@ from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineLoop, StreamItem
-from ferrokv.inputs import batch_prompts, check_no_lora
+from ferrokv.inputs import batch_prompts, check_no_lora, message_text
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
@@ -57,19 +57,24 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def check_messages(conversation: Any, name: str = "messages") -> None:
-    """A conversation is a non-empty list of dicts, each with a ``role`` and a ``content`` that are
-    text; a ``ValueError`` names the first bad one (``messages[2].content``)."""
+def checked_messages(conversation: Any, name: str = "messages") -> list[dict[str, Any]]:
+    """A conversation: a non-empty list of dicts, each with a ``role`` that is text and a
+    ``content`` that is text or a list of text parts (``message_text``: joined here); a
+    ``ValueError`` names the first bad one (``messages[2].content``). Returns copies with the
+    content as text (the messages' other keys kept)."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"{name} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                          f"got {shown(conversation)}")
+    out = []
     for i, message in enumerate(conversation):
         if not isinstance(message, Mapping):
             raise ValueError(f"{name}[{i}] must be a dict with 'role' and 'content', got {shown(message)}")
         for key in ("role", "content"):
             if key not in message:
                 raise ValueError(f"{name}[{i}].{key} is missing (the message is {shown(message)})")
-            check_text(f"{name}[{i}].{key}", message[key])
+        check_text(f"{name}[{i}].role", message["role"])
+        out.append({**message, "content": message_text(message["content"], f"{name}[{i}].content")})
+    return out
 
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM drops them).
@@ -84,13 +89,13 @@ def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_gener
                    name: str = "messages", *, chat_template: str | None = None,
                    continue_final_message: bool = False,
                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-    """One conversation (checked by ``check_messages``) through the chat template (the
+    """One conversation (checked by ``checked_messages``) through the chat template (the
     tokenizer's, or ``chat_template``), as token ids; ``name`` is what errors call it. A template's
     own refusal or syntax error is a ``ValueError`` naming it. ``chat_template_kwargs``: extra
     variables for the template (vLLM's; e.g. ``enable_thinking``)."""
     from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
 
-    check_messages(conversation, name)
+    conversation = checked_messages(conversation, name)
     for flag, v in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final_message)):
         if not isinstance(v, bool):
             raise ValueError(f"{flag} must be a bool, got {shown(v)}")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ferrokv.checks import shown
+from ferrokv.inputs import message_text
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.structured_outputs import StructuredOutputsParams
@@ -369,17 +370,14 @@ def _template(body: Mapping[str, Any]) -> dict[str, Any]:
                 continue_final_message=_bool(body, "continue_final_message", False), chat_template_kwargs=kwargs)
 
 
-def _content(i: int, content: Any) -> Any:
-    """A message's content: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}] must be a "
-                          f"{{'type': 'text', 'text': ...}} part (only text is supported), got {shown(part)}")
-            parts.append(part["text"])
-        return "".join(parts)
-    return content
+def _content(i: int, content: Any) -> str:
+    """A message's content as text (``message_text``: a string or text parts, joined), its
+    error a 400 naming the field."""
+    try:
+        return message_text(content, f"messages[{i}].content")
+    except ValueError as e:
+        field = re.match(r"messages\[\d+\]\.content(\[\d+\])?", str(e))
+        raise bad(field.group(0) if field else f"messages[{i}].content", str(e)) from None
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
