@@ -17,11 +17,30 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferrokv.beam_search import BeamSearchState
+from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.output_processor import RequestState, fill_metrics
 from ferrokv.outputs import CompletionOutput, RequestOutput
 from ferrokv.sampler import compute_logprobs
+from ferrokv.sampling_params import SamplingParams
 
-__all__ = ["advance", "beam_output", "beam_seq_slots"]
+__all__ = ["advance", "beam_output", "beam_request", "beam_seq_slots", "check_beam_width"]
+
+
+def check_beam_width(beam_width: int, max_num_seqs: int) -> None:
+    if beam_seq_slots(beam_width) > max_num_seqs:
+        raise ValueError(f"beam_width={beam_width} needs {beam_seq_slots(beam_width)} sequence slots (its beams "
+                         f"and one step's forks), more than max_num_seqs={max_num_seqs}")
+
+
+def beam_request(p: BeamSearchParams, prompt_len: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]) -> tuple[BeamSearchState, SamplingParams]:
+    """A search's state and the greedy, EOS-blind parameters its sequences run with in the core
+    (the search decides the tokens and the ends), ``max_tokens`` capped at the context left."""
+    max_tokens = min(p.max_tokens, max_model_len - prompt_len) if prompt_len < max_model_len else 1
+    eos = () if p.ignore_eos else eos_token_ids
+    state = BeamSearchState(p.beam_width, max_tokens, p.length_penalty, tuple(eos))
+    return state, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def beam_seq_slots(beam_width: int) -> int:

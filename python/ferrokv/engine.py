@@ -61,14 +61,14 @@ import numpy as np
 import torch
 
 from ferrokv._core import SchedulerStateError, UnknownRequestError
-from ferrokv.beam_engine import advance, beam_output, beam_seq_slots
+from ferrokv.beam_engine import advance, beam_output, beam_request, beam_seq_slots, check_beam_width
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_setup import load_engine
-from ferrokv.inputs import check_no_lora, prompt_cache_salt, prompt_ids, request_id_str, validate_prompt_ids
+from ferrokv.inputs import check_no_lora, prompt_cache_salt, prompt_ids, request_id_str, request_ids, validate_prompt_ids
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -302,9 +302,7 @@ class LLMEngine:
         """Ends the requests (unknown or finished ids are ignored) and frees their blocks; they
         report no more outputs (``on_abort`` aside). Safe from any thread: applied at once when no
         step is in progress, else when the step in progress ends."""
-        # One id (a str or an int, as add_request takes them) or a list, tuple or set of them.
-        ids = list(request_id) if isinstance(request_id, (list, tuple, set, frozenset)) else [request_id]
-        self._abort_inbox.extend([request_id_str(rid) for rid in ids])  # all checked before any is queued
+        self._abort_inbox.extend(request_ids(request_id))  # all checked before any is queued
         self._drain_aborts()
 
     @_exclusive
@@ -581,15 +579,10 @@ class LLMEngine:
                          length_penalty: float = 1.0, ignore_eos: bool = False) -> None:
         p = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
                              ignore_eos=ignore_eos)  # checks every field
-        if beam_seq_slots(p.beam_width) > self.args.max_num_seqs:
-            raise ValueError(f"beam_width={p.beam_width} needs {beam_seq_slots(p.beam_width)} sequence slots (its beams "
-                             f"and one step's forks), more than max_num_seqs={self.args.max_num_seqs}")
+        check_beam_width(p.beam_width, self.args.max_num_seqs)
         request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, None)
-        max_tokens = min(p.max_tokens, self.max_model_len - len(ids)) if len(ids) < self.max_model_len else 1
-        eos = () if p.ignore_eos else self.eos_token_ids
-        state = BeamSearchState(p.beam_width, max_tokens, p.length_penalty, tuple(eos))
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self._submit(request_id, text, ids, params, max_tokens, 0, cache_salt, beam=state)
+        state, params = beam_request(p, len(ids), self.max_model_len, self.eos_token_ids)
+        self._submit(request_id, text, ids, params, params.max_tokens, 0, cache_salt, beam=state)
 
     def _beam_step(self, req: RequestState, rows: list[int], row_seq: list[int], logits: torch.Tensor,
                    sampled: np.ndarray) -> None:

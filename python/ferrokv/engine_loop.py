@@ -63,7 +63,7 @@ import torch
 
 from ferrokv._core import FerrokvError
 from ferrokv.engine import LLMEngine
-from ferrokv.inputs import request_id_str
+from ferrokv.inputs import request_id_str, request_ids as request_ids_of
 from ferrokv.outputs import RequestOutput
 from ferrokv.sampling_params import SamplingParams
 
@@ -185,8 +185,7 @@ class EngineLoop:
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Queues aborts, applied between steps; each request's terminal item follows."""
-        many = isinstance(request_ids, (list, tuple, set, frozenset))
-        ids = [request_id_str(r) for r in request_ids] if many else [request_id_str(request_ids)]
+        ids = request_ids_of(request_ids)
         if ids:
             self._queue(_Abort(ids), start=False)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ferrokv.checks import check_text, shown
 
-__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "request_id_str", "validate_prompt_ids", "check_no_lora", "message_text"]
+__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "validate_prompt_ids", "check_no_lora", "message_text"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -130,6 +130,13 @@ def request_id_str(request_id: Any) -> str:
     if isinstance(request_id, int) and not isinstance(request_id, bool):
         return str(request_id)
     raise ValueError(f"request_id must be a str (or an int), got {type(request_id).__name__} {shown(request_id)}")
+
+
+def request_ids(value: Any) -> list[str]:
+    """One request id, or a list, tuple or set of them, as ``request_id_str`` keeps them (all
+    checked: a bad one anywhere is a ValueError before any is used)."""
+    many = isinstance(value, (list, tuple, set, frozenset))
+    return [request_id_str(r) for r in value] if many else [request_id_str(value)]
 
 
 def check_no_lora(lora_request: Any) -> None:

@@ -198,8 +198,7 @@ def build_outputs(touched: Iterable[RequestState], ended_now: dict[int, list[Com
         if kind == _FINAL and not req.finished:
             continue
         if kind == _DELTA:
-            ended = ended_now.get(req.core_id)
-            comps = [] if ended is None else list(ended)
+            comps = list(ended_now.get(req.core_id, ()))
         else:
             comps = list(req.done)
         generated = req.num_generated_done
@@ -210,9 +209,9 @@ def build_outputs(touched: Iterable[RequestState], ended_now: dict[int, list[Com
             generated += seq.num_emitted
         if len(comps) > 1:
             comps.sort(key=_by_index)
-        plp = None if req.prompt_logprobs is None else _prompt_logprobs_out(req)
         outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished,
-                                     req.num_cached_tokens, plp, fill_metrics(req.stats, times_of(req), generated)))
+                                     req.num_cached_tokens, _prompt_logprobs_out(req),
+                                     fill_metrics(req.stats, times_of(req), generated)))
     return outputs
 
 
