@@ -193,6 +193,11 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        """The model's recommended sampling fields, for what a request leaves out."""
+        return self.engine.default_sampling_params
+
+    @property
     def model_name(self) -> str:
         return self.engine.args.model or self.engine.model_path.name
 
@@ -271,7 +276,7 @@ class AsyncLLM:
         """Submits one request and yields its outputs (module docs); raises its error. Closing
         or cancelling the generator before the last output aborts the request."""
         check_no_lora(lora_request)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.engine.get_default_sampling_params()
         # An id of our own never matches one a caller chose (vLLM makes callers give one).
         rid = f"ferrokv-{uuid.uuid4().hex}" if request_id is None else request_id_str(request_id)
         kind = params.output_kind if isinstance(params, SamplingParams) else None

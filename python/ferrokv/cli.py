@@ -15,6 +15,7 @@ reported on stderr and the conversation goes on, trimmed of its oldest turns whe
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -67,6 +68,8 @@ def _add_flag(group: Any, flag: str, dest: str, hint: Any, default: Any, help_te
     kind = next((a for a in args if a is not type(None) and typing.get_origin(a) is None), hint) if args else hint
     if kind is bool:
         action = group.add_argument(flag, dest=dest, default=default, action=argparse.BooleanOptionalAction)
+    elif any(typing.get_origin(a) is dict for a in args):
+        action = group.add_argument(flag, dest=dest, default=default, type=_json_object, metavar="JSON")
     elif any(typing.get_origin(a) is list for a in args):
         action = group.add_argument(flag, dest=dest, default=default, action="append", type=str, metavar="TEXT")
     else:
@@ -74,6 +77,16 @@ def _add_flag(group: Any, flag: str, dest: str, hint: Any, default: Any, help_te
         action = group.add_argument(flag, dest=dest, default=default, type=kind, choices=choices, metavar=metavar)
     # Set after creation: BooleanOptionalAction would append a second "(default: ...)" to a given help.
     action.help = help_text.replace("%", "%%")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:

@@ -151,6 +151,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.vocab_size = parts.vocab_size
         self.eos_token_ids = parts.eos_token_ids
+        self.default_sampling_params: dict[str, Any] = parts.sampling_defaults  # ferrokv.generation_defaults
         self.max_model_len = parts.max_model_len
         self.kv_cache = parts.kv_cache
         self.scheduler = parts.scheduler
@@ -194,6 +195,10 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A request's parameters when it gives none: the model's recommendations (vLLM's)."""
+        return SamplingParams(**self.default_sampling_params)
+
     def _checked_prompt(self, request_id: Any, prompt: Any, cache_salt: str | None,
                         truncate: int | None = None) -> tuple[str, str | None, list[int], str | None]:
         """The request id as a string (checked not to be in use), the prompt's text and
@@ -227,7 +232,7 @@ class LLMEngine:
         The request keeps its own copy of ``params``, checked again here: fields may have been
         assigned since construction, and a later assignment must not reach a running request."""
         check_no_lora(lora_request)
-        params = params or SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, through SamplingParams.validate

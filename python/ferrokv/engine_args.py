@@ -26,6 +26,7 @@ from typing import Any
 
 from ferrokv._core import SCHEDULER_CHOICES, SCHEDULER_DEFAULTS, InvalidArgumentError, validate_scheduler_config
 from ferrokv.checks import check_int, rename_field
+from ferrokv.generation_defaults import check_generation_args
 
 __all__ = ["ALIASES", "DTYPE_ALIASES", "EngineArgs", "engine_arg_help", "help_with_default"]
 
@@ -115,6 +116,12 @@ class EngineArgs:
                             choices=("auto", "safetensors"))
     tokenizer_mode: str = _arg("auto", "the model's fast tokenizer (tokenizer.json), as vLLM's 'auto'",
                                choices=("auto",))
+    generation_config: str = _arg(
+        "auto", "default sampling parameters when a request gives none: auto (the model's generation_config.json), "
+        "vllm (neutral defaults) or a folder holding a generation_config.json")
+    override_generation_config: dict[str, Any] | None = _arg(
+        None, "generation_config keys set on top of generation_config's (JSON on the command line), e.g. "
+        '{"temperature": 0.5}')
     overlap: bool | None = _arg(
         None, "make a step's text and outputs while the next step's forward pass runs (each step then "
         "returns the previous step's outputs)", default_doc="on with a GPU, off on a CPU")
@@ -156,6 +163,7 @@ class EngineArgs:
             check_int("seed", self.seed, _SEED_MIN, _SEED_MAX)
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be True, False or None, got {self.overlap!r}")
+        check_generation_args(self.generation_config, self.override_generation_config)
         self._check_scheduler_rules()
 
     def _check_vllm_compat(self) -> None:

@@ -1,6 +1,6 @@
 """What an engine derives from its arguments and model before it serves: the device, the dtype,
-the model and tokenizer, the EOS token ids, how many KV blocks the cache gets, and the cache and
-scheduler built from them (``load_engine``).
+the model and tokenizer, the EOS token ids, the default sampling parameters, how many KV blocks
+the cache gets, and the cache and scheduler built from them (``load_engine``).
 
 Invariants: each function reads only its arguments (and, for the KV budget on CUDA, the free
 device memory); a choice the user cannot satisfy raises ``ValueError`` naming the field.
@@ -23,6 +23,7 @@ import torch
 
 from ferrokv._core import Scheduler
 from ferrokv.engine_args import DTYPE_ALIASES, EngineArgs
+from ferrokv.generation_defaults import load_generation_defaults
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 
 logger = logging.getLogger("ferrokv")
@@ -128,6 +129,7 @@ class EngineParts:
     tokenizer: Any
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    sampling_defaults: dict[str, Any]  # the model's recommended SamplingParams fields (ferrokv.generation_defaults)
     max_model_len: int
     num_blocks: int
     kv_cache: PagedKVCache
@@ -167,6 +169,10 @@ def load_engine(args: EngineArgs) -> EngineParts:
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     vocab_size = int(mc.vocab_size)
     eos = eos_token_ids(tokenizer, config, model_path, vocab_size)
+    defaults = load_generation_defaults(args.generation_config, args.override_generation_config, model_path)
+    if defaults:
+        logger.info("default sampling parameters from the model's generation config: %s (generation_config='vllm' "
+                    "turns them off)", defaults)
     max_len = args.max_model_len or int(mc.max_position_embeddings)
     spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                        head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
@@ -193,5 +199,5 @@ def load_engine(args: EngineArgs) -> EngineParts:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request whose prompt + "
                        "max_tokens (times n) needs more is refused (give more KV memory or lower max_model_len)",
                        tokens_capacity, max_len)
-    return EngineParts(model_path, device, dtype, model, tokenizer, vocab_size, eos, max_len, num_blocks,
+    return EngineParts(model_path, device, dtype, model, tokenizer, vocab_size, eos, defaults, max_len, num_blocks,
                        kv_cache, scheduler)

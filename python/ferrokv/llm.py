@@ -171,6 +171,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a call that gives none: the model's generation config's
+        recommendations (``EngineArgs.generation_config``), else ``SamplingParams()``."""
+        return self.llm_engine.get_default_sampling_params()
+
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (``LLMEngine.reset_prefix_cache``): True when done, False while
         another thread's requests are running. Safe between and during calls (it takes the engine lock)."""
@@ -229,7 +234,7 @@ class LLM:
         check_no_lora(lora_request)
         prompts = batch_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

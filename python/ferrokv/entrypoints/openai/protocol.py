@@ -23,6 +23,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 from ferrokv.checks import shown
@@ -116,18 +117,25 @@ def _object(body: Any, what: str = "the request body") -> Mapping[str, Any]:
 
 # ------------------------------------------------------------------------------------------------
 # Sampling parameters
+_NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 _I64 = (1 << 63) - 1
 _I32 = (1 << 31) - 1
 
 
-def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None,
-                    kind: RequestOutputKind) -> tuple[SamplingParams, StructuredSource | None]:
+def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind,
+                    defaults: Mapping[str, Any]) -> tuple[SamplingParams, StructuredSource | None]:
     """The request's ``SamplingParams`` (their own checks mapped to a 400 naming the field), and
-    where its structured-output constraint came from (None: it has none)."""
+    where its structured-output constraint came from (None: it has none). ``defaults`` (the
+    model's generation config, ``ferrokv.generation_defaults``) fill the fields the request left
+    out, and its ``max_tokens`` caps the request's, as in vLLM."""
     for name, (*noop,) in _UNSUPPORTED.items():
         if body.get(name) not in noop:
             raise bad(name, f"{name} is not supported by this server, got {shown(body.get(name))}")
-    kw: dict[str, Any] = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    kw: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
+    kw.update((k, body[k]) for k in _SAMPLING_FIELDS if body.get(k) is not None)
+    cap = defaults.get("max_tokens")
+    if cap is not None:
+        max_tokens = cap if max_tokens is None else min(max_tokens, cap)
     for name, hi in (("seed", _I64), ("top_k", _I32), ("min_tokens", _I32), ("n", 128)):
         if name in kw and _is_int(kw[name]) and not -_I64 - 1 <= kw[name] <= hi:
             bound = f"at most {hi}" if kw[name] > hi else f"at least {-_I64 - 1}"
@@ -338,14 +346,15 @@ def _prompts(value: Any) -> list[Any]:
                         f"lists of token ids (none empty), got {shown(value)}")
 
 
-def parse_completion_request(body: Any, stream_kind: RequestOutputKind = RequestOutputKind.DELTA) -> CompletionRequest:
+def parse_completion_request(body: Any, stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                             defaults: Mapping[str, Any] = _NO_DEFAULTS) -> CompletionRequest:
     body = _object(body)
     if body.get("prompt") is None:
         raise bad("prompt", "prompt is required")
     prompts = _prompts(body["prompt"])
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
-    params, source = sampling_params(body, _max_tokens(body, 16), logprobs, kind)
+    params, source = sampling_params(body, _max_tokens(body, 16), logprobs, kind, defaults)
     return CompletionRequest(**_common(body, params, source), prompts=prompts, logprobs=logprobs)
 
 
@@ -395,7 +404,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutputKind.DELTA) -> ChatRequest:
+def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                       defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRequest:
     body = _object(body)
     messages = _messages(body.get("messages"))
     want_logprobs = _bool(body, "logprobs", False)
@@ -403,7 +413,8 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     if top is not None and not want_logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
-    params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind)
+    params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind,
+                                     defaults)
     return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
                        top_logprobs=top or 0, add_generation_prompt=_bool(body, "add_generation_prompt", True),
                        template=_template(body))

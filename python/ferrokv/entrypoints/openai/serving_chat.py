@@ -72,7 +72,7 @@ class _Chat:
 
 
 async def create_chat_completion(request: Request, state: ServerState, body: Any) -> Any:
-    req = parse_chat_request(body)
+    req = parse_chat_request(body, defaults=state.llm.default_sampling_params)
     model = state.check_model(req.model)
     state.admit(1)
     call = _Chat(req, model, int(time.time()))  # OpenAI's created: when this completion was made

@@ -116,7 +116,7 @@ class _Completion:
 
 
 async def create_completion(request: Request, state: ServerState, body: Any) -> Any:
-    req = parse_completion_request(body)
+    req = parse_completion_request(body, defaults=state.llm.default_sampling_params)
     model = state.check_model(req.model)
     state.admit(len(req.prompts))
     call = _Completion(req, model)

@@ -1,0 +1,84 @@
+"""The model creator's default sampling parameters, as vLLM applies them (its
+``ModelConfig.get_diff_sampling_param``).
+
+A model's ``generation_config.json`` may recommend a temperature, top-k/top-p/min-p, a repetition
+penalty or a token limit (Qwen's instruct models do). vLLM uses them wherever a caller gives no
+sampling parameters: ``LLM.generate(prompts)``, ``LLM.chat``, ``LLM.get_default_sampling_params()``,
+and every server request field left out. ``EngineArgs.generation_config`` picks the source:
+``"auto"`` (the model's file), ``"vllm"`` (none: the neutral defaults) or a folder holding a
+``generation_config.json``; ``override_generation_config`` then sets keys on top.
+
+Invariants: only the six keys below are read, and a value equal to transformers'
+``GenerationConfig`` default is not a recommendation (vLLM reads ``to_diff_dict()``); the result
+is checked once, at load, by building a ``SamplingParams`` from it, so a bad value is a
+``ValueError`` naming its source, never an error of a later request.
+Costs: one JSON read per engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ferrokv.sampling_params import SamplingParams
+
+__all__ = ["SOURCES", "check_generation_args", "load_generation_defaults"]
+
+SOURCES = ("auto", "vllm")  # or a folder
+# generation_config.json key -> SamplingParams field, with transformers' default (not a recommendation).
+_KEYS: dict[str, tuple[str, Any]] = {
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "temperature": ("temperature", 1.0),
+    "top_k": ("top_k", 50),
+    "top_p": ("top_p", 1.0),
+    "min_p": ("min_p", None),
+    "max_new_tokens": ("max_tokens", None),
+}
+_FILE = "generation_config.json"
+
+
+def check_generation_args(source: Any, overrides: Any) -> None:
+    """``EngineArgs.generation_config`` and ``override_generation_config``, before anything loads."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
+    if source not in SOURCES and not (Path(source) / _FILE).is_file():
+        raise ValueError(f"generation_config={source!r}: not 'auto' or 'vllm', and no folder with a {_FILE}")
+    if overrides is not None:
+        if not isinstance(overrides, Mapping) or not all(isinstance(k, str) for k in overrides):
+            raise ValueError(f"override_generation_config must be a dict of generation_config keys, got {overrides!r}")
+
+
+def load_generation_defaults(source: str, overrides: Mapping[str, Any] | None, model_path: Path) -> dict[str, Any]:
+    """The ``SamplingParams`` fields the model recommends (empty: none), from ``source``
+    (``"auto"``: the model's folder) with ``overrides`` on top."""
+    config: dict[str, Any] = {}
+    if source != "vllm":
+        path = (model_path if source == "auto" else Path(source)) / _FILE
+        if path.is_file():
+            config = _read(path)
+    config.update(overrides or {})
+    out = {}
+    for key, (name, neutral) in _KEYS.items():
+        value = config.get(key)
+        if value is not None and not (value == neutral and type(value) is not bool):
+            out[name] = value
+    what = f"{source if source != 'auto' else model_path}/{_FILE}"
+    if overrides:
+        what += " with override_generation_config"
+    try:
+        SamplingParams(**out)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"generation_config: {what} recommends {out}, which is not valid: {e}") from None
+    return out
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"generation_config: cannot read {str(path)!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"generation_config: {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    return data
