@@ -114,7 +114,7 @@ def test_a_consumer_that_lags_reads_the_unread_outputs_as_one(allm, sequential, 
 
 
 def test_text_prompts_are_tokenized_on_the_pool(allm, sequential):
-    tok = allm.get_tokenizer()
+    tok = allm.tokenizer
     threads: list[str] = []
     encode = tok.encode
 
@@ -194,7 +194,8 @@ def test_concurrent_requests_from_one_event_loop_share_steps(llama_path, sequent
 # ------------------------------------------------------------------------------------------------
 # 3. abort, and clients that go away
 # ------------------------------------------------------------------------------------------------
-def test_abort_ends_the_stream_with_finish_reason_abort(allm):
+@pytest.mark.parametrize("awaited", [False, True])
+def test_abort_ends_the_stream_with_finish_reason_abort(allm, awaited):
     aborted_before = allm.stats()["requests_aborted"]
 
     async def main():
@@ -202,7 +203,10 @@ def test_abort_ends_the_stream_with_finish_reason_abort(allm):
         async for o in allm.generate(rand_prompts(42, [7])[0], greedy(100, output_kind=Kind.DELTA), "ab"):
             outs.append(o)
             if len(outs) == 1:
-                allm.abort("ab")
+                if awaited:  # vLLM's abort is a coroutine
+                    assert await allm.abort("ab") is None
+                else:
+                    allm.abort("ab")
         return outs
 
     outs = asyncio.run(main())
@@ -355,7 +359,7 @@ def test_a_request_id_that_is_not_a_str_or_an_int_is_refused_by_generate_and_abo
 
 
 def test_a_chat_template_that_refuses_the_conversation_is_a_value_error(allm):
-    tok = allm.get_tokenizer()
+    tok = allm.tokenizer
     template = tok.chat_template
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}"
                          "{% endif %}{{ m['content'] }}{% endfor %}")
@@ -391,7 +395,24 @@ def test_shutdown_ends_requests_in_flight_and_refuses_new_ones(llama_path):
 
     asyncio.run(main())
     assert not llm.is_running and llm.num_in_flight == 0
+    assert llm.errored and llm.is_stopped and "shut down" in str(llm.dead_error)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        asyncio.run(llm.check_health())
     llm.shutdown()  # idempotent
+
+
+def test_vllm_engine_client_queries(allm):
+    """What code written against vLLM's EngineClient awaits."""
+
+    async def main():
+        await allm.check_health()
+        assert await allm.get_tokenizer() is allm.tokenizer is allm.engine.tokenizer
+        assert await allm.reset_prefix_cache() is True
+        await allm.abort("no-such-request")
+        return allm.get_default_sampling_params()
+
+    assert asyncio.run(main()) == SamplingParams()
+    assert not allm.errored and not allm.is_stopped and allm.is_running
 
 
 # ------------------------------------------------------------------------------------------------

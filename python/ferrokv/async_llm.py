@@ -18,6 +18,9 @@ Invariants:
   control and drain read it); it returns to 0 once every request has ended.
 * Text prompts and chat templates are tokenized on a small thread pool, never on the event loop
   or the engine loop (HF fast tokenizers release the GIL while they encode).
+* vLLM's ``EngineClient`` surface: ``get_tokenizer``, ``check_health`` and ``reset_prefix_cache``
+  are coroutines, ``errored``/``is_stopped``/``dead_error`` properties, and ``abort`` acts at once
+  and returns an awaitable, so both ``llm.abort(rid)`` and vLLM's ``await llm.abort(rid)`` work.
 
 Costs: per engine step at most one ``call_soon_threadsafe`` per event loop (the engine loop
 flushes each ``_LoopDispatcher`` once per step), O(1) per output on either side.
@@ -148,6 +151,18 @@ class _RequestStream:
         return self._queue.popleft()
 
 
+class _Done:
+    """An awaitable that is already complete (``AsyncLLM.abort``'s result)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Any:
+        return iter(())
+
+
+_DONE = _Done()
+
+
 class AsyncLLM:
     """The engine driven from asyncio (module docs). ``AsyncLLM(model=None, **engine_kwargs)``
     takes ``LLM``'s arguments; ``from_engine_args(EngineArgs)`` an ``EngineArgs``."""
@@ -184,9 +199,38 @@ class AsyncLLM:
         weakref.finalize(self, _close, self.engine_loop, self._pool)
 
     # ------------------------------------------------------------------------------------------
-    # Properties the server reads
-    def get_tokenizer(self) -> Any:
+    # Properties the server reads, and vLLM's EngineClient queries (coroutines there)
+    @property
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    async def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.get_default_sampling_params()
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine loop failed or was shut down (vLLM's ``errored``)."""
+        return self.engine_loop._dead is not None
+
+    @property
+    def is_stopped(self) -> bool:
+        return not self.is_running
+
+    @property
+    def dead_error(self) -> BaseException:
+        """The error a request gets from an engine that is no longer running."""
+        return self.engine_loop._dead or EngineDeadError("the engine loop is running")
+
+    async def check_health(self) -> None:
+        """Raises ``EngineDeadError`` when the engine loop is no longer running."""
+        if self.engine_loop._dead is not None:
+            raise EngineDeadError(str(self.engine_loop._dead))
+
+    async def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
 
     @property
     def max_model_len(self) -> int:
@@ -305,10 +349,12 @@ class AsyncLLM:
             if not ended:  # closed or cancelled early: the client is gone
                 self.engine_loop.abort([rid])
 
-    def abort(self, request_id: str | list[str]) -> None:
+    def abort(self, request_id: str | list[str]) -> _Done:
         """Ends the requests (unknown or finished ids are ignored); each one's generator then
-        yields its final output, ``finish_reason`` "abort"."""
+        yields its final output, ``finish_reason`` "abort". The abort is queued at once; the
+        result may be awaited, as vLLM's coroutine is (``await llm.abort(rid)``), or ignored."""
         self.engine_loop.abort(request_id)
+        return _DONE
 
     def abort_all(self) -> None:
         """Aborts every request in flight (the server's drain deadline)."""
