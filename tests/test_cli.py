@@ -128,6 +128,7 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "--kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice: 'fp8'"),
     "--load-format": (["--load-format", "pt"], "--load-format: invalid choice: 'pt'"),
     "--tokenizer-mode": (["--tokenizer-mode", "slow"], "--tokenizer-mode: invalid choice: 'slow'"),
+    "--max-logprobs": (["--max-logprobs", "-2"], "max_logprobs must be"),
     "--generation-config": (["--generation-config", "/nonexistent/gen"], "no folder with a generation_config.json"),
     "--override-generation-config": (["--override-generation-config", "[1]"],
                                      "--override-generation-config: a JSON object is needed, got '[1]'"),

@@ -300,6 +300,9 @@ def bad_requests(engine: LLMEngine):
         (12345, None, "prompt"),
         (good, {"temperature": 0.0}, "sampling_params"),
         (good, SamplingParams(n=engine.args.max_num_seqs + 1), "n="),
+        # vLLM's max_logprobs (20 by default) caps both kinds; -1 asks for the whole vocabulary.
+        (good, SamplingParams(logprobs=21), "logprobs=21 asks for 21 logprobs, more than max_logprobs=20"),
+        (good, SamplingParams(prompt_logprobs=-1), f"prompt_logprobs=-1 asks for {TINY_VOCAB} logprobs"),
         # Fits max_model_len but could never fit the KV cache (8 samples of 103 tokens).
         (good, SamplingParams(n=8, max_tokens=100), "max_tokens"),
     ]
@@ -730,7 +733,7 @@ def test_top_k_and_logprobs_beyond_the_vocabulary_mean_the_whole_vocabulary(llam
     fields: top_k >= V keeps every token (as top_k off), logprobs >= V returns every token."""
     from helpers.engine_faults import run_requests, tiny_engine
 
-    engine = tiny_engine(llama_path)
+    engine = tiny_engine(llama_path, max_logprobs=-1)
     prompt = {"prompt_token_ids": [5, 6, 7, 8]}
     sampled = dict(temperature=1.0, seed=3, max_tokens=6)
     final, _ = run_requests(engine, [

@@ -173,3 +173,16 @@ def test_async_generate_keeps_the_cache_salt_of_a_text_prompt(tiny_model_dir):
         assert first == 0 and same > 0 and other == 0 and keyword > 0
     finally:
         allm.shutdown()
+
+
+def test_logprobs_cap_counts_minus_one_as_the_vocabulary():
+    from ferrokv.inputs import check_logprobs_cap
+
+    check_logprobs_cap(20, 20, 20, 1000)
+    check_logprobs_cap(None, None, 0, 1000)
+    check_logprobs_cap(-1, -1, -1, 1000)  # no cap
+    check_logprobs_cap(-1, None, 1000, 1000)
+    with pytest.raises(ValueError, match="logprobs=-1 asks for 1000 logprobs, more than max_logprobs=999"):
+        check_logprobs_cap(-1, None, 999, 1000)
+    with pytest.raises(ValueError, match="prompt_logprobs=6 asks for 6"):
+        check_logprobs_cap(5, 6, 5, 1000)

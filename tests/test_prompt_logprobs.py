@@ -210,8 +210,10 @@ def test_under_preemption(llama_path, reference, mode):
         check_against(reference, p["prompt_token_ids"], plp, 2)
 
 
-def test_minus_one_asks_for_the_whole_vocabulary(engine):
-    """vLLM's ``-1``: every token's logprob, for the prompt's positions and the sampled ones."""
+def test_minus_one_asks_for_the_whole_vocabulary(llama_path):
+    """vLLM's ``-1``: every token's logprob, for the prompt's positions and the sampled ones
+    (with no ``max_logprobs`` cap; the default, 20, refuses it)."""
+    engine = tiny_engine(llama_path, max_logprobs=-1)
     V = engine.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=-1, logprobs=-1)
     final, _ = run(engine, [("all", rand_prompts(3, [6])[0], params)])

@@ -68,7 +68,8 @@ from ferrokv.checks import check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_setup import load_engine
-from ferrokv.inputs import check_no_lora, prompt_cache_salt, prompt_ids, request_id_str, request_ids, validate_prompt_ids
+from ferrokv.inputs import (check_logprobs_cap, check_no_lora, prompt_cache_salt, prompt_ids, request_id_str,
+                            request_ids, validate_prompt_ids)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -237,6 +238,7 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, through SamplingParams.validate
         check_token_rules(params, self.vocab_size)
+        check_logprobs_cap(params.logprobs, params.prompt_logprobs, self.args.max_logprobs, self.vocab_size)
         grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
         request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt,
                                                                  params.truncate_prompt_tokens)

@@ -116,6 +116,9 @@ class EngineArgs:
                             choices=("auto", "safetensors"))
     tokenizer_mode: str = _arg("auto", "the model's fast tokenizer (tokenizer.json), as vLLM's 'auto'",
                                choices=("auto",))
+    max_logprobs: int = _arg(
+        20, "most logprobs or prompt_logprobs a request may ask for (-1: no limit; a request's -1 asks for "
+        "the whole vocabulary)")
     generation_config: str = _arg(
         "auto", "default sampling parameters when a request gives none: auto (the model's generation_config.json), "
         "vllm (neutral defaults) or a folder holding a generation_config.json")
@@ -161,6 +164,7 @@ class EngineArgs:
             raise ValueError(f"revision must be a non-empty string or None, got {self.revision!r}")
         if self.seed is not None:
             check_int("seed", self.seed, _SEED_MIN, _SEED_MAX)
+        check_int("max_logprobs", self.max_logprobs, -1, (1 << 31) - 1)
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be True, False or None, got {self.overlap!r}")
         check_generation_args(self.generation_config, self.override_generation_config)

@@ -21,7 +21,8 @@ import numpy as np
 
 from ferrokv.checks import check_text, shown
 
-__all__ = ["batch_prompts", "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "validate_prompt_ids", "check_no_lora", "message_text"]
+__all__ = ["batch_prompts", "check_logprobs_cap", "check_no_lora", "message_text", "prompt_cache_salt", "prompt_ids",
+           "request_id_str", "request_ids", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -158,3 +159,15 @@ def message_text(content: Any, name: str) -> str:
             parts.append(check_text(f"{name}[{j}].text", part["text"]))
         return "".join(parts)
     return check_text(name, content)
+
+
+def check_logprobs_cap(logprobs: int | None, prompt_logprobs: int | None, max_logprobs: int, vocab_size: int) -> None:
+    """A request's ``logprobs`` and ``prompt_logprobs`` (-1: the whole vocabulary) are within the
+    engine's ``max_logprobs`` (-1: no limit), as vLLM checks them."""
+    if max_logprobs == -1:
+        return
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        wanted = vocab_size if value == -1 else value
+        if wanted is not None and wanted > max_logprobs:
+            raise ValueError(f"{name}={value} asks for {wanted} logprobs, more than max_logprobs={max_logprobs} "
+                             "(raise the engine's max_logprobs, -1 for no limit)")
