@@ -247,6 +247,8 @@ def test_chat_uses_the_chat_template(llama_llm):
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         assert o.prompt_token_ids == ids
         assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+        # vLLM's output.prompt of a chat: the rendered template.
+        assert o.prompt == tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
         direct = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
         assert o.outputs[0].token_ids == direct.outputs[0].token_ids
     assert one[0].outputs[0].token_ids == both[0].outputs[0].token_ids

@@ -86,13 +86,20 @@ _TEMPLATE_RESERVED = frozenset({
 
 
 def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
-                   name: str = "messages", *, chat_template: str | None = None,
-                   continue_final_message: bool = False,
-                   chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                   name: str = "messages", **template: Any) -> list[int]:
+    """``chat_prompt``'s token ids."""
+    return chat_prompt(tokenizer, conversation, add_generation_prompt, name, **template)[1]
+
+
+def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+                name: str = "messages", *, chat_template: str | None = None, continue_final_message: bool = False,
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
     """One conversation (checked by ``checked_messages``) through the chat template (the
-    tokenizer's, or ``chat_template``), as token ids; ``name`` is what errors call it. A template's
-    own refusal or syntax error is a ``ValueError`` naming it. ``chat_template_kwargs``: extra
-    variables for the template (vLLM's; e.g. ``enable_thinking``)."""
+    tokenizer's, or ``chat_template``): the rendered text and its token ids (tokenized without
+    special tokens of the tokenizer's own, as transformers and vLLM do: the template has them);
+    ``name`` is what errors call it. A template's own refusal or syntax error is a ``ValueError``
+    naming it. ``chat_template_kwargs``: extra variables for the template (vLLM's; e.g.
+    ``enable_thinking``)."""
     from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
 
     conversation = checked_messages(conversation, name)
@@ -109,15 +116,13 @@ def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_gener
         raise ValueError(f"{name}: the tokenizer has no chat template")
     extra = _template_kwargs(chat_template_kwargs)
     try:
-        ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=True,
-                                            add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message, **extra)
+        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **extra)
     except TemplateError as e:
         which = "chat_template" if chat_template is not None else f"{name}: the model's chat template"
         raise ValueError(f"{which} refused this conversation ({e})") from None
-    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _template_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -269,10 +274,12 @@ class LLM:
         else:
             named = [("messages", messages)]
         tok = self.get_tokenizer()
-        prompts = [{"prompt_token_ids": chat_token_ids(tok, conv, add_generation_prompt, name, chat_template=chat_template,
-                                                       continue_final_message=continue_final_message,
-                                                       chat_template_kwargs=chat_template_kwargs)}
-                   for name, conv in named]
+        prompts = []
+        for name, conv in named:
+            text, ids = chat_prompt(tok, conv, add_generation_prompt, name, chat_template=chat_template,
+                                    continue_final_message=continue_final_message,
+                                    chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})  # vLLM's output.prompt: the rendered text
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams | int | None = None, max_tokens: int | None = None,
