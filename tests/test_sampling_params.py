@@ -213,3 +213,12 @@ def test_new_fields_validation_names_field_and_value(field, value, shown):
     setattr(p, field, value)
     with pytest.raises(ValueError, match=field):
         p.validate()
+
+
+def test_clone_is_a_deep_copy():
+    p = SamplingParams(temperature=0.5, stop=["a"], logit_bias={3: 1.0}, bad_words=["x"], seed=4)
+    c = p.clone()
+    assert c == p and c is not p
+    c.stop.append("b")
+    c.logit_bias[4] = 2.0
+    assert p.stop == ["a"] and p.logit_bias == {3: 1.0}

@@ -35,6 +35,7 @@ params is cheap enough to do per request on the API thread.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -269,3 +270,7 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``): changing the copy's lists or dicts leaves this one as it was."""
+        return copy.deepcopy(self)
