@@ -266,6 +266,23 @@ def test_samples_that_could_outgrow_the_cache_unshared_are_refused_up_front_in_s
     assert_no_leak(engine)
 
 
+def test_no_max_tokens_means_as_many_as_the_samples_worst_case_fits(llama_path):
+    """``max_tokens=None`` (chat's default) with n samples: as many tokens as n whole contexts
+    fit in the cache, not a refusal (vLLM runs each sample alone); an explicit limit that cannot
+    fit is still refused."""
+    engine = make_engine(llama_path, block_size=16, num_kv_blocks=13, max_model_len=128)  # 12 usable
+    prompt = {"prompt_token_ids": list(range(5, 5 + 20))}
+    engine.add_request("n3", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=None, ignore_eos=True))
+    with pytest.raises(CacheCapacityError):
+        engine.add_request("big", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=100, ignore_eos=True))
+    outs = run_engine(engine)
+    # 12 // 3 = 4 blocks of 16 per sample: 64 tokens of context, 44 after the 20-token prompt.
+    assert [len(c.token_ids) for c in outs["n3"].outputs] == [44, 44, 44]
+    assert all(c.finish_reason == "length" for c in outs["n3"].outputs)
+    assert engine.stats()["capacity_aborts"] == 0
+    assert_no_leak(engine)
+
+
 def test_seeded_request_independent_of_batch(llama_path):
     """A seeded request samples the same tokens alone, in a big batch, and at another position."""
     prompt = ragged_prompts(3)[1][:21]

@@ -245,8 +245,10 @@ class LLMEngine:
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
         # The core stops at max_model_len anyway; capping here keeps huge values in its int range.
+        # No limit given: as many as the n samples' worst case fits (vLLM's samples fit alone).
         room = max(self.max_model_len - len(ids), 1)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        fits = self.scheduler.max_fitting_tokens(len(ids), params.n) or room  # 0: the core refuses it
+        max_tokens = min(room, fits) if params.max_tokens is None else min(params.max_tokens, room)
         self._submit(request_id, text, ids, params, max_tokens, priority, cache_salt, beam=None, grammar=grammar)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:

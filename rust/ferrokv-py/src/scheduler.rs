@@ -401,6 +401,11 @@ impl PyScheduler {
     fn num_free_blocks(&self) -> usize {
         self.inner.num_free_blocks()
     }
+    /// The most new tokens `n` samples of a `prompt_len`-token prompt can ask for and be
+    /// admitted (0: not even one).
+    fn max_fitting_tokens(&self, prompt_len: usize, n: usize) -> usize {
+        self.inner.max_fitting_tokens(prompt_len, n)
+    }
     #[getter]
     fn num_waiting(&self) -> usize {
         self.inner.num_waiting()

@@ -99,6 +99,15 @@ impl Scheduler {
         n * total.div_ceil(self.cfg.block_size)
     }
 
+    /// The most new tokens `seqs` samples of a `prompt_len`-token prompt can ask for and pass
+    /// the worst-case check (at most up to `max_model_len`); 0 when not even one fits. What a
+    /// request that names no limit gets (vLLM's samples each only need to fit alone).
+    pub fn max_fitting_tokens(&self, prompt_len: usize, seqs: usize) -> usize {
+        let blocks_per_seq = self.kv.num_usable_blocks() / seqs.max(1);
+        let context = blocks_per_seq.saturating_mul(self.cfg.block_size).min(self.cfg.max_model_len);
+        context.saturating_sub(prompt_len)
+    }
+
     /// Every check `add_request` makes before it changes anything.
     fn check_new_request(&self, r: &NewRequest) -> CoreResult<()> {
         if self.by_id.contains_key(&r.request_id) {
@@ -542,6 +551,29 @@ mod tests {
             assert_eq!((s.worst_case_blocks(10, 6, 1), s.worst_case_blocks(10, 6, 3)), (4, 12));
         }
         assert_eq!(swap.worst_case_blocks(10, 2000, 1), 1024 / 4, "capped at max_model_len");
+    }
+
+    #[test]
+    fn max_fitting_tokens_is_the_largest_limit_the_worst_case_check_passes() {
+        for (blocks, bs) in [(8, 4), (64, 4), (23, 16), (1024, 16), (5, 2)] {
+            let s = Scheduler::new(cfg(blocks, bs, 16)).unwrap();
+            let usable = blocks - 1;
+            for n in 1..=5 {
+                for p in [1, 3, 10, 17, 40] {
+                    let m = s.max_fitting_tokens(p, n);
+                    if m == 0 {
+                        assert!(s.worst_case_blocks(p, 1, n) > usable || p >= s.cfg.max_model_len, "{blocks} {bs} {n} {p}");
+                        continue;
+                    }
+                    assert!(s.worst_case_blocks(p, m, n) <= usable, "{blocks} {bs} {n} {p} {m}");
+                    if p + m < s.cfg.max_model_len {
+                        assert!(s.worst_case_blocks(p, m + 1, n) > usable, "{blocks} {bs} {n} {p} {m}: not the largest");
+                    } else {
+                        assert_eq!(p + m, s.cfg.max_model_len);
+                    }
+                }
+            }
+        }
     }
 
     #[test]
