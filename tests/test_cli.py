@@ -127,6 +127,7 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "--enable-chunked-prefill": (["--no-enable-chunked-prefill"], "enable_chunked_prefill=False is not supported"),
     "--kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice: 'fp8'"),
     "--load-format": (["--load-format", "pt"], "--load-format: invalid choice: 'pt'"),
+    "--logprobs-mode": (["--logprobs-mode", "raw_logits"], "--logprobs-mode: invalid choice: 'raw_logits'"),
     "--tokenizer-mode": (["--tokenizer-mode", "slow"], "--tokenizer-mode: invalid choice: 'slow'"),
     "--max-logprobs": (["--max-logprobs", "-2"], "max_logprobs must be"),
     "--generation-config": (["--generation-config", "/nonexistent/gen"], "no folder with a generation_config.json"),

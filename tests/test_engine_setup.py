@@ -82,6 +82,8 @@ def test_an_alias_and_its_name_together_or_bad_values_fail(kw, match):
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of auto; got 'fp8'"),
     (dict(load_format="pt"), "load_format must be one of auto, safetensors; got 'pt'"),
     (dict(tokenizer_mode="slow"), "tokenizer_mode must be one of auto; got 'slow'"),
+    (dict(logprobs_mode="processed_logprobs"), "logprobs_mode must be one of raw_logprobs; got 'processed_logprobs'"),
+    (dict(dtype=torch.float64), "dtype must be one of .*; got 'float64'"),
 ])
 def test_vllm_arguments_check_their_values(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -93,7 +95,13 @@ def test_vllm_arguments_at_supported_values_are_accepted():
     EngineArgs(enforce_eager=False, trust_remote_code=False).validate()
     # What scripts written for vLLM commonly pass.
     EngineArgs(swap_space=8, disable_log_stats=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
-               load_format="safetensors", tokenizer_mode="auto").validate()
+               load_format="safetensors", tokenizer_mode="auto", logprobs_mode="raw_logprobs").validate()
+    # vLLM takes a dtype as a torch.dtype or a name in any letter case.
+    for given, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32"),
+                        ("BFloat16", "bfloat16"), ("Half", "half"), ("AUTO", "auto")):
+        args = EngineArgs(dtype=given)
+        args.validate()
+        assert args.dtype == name
 
 
 def test_llm_takes_both_names_and_refuses_remote_code(tiny_model_dir, tmp_path):

@@ -222,3 +222,8 @@ def test_clone_is_a_deep_copy():
     c.stop.append("b")
     c.logit_bias[4] = 2.0
     assert p.stop == ["a"] and p.logit_bias == {3: 1.0}
+
+
+def test_seed_minus_one_means_no_seed_as_in_vllm():
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2

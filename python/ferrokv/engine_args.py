@@ -15,7 +15,7 @@ and the offending value. vLLM's names are the fields; ``ALIASES`` (ferrokv's for
 ``num_kv_blocks``) are accepted fields too, folded into vLLM's by ``__post_init__`` (both given:
 ``ValueError``). ``enforce_eager``, ``tensor_parallel_size``, ``trust_remote_code``,
 ``quantization``, ``swap_space``, ``disable_log_stats``, ``enable_chunked_prefill``,
-``kv_cache_dtype``, ``load_format`` and ``tokenizer_mode`` are vLLM's, accepted at the values
+``kv_cache_dtype``, ``load_format``, ``logprobs_mode`` and ``tokenizer_mode`` are vLLM's, accepted at the values
 ferrokv implements (so scripts written for vLLM run unchanged).
 """
 
@@ -114,6 +114,9 @@ class EngineArgs:
     kv_cache_dtype: str = _arg("auto", "the KV cache's dtype: the model's ('auto' only)", choices=("auto",))
     load_format: str = _arg("auto", "weight format: safetensors, or a .gguf file given as the model",
                             choices=("auto", "safetensors"))
+    logprobs_mode: str = _arg(
+        "raw_logprobs", "what logprobs report: the model's own log-probabilities, before temperature, penalties "
+        "or masks (vLLM's default and ferrokv's only mode)", choices=("raw_logprobs",))
     tokenizer_mode: str = _arg("auto", "the model's fast tokenizer (tokenizer.json), as vLLM's 'auto'",
                                choices=("auto",))
     max_logprobs: int = _arg(
@@ -130,7 +133,13 @@ class EngineArgs:
         "returns the previous step's outputs)", default_doc="on with a GPU, off on a CPU")
 
     def __post_init__(self) -> None:
-        """Folds each former name into its vLLM field (``ALIASES``); giving both is an error."""
+        """Folds each former name into its vLLM field (``ALIASES``; giving both is an error), and
+        a ``dtype`` given as a ``torch.dtype`` or in any letter case into its name, as vLLM takes it."""
+        dt = self.dtype
+        if type(dt).__module__ == "torch" and type(dt).__name__ == "dtype":
+            self.dtype = str(dt).removeprefix("torch.")
+        elif isinstance(dt, str):
+            self.dtype = dt.lower()
         for alias, name in ALIASES.items():
             value = getattr(self, alias)
             if value is None:

@@ -5,6 +5,7 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
 
 * ``n >= 1``; ``temperature >= 0`` and finite; ``0 < top_p <= 1``; ``0 <= min_p <= 1``;
   ``-2 <= presence_penalty, frequency_penalty <= 2``; ``repetition_penalty > 0`` and finite.
+* ``seed`` is ``None`` (unseeded) or an int; ``-1`` is vLLM's spelling of ``None`` and becomes it.
 * ``top_k`` is ``0`` when disabled: ``-1`` (vLLM's older spelling) is accepted and normalised to 0;
   any other value must be ``>= 1``.
 * ``max_tokens`` is ``None`` ("up to max_model_len", resolved by the engine) or ``>= 1``;
@@ -125,6 +126,8 @@ class SamplingParams:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.seed == -1:
+            self.seed = None  # vLLM's spelling of "no seed"
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
             raise ValueError(f"logprobs must be None, -1 (the whole vocabulary) or an int >= 0, got {self.logprobs!r}")
 
