@@ -428,6 +428,8 @@ def test_serve_flags_default_to_server_config():
             args.log_prompts, args.api_key) == (d.host, d.port, d.max_body_bytes, d.max_waiting_requests,
                                                d.drain_timeout, d.log_prompts, d.api_key)
     assert d.host == "127.0.0.1"
+    assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == (
+        d.allowed_origins, d.allowed_methods, d.allowed_headers, d.allow_credentials) == (["*"], ["*"], ["*"], False)
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -439,9 +441,15 @@ def test_serve_flags_default_to_server_config():
     (["--host", "256.1.1.1"], "--host '256.1.1.1'"),
     (["a", "--model", "b"], "given twice"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--allowed-origins", "*"], "--allowed-origins: not JSON"),
+    (["--allowed-headers", '{"a": 1}'], "--allowed-headers: a JSON list of strings is needed"),
 ])
 def test_serve_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     from ferrokv.cli import main
 
-    assert main(["serve", *argv]) == 2
+    try:
+        rc = main(["serve", *argv])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc == 2
     assert needle in capsys.readouterr().err

@@ -556,3 +556,40 @@ def test_an_unexpected_error_is_a_json_500_that_keeps_the_connection(llama_path,
         assert good.status_code == 200, good.text
     finally:
         llm.shutdown()
+
+
+def test_cors_answers_preflights_before_the_api_key_as_vllm(llama_path):
+    """vLLM's CORS defaults (any origin, method and header): a browser's preflight is answered
+    without the API key, and every answer, a 401 too, carries the header; --allowed-origins
+    narrows it."""
+    import asyncio
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    try:
+        async def ask(config):
+            transport = httpx.ASGITransport(app=build_app(llm, config))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                pre = await c.options("/v1/chat/completions", headers=preflight)
+                denied = await c.post("/tokenize", json={"prompt": "hi"}, headers={"Origin": "http://ui.example"})
+                ok = await c.post("/tokenize", json={"prompt": "hi"},
+                                  headers={"Origin": "http://ui.example", "Authorization": "Bearer k"})
+            return pre, denied, ok
+
+        pre, denied, ok = asyncio.run(ask(ServerConfig(served_model_name=MODEL, api_key="k")))
+        assert pre.status_code == 200, pre.text
+        assert pre.headers["access-control-allow-origin"] == "*"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+
+        narrow = ServerConfig(served_model_name=MODEL, allowed_origins=["http://other.example"])
+        pre, _, ok = asyncio.run(ask(narrow))
+        assert pre.status_code == 400 and "access-control-allow-origin" not in pre.headers
+        assert "access-control-allow-origin" not in ok.headers
+    finally:
+        llm.shutdown()

@@ -21,6 +21,7 @@ import sys
 import time
 import typing
 from dataclasses import MISSING, fields
+from collections.abc import Callable
 from typing import Any
 
 from ferrokv import __version__
@@ -79,14 +80,21 @@ def _add_flag(group: Any, flag: str, dest: str, hint: Any, default: Any, help_te
     action.help = help_text.replace("%", "%%")
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
-    return value
+def _json_flag(what: str, fits: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse type: the flag's JSON text, which must be ``what``."""
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+        if not fits(value):
+            raise argparse.ArgumentTypeError(f"{what} is needed, got {text!r}")
+        return value
+    return parse
+
+
+_json_object = _json_flag("a JSON object", lambda v: isinstance(v, dict))
+_json_strings = _json_flag("a JSON list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -257,6 +265,10 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                                           "they are aborted", d.drain_timeout))
     g.add_argument("--log-prompts", action="store_true",
                    help="log each request's prompt and sampling parameters (default: off)")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        g.add_argument(f"--allowed-{name}", type=_json_strings, default=getattr(d, f"allowed_{name}"), metavar="JSON",
+                       help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"], any)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: off)")
     _engine_flags(p)
 
 
@@ -301,7 +313,9 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     config = ServerConfig(served_model_name=name, host=args.host, port=args.port, api_key=api_key,
                           max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
-                          drain_timeout=args.drain_timeout, log_prompts=args.log_prompts)
+                          drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
+                          allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     return run_server(AsyncLLM.from_engine_args(engine_args), config)
 
 

@@ -5,7 +5,8 @@ Every request first passes ``_Gate``, a plain ASGI layer: while the server drain
 (``/metrics`` stays open); with ``--api-key`` every path but ``/health`` and ``/metrics`` needs
 ``Authorization: Bearer KEY`` (compared with ``hmac.compare_digest``); a body larger than
 ``--max-body-bytes`` is a 413 before the endpoint sees it (the body is read once, up to the
-limit, and replayed); requests in progress are counted for the drain.
+limit, and replayed); requests in progress are counted for the drain. Outside it, CORS
+(``--allowed-origins`` ..., vLLM's flags and defaults) answers browsers' preflights.
 
 Invariants: every error is OpenAI's JSON ``{"error": {message, type, param, code}}``; user input
 never causes a 500 (a 500 is a bug, logged with its traceback, its detail not sent); one request's
@@ -28,6 +29,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -172,6 +174,10 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     _routes(app, state)
     # Inside Starlette's own error middleware, so that an error in the gate still answers JSON.
     app.add_middleware(_Gate, state=state, config=config)
+    # Outermost: a browser's preflight is answered before the gate, and every answer (a 401 too)
+    # carries the CORS headers.
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+                       allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
     return app
 
 

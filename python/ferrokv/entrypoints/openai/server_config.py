@@ -7,7 +7,7 @@ stays fast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["DEFAULT_MODEL_NAME", "ServerConfig"]
 
@@ -18,7 +18,8 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded 
 class ServerConfig:
     """``served_model_name``: the name clients send and see. ``max_waiting_requests``: engine
     requests accepted beyond the ``max_num_seqs`` running ones. ``drain_timeout``: seconds
-    requests in flight may run on after SIGTERM/SIGINT."""
+    requests in flight may run on after SIGTERM/SIGINT. ``allowed_*`` and ``allow_credentials``:
+    the CORS policy browsers are told (vLLM's flags and defaults: any origin, method and header)."""
 
     served_model_name: str = DEFAULT_MODEL_NAME
     host: str = "127.0.0.1"
@@ -28,3 +29,7 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     drain_timeout: float = 30.0
     log_prompts: bool = False
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
