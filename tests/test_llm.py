@@ -268,6 +268,25 @@ def test_chat_takes_content_as_openai_text_parts(llama_llm):
     assert_no_leak(llama_llm)
 
 
+def test_chat_gives_tools_and_an_assistants_null_content_to_the_template(llama_llm):
+    """vLLM's ``chat(tools=...)``: OpenAI's tool definitions reach the template; an assistant
+    turn with null content (one that only called tools) renders as empty text."""
+    llm = llama_llm
+    template = ("{% if tools %}TOOLS {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
+                "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    conv = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": None},
+            {"role": "user", "content": "well?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    out = llm.chat(conv, params, use_tqdm=False, chat_template=template, tools=tools)[0]
+    assert out.prompt == "TOOLS now [user]time?[assistant][user]well?"
+    assert llm.chat(conv, params, use_tqdm=False, chat_template=template)[0].prompt.startswith("[user]")
+    with pytest.raises(ValueError, match="tools must be a list of tool dicts"):
+        llm.chat(conv, params, use_tqdm=False, tools={"name": "now"})
+    with pytest.raises(ValueError, match=r"messages\[1\].content must be a str"):
+        llm.chat([{"role": "user", "content": "a"}, {"role": "user", "content": None}], params, use_tqdm=False)
+
+
 def test_chat_template_and_continue_final_message(llama_llm):
     """vLLM's chat(): a chat_template string replaces the tokenizer's, and continue_final_message
     leaves the last (assistant) message open, both as transformers renders them; bad values name

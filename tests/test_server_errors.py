@@ -593,3 +593,62 @@ def test_cors_answers_preflights_before_the_api_key_as_vllm(llama_path):
         assert "access-control-allow-origin" not in ok.headers
     finally:
         llm.shutdown()
+
+
+def test_completions_honour_add_special_tokens(tiny_model_dir, tmp_path):
+    """vLLM's completion field: a text prompt gets the tokenizer's own special tokens (here a
+    BOS its post-processor prepends) unless ``add_special_tokens: false`` (a prompt that is
+    already templated would otherwise get a second BOS)."""
+    import asyncio
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    model = tmp_path / "bos"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok.save(str(model / "tokenizer.json"))
+    llm = AsyncLLM(str(model), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    try:
+        async def main():
+            transport = httpx.ASGITransport(app=build_app(llm, ServerConfig(served_model_name=MODEL)))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                got = {}
+                for add in (None, True, False):
+                    body = {"prompt": "The cat runs", "max_tokens": 1, "temperature": 0}
+                    if add is not None:
+                        body["add_special_tokens"] = add
+                    r = await c.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    got[add] = r.json()["usage"]["prompt_tokens"]
+                plain = (await c.post("/tokenize", json={"prompt": "The cat runs", "add_special_tokens": False})).json()
+            return got, plain["count"]
+
+        got, plain = asyncio.run(main())
+        assert got == {None: plain + 1, True: plain + 1, False: plain}
+    finally:
+        llm.shutdown()
+
+
+def test_chat_fields_vllm_accepts():
+    """An assistant turn with null content (a replayed tool call), ``top_logprobs: 0`` without
+    ``logprobs``, and ``tools`` with ``tool_choice: "none"`` (given to the chat template only);
+    any other tool choice needs tool-call parsing and is refused naming it."""
+    from ferrokv.entrypoints.openai.protocol import OpenAIError, parse_chat_request
+
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "?"}]
+    req = parse_chat_request({"messages": msgs, "top_logprobs": 0, "tools": tools, "tool_choice": "none"})
+    assert req.messages[1] == {"role": "assistant", "content": ""}
+    assert req.template["tools"] == tools and req.top_logprobs == 0 and not req.logprobs
+    for body, param in ((dict(tools=tools), "tool_choice"), (dict(tools=tools, tool_choice="auto"), "tool_choice"),
+                        (dict(tools="now", tool_choice="none"), "tools"), (dict(top_logprobs=1), "top_logprobs")):
+        with pytest.raises(OpenAIError) as e:
+            parse_chat_request({"messages": msgs, **body})
+        assert e.value.status == 400 and e.value.param == param, str(e.value)
+    with pytest.raises(OpenAIError, match=r"messages\[0\].content"):
+        parse_chat_request({"messages": [{"role": "user", "content": None}]})

@@ -292,13 +292,13 @@ class AsyncLLM:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_pool(self.engine.tokenizer.decode, token_ids)
 
-    async def tokenize_prompt(self, prompt: Any) -> Any:
+    async def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True) -> Any:
         """A text prompt as ``{"prompt", "prompt_token_ids"}`` (its ``cache_salt`` kept), tokenized
-        on the pool; other forms are passed on (the engine checks them)."""
+        on the pool (``inputs.prompt_ids``); other forms are passed on (the engine checks them)."""
         text_only = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
         if not text_only:
             return prompt
-        text, ids = await self._in_pool(prompt_ids, self.engine.tokenizer, prompt)
+        text, ids = await self._in_pool(prompt_ids, self.engine.tokenizer, prompt, add_special_tokens)
         out = {"prompt": text, "prompt_token_ids": ids}
         if isinstance(prompt, dict) and "cache_salt" in prompt:
             out["cache_salt"] = prompt["cache_salt"]  # the engine combines it with the keyword's

@@ -48,10 +48,11 @@ def _token_list(ids: Any, name: str = "prompt_token_ids") -> list[int]:
     return out
 
 
-def prompt_ids(tokenizer: Any, prompt: Any) -> tuple[str | None, list[int]]:
-    """The prompt's text (None when only ids were given) and its token ids."""
+def prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    """The prompt's text (None when only ids were given) and its token ids (a text tokenized with
+    the tokenizer's own special tokens, such as a BOS, unless ``add_special_tokens`` is False)."""
     if isinstance(prompt, str):
-        return prompt, list(tokenizer.encode(check_text("prompt", prompt)))
+        return prompt, list(tokenizer.encode(check_text("prompt", prompt), add_special_tokens=add_special_tokens))
     if isinstance(prompt, Mapping):
         _check_keys(prompt)
         text = prompt.get("prompt")
@@ -60,7 +61,7 @@ def prompt_ids(tokenizer: Any, prompt: Any) -> tuple[str | None, list[int]]:
         if "prompt_token_ids" in prompt:
             return text, _token_list(prompt["prompt_token_ids"])
         if text is not None:
-            return text, list(tokenizer.encode(text))
+            return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         raise ValueError(f"prompt: a dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(map(str, prompt))}")
     raise ValueError(
         f"prompt must be a str or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}"
@@ -147,9 +148,12 @@ def check_no_lora(lora_request: Any) -> None:
         raise ValueError(f"lora_request must be None: LoRA adapters are not supported yet, got {shown(lora_request)}")
 
 
-def message_text(content: Any, name: str) -> str:
+def message_text(content: Any, name: str, role: Any = None) -> str:
     """A chat message's content as text: a string, or OpenAI's list of ``{"type": "text",
-    "text": ...}`` parts, joined (only text is supported); ``name`` is what errors call it."""
+    "text": ...}`` parts, joined (only text is supported), or an assistant's null (OpenAI's
+    schema allows it: a replayed turn that only called tools) as ""; ``name`` is what errors call it."""
+    if content is None and role == "assistant":
+        return ""
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):

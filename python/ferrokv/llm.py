@@ -73,7 +73,7 @@ def checked_messages(conversation: Any, name: str = "messages") -> list[dict[str
             if key not in message:
                 raise ValueError(f"{name}[{i}].{key} is missing (the message is {shown(message)})")
         check_text(f"{name}[{i}].role", message["role"])
-        out.append({**message, "content": message_text(message["content"], f"{name}[{i}].content")})
+        out.append({**message, "content": message_text(message["content"], f"{name}[{i}].content", message["role"])})
     return out
 
 
@@ -93,13 +93,14 @@ def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_gener
 
 def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
                 name: str = "messages", *, chat_template: str | None = None, continue_final_message: bool = False,
-                chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                tools: list[Any] | None = None) -> tuple[str, list[int]]:
     """One conversation (checked by ``checked_messages``) through the chat template (the
     tokenizer's, or ``chat_template``): the rendered text and its token ids (tokenized without
     special tokens of the tokenizer's own, as transformers and vLLM do: the template has them);
     ``name`` is what errors call it. A template's own refusal or syntax error is a ``ValueError``
     naming it. ``chat_template_kwargs``: extra variables for the template (vLLM's; e.g.
-    ``enable_thinking``)."""
+    ``enable_thinking``); ``tools``: OpenAI's tool definitions, for a template that shows them."""
     from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
 
     conversation = checked_messages(conversation, name)
@@ -115,8 +116,10 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
     elif not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}: the tokenizer has no chat template")
     extra = _template_kwargs(chat_template_kwargs)
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
+        raise ValueError(f"tools must be a list of tool dicts, got {shown(tools)}")
     try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, tools=tools,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **extra)
     except TemplateError as e:
@@ -263,12 +266,13 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              lora_request: Any = None, add_generation_prompt: bool = True, *, chat_template: str | None = None,
-             continue_final_message: bool = False,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Applies the chat template (the tokenizer's, or ``chat_template``, a Jinja string) to one
         conversation (or a list of them). ``continue_final_message`` leaves the last message open
         for the model to continue (vLLM's semantics: then ``add_generation_prompt`` must be False);
-        ``chat_template_kwargs`` are extra variables for the template."""
+        ``tools`` (OpenAI's tool definitions) and ``chat_template_kwargs`` (extra variables) are
+        given to the template."""
         if isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
             named = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
         else:
@@ -278,7 +282,7 @@ class LLM:
         for name, conv in named:
             text, ids = chat_prompt(tok, conv, add_generation_prompt, name, chat_template=chat_template,
                                     continue_final_message=continue_final_message,
-                                    chat_template_kwargs=chat_template_kwargs)
+                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": ids})  # vLLM's output.prompt: the rendered text
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

@@ -47,7 +47,7 @@ _SAMPLING_FIELDS = (
 )
 _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
 # OpenAI fields this server does not implement: refused when set to anything but their no-op value.
-_UNSUPPORTED = {"suffix": (None, ""), "echo": (None, False), "best_of": (None, 1), "tools": (None, []),
+_UNSUPPORTED = {"suffix": (None, ""), "echo": (None, False), "best_of": (None, 1),
                 "functions": (None, []), "structural_tag": (None,)}
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it
@@ -329,6 +329,7 @@ def _common(body: Mapping[str, Any], params: SamplingParams, structured: Structu
 class CompletionRequest(_Common):
     prompts: list[Any] = field(default_factory=list)  # each a str or {"prompt_token_ids": [...]}
     logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's own special tokens (a BOS)
 
 
 def _prompts(value: Any) -> list[Any]:
@@ -355,7 +356,8 @@ def parse_completion_request(body: Any, stream_kind: RequestOutputKind = Request
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
     params, source = sampling_params(body, _max_tokens(body, 16), logprobs, kind, defaults)
-    return CompletionRequest(**_common(body, params, source), prompts=prompts, logprobs=logprobs)
+    return CompletionRequest(**_common(body, params, source), prompts=prompts, logprobs=logprobs,
+                             add_special_tokens=_bool(body, "add_special_tokens", True))
 
 
 @dataclass(slots=True)
@@ -368,7 +370,7 @@ class ChatRequest(_Common):
 
 
 def _template(body: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's chat-template fields of a request: ``chat_template`` (a Jinja string),
+    """vLLM's chat-template fields of a request: ``chat_template`` (a Jinja string), ``tools``,
     ``continue_final_message`` and ``chat_template_kwargs`` (``chat_token_ids`` checks the rest)."""
     kwargs = _opt(body, "chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, Mapping):
@@ -376,14 +378,32 @@ def _template(body: Mapping[str, Any]) -> dict[str, Any]:
     if _bool(body, "add_special_tokens", False):  # vLLM's default for chat: the template has them
         raise bad("add_special_tokens", "add_special_tokens: true is not supported for chat (the template adds them)")
     return dict(chat_template=_str(body, "chat_template"),
-                continue_final_message=_bool(body, "continue_final_message", False), chat_template_kwargs=kwargs)
+                continue_final_message=_bool(body, "continue_final_message", False), chat_template_kwargs=kwargs,
+                tools=_tools(body))
 
 
-def _content(i: int, content: Any) -> str:
-    """A message's content as text (``message_text``: a string or text parts, joined), its
-    error a 400 naming the field."""
+def _tools(body: Mapping[str, Any]) -> list[Any] | None:
+    """``tools``, for the chat template, as vLLM gives them to it under ``tool_choice: "none"``;
+    any other choice (vLLM's default with tools is "auto") would need tool calls parsed out of
+    the text, which this server does not do."""
+    tools = body.get("tools")
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise bad("tools", f"tools must be a list of tool objects, got {shown(tools)}")
+    choice = body.get("tool_choice")
+    if choice != "none":
+        shown_choice = '"auto" (the default with tools)' if choice is None else shown(choice)
+        raise bad("tool_choice", f"tool_choice {shown_choice} is not supported: this server does not parse tool "
+                                 'calls; with tool_choice: "none" the tools are given to the chat template only')
+    return tools
+
+
+def _content(i: int, content: Any, role: str) -> str:
+    """A message's content as text (``message_text``: a string or text parts, joined; an
+    assistant's null), its error a 400 naming the field."""
     try:
-        return message_text(content, f"messages[{i}].content")
+        return message_text(content, f"messages[{i}].content", role)
     except ValueError as e:
         field = re.match(r"messages\[\d+\]\.content(\[\d+\])?", str(e))
         raise bad(field.group(0) if field else f"messages[{i}].content", str(e)) from None
@@ -397,10 +417,9 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(value):
         if not isinstance(m, Mapping):
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with 'role' and 'content', got {shown(m)}")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str) and not (key == "content" and isinstance(m.get(key), list)):
-                raise bad(f"messages[{i}].{key}", f"messages[{i}].{key} must be a string, got {shown(m.get(key))}")
-        out.append({"role": m["role"], "content": _content(i, m["content"])})
+        if not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}].role", f"messages[{i}].role must be a string, got {shown(m.get('role'))}")
+        out.append({"role": m["role"], "content": _content(i, m.get("content"), m["role"])})
     return out
 
 
@@ -410,7 +429,7 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     messages = _messages(body.get("messages"))
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
-    if top is not None and not want_logprobs:
+    if top and not want_logprobs:  # vLLM accepts top_logprobs=0 alone
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
     params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind,

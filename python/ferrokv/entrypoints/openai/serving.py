@@ -129,13 +129,13 @@ def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
 
 
 async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, field: str,
-                           **kw: Any) -> AsyncIterator[RequestOutput]:
+                           add_special_tokens: bool = True, **kw: Any) -> AsyncIterator[RequestOutput]:
     """``llm.generate``, after tokenizing a text prompt (on the pool) and ``check_room``; the
     inner generator is closed as soon as this one is (which aborts its request). The engine's
     prompt errors ("prompt_token_ids[3]=...") are told as errors of ``field``, the request's own
     name for this prompt (``prompt[2]`` of a batch)."""
     try:
-        prompt = await llm.tokenize_prompt(prompt)
+        prompt = await llm.tokenize_prompt(prompt, add_special_tokens)
     except ValueError as e:
         raise _prompt_error(e, field)
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):

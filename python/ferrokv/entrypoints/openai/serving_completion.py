@@ -124,8 +124,8 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
     if state.log_prompts:
         logger.info("%s: prompts %r, params %r", call.id, req.prompts, req.params)
     field = "prompt" if len(req.prompts) == 1 else "prompt[{}]"
-    gens = [generate_checked(state.llm, p, req.params, f"{call.id}-{i}", field.format(i), priority=req.priority,
-                             cache_salt=req.cache_salt)
+    gens = [generate_checked(state.llm, p, req.params, f"{call.id}-{i}", field.format(i), req.add_special_tokens,
+                             priority=req.priority, cache_salt=req.cache_salt)
             for i, p in enumerate(req.prompts)]
 
     async def respond(gen: Generation) -> Any:
