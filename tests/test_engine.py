@@ -663,6 +663,27 @@ def test_abort_mid_generation_frees_blocks(llama_path, hf_greedy):
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("when", ["waiting", "running"])
+def test_an_aborted_request_reports_every_one_of_its_n_samples(llama_path, when):
+    """vLLM runs each of n samples as a request of its own, so an abort reports n completions;
+    a request aborted while it waits has only its prompt's sequence in the core."""
+    engine = make_engine(llama_path)
+    aborted = []
+    engine.on_abort = aborted.append
+    engine.add_request("c", {"prompt_token_ids": [5, 6, 7, 8]},
+                       SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20, logprobs=1))
+    if when == "running":
+        run_engine(engine, steps=3)
+    engine.abort_request("c")
+    (out,) = aborted
+    assert out.finished and [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.finish_reason == "abort" for c in out.outputs)
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids) and (c.cumulative_logprob is not None)
+        assert (len(c.token_ids) > 0) == (when == "running")
+    assert_no_leak(engine)
+
+
 def test_repetition_penalty_matches_transformers(llama_path, hf_model):
     """Greedy with a repetition penalty (HF semantics, over prompt + output) equals transformers'."""
     hf = hf_model(llama_path)

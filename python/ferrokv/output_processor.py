@@ -250,8 +250,15 @@ def aborted_output(req: RequestState, ended: list[Any], times_of: Callable[[Requ
     now: dict[int, list[CompletionOutput]] = {}
     for f in ended:
         end_completion(req, f, now)
-    for seq_id, seq in list(req.seqs.items()):  # sequences the scheduler had ended already
-        req.seqs.pop(seq_id)
+    # Sequences the scheduler had ended already, and samples not forked yet (a request aborted
+    # while it waited has one sequence): every one of the n is reported, as vLLM does.
+    reported = {c.index for c in req.done}
+    live = {seq.index: seq for seq in req.seqs.values()}
+    req.seqs.clear()
+    for index in range(req.params.n):
+        if index in reported:
+            continue
+        seq = live.get(index) or req.new_seq(index)
         c = CompletionOutput(index=seq.index, text=seq.text.snapshot() if seq.text is not None else "",
                              token_ids=list(seq.token_ids or []),
                              cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
