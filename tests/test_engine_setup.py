@@ -154,3 +154,16 @@ def test_a_model_folder_without_a_tokenizer_says_so_and_names_tokenizer(tiny_mod
     llm = LLM(str(bare), tokenizer=str(path), device="cpu", dtype="float32", max_model_len=32, num_kv_blocks=16)
     assert llm.generate([5, 6, 7], use_tqdm=False)[0].outputs[0].token_ids
     llm.engine_loop.shutdown()
+
+
+def test_default_max_model_len_counts_the_rope_scaling_factor(tiny_model_dir):
+    """vLLM's default context: max_position_embeddings times a linear/dynamic factor (yarn: the
+    original positions times it), so a scaled model takes the prompts it was scaled for."""
+    from ferrokv import LLM, SamplingParams
+
+    path = tiny_model_dir("linear-rope-16", "llama", rope_scaling={"rope_type": "linear", "factor": 4.0},
+                          max_position_embeddings=16)
+    llm = LLM(str(path), num_kv_blocks=64)
+    assert llm.llm_engine.max_model_len == 64
+    out = llm.generate({"prompt_token_ids": list(range(5, 35))}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) >= 1  # a 30-token prompt, beyond the 16 positions

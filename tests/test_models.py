@@ -31,6 +31,12 @@ CASES = {
     "llama-llama3-rope": ("llama", dict(rope_scaling=LLAMA3, rope_theta=500000.0)),
     "llama-linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "llama-dynamic-rope": ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16)),
+    "llama-yarn-rope": ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 16},
+                                      max_position_embeddings=64)),
+    "qwen2-yarn-mscale": ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 2.0, "mscale": 1.0,
+                                                      "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
+                                                      "truncate": False}, rope_theta=5e4)),
     "qwen2": ("qwen2", dict(num_key_value_heads=2)),
     "qwen2-window": ("qwen2", dict(num_key_value_heads=1, sliding_window=8, max_window_layers=1)),
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
@@ -220,8 +226,14 @@ def test_window_config_resolution():
     # transformers 4.x layout: rope_theta at the top level, rope_scaling with "type"
     cfg = llama.parse_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rope.factor) == ("linear", 5e5, 2.0)
-    with pytest.raises(ValueError, match="yarn"):
-        llama.parse_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="longrope"):
+        llama.parse_config({**base, "rope_parameters": {"rope_type": "longrope", "factor": 2.0}})
+    # vLLM's default max_model_len: the positions times a linear/dynamic/yarn factor.
+    for rope, want in (({"rope_type": "linear", "factor": 4.0}, 64), ({"rope_type": "dynamic", "factor": 2.0}, 32),
+                       ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}, 32),
+                       ({"rope_type": "yarn", "original_max_position_embeddings": 8}, 16), (LLAMA3, 16), ({}, 16)):
+        cfg = llama.parse_config({**base, "max_position_embeddings": 16, "rope_scaling": rope})
+        assert cfg.rope.default_max_model_len == want, rope
 
 
 def test_triton_backend_end_to_end(models, tmp_path):

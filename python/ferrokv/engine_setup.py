@@ -173,7 +173,7 @@ def load_engine(args: EngineArgs) -> EngineParts:
     if defaults:
         logger.info("default sampling parameters from the model's generation config: %s (generation_config='vllm' "
                     "turns them off)", defaults)
-    max_len = args.max_model_len or int(mc.max_position_embeddings)
+    max_len = args.max_model_len or mc.rope.default_max_model_len  # vLLM's: positions times a rope scaling factor
     spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                        head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
     num_blocks = num_kv_blocks(args, spec, device, max_len)

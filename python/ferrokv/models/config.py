@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,7 +23,24 @@ class RopeConfig:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    # yarn (transformers' names and defaults; attention_factor None: derived from factor and mscale*)
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @property
+    def default_max_model_len(self) -> int:
+        """vLLM's default context: the model's positions, times the factor of a linear, dynamic
+        or yarn scaling (yarn: of the original positions); llama3 counts it in its positions."""
+        if self.rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * self.factor)
+        if self.rope_type == "yarn":
+            return int((self.original_max_position_embeddings or self.max_position_embeddings) * self.factor)
+        return self.max_position_embeddings
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,10 +102,14 @@ def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
         raise ValueError(f"config.json: partial_rotary_factor={prf} is not supported")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
     max_pos = _count(d, "max_position_embeddings", 2048)
-    factor = float(params.get("factor", 1.0))
     if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
         raise ValueError(f"config.json: rope_type {rope_type!r} needs a 'factor'")
     orig = params.get("original_max_position_embeddings")
+    if rope_type == "yarn":  # transformers: a top-level value wins; default: the model's positions
+        orig = d.get("original_max_position_embeddings") or orig or max_pos
+        if params.get("factor") is None:
+            params = {**params, "factor": max_pos / orig}
+    factor = float(params.get("factor", 1.0))
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in params:
@@ -102,7 +123,17 @@ def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig is not None else None,
+        **(_yarn(params) if rope_type == "yarn" else {}),
     )
+
+
+def _yarn(params: dict[str, Any]) -> dict[str, Any]:
+    def opt(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
+    return dict(attention_factor=opt("attention_factor"), beta_fast=opt("beta_fast") or 32.0,
+                beta_slow=opt("beta_slow") or 1.0, mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+                truncate=bool(params.get("truncate", True)))
 
 
 def parse_common(

@@ -1,7 +1,8 @@
 """Rotary position embedding (rotate-half convention, as Hugging Face Llama/Qwen/Mistral).
 
 Invariants: inverse frequencies are computed in fp32 with the same formulas and operation order as
-transformers (default, linear, llama3, dynamic NTK) so positions map to bit-identical angles; cos/sin
+transformers (default, linear, llama3, dynamic NTK, YaRN with its cos/sin attention factor) so
+positions map to bit-identical angles; cos/sin
 are computed once per forward for the step's tokens (``[T, head_dim/2]``) and shared by all layers,
 then cast to the activation dtype like transformers does.
 
@@ -56,7 +57,46 @@ def compute_inv_freq(cfg: RopeConfig) -> Tensor:
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
+    if cfg.rope_type == "yarn":
+        return _yarn_inv_freq(cfg)
     raise ValueError(f"rope_type {cfg.rope_type!r} is not supported")
+
+
+def _yarn_inv_freq(cfg: RopeConfig) -> Tensor:
+    """YaRN: interpolated (divided by ``factor``) below the correction range, extrapolated
+    (unchanged) above it, a linear ramp between (transformers' ``_compute_yarn_parameters``)."""
+    dim, base, factor = cfg.head_dim, cfg.theta, cfg.factor
+    orig = cfg.original_max_position_embeddings or cfg.max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.beta_fast), correction_dim(cfg.beta_slow)
+    if cfg.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # the extrapolation's share
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def attention_scaling(cfg: RopeConfig) -> float:
+    """The factor cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    if cfg.rope_type != "yarn":
+        return 1.0
+    if cfg.attention_factor is not None:
+        return cfg.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if cfg.mscale and cfg.mscale_all_dim:
+        return float(mscale(cfg.factor, cfg.mscale) / mscale(cfg.factor, cfg.mscale_all_dim))
+    return mscale(cfg.factor)
 
 
 class RotaryEmbedding:
@@ -65,6 +105,7 @@ class RotaryEmbedding:
     def __init__(self, cfg: RopeConfig) -> None:
         self.cfg = cfg
         self._inv_freq = compute_inv_freq(cfg)
+        self._scaling = attention_scaling(cfg)
         self._by_device: dict[torch.device, Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> Tensor:
@@ -81,6 +122,8 @@ class RotaryEmbedding:
             freqs = positions[:, None].float() * self._dynamic_inv_freq(positions, meta, inv)
         else:
             freqs = positions[:, None].float() * inv[None, :]
+        if self._scaling != 1.0:
+            return freqs.cos() * self._scaling, freqs.sin() * self._scaling
         return freqs.cos(), freqs.sin()
 
     def _dynamic_inv_freq(self, positions: Tensor, meta: AttentionMetadata, inv: Tensor) -> Tensor:
