@@ -17,6 +17,9 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
 * ``prompt_logprobs`` is ``None``, ``-1`` or ``>= 0``: the prompt's logprobs (each prompt token's own,
   plus that many top alternatives), computed from every prompt position, never a cache hit.
 * ``detokenize`` is a bool; without it no text is made, so ``stop`` must be empty.
+* ``spaces_between_special_tokens`` is a bool; False matters only with ``skip_special_tokens=False``
+  (vLLM then drops the space before an added token that follows another), which is not supported
+  yet: that pair is refused.
 * ``logit_bias`` is ``None`` or a ``dict[int, float]`` of token ids ``>= 0`` to finite biases added
   to their logits; ``allowed_token_ids`` is ``None`` or a non-empty ``list[int]`` of ids ``>= 0``
   (every other token is masked); ``bad_words`` is ``None`` or a ``list[str]`` of non-empty words
@@ -98,6 +101,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
     # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -182,9 +186,13 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
         self.stop_token_ids = [int(t) for t in ids]
 
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (self.spaces_between_special_tokens or self.skip_special_tokens):
+            raise ValueError("spaces_between_special_tokens=False with skip_special_tokens=False is not supported yet "
+                             "(use True, or skip the special tokens)")
 
         if not self.detokenize and self.stop:
             raise ValueError(f"stop strings need detokenize=True, got stop={self.stop!r} with detokenize=False")

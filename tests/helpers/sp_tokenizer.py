@@ -8,7 +8,7 @@ depends on what precedes it (the very first leading space is stripped) and chara
 the small trained alphabet (most CJK, emoji) are spelled as byte tokens, several per character.
 
 Invariants: deterministic; special tokens ``<unk>`` (0), ``<s>`` (1, bos), ``</s>`` (2, eos),
-all flagged ``special``; vocab of ``SP_VOCAB_SIZE`` ids. Cost: ~0.1-0.3 s to train;
+all flagged ``special``; the byte tokens follow them. Cost: ~0.1-0.3 s to train;
 :func:`sp_tokenizer` caches the result in-process.
 """
 
@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 
 from helpers.tiny_tokenizer import training_corpus
 
-__all__ = ["SP_SPECIAL_TOKENS", "SP_VOCAB_SIZE", "build_sp_tokenizer", "sp_tokenizer"]
+__all__ = ["SP_SPECIAL_TOKENS", "build_sp_tokenizer", "sp_tokenizer"]
 
 SP_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 _TRAINED_SIZE = 300  # trainer's vocab (specials + alphabet + merges), before the byte tokens

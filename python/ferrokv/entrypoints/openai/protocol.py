@@ -43,7 +43,7 @@ MAX_LOGPROBS = 20  # most top alternatives per token (OpenAI's and vLLM's defaul
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
+    "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "spaces_between_special_tokens",
 )
 _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
 # OpenAI fields this server does not implement: refused when set to anything but their no-op value.
