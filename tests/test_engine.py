@@ -663,6 +663,18 @@ def test_abort_mid_generation_frees_blocks(llama_path, hf_greedy):
     assert_no_leak(engine)
 
 
+def test_min_tokens_bans_eos_even_under_ignore_eos(llama_path):
+    """vLLM's MinTokens bans the EOS for the first min_tokens tokens whatever ignore_eos says;
+    after them, ignore_eos lets a sampled EOS through without stopping."""
+    engine = make_engine(llama_path)
+    eos = engine.eos_token_ids[0]
+    engine.add_request("m", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+        temperature=0.0, max_tokens=6, min_tokens=4, ignore_eos=True, logit_bias={eos: 100.0}))
+    toks = run_engine(engine)["m"].outputs[0].token_ids
+    assert eos not in toks[:4] and toks[4:] == [eos, eos], toks
+    assert_no_leak(engine)
+
+
 @pytest.mark.parametrize("when", ["waiting", "running"])
 def test_an_aborted_request_reports_every_one_of_its_n_samples(llama_path, when):
     """vLLM runs each of n samples as a request of its own, so an abort reports n completions;

@@ -280,21 +280,23 @@ def test_min_tokens_masks_eos_and_stop_ids():
     rows = [
         SamplingRow(SP(temperature=0.0, **p), [1, 2]),  # 2 < 3: EOS and STOP masked
         SamplingRow(SP(temperature=0.0, **p), [1, 2, 3]),  # reached: EOS allowed
-        SamplingRow(SP(temperature=0.0, ignore_eos=True, **p), [1]),  # EOS not a stop: unmasked
+        SamplingRow(SP(temperature=0.0, ignore_eos=True, **p), [1]),  # EOS masked all the same (vLLM)
         SamplingRow(SP(temperature=1.0, **p), []),  # random row: masked tokens never sampled
         SamplingRow(SP(temperature=0.0), []),  # no min_tokens
         SamplingRow(SP(temperature=0.0, min_tokens=1), [], ),  # only EOS masked -> STOP
     ]
     arrays = SamplingArrays.of_rows(rows, eos_token_ids=[EOS])
     pairs = sorted(zip(arrays.banned_rows.tolist(), arrays.banned_tokens.tolist()))
-    assert pairs == [(0, EOS), (0, STOP), (2, STOP), (3, EOS), (3, STOP), (5, EOS)]
+    assert pairs == [(0, EOS), (0, STOP), (2, EOS), (2, STOP), (3, EOS), (3, STOP), (5, EOS)]
     assert arrays.banned_rows.dtype == arrays.banned_tokens.dtype == np.int64
     out = run(x, rows, eos=[EOS])
     rest = x[0].clone()
     rest[[EOS, STOP]] = -1e9
     assert out.token_ids[0] == int(rest.argmax())
     assert out.token_ids[1] == EOS
-    assert out.token_ids[2] == EOS
+    third = x[2].clone()
+    third[[EOS, STOP]] = -1e9
+    assert out.token_ids[2] == int(third.argmax())
     assert out.token_ids[3] not in (EOS, STOP)
     assert out.token_ids[4] == EOS
     assert out.token_ids[5] == STOP

@@ -15,7 +15,7 @@ greedy, with no penalty, ``min_tokens`` ban or logprobs, is one ``argmax``):
    the model's own beliefs and do not depend on sampling knobs.
 2. ``allowed_token_ids`` and ``logit_bias``: each biased row gets its request's additive row
    (``-inf`` outside the allowed ids; ``ferrokv.logit_rules``). Then the bans: while a row has
-   fewer than ``min_tokens`` outputs, its stop token ids and (unless ``ignore_eos``) the EOS ids,
+   fewer than ``min_tokens`` outputs, its stop token ids and the EOS (under ``ignore_eos`` too, as vLLM),
    and the ``bad_words`` whose other tokens end its output, are set to ``-inf`` (the scheduler
    lists the pairs). A grammar's mask is applied before the sampler (``ferrokv.step_sampling``).
 3. penalties, on the penalty rows only: repetition (HF semantics, over prompt + output tokens:
@@ -149,10 +149,9 @@ class SamplingArrays:
         b_rows: list[int] = []
         b_toks: list[int] = []
         for i, (row, p) in enumerate(zip(rows, params)):
-            if len(row.output_token_ids) < p.min_tokens:
+            if len(row.output_token_ids) < p.min_tokens:  # EOS banned even under ignore_eos, as vLLM
                 stop_ids = dict.fromkeys(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stop_ids.update(dict.fromkeys(eos_token_ids))
+                stop_ids.update(dict.fromkeys(eos_token_ids))
                 b_rows += [i] * len(stop_ids)
                 b_toks += list(stop_ids)
         return cls(
@@ -310,7 +309,7 @@ class SamplingMetadata:
               device: torch.device | str = "cpu") -> SamplingMetadata:
         """The metadata of ``rows`` (tests and tools): ``SamplingArrays.of_rows`` and
         ``penalty_inputs``, then the engine's own ``from_arrays``. ``eos_token_ids`` are masked
-        during ``min_tokens`` unless the row sets ``ignore_eos``."""
+        during ``min_tokens``, whatever ``ignore_eos`` says."""
         arrays = SamplingArrays.of_rows(rows, eos_token_ids)
         pens = penalty_inputs(rows, vocab_size, device) if arrays.any_penalties else None
         return cls.from_arrays(arrays, vocab_size, device, pens)
