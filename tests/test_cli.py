@@ -126,7 +126,7 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "--disable-log-stats": (["--disable-log-stats=1"], "--no-disable-log-stats: ignored explicit argument '1'"),
     "--enable-chunked-prefill": (["--no-enable-chunked-prefill"], "enable_chunked_prefill=False is not supported"),
     "--kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice: 'fp8'"),
-    "--load-format": (["--load-format", "pt"], "--load-format: invalid choice: 'pt'"),
+    "--load-format": (["--load-format", "npcache"], "--load-format: invalid choice: 'npcache'"),
     "--logprobs-mode": (["--logprobs-mode", "raw_logits"], "--logprobs-mode: invalid choice: 'raw_logits'"),
     "--tokenizer-mode": (["--tokenizer-mode", "slow"], "--tokenizer-mode: invalid choice: 'slow'"),
     "--max-logprobs": (["--max-logprobs", "-2"], "max_logprobs must be"),

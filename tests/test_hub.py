@@ -147,7 +147,7 @@ def test_online_the_model_is_downloaded_once(model, tmp_path, monkeypatch):
     from helpers.fake_hub import FakeHub
 
     main, v2 = _copy(model, tmp_path / "main"), _copy(model, tmp_path / "v2")
-    (main / "pytorch_model.bin").write_bytes(b"not wanted")  # a weight format ferrokv never reads
+    (main / "pytorch_model.bin").write_bytes(b"not wanted")  # with safetensors there, never fetched
     (v2 / "generation_config.json").write_text("{}")
     hub = FakeHub({"org/tiny": {"main": main, "v2": v2}})
     monkeypatch.delenv("HF_HUB_OFFLINE")
@@ -166,3 +166,40 @@ def test_online_the_model_is_downloaded_once(model, tmp_path, monkeypatch):
     assert "'org/absent' is neither a local directory nor a model on the Hugging Face Hub" in out["absent"]
     assert "revision: 'nope' does not exist in model 'org/tiny'" in out["bad_rev"]
     assert not (tmp_path / "home" / "hub").exists()  # download_dir, not HF_HOME, held the downloads
+
+
+BIN_SCRIPT = """
+import json, sys
+from ferrokv.model_loader import load_model, resolve_model_path
+path = resolve_model_path("org/binonly", download_dir=sys.argv[1])
+load_model(path)
+print(json.dumps(sorted(p.name for p in path.iterdir())))
+"""
+
+
+def test_online_a_model_without_safetensors_fetches_its_bin_weights(model, tmp_path, monkeypatch):
+    """vLLM's fallback: a repo with only PyTorch .bin weights has them downloaded (and loads)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    from helpers.fake_hub import FakeHub
+
+    repo = _copy(model, tmp_path / "binonly")
+    torch.save(load_file(repo / "model.safetensors"), repo / "pytorch_model.bin")
+    (repo / "model.safetensors").unlink()
+    hub = FakeHub({"org/binonly": {"main": repo}})
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home")}
+    try:
+        r = subprocess.run([sys.executable, "-c", BIN_SCRIPT, str(tmp_path / "cache")], env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        hub.close()
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = json.loads(r.stdout)
+    assert "pytorch_model.bin" in files and "config.json" in files and "tokenizer.json" in files

@@ -208,3 +208,51 @@ def test_gguf_cache_keys_on_the_files_path_and_drops_a_replaced_versions_convers
     new_a = load_or_convert_gguf(a, "m.gguf")
     assert new_a not in (out_a, out_b) and not out_a.exists() and out_b.exists(), "only a's old version goes"
     assert load_or_convert_gguf(a, "m.gguf") == new_a and len(converted) == 3
+
+
+def _save_pt(hf, folder, shards: int = 1) -> None:
+    """``hf`` as a PyTorch .bin checkpoint (transformers 5 writes only safetensors): one
+    ``pytorch_model.bin``, or ``shards`` files and the index, as older Hub repos hold them."""
+    hf.save_pretrained(folder)
+    for f in folder.glob("model*.safetensors*"):
+        f.unlink()
+    state = {k: v.clone() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not hf.config.tie_word_embeddings}
+    if shards == 1:
+        torch.save(state, folder / "pytorch_model.bin")
+        return
+    names = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {n: state[n] for n in names[i::shards]}
+        torch.save(part, folder / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_pytorch_bin_checkpoints_load_as_vllm_falls_back_to_them(tmp_path, shards):
+    hf = make_tiny_hf_model("llama", num_key_value_heads=2)
+    hf.save_pretrained(tmp_path / "st")
+    _save_pt(hf, tmp_path / "pt", shards)
+    ref = load_model(tmp_path / "st")
+    got = load_model(tmp_path / "pt")
+    for (na, pa), (nb, pb) in zip(ref.state_dict().items(), got.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb)
+    with pytest.raises(ValueError, match=r"has no model.safetensors \(or model.safetensors.index.json\) "
+                                         r"\(load_format='safetensors'\)"):
+        load_model(tmp_path / "pt", load_format="safetensors")
+    with pytest.raises(ValueError, match=r"has no pytorch_model.bin \(or pytorch_model.bin.index.json\)"):
+        load_model(tmp_path / "st", load_format="pt")
+
+
+def test_safetensors_win_over_bin_unless_load_format_pt(tmp_path):
+    hf = make_tiny_hf_model("llama")
+    hf.save_pretrained(tmp_path)
+    other = make_tiny_hf_model("llama", seed=1)
+    torch.save({k: v.clone() for k, v in other.state_dict().items()}, tmp_path / "pytorch_model.bin")
+    st = load_model(tmp_path)
+    pt = load_model(tmp_path, load_format="pt")
+    assert torch.equal(st.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    assert torch.equal(pt.model.embed_tokens.weight, other.model.embed_tokens.weight)
+    assert not torch.equal(st.model.embed_tokens.weight, pt.model.embed_tokens.weight)

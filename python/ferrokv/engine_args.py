@@ -112,8 +112,8 @@ class EngineArgs:
         None, "accepted for vLLM compatibility: ferrokv always chunks prompts longer than the step's token "
         "budget (False is refused)", default_doc="on")
     kv_cache_dtype: str = _arg("auto", "the KV cache's dtype: the model's ('auto' only)", choices=("auto",))
-    load_format: str = _arg("auto", "weight format: safetensors, or a .gguf file given as the model",
-                            choices=("auto", "safetensors"))
+    load_format: str = _arg("auto", "weight format: safetensors, else PyTorch .bin (auto); safetensors or pt (.bin) "
+                            "only; a .gguf file given as the model is converted", choices=("auto", "safetensors", "pt"))
     logprobs_mode: str = _arg(
         "raw_logprobs", "what logprobs report: the model's own log-probabilities, before temperature, penalties "
         "or masks (vLLM's default and ferrokv's only mode)", choices=("raw_logprobs",))

@@ -160,7 +160,7 @@ def load_engine(args: EngineArgs) -> EngineParts:
     backend = args.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    model = load_model(model_path, dtype=dtype, device=device, attn_backend=backend)
+    model = load_model(model_path, dtype=dtype, device=device, attn_backend=backend, load_format=args.load_format)
     mc = model.config
     if not any((tokenizer_path / f).is_file() for f in _TOKENIZER_FILES):
         where = "tokenizer" if args.tokenizer else "model"

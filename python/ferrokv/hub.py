@@ -8,7 +8,8 @@ Invariants:
   (``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``); ``revision`` is a
   branch, tag or commit hash (default: ``main``).
 - Only the files ferrokv reads are fetched (``ALLOW_PATTERNS``: configs, safetensors, tokenizer
-  files), never ``.bin``/``.gguf``/``.onnx`` duplicates of the weights.
+  files), never ``.gguf``/``.onnx`` duplicates of the weights; PyTorch ``.bin`` weights only for
+  a model that has no safetensors (``PT_PATTERNS``, vLLM's fallback).
 - Every failure is a ``ValueError`` naming the field (``model``/``tokenizer``) and the id, and, when
   nothing is cached offline, the command that fetches it.
 Costs: a cache hit is a few ``stat`` calls; a download is the size of the allowed files.
@@ -22,9 +23,10 @@ from pathlib import Path
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["ALLOW_PATTERNS", "hub_offline", "looks_like_hub_id", "snapshot"]
+__all__ = ["ALLOW_PATTERNS", "PT_PATTERNS", "hub_offline", "looks_like_hub_id", "snapshot"]
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+PT_PATTERNS = ["*.bin"]
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -81,7 +83,7 @@ def _cached(repo_id: str, revision: str | None, download_dir: str | os.PathLike[
 
 
 def _download(repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
-              what: str) -> Path:
+              what: str, patterns: list[str] = ALLOW_PATTERNS) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         HfHubHTTPError,
@@ -93,7 +95,7 @@ def _download(repo_id: str, revision: str | None, download_dir: str | os.PathLik
     logger.info("%s %s: downloading from the Hugging Face Hub to %s", what, repo_id, _cache_dir(download_dir))
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                      allow_patterns=ALLOW_PATTERNS))
+                                      allow_patterns=patterns))
     except RevisionNotFoundError:
         raise ValueError(f"revision: {revision!r} does not exist in {what} {repo_id!r} on the Hugging Face Hub") \
             from None
@@ -118,7 +120,7 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
     path = _cached(repo_id, revision, download_dir, required)
     if path is not None:
         logger.debug("%s %s: cached snapshot %s", what, repo_id, path)
-        return path
+        return _with_pt_weights(path, repo_id, revision, download_dir, what)
     if hub_offline():
         at = f" at revision {revision!r}" if revision is not None else ""
         raise ValueError(
@@ -126,4 +128,13 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
             f"({_cache_dir(download_dir)}), and HF_HUB_OFFLINE is set, so it cannot be downloaded; "
             f"download it once with network access ({_how_to_get(repo_id, revision, download_dir)}), "
             f"unset HF_HUB_OFFLINE{hint}, or pass a local folder")
-    return _download(repo_id, revision, download_dir, what)
+    return _with_pt_weights(_download(repo_id, revision, download_dir, what), repo_id, revision, download_dir, what)
+
+
+def _with_pt_weights(path: Path, repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
+                     what: str) -> Path:
+    """A model snapshot with no safetensors (and no .bin yet): its PyTorch weights, fetched."""
+    if what != "model" or hub_offline() or any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
+        return path
+    logger.info("model %s has no safetensors weights: fetching its PyTorch .bin files", repo_id)
+    return _download(repo_id, revision, download_dir, what, PT_PATTERNS)

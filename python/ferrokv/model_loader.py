@@ -3,7 +3,9 @@ Hugging Face cache, ``ferrokv.hub``), and convert GGUF files once.
 
 Invariants:
 - A model folder holds ``config.json`` and either ``model.safetensors`` or a sharded
-  ``model.safetensors.index.json`` + shards; weights are copied by Hugging Face name into a model
+  ``model.safetensors.index.json`` + shards, else (vLLM's fallback, ``load_format`` "auto" or "pt")
+  PyTorch's ``pytorch_model.bin`` or its sharded index, read with ``torch.load(weights_only=True)``,
+  which runs no pickled code; weights are copied by Hugging Face name into a model
   built on the meta device (no random init), cast to the requested dtype/device. A missing weight is
   a ``ValueError`` naming it; an unknown path is a ``ValueError`` naming ``model`` and the path; a
   JSON file of the folder that does not hold a JSON object (``read_json``) is one naming the file.
@@ -44,7 +46,8 @@ __all__ = [
     "DEFAULT_GGUF_PACKAGE",
     "DEFAULT_HUB_ID",
     "default_model_path",
-    "iter_safetensors",
+    "iter_weights",
+    "weight_files",
     "load_config",
     "read_json",
     "load_model",
@@ -58,6 +61,8 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model, when the package is missing
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+PT_FILE = "pytorch_model.bin"
+PT_INDEX = "pytorch_model.bin.index.json"
 
 
 def _model_dir(path: str | os.PathLike[str]) -> Path:
@@ -85,8 +90,9 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return read_json(_model_dir(path) / "config.json")
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / SAFETENSORS_INDEX
+def _checkpoint(folder: Path, index_name: str, single_name: str) -> list[Path] | None:
+    """The files of one checkpoint format: its index's shards, or its single file (None: neither)."""
+    index = folder / index_name
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -96,20 +102,41 @@ def _safetensors_files(folder: Path) -> list[Path]:
         if missing:
             raise ValueError(f"model: shard(s) {missing} listed in {index} are missing")
         return [folder / name for name in files]
-    single = folder / SAFETENSORS_FILE
-    if single.is_file():
-        return [single]
-    raise ValueError(f"model: {str(folder)!r} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}")
+    single = folder / single_name
+    return [single] if single.is_file() else None
 
 
-def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, Tensor]]:
-    """(name, CPU tensor) for every tensor of the folder's safetensors file(s), one at a time."""
+def weight_files(folder: Path, load_format: str = "auto") -> list[Path]:
+    """The checkpoint's files: safetensors, else PyTorch ``.bin`` (``load_format`` "auto": both,
+    in vLLM's order; "safetensors" or "pt": that one only)."""
+    formats = {"safetensors": [(SAFETENSORS_INDEX, SAFETENSORS_FILE)], "pt": [(PT_INDEX, PT_FILE)]}
+    formats["auto"] = formats["safetensors"] + formats["pt"]
+    for index_name, single_name in formats[load_format]:
+        files = _checkpoint(folder, index_name, single_name)
+        if files is not None:
+            return files
+    wanted = " or ".join(f"{s} (or {i})" for i, s in formats[load_format])
+    raise ValueError(f"model: {str(folder)!r} has no {wanted}" + (f" (load_format={load_format!r})"
+                                                                 if load_format != "auto" else ""))
+
+
+def iter_weights(path: str | os.PathLike[str], load_format: str = "auto") -> Iterator[tuple[str, Tensor]]:
+    """(name, CPU tensor) for every tensor of the folder's checkpoint (``weight_files``): a
+    safetensors file one tensor at a time, a ``.bin`` shard memory-mapped where its format allows."""
     from safetensors import safe_open
 
-    for file in _safetensors_files(_model_dir(path)):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    for file in weight_files(_model_dir(path), load_format):
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+            continue
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (pre-zip) file cannot be memory-mapped
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from state.items()
+        del state
 
 
 def load_model(
@@ -118,6 +145,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     attn_backend: str = "auto",
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the architecture named in config.json and load its weights (eval mode)."""
     folder = _model_dir(path)
@@ -128,8 +156,7 @@ def load_model(
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise ValueError(f"unsupported model: config.json has quantization_config (quant_method={method!r}); "
                          f"ferrokv loads unquantized checkpoints (float32, float16, bfloat16) and GGUF files")
-    files = _safetensors_files(folder)  # fail on a weightless folder before building anything
-    del files
+    weight_files(folder, load_format)  # fail on a weightless folder before building anything
     with torch.device("meta"):
         model = cls(config, attn_backend=attn_backend)
     # Materialise uninitialised storage directly in the target dtype/device: every parameter is
@@ -137,7 +164,7 @@ def load_model(
     model = model.to(dtype=dtype).to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.load_weights(iter_safetensors(folder))
+    model.load_weights(iter_weights(folder, load_format))
     return model.eval()
 
 
