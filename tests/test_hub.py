@@ -137,28 +137,34 @@ print(json.dumps(out))
 """
 
 
-def test_online_the_model_is_downloaded_once(model, tmp_path, monkeypatch):
-    """The real huggingface_hub download path, against a local stand-in for the Hub's API."""
+def _run_online(hub, script: str, tmp_path, monkeypatch):
+    """``script`` in a fresh interpreter against ``hub`` (closed after), the cache under
+    ``tmp_path``; its JSON output."""
     import json
     import os
     import subprocess
     import sys
 
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home")}
+    try:
+        r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache")], env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        hub.close()
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_online_the_model_is_downloaded_once(model, tmp_path, monkeypatch):
+    """The real huggingface_hub download path, against a local stand-in for the Hub's API."""
     from helpers.fake_hub import FakeHub
 
     main, v2 = _copy(model, tmp_path / "main"), _copy(model, tmp_path / "v2")
     (main / "pytorch_model.bin").write_bytes(b"not wanted")  # with safetensors there, never fetched
     (v2 / "generation_config.json").write_text("{}")
     hub = FakeHub({"org/tiny": {"main": main, "v2": v2}})
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home")}
-    try:
-        r = subprocess.run([sys.executable, "-c", DOWNLOAD_SCRIPT, str(tmp_path / "cache")], env=env,
-                           capture_output=True, text=True, timeout=300)
-    finally:
-        hub.close()
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
+    out = _run_online(hub, DOWNLOAD_SCRIPT, tmp_path, monkeypatch)
     assert "config.json" in out["files"] and "model.safetensors" in out["files"] and "tokenizer.json" in out["files"]
     assert "pytorch_model.bin" not in out["files"]
     assert out["again"] and "generation_config.json" in out["v2"]
@@ -179,11 +185,6 @@ print(json.dumps(sorted(p.name for p in path.iterdir())))
 
 def test_online_a_model_without_safetensors_fetches_its_bin_weights(model, tmp_path, monkeypatch):
     """vLLM's fallback: a repo with only PyTorch .bin weights has them downloaded (and loads)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     import torch
     from safetensors.torch import load_file
 
@@ -192,14 +193,5 @@ def test_online_a_model_without_safetensors_fetches_its_bin_weights(model, tmp_p
     repo = _copy(model, tmp_path / "binonly")
     torch.save(load_file(repo / "model.safetensors"), repo / "pytorch_model.bin")
     (repo / "model.safetensors").unlink()
-    hub = FakeHub({"org/binonly": {"main": repo}})
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home")}
-    try:
-        r = subprocess.run([sys.executable, "-c", BIN_SCRIPT, str(tmp_path / "cache")], env=env,
-                           capture_output=True, text=True, timeout=300)
-    finally:
-        hub.close()
-    assert r.returncode == 0, r.stderr[-3000:]
-    files = json.loads(r.stdout)
+    files = _run_online(FakeHub({"org/binonly": {"main": repo}}), BIN_SCRIPT, tmp_path, monkeypatch)
     assert "pytorch_model.bin" in files and "config.json" in files and "tokenizer.json" in files
