@@ -214,6 +214,26 @@ def test_abort_from_another_thread_mid_overlap(llama_path):
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_aborted_request_reports_nothing_more_from_step(llama_path, overlap):
+    """As in vLLM: after abort_request, step() returns no output of the request (with overlap, the
+    pending step's output of it was made already; it is dropped, not returned a step late), so
+    a reused id never gets the old request's output."""
+    engine = tiny_engine(llama_path, overlap=overlap)
+    engine.add_request("a", rand_prompts(4, [6])[0], greedy(30))
+    engine.add_request("b", rand_prompts(5, [5])[0], greedy(30))
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("a")
+    engine.add_request("a", rand_prompts(6, [3])[0], greedy(2))  # the id, reused at once
+    outs = [o for _ in range(3) for o in engine.step()]
+    firsts = [o for o in outs if o.request_id == "a"]
+    assert all(len(o.prompt_token_ids) == 3 for o in firsts), [len(o.prompt_token_ids) for o in firsts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_idle(engine)
+
+
 def test_overlap_defaults(llama_path):
     """Off on a CPU unless asked for; a bad value names the field."""
     assert tiny_engine(llama_path).overlap is False

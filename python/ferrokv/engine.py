@@ -379,14 +379,19 @@ class LLMEngine:
 
     def _apply_aborts(self) -> None:
         if self._abort_inbox and self._pending is not None:
-            # The pending step's outputs are made first, as a serial engine made them before the
-            # abort: an aborted request keeps what it generated before it (returned next step()).
+            # The pending step's text is made first, as a serial engine made it before the abort
+            # (the final output has it); its outputs of aborted requests are dropped below.
             p, self._pending = self._pending, None
             self._unreturned += self._finish_pending(p)
+        aborted = set()
         while self._abort_inbox:
-            core_id = self._by_name.get(self._abort_inbox.popleft())
+            name = self._abort_inbox.popleft()
+            core_id = self._by_name.get(name)
             if core_id is not None:
                 self._abort_now(self._requests[core_id])
+                aborted.add(name)
+        if aborted and self._unreturned:  # as in vLLM, an aborted request reports nothing more
+            self._unreturned = [o for o in self._unreturned if o.request_id not in aborted]
 
     def _abort_now(self, req: RequestState) -> None:
         """Ends a request in Python and in the scheduler (lock held)."""
