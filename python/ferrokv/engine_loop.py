@@ -44,7 +44,7 @@ Invariants:
 * Requests added to the engine directly while a loop drives it are stepped but reported nowhere.
 
 Costs: per step one ``put`` per output the engine built, one ``flush`` per distinct flush of
-those sinks, and O(1) per command; an idle loop sleeps on an event.
+those sinks, and O(1) per command; an idle loop sleeps on its inbox (a ``queue.SimpleQueue``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ import logging
 import queue
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -138,8 +137,10 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str = "ferrokv-engine-loop") -> None:
         self.engine = engine
         self._name = name
-        self._inbox: deque[Any] = deque()  # commands, appended by any thread
-        self._wake = threading.Event()
+        # Commands, put by any thread. A SimpleQueue is C code end to end: a KeyboardInterrupt in
+        # a caller cannot land half-way through a put (threading.Event.set takes its Condition's
+        # lock in Python code, and an interrupt there left it held: every caller then hung).
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._records: dict[str, _Record] = {}  # the loop thread's alone
         self._claimed: set[str] = set()  # ids submitted and not ended (under _state)
         self._flushes: set[Callable[[], None]] = set()  # the loop thread's: flush() of sinks put to since the last
@@ -205,10 +206,14 @@ class EngineLoop:
             if self._dead is None:
                 self._dead = EngineDeadError("the engine loop was shut down")
                 if thread is not None:
-                    self._inbox.append(_SHUTDOWN)
-        self._wake.set()
+                    self._inbox.put(_SHUTDOWN)
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
+
+    def holding(self, request_ids: set[str]) -> set[str]:
+        """Those of ``request_ids`` still claimed: submitted, their terminal item not yet delivered."""
+        with self._state:
+            return request_ids & self._claimed
 
     @property
     def is_running(self) -> bool:
@@ -246,15 +251,13 @@ class EngineLoop:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
                 _running.add(self)
-            self._inbox.append(command)
-        self._wake.set()
+            self._inbox.put(command)
 
     def _on_abort(self, output: RequestOutput) -> None:
         # LLMEngine.on_abort: called by whichever thread applied the abort, lock-free by design
         # (that thread may be this loop, in the middle of a command).
         if self._thread is not None and self._dead is None:
-            self._inbox.append(_Aborted(output))
-            self._wake.set()
+            self._inbox.put(_Aborted(output))
 
     # ------------------------------------------------------------------------------------------
     # The loop's thread
@@ -273,11 +276,13 @@ class EngineLoop:
     def _serve_once(self) -> bool:
         """Applies queued commands, then runs one step if anything is unfinished; False once
         the loop is to end."""
-        if not self._inbox and not self.engine.has_unfinished_requests():
-            self._wake.wait()
-        self._wake.clear()
-        while self._inbox:
-            command = self._inbox.popleft()
+        idle = not self.engine.has_unfinished_requests()
+        while True:
+            try:
+                command = self._inbox.get() if idle else self._inbox.get_nowait()  # idle: sleep until one comes
+            except queue.Empty:
+                break
+            idle = False
             if command is _SHUTDOWN:
                 return False
             self._apply(command)
@@ -346,8 +351,11 @@ class EngineLoop:
         with self._state:
             if self._dead is None:
                 self._dead = EngineDeadError("the engine loop failed")
-            pending = [c for c in self._inbox if isinstance(c, _Submit)]
-            self._inbox.clear()
+            pending = []
+            while not self._inbox.empty():
+                c = self._inbox.get_nowait()
+                if isinstance(c, _Submit):
+                    pending.append(c)
         error = EngineDeadError(str(self._dead))
         error.__cause__ = cause
         records, self._records = self._records, {}

@@ -147,15 +147,25 @@ def _final_only(params: Any) -> Any:
     return params
 
 
+_ABANDON_POLL = 0.05  # seconds between checks that an abandoned request is still the loop's
+
+
 def _abandon(loop: EngineLoop, ids: list[str], done: dict[str, StreamItem], sink: queue.SimpleQueue[StreamItem]) -> None:
     """Aborts the requests of an interrupted or failed call and waits for the loop to end each
-    (one step at most), so that their blocks are free when the call raises. Another interrupt
-    stops the wait; the aborts are queued anyway."""
-    pending = [rid for rid in ids if rid not in done]
-    loop.abort(pending)
-    for _ in pending:
-        item = sink.get()
+    (one step at most), so that their blocks are free when the call raises. An id the loop no
+    longer holds has had its terminal item (the interrupt may have taken it from the sink before
+    it was recorded): it is not waited for. Another interrupt stops the wait; the aborts are
+    queued anyway."""
+    waiting = {rid for rid in ids if rid not in done}
+    loop.abort(sorted(waiting))
+    while waiting:
+        try:
+            item = sink.get(timeout=_ABANDON_POLL)
+        except queue.Empty:
+            waiting &= loop.holding(waiting)
+            continue
         done[item.request_id] = item
+        waiting.discard(item.request_id)
 
 
 class LLM:
