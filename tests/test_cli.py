@@ -93,6 +93,8 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "--quiet": (["--quiet=1"], "--quiet: ignored explicit argument"),
     "--model": (["--model", "/nonexistent/model"], "model: '/nonexistent/model' is neither"),
     "--tokenizer": (["--tokenizer", "/nonexistent/tok"], "tokenizer: '/nonexistent/tok' is neither"),
+    "--tokenizer-revision": (["--tokenizer-revision", ""], "tokenizer_revision must be a non-empty string"),
+    "--hf-overrides": (["--hf-overrides", "{nope"], "--hf-overrides: not JSON"),
     "--revision": (["--model", "org/tiny", "--revision", "nope"], "'org/tiny' at revision 'nope' is not"),
     "--download-dir": (["--model", "org/tiny", "--download-dir", "/nonexistent/cache"],
                        "Hugging Face cache (/nonexistent/cache)"),

@@ -167,3 +167,30 @@ def test_default_max_model_len_counts_the_rope_scaling_factor(tiny_model_dir):
     assert llm.llm_engine.max_model_len == 64
     out = llm.generate({"prompt_token_ids": list(range(5, 35))}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) >= 1  # a 30-token prompt, beyond the 16 positions
+
+
+def test_hf_overrides_set_config_keys_on_top_of_the_models(tiny_model_dir, tmp_path):
+    """vLLM's hf_overrides (how Qwen documents turning YaRN on, a rope_scaling): the model runs as
+    if its config.json had those keys."""
+    import json
+    import shutil
+
+    from ferrokv import LLM, SamplingParams
+
+    base = tiny_model_dir("llama")
+    rope = {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "max_position_embeddings": 32}
+    edited = tmp_path / "edited"
+    shutil.copytree(base, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**cfg, **rope}))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(5, 45))}
+    over = LLM(str(base), num_kv_blocks=64, hf_overrides=rope)
+    want = LLM(str(edited), num_kv_blocks=64)
+    plain = LLM(str(base), num_kv_blocks=64, max_model_len=256)
+    assert over.llm_engine.max_model_len == want.llm_engine.max_model_len == 256  # 32 positions x 8
+    got = over.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got != plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids  # the override mattered
+    with pytest.raises(ValueError, match="hf_overrides must be a dict of config.json keys"):
+        EngineArgs(hf_overrides=[("max_position_embeddings", 8)]).validate()

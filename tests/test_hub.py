@@ -195,3 +195,26 @@ def test_online_a_model_without_safetensors_fetches_its_bin_weights(model, tmp_p
     (repo / "model.safetensors").unlink()
     files = _run_online(FakeHub({"org/binonly": {"main": repo}}), BIN_SCRIPT, tmp_path, monkeypatch)
     assert "pytorch_model.bin" in files and "config.json" in files and "tokenizer.json" in files
+
+
+def test_tokenizer_revision_picks_the_tokenizers_branch(cache, model, tmp_path):
+    """vLLM's tokenizer_revision: the branch of a tokenizer given by Hub id (default: revision)."""
+    import json
+
+    from ferrokv import LLM
+
+    tok_files = [p for p in model.iterdir() if p.name.startswith(("tokenizer", "special_tokens", "chat_template"))]
+    for ref, max_len in (("main", 1111), ("v2", 2222)):
+        folder = tmp_path / ref
+        folder.mkdir()
+        for p in tok_files:
+            (folder / p.name).write_bytes(p.read_bytes())
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": max_len}))
+        add_to_hub_cache(cache, "org/tok", folder, ref=ref)
+    v2 = LLM(str(model), tokenizer="org/tok", tokenizer_revision="v2", download_dir=str(cache), **LLM_ARGS)
+    assert v2.get_tokenizer().model_max_length == 2222
+    main = LLM(str(model), tokenizer="org/tok", download_dir=str(cache), **LLM_ARGS)
+    assert main.get_tokenizer().model_max_length == 1111
+    with pytest.raises(ValueError, match="tokenizer_revision must be a non-empty string"):
+        LLM(str(model), tokenizer_revision="", **LLM_ARGS)

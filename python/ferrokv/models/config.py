@@ -86,10 +86,14 @@ def _count(d: dict[str, Any], key: str, default: int | None = None) -> int:
 
 def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
     """Read RoPE settings from either layout: 5.x ``rope_parameters`` (holds rope_theta too) or 4.x
-    ``rope_theta`` + ``rope_scaling`` (``type`` or ``rope_type`` key)."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"config.json: rope_parameters/rope_scaling must be a dict, got {params!r}")
+    ``rope_theta`` + ``rope_scaling`` (``type`` or ``rope_type`` key). Both present (a 4.x-style
+    ``rope_scaling`` given as an override to a 5.x config): the scaling's keys win."""
+    params, scaling = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
+    for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ValueError(f"config.json: {name} must be a dict, got {value!r}")
+    if scaling:
+        params = {k: v for k, v in params.items() if not ("type" in scaling and k == "rope_type")} | scaling
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ValueError("config.json: per-layer-type rope_parameters are not supported")
     rope_type = params.get("rope_type") or params.get("type") or "default"
