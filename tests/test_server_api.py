@@ -241,6 +241,12 @@ def test_stream_include_usage(client, endpoint):
     assert body and all(c.usage is None for c in body)
     # Without include_usage no chunk carries usage.
     assert all(c.usage is None for c in call(client, max_tokens=3, stream=True))
+    # vLLM's continuous_usage_stats: the usage so far in every chunk, growing to the total.
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    *body, last = list(call(client, max_tokens=7, stream=True, stream_options=opts))
+    counts = [c.usage.completion_tokens for c in body]
+    assert all(c.usage.prompt_tokens == expected_prompt for c in body) and counts == sorted(counts)
+    assert counts[-1] == last.usage.completion_tokens == 7
 
 
 # ------------------------------------------------------------------------------------------------

@@ -292,6 +292,7 @@ class _Common:
     model: str | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
     params: SamplingParams
     user: str | None
     priority: int
@@ -311,16 +312,17 @@ def _common(body: Mapping[str, Any], params: SamplingParams, structured: Structu
     opts = _opt(body, "stream_options", {})
     if not isinstance(opts, Mapping):
         raise bad("stream_options", f"stream_options must be a JSON object, got {shown(opts)}")
-    usage = opts.get("include_usage")
-    if usage is not None and not isinstance(usage, bool):
-        raise bad("stream_options.include_usage", f"stream_options.include_usage must be a boolean, got {shown(usage)}")
-    include_usage = bool(usage)
+    for key in ("include_usage", "continuous_usage_stats"):
+        if opts.get(key) is not None and not isinstance(opts[key], bool):
+            raise bad(f"stream_options.{key}", f"stream_options.{key} must be a boolean, got {shown(opts[key])}")
+    include_usage = bool(opts.get("include_usage"))
     if opts and not stream:
         raise bad("stream_options", "stream_options is only allowed with stream: true")
     salt = _str(body, "cache_salt")
     if salt is not None and not salt:
         raise bad("cache_salt", "cache_salt must be a non-empty string")
-    return dict(model=_str(body, "model"), stream=stream, include_usage=include_usage, params=params,
+    return dict(model=_str(body, "model"), stream=stream, include_usage=include_usage,
+                continuous_usage=include_usage and bool(opts.get("continuous_usage_stats")), params=params,
                 user=_str(body, "user"), priority=_int(body, "priority", 0, -_I32 - 1, _I32), cache_salt=salt,
                 structured=structured)
 

@@ -110,7 +110,7 @@ def _stream(gen: Generation, call: _Chat) -> Any:
     def chunk(choices: list[Any]) -> dict[str, Any]:
         c = {**head, "choices": choices}
         if include_usage:
-            c["usage"] = None
+            c["usage"] = call.usage() if call.req.continuous_usage else None
         return c
 
     def chunks(i: int, out: RequestOutput) -> list[Any]:
