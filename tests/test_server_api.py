@@ -116,6 +116,33 @@ def test_completion_matches_offline_llm(client, reference):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 10
 
 
+def test_echo_puts_the_prompt_first_as_vllm(client, reference):
+    """vLLM's echo: the prompt leads the text (streamed: the first chunk); with logprobs, the
+    prompt's own logprobs lead them (the first token has none); with max_tokens 0, as lm-eval's
+    loglikelihood sends it, the choice is the prompt alone."""
+    from ferrokv import SamplingParams
+
+    want = greedy_reference(reference, PROMPT, 4)
+    r = complete(client, max_tokens=4, echo=True)
+    assert r.choices[0].text == PROMPT + want and r.usage.completion_tokens == 4
+    streamed = "".join(ch.choices[0].text for ch in complete(client, max_tokens=4, echo=True, stream=True)
+                       if ch.choices)
+    assert streamed == PROMPT + want
+    r = complete(client, max_tokens=0, echo=True, logprobs=1)
+    lp, ids = r.choices[0].logprobs, prompt_ids(PROMPT)
+    assert r.choices[0].text == PROMPT and r.usage.completion_tokens == 0
+    assert "".join(lp.tokens) == PROMPT and len(lp.tokens) == len(ids) and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = reference.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                             use_tqdm=False)[0].prompt_logprobs
+    for got, entry, tid in zip(lp.token_logprobs[1:], ref[1:], ids[1:]):
+        assert got == pytest.approx(entry[tid].logprob, abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs is not supported with stream"):
+        list(complete(client, echo=True, logprobs=1, stream=True))
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be an integer in \\[1,"):
+        complete(client, max_tokens=0)
+
+
 def test_truncate_prompt_tokens_runs_on_the_prompts_last_tokens(client, reference):
     ids = prompt_ids(PROMPT)
     r = complete(client, max_tokens=6, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 3})

@@ -471,6 +471,10 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--drain-timeout", "-1"], ["--drain-timeout", "-1"]),
     (["--api-key", ""], ["--api-key"]),
     (["--log-prompts=1"], ["--log-prompts"]),
+    (["--allowed-origins", "*"], ["--allowed-origins", "not JSON"]),
+    (["--allowed-methods", "[1]"], ["--allowed-methods", "a JSON list of strings"]),
+    (["--allowed-headers", "{}"], ["--allowed-headers", "a JSON list of strings"]),
+    (["--allow-credentials=1"], ["--allow-credentials"]),
     (["--model", "/some/other/model"], ["model", "/some/other/model"]),
     (["--block-size", "24"], ["block_size", "24"]),
     (["--max-num-seqs", "0"], ["max_num_seqs", "0"]),
@@ -652,3 +656,5 @@ def test_chat_fields_vllm_accepts():
         assert e.value.status == 400 and e.value.param == param, str(e.value)
     with pytest.raises(OpenAIError, match=r"messages\[0\].content"):
         parse_chat_request({"messages": [{"role": "user", "content": None}]})
+    with pytest.raises(OpenAIError, match="echo is not supported for chat"):
+        parse_chat_request({"messages": msgs, "echo": True})

@@ -47,7 +47,7 @@ _SAMPLING_FIELDS = (
 )
 _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
 # OpenAI fields this server does not implement: refused when set to anything but their no-op value.
-_UNSUPPORTED = {"suffix": (None, ""), "echo": (None, False), "best_of": (None, 1),
+_UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1),
                 "functions": (None, []), "structural_tag": (None,)}
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it
@@ -274,13 +274,13 @@ def _response_format(value: Any) -> dict[str, Any] | None:
                                  f"got {shown(kind)}")
 
 
-def _max_tokens(body: Mapping[str, Any], default: int | None) -> int | None:
+def _max_tokens(body: Mapping[str, Any], default: int | None, lo: int = 1) -> int | None:
     """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
             v = body[name]
-            if not _is_int(v) or not 1 <= v <= _I32:
-                raise bad(name, f"{name} must be an integer in [1, {_I32}], got {shown(v)}")
+            if not _is_int(v) or not lo <= v <= _I32:
+                raise bad(name, f"{name} must be an integer in [{lo}, {_I32}], got {shown(v)}")
             return v
     return default
 
@@ -332,6 +332,8 @@ class CompletionRequest(_Common):
     prompts: list[Any] = field(default_factory=list)  # each a str or {"prompt_token_ids": [...]}
     logprobs: int | None = None
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's own special tokens (a BOS)
+    echo: bool = False  # the prompt leads each choice (vLLM's; its logprobs too, as prompt_logprobs)
+    generate: bool = True  # False: echo with max_tokens 0, the choice is the prompt alone
 
 
 def _prompts(value: Any) -> list[Any]:
@@ -356,10 +358,20 @@ def parse_completion_request(body: Any, stream_kind: RequestOutputKind = Request
         raise bad("prompt", "prompt is required")
     prompts = _prompts(body["prompt"])
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
-    params, source = sampling_params(body, _max_tokens(body, 16), logprobs, kind, defaults)
+    stream = _bool(body, "stream", False)
+    kind = stream_kind if stream else RequestOutputKind.FINAL_ONLY
+    # vLLM's echo: the prompt leads each choice's text (and its logprobs, the prompt's); with
+    # max_tokens 0 (what lm-eval's loglikelihood sends) the choice is the prompt alone.
+    echo = _bool(body, "echo", False)
+    if echo and logprobs is not None and stream:
+        raise bad("echo", "echo with logprobs is not supported with stream: true yet")
+    max_tokens = _max_tokens(body, 16, lo=0 if echo else 1)
+    params, source = sampling_params(body, max_tokens or 1, logprobs, kind, defaults)
+    if echo and logprobs is not None and params.prompt_logprobs is None:
+        params.prompt_logprobs = logprobs
     return CompletionRequest(**_common(body, params, source), prompts=prompts, logprobs=logprobs,
-                             add_special_tokens=_bool(body, "add_special_tokens", True))
+                             add_special_tokens=_bool(body, "add_special_tokens", True), echo=echo,
+                             generate=max_tokens != 0)
 
 
 @dataclass(slots=True)
@@ -428,6 +440,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
                        defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRequest:
     body = _object(body)
+    if _bool(body, "echo", False):
+        raise bad("echo", "echo is not supported for chat by this server, got true")
     messages = _messages(body.get("messages"))
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)

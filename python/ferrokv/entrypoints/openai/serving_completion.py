@@ -7,7 +7,9 @@ vLLM's ``continuous_usage_stats``, the usage so far in every chunk), then ``data
 ``top_logprobs``, ``text_offset``; the sampled token first in each ``top_logprobs`` entry, which
 keeps a key that several tokens decode to, e.g. a partial UTF-8 character). ``prompt_logprobs``
 (vLLM's extra) are in each non-streamed choice, as vLLM sends them: one entry per prompt token,
-``null`` for the first, else ``{"token id": {logprob, rank, decoded_token}}``.
+``null`` for the first, else ``{"token id": {logprob, rank, decoded_token}}``. ``echo`` (vLLM's)
+puts the prompt first in each choice's text and, with ``logprobs``, its logprobs first (computed
+as prompt logprobs; the first token has none); ``max_tokens: 0`` then reports the prompt alone.
 Costs: O(tokens) per response for the text and logprobs, nothing per step beyond the chunks.
 """
 
@@ -67,29 +69,35 @@ class _Logprobs:
     def __init__(self) -> None:
         self.offset = 0
 
-    def piece(self, c: CompletionOutput) -> dict[str, Any] | None:
-        if c.logprobs is None:
-            return None
+    def piece(self, token_ids: list[int], entries: list[Any], first_text: str = "") -> dict[str, Any]:
+        """OpenAI's logprobs of ``token_ids``; an entry may be None (a prompt's first token,
+        whose text is ``first_text``: it has no logprob)."""
         tokens, lps, tops, offsets = [], [], [], []
-        for tid, entry in zip(c.token_ids, c.logprobs):
-            text = _token_text(entry, tid)
-            tokens.append(text)
-            lps.append(finite_logprob(entry[tid].logprob) if tid in entry else None)
-            top: dict[str, float] = {}
-            for t, lp in entry.items():  # the sampled token first: it keeps its text's key
-                top.setdefault(_token_text(entry, t), finite_logprob(lp.logprob))
-            tops.append(top)
+        for tid, entry in zip(token_ids, entries):
+            if entry is None:
+                tokens.append(first_text)
+                lps.append(None)
+                tops.append(None)
+            else:
+                tokens.append(_token_text(entry, tid))
+                lps.append(finite_logprob(entry[tid].logprob) if tid in entry else None)
+                top: dict[str, float] = {}
+                for t, lp in entry.items():  # the sampled token first: it keeps its text's key
+                    top.setdefault(_token_text(entry, t), finite_logprob(lp.logprob))
+                tops.append(top)
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 class _Completion:
     """One call's ids and running totals."""
 
-    def __init__(self, req: CompletionRequest, model: str) -> None:
+    def __init__(self, req: CompletionRequest, model: str, tokenizer: Any) -> None:
         self.req = req
         self.model = model
+        self.tokenizer = tokenizer  # echo: the text of a prompt given as token ids
+        self.echoed: set[int] = set()
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.n = req.params.n
         self.logprobs: dict[int, _Logprobs] = {}
@@ -97,16 +105,29 @@ class _Completion:
         self.cached: dict[int, int] = {}
         self.completion_tokens = 0
 
-    def choice(self, i: int, c: CompletionOutput) -> dict[str, Any]:
+    def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         index = i * self.n + c.index
         lp = self.logprobs.setdefault(index, _Logprobs()) if c.logprobs is not None else None
-        return {"index": index, "text": c.text, "logprobs": lp.piece(c) if lp else None,
+        text, ids, entries = (c.text, c.token_ids, c.logprobs) if self.req.generate else ("", [], [])
+        logprobs = None
+        if self.req.echo and index not in self.echoed:  # the first piece of this choice
+            self.echoed.add(index)
+            prompt = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+            text = prompt + text
+            if lp is not None:
+                first = self.tokenizer.decode(out.prompt_token_ids[:1])
+                logprobs = lp.piece(out.prompt_token_ids, out.prompt_logprobs or [], first)
+        if lp is not None:
+            rest = lp.piece(ids, entries)
+            logprobs = rest if logprobs is None else {k: logprobs[k] + rest[k] for k in logprobs}
+        return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def count(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)
         self.cached[i] = max(self.cached.get(i, 0), out.num_cached_tokens)
-        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if self.req.generate:  # echo with max_tokens 0 generates nothing it reports
+            self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
 
     def usage(self) -> dict[str, Any]:
         return usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached.values()))
@@ -119,7 +140,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
     req = parse_completion_request(body, defaults=state.llm.default_sampling_params)
     model = state.check_model(req.model)
     state.admit(len(req.prompts))
-    call = _Completion(req, model)
+    call = _Completion(req, model, state.llm.tokenizer)
     created = int(time.time())  # OpenAI's created: when this completion was made
     if state.log_prompts:
         logger.info("%s: prompts %r, params %r", call.id, req.prompts, req.params)
@@ -136,7 +157,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
         for i, out in enumerate(finals):
             call.count(i, out)
             plp = prompt_logprobs_json(out.prompt_logprobs)
-            choices += [{**call.choice(i, c), "prompt_logprobs": plp} for c in out.outputs]
+            choices += [{**call.choice(i, out, c), "prompt_logprobs": plp} for c in out.outputs]
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({**call.head(created), "choices": choices, "usage": call.usage()})
 
@@ -150,8 +171,9 @@ def _stream(gen: Generation, call: _Completion, created: int) -> Any:
     def chunks(i: int, out: RequestOutput) -> list[Any]:
         call.count(i, out)
         # A token that completes no character yet has nothing to send (unless it has logprobs).
-        choices = [call.choice(i, c) for c in out.outputs
-                   if c.text or c.finish_reason is not None or c.logprobs is not None]
+        choices = [call.choice(i, out, c) for c in out.outputs
+                   if c.text or c.finish_reason is not None or c.logprobs is not None
+                   or (call.req.echo and i * call.n + c.index not in call.echoed)]
         if not choices:
             return []
         chunk = {**head, "choices": choices}
