@@ -10,14 +10,17 @@ from ferrokv.inputs import batch_prompts, prompt_cache_salt, prompt_ids, validat
 
 
 class _Tok:
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % 50 for c in text]
+    """Encodes a character as its code mod 50, after a BOS (0) unless told not to."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [0] * add_special_tokens + [ord(c) % 50 for c in text]
 
 
 def test_every_prompt_form_gives_its_ids():
     tok = _Tok()
-    assert prompt_ids(tok, "abc") == ("abc", [47, 48, 49])
-    assert prompt_ids(tok, {"prompt": "abc"}) == ("abc", [47, 48, 49])
+    assert prompt_ids(tok, "abc") == ("abc", [0, 47, 48, 49])
+    assert prompt_ids(tok, "abc", add_special_tokens=False) == ("abc", [47, 48, 49])
+    assert prompt_ids(tok, {"prompt": "abc"}, add_special_tokens=False) == ("abc", [47, 48, 49])
     assert prompt_ids(tok, {"prompt_token_ids": [1, 2]}) == (None, [1, 2])
     assert prompt_ids(tok, {"prompt_token_ids": np.array([3, 4]), "prompt": "x"}) == ("x", [3, 4])
 
