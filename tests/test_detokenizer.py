@@ -126,21 +126,20 @@ def test_stop_string_spanning_tokens(tok, include):
         d.append(ids[-1])
 
 
-def test_first_occurring_stop_wins(tok):
+def test_the_first_completed_stop_wins_and_the_lists_order_breaks_ties(tok):
     text = "The cat runs today. The dog reads. The end."
     ids = tok.encode(text)
-    # All three occur; "dog" occurs first in the text, whatever the list order.
+    # Streamed token by token, "dog" completes first, whatever the list order.
     d, _ = stream(tok, ids, stop=["The end", "dog", "reads"])
     assert d.stop_reason == "dog" and d.text == "The cat runs today. The "
-    # Same start position: the shorter one wins; arriving in a single delta must still work.
     d = IncrementalDetokenizer(tok, stop=["cat runs", "cat"])
     out = d.extend(ids)
     assert d.stop_reason == "cat" and out == d.text == "The "
-    # Several stops completed by one long delta: earliest start wins.
+    # Several stops completed by one delta: the first in the list wins (vLLM's rule).
     d = IncrementalDetokenizer(tok, stop=["xyz", "bc"], include_stop_str_in_output=True)
     d.num_tokens = 1
     d._emit("abcdxyz")
-    assert d.stop_reason == "bc" and d.text == "abc"
+    assert d.stop_reason == "xyz" and d.text == "abcdxyz"
 
 
 def test_multibyte_stop_string(tok):

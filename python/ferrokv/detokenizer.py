@@ -19,8 +19,8 @@ Invariants:
 * Stop strings: once the text contains one (searched only after more than ``min_tokens`` tokens, as
   in vLLM), :attr:`stop_reason` is that string, :attr:`text` is cut just before it (or just after
   it with ``include_stop_str_in_output``) and the detokenizer refuses further tokens. When several
-  stop strings occur, the one starting earliest wins (ties: the shortest). A stop string may span
-  any number of tokens.
+  stop strings complete in one delta, the first of them in the caller's list wins (vLLM's
+  ``check_stop_strings``). A stop string may span any number of tokens.
 * Emitted text is final: without ``include_stop_str_in_output`` the last ``max_stop_len - 1``
   characters are held back from deltas (a partial stop string must not be streamed and then
   retracted); :meth:`flush` releases them when the sequence ends for another reason.
@@ -232,15 +232,12 @@ class IncrementalDetokenizer:
         s = self._tail + delta
         base = len(self._tail)  # s[:base] was already searched
         if self.num_tokens > self._min_tokens:
-            best: tuple[int, int, str] | None = None
-            for stop in self._stop:
-                # Only matches that end inside the new delta are new.
-                i = s.find(stop, max(0, base - len(stop) + 1))
-                if i != -1 and (best is None or (i, len(stop)) < best[:2]):
-                    best = (i, len(stop), stop)
-            if best is not None:
-                i, n, stop = best
-                cut = i + n if self._include_stop else i
+            # Only matches that end inside the new delta are new; the list's order decides.
+            found = next(((i, stop) for stop in self._stop
+                          if (i := s.find(stop, max(0, base - len(stop) + 1))) != -1), None)
+            if found is not None:
+                i, stop = found
+                cut = i + len(stop) if self._include_stop else i
                 # s[base - len(held):] is what has not been emitted yet. Holdback guarantees the
                 # cut never falls inside already-emitted text.
                 out = s[base - len(self._held) : cut]

@@ -5,8 +5,8 @@
 //! * Empty stop strings are ignored; reported indices are positions in the caller's list.
 //! * Searched only once `num_tokens > min_tokens`, and only for matches that end inside the new
 //!   delta: the search covers `tail + delta`, where `tail` is the last `max_stop - 1` characters
-//!   already decoded. The earliest-starting match wins; ties go to the shortest, then to the
-//!   first in the list.
+//!   already decoded. The first stop string in the caller's list that matches wins (vLLM's
+//!   `check_stop_strings`), at its earliest match.
 //! * Without `include_stop_str_in_output` the last `max_stop - 1` characters are held back from
 //!   the emitted text (`held`, always a suffix of `tail`), so a partial stop string is never
 //!   emitted and then retracted; on a stop the text is cut just before the match (or just after
@@ -140,25 +140,19 @@ impl StopScan {
         None
     }
 
-    /// Earliest (then shortest, then first) match ending after `base`: (byte position, index).
+    /// The first stop string (in list order) with a match ending after `base`: (byte position
+    /// of its earliest such match, index).
     fn find(&self, p: &StopStrings, base_bytes: usize, base_chars: usize) -> Option<(usize, usize)> {
         let s = self.tail.as_str();
-        let mut best: Option<(usize, usize, usize)> = None; // (pos, len, idx)
-        for (idx, (stop, &n)) in p.stop.iter().zip(&p.stop_chars).enumerate() {
+        p.stop.iter().zip(&p.stop_chars).enumerate().find_map(|(idx, (stop, &n))| {
             if n == 0 {
-                continue;
+                return None;
             }
             // Python: s.find(stop, max(0, base - len(stop) + 1)).
             let back = (n - 1).min(base_chars);
             let from = back_chars(&s[..base_bytes], back);
-            if let Some(i) = s[from..].find(stop.as_str()) {
-                let cand = (from + i, stop.len(), idx);
-                if best.is_none_or(|b| (cand.0, cand.1) < (b.0, b.1)) {
-                    best = Some(cand);
-                }
-            }
-        }
-        best.map(|(pos, _, idx)| (pos, idx))
+            s[from..].find(stop.as_str()).map(|i| (from + i, idx))
+        })
     }
 
     /// Releases the held-back text into `out` (end of sequence) and clears the scan.
@@ -172,5 +166,24 @@ impl StopScan {
         self.tail_chars = 0;
         self.held_bytes = 0;
         self.held_chars = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn several_stops_completed_by_one_delta_the_first_in_the_list_wins() {
+        let emit = |stop: &[&str], include: bool| {
+            let p = StopStrings::new(stop.iter().map(|s| s.to_string()).collect(), include, 0, true);
+            let (mut scan, mut out) = (StopScan::default(), String::new());
+            let idx = scan.emit(&p, 1, "abcdxyz", &mut out);
+            (idx, out)
+        };
+        assert_eq!(emit(&["xyz", "bc"], true), (Some(0), "abcdxyz".to_string()));
+        assert_eq!(emit(&["xyz", "bc"], false), (Some(0), "abcd".to_string()));
+        assert_eq!(emit(&["bc", "xyz"], false), (Some(0), "a".to_string()));
+        assert_eq!(emit(&["", "q", "dx"], false), (Some(2), "abc".to_string()));
     }
 }
