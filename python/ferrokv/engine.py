@@ -73,28 +73,13 @@ from ferrokv.inputs import (check_logprobs_cap, check_no_lora, prompt_cache_salt
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
-from ferrokv.output_processor import (
-    RequestState,
-    aborted_output,
-    append_logprobs,
-    build_outputs,
-    end_completion,
-    new_stats,
-    prompt_of_row,
-    request_times,
-    seq_of_row,
-    stream_rows,
-)
+from ferrokv.output_processor import (RequestState, aborted_output, append_logprobs, build_outputs, end_completion,
+                                      new_stats, prompt_of_row, request_times, seq_of_row, stream_rows)
 from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from ferrokv.prompt_logprobs import PromptLogprobRequests, PromptLogprobsPlan
 from ferrokv.step_profile import StepProfile
-from ferrokv.structured_outputs import (
-    CompiledGrammar,
-    GrammarRows,
-    GrammarStep,
-    LazyGrammarCompiler,
-    StructuredOutputsParams,
-)
+from ferrokv.structured_outputs import (CompiledGrammar, GrammarRows, GrammarStep, LazyGrammarCompiler,
+                                        StructuredOutputsParams)
 from ferrokv.step_sampling import StepSampler, core_sampling_kwargs
 from ferrokv.step_worker import StepWorker
 from ferrokv.sampling_params import SamplingParams
@@ -244,8 +229,7 @@ class LLMEngine:
                                                                  params.truncate_prompt_tokens)
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
-        # The core stops at max_model_len anyway; capping here keeps huge values in its int range.
-        # No limit given: as many as the n samples' worst case fits (vLLM's samples fit alone).
+        # Capped at max_model_len (the core's int range); none given: what n samples' worst case fits.
         room = max(self.max_model_len - len(ids), 1)
         fits = self.scheduler.max_fitting_tokens(len(ids), params.n) or room  # 0: the core refuses it
         max_tokens = min(room, fits) if params.max_tokens is None else min(params.max_tokens, room)
@@ -568,7 +552,7 @@ class LLMEngine:
             if f.request_finished:
                 self._finish(req)
         outputs = build_outputs(touched.values(), ended_now, self._times_of)
-        outputs += [self._beam_output(req) for req in self._beams_done]
+        outputs += [beam_output(req, self.text.decode) for req in self._beams_done]
         self._beams_done = []
         if self.profile is not None:
             self.profile.outputs += time.perf_counter() - t0
@@ -605,6 +589,3 @@ class LLMEngine:
         if advance(self.scheduler, req, rows, row_seq, logits, sampled):
             self._finish(req)
             self._beams_done.append(req)
-
-    def _beam_output(self, req: RequestState) -> RequestOutput:
-        return beam_output(req, self.text.decode)
