@@ -159,7 +159,33 @@ class SamplingParams:
                 f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty!r}"
             )
 
-        # --- stop conditions ------------------------------------------------------------------
+        self._validate_stops()
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (self.spaces_between_special_tokens or self.skip_special_tokens):
+            raise ValueError("spaces_between_special_tokens=False with skip_special_tokens=False is not supported yet "
+                             "(use True, or skip the special tokens)")
+
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop strings need detokenize=True, got stop={self.stop!r} with detokenize=False")
+        self._validate_token_rules()
+
+        kind = self.output_kind
+        if isinstance(kind, bool) or not isinstance(kind, (RequestOutputKind, numbers.Integral)) \
+                or kind not in tuple(RequestOutputKind):
+            names = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be a RequestOutputKind ({names}), got {kind!r}")
+        self.output_kind = RequestOutputKind(kind)
+
+        if self.is_greedy:
+            # These cannot change an argmax; neutralising them lets the sampler take fast paths.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _validate_stops(self) -> None:
+        """``stop`` as a list of non-empty strings, ``stop_token_ids`` as a list of ids >= 0."""
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -185,29 +211,6 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
         self.stop_token_ids = [int(t) for t in ids]
-
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
-                     "spaces_between_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not (self.spaces_between_special_tokens or self.skip_special_tokens):
-            raise ValueError("spaces_between_special_tokens=False with skip_special_tokens=False is not supported yet "
-                             "(use True, or skip the special tokens)")
-
-        if not self.detokenize and self.stop:
-            raise ValueError(f"stop strings need detokenize=True, got stop={self.stop!r} with detokenize=False")
-        self._validate_token_rules()
-
-        kind = self.output_kind
-        if isinstance(kind, bool) or not isinstance(kind, (RequestOutputKind, numbers.Integral)) \
-                or kind not in tuple(RequestOutputKind):
-            names = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
-            raise ValueError(f"output_kind must be a RequestOutputKind ({names}), got {kind!r}")
-        self.output_kind = RequestOutputKind(kind)
-
-        if self.is_greedy:
-            # These cannot change an argmax; neutralising them lets the sampler take fast paths.
-            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _validate_token_rules(self) -> None:
         """``prompt_logprobs``, ``logit_bias``, ``allowed_token_ids``, ``bad_words`` and
