@@ -35,11 +35,25 @@ def test_reads_the_recommended_keys_only(tmp_path):
         "repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "min_p": 0.05, "max_tokens": 64}
 
 
-def test_transformers_neutral_values_are_no_recommendation(tmp_path):
-    d = _folder(tmp_path, {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
-                           "max_new_tokens": None, "eos_token_id": 2})
-    assert load_generation_defaults("auto", None, d) == {}
+def test_the_file_is_read_as_the_installed_transformers_diffs_it(tmp_path):
+    """vLLM reads GenerationConfig.to_diff_dict(): a value equal to the installed transformers'
+    default is no recommendation (transformers 4: top_k 50, temperature 1.0 ...; 5: none is)."""
+    from transformers import GenerationConfig
+
+    config = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0, "max_new_tokens": None,
+              "eos_token_id": 2}
+    d = _folder(tmp_path, config)
+    diff = GenerationConfig.from_pretrained(str(d)).to_diff_dict()
+    want = {k: diff[k] for k in ("temperature", "top_k", "top_p", "repetition_penalty") if diff.get(k) is not None}
+    assert load_generation_defaults("auto", None, d) == want
     assert load_generation_defaults("auto", None, tmp_path) == {}  # no file at all
+
+
+def test_an_override_is_taken_as_given(tmp_path):
+    """override_generation_config is set on top as it is: top_k 50 replaces the file's 20, even
+    where 50 is transformers' default (vLLM never diffs the overrides)."""
+    d = _folder(tmp_path, {"temperature": 0.6, "top_k": 20})
+    assert load_generation_defaults("auto", {"top_k": 50}, d) == {"temperature": 0.6, "top_k": 50}
 
 
 def test_vllm_source_ignores_the_file_but_not_the_overrides(tmp_path):
@@ -59,11 +73,11 @@ def test_folder_source_and_overrides_on_top(tmp_path):
 @pytest.mark.parametrize("config, needle", [
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 2.0}, "top_p"),
-    ({"max_new_tokens": 0}, "max_tokens"),
+    ({"max_new_tokens": 0}, "max_new_tokens|max_tokens"),
 ])
 def test_an_invalid_recommendation_fails_at_load_naming_it(tmp_path, config, needle):
     d = _folder(tmp_path, config)
-    with pytest.raises(ValueError, match=f"generation_config: .*{needle}"):
+    with pytest.raises(ValueError, match=f"generation_config: .*({needle})"):
         load_generation_defaults("auto", None, d)
 
 

@@ -8,10 +8,11 @@ and every server request field left out. ``EngineArgs.generation_config`` picks 
 ``"auto"`` (the model's file), ``"vllm"`` (none: the neutral defaults) or a folder holding a
 ``generation_config.json``; ``override_generation_config`` then sets keys on top.
 
-Invariants: only the six keys below are read, and a value equal to transformers'
-``GenerationConfig`` default is not a recommendation (vLLM reads ``to_diff_dict()``); the result
-is checked once, at load, by building a ``SamplingParams`` from it, so a bad value is a
-``ValueError`` naming its source, never an error of a later request.
+Invariants: only the six keys below are read; the file is read as vLLM reads it, through the
+installed transformers' ``GenerationConfig.to_diff_dict()`` (so a value equal to that version's
+default is no recommendation), and the overrides are set on top as given; the result is checked
+once, at load, by building a ``SamplingParams`` from it, so a bad value is a ``ValueError``
+naming its source, never an error of a later request.
 Costs: one JSON read per engine.
 """
 
@@ -27,15 +28,9 @@ from ferrokv.sampling_params import SamplingParams
 __all__ = ["SOURCES", "check_generation_args", "load_generation_defaults"]
 
 SOURCES = ("auto", "vllm")  # or a folder
-# generation_config.json key -> SamplingParams field, with transformers' default (not a recommendation).
-_KEYS: dict[str, tuple[str, Any]] = {
-    "repetition_penalty": ("repetition_penalty", 1.0),
-    "temperature": ("temperature", 1.0),
-    "top_k": ("top_k", 50),
-    "top_p": ("top_p", 1.0),
-    "min_p": ("min_p", None),
-    "max_new_tokens": ("max_tokens", None),
-}
+# generation_config.json key -> SamplingParams field (vLLM's six).
+_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
+         "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
 _FILE = "generation_config.json"
 
 
@@ -59,11 +54,7 @@ def load_generation_defaults(source: str, overrides: Mapping[str, Any] | None, m
         if path.is_file():
             config = _read(path)
     config.update(overrides or {})
-    out = {}
-    for key, (name, neutral) in _KEYS.items():
-        value = config.get(key)
-        if value is not None and not (value == neutral and type(value) is not bool):
-            out[name] = value
+    out = {name: config[key] for key, name in _KEYS.items() if config.get(key) is not None}
     what = f"{source if source != 'auto' else model_path}/{_FILE}"
     if overrides:
         what += " with override_generation_config"
@@ -75,10 +66,16 @@ def load_generation_defaults(source: str, overrides: Mapping[str, Any] | None, m
 
 
 def _read(path: Path) -> dict[str, Any]:
+    """The file's non-default values (transformers' ``to_diff_dict``, as vLLM reads it)."""
+    from transformers import GenerationConfig
+
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"generation_config: cannot read {str(path)!r}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"generation_config: {str(path)!r} must hold a JSON object, got {type(data).__name__}")
-    return data
+    try:
+        return GenerationConfig.from_pretrained(str(path.parent)).to_diff_dict()
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"generation_config: cannot read {str(path)!r}: {e}") from None
