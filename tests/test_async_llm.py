@@ -264,6 +264,34 @@ def test_an_abandoned_generator_is_aborted_when_closed(allm):
     assert_engine_idle(allm)
 
 
+def test_a_stream_left_as_its_event_loop_closes_logs_no_error(allm, caplog):
+    """The usual end of an early ``break`` (or a Ctrl-C) under ``asyncio.run``: the request's
+    final output comes after its event loop closed. It is dropped quietly, not logged as a
+    failed sink."""
+    import time
+
+    async def main():
+        async for _ in allm.generate(rand_prompts(45, [5])[0], greedy(100, output_kind=Kind.DELTA), "gone"):
+            return
+
+    with caplog.at_level("ERROR", logger="ferrokv"):
+        asyncio.run(main())
+        deadline = time.monotonic() + 30
+        while allm.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        allm.engine_loop.submit("after", {"prompt_token_ids": [5, 6]}, greedy(1), sink=_Sink())  # a step after it
+        deadline = time.monotonic() + 30
+        while allm.stats()["num_running"] + allm.stats()["num_waiting"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    assert_engine_idle(allm)
+
+
+class _Sink:
+    def put(self, item):
+        pass
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. bad input: the request's error, the others go on
 # ------------------------------------------------------------------------------------------------

@@ -321,3 +321,40 @@ def test_real_sigints_at_random_moments_never_wedge_the_llm(llama_path):
     r = subprocess.run([sys.executable, "-c", SIGINT_STRESS, str(llama_path), "60"], capture_output=True, text=True,
                        timeout=180)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("where", ["after_submit", "inside_queue"])
+def test_an_interrupt_while_a_batch_is_submitted_leaves_no_request_behind(llama_path, where):
+    """A Ctrl-C right after a submit returned (the call had not recorded the id yet), or inside
+    the queuing before the put (the id claimed, never queued): the call's every request is
+    aborted or never ran, the engine is idle when the call raises, and the next call works."""
+    llm = tiny_llm(llama_path)
+    loop = llm.engine_loop
+    calls = []
+    if where == "after_submit":
+        real_submit = loop.submit
+
+        def submit(*a, **kw):
+            real_submit(*a, **kw)
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt  # what a SIGINT landing right after the return does
+
+        loop.submit = submit
+    else:
+        class Inbox(queue.SimpleQueue):
+            def put(self, item, *a, **kw):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise KeyboardInterrupt  # before the item is queued
+                super().put(item, *a, **kw)
+
+        loop._inbox = Inbox()
+    prompts = rand_prompts(8, [3] * 8)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy(10_000), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert_idle(llm.llm_engine)
+    assert not loop.holding({str(i) for i in range(100)})
+    out = llm.generate(prompts[:1], greedy(3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -73,9 +73,8 @@ class _LoopDispatcher:
             self._pending = True
             try:
                 self.loop.call_soon_threadsafe(self._drain)
-            except RuntimeError:  # the event loop is closed: nobody will read these
+            except RuntimeError:  # the event loop is closed (its client is gone): nobody reads these
                 self._items.clear()
-                raise
 
     def _drain(self) -> None:  # the event loop
         self._pending = False

@@ -239,19 +239,26 @@ class EngineLoop:
                 if not start:
                     return  # nothing is left to abort
                 raise EngineDeadError(str(self._dead))
+            claimed = None
             if isinstance(command, _Submit):
                 # Claimed until its terminal item: a second submit of the id fails here, so the
                 # refused caller never holds (and, cancelled, never aborts) the id of another.
                 if command.request_id in self._claimed:
                     raise ValueError(f"request_id={command.request_id!r} is already in use")
-                self._claimed.add(command.request_id)
-            if self._thread is None:
-                if not start:
-                    return
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-                _running.add(self)
-            self._inbox.put(command)
+                claimed = command.request_id
+                self._claimed.add(claimed)
+            try:
+                if self._thread is None:
+                    if not start:
+                        return
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+                    _running.add(self)
+                self._inbox.put(command)
+            except BaseException:  # an interrupt before the put: the id was never queued
+                if claimed is not None:
+                    self._claimed.discard(claimed)
+                raise
 
     def _on_abort(self, output: RequestOutput) -> None:
         # LLMEngine.on_abort: called by whichever thread applied the abort, lock-free by design

@@ -218,12 +218,12 @@ class LLM:
         try:
             for i, p in enumerate(prompts):
                 rid = self._next_id()
+                ids.append(rid)  # first: an interrupt during the submit still aborts it
                 if beam is not None:
                     loop.submit_beam(rid, p, sink=sink, **beam)
                 else:
                     loop.submit(rid, p, _final_only(params[i]), sink=sink,
                                 priority=0 if priority is None else priority[i])
-                ids.append(rid)
             while len(done) < len(ids):
                 item = sink.get()
                 done[item.request_id] = item
