@@ -614,7 +614,7 @@ def test_logprobs_are_raw_log_softmax():
     for j, r in enumerate(lp.rows):
         tok = int(out.token_ids[r])
         assert lp.sampled_logprobs[j] == pytest.approx(float(ref[r, tok]), abs=1e-6)
-        assert lp.sampled_ranks[j] == int((ref[r] > ref[r, tok]).sum()) + 1
+        assert lp.sampled_ranks[j] == int((ref[r] >= ref[r, tok]).sum())
         k = int(lp.num_top[j])
         vals, ids = ref[r].topk(k)
         assert lp.top_ids[j, :k].tolist() == ids.tolist()
@@ -623,6 +623,24 @@ def test_logprobs_are_raw_log_softmax():
     assert lp.sampled_ranks[1] == 1
     # Raw: the penalised row's numbers are the model's, not the penalised ones.
     assert lp.top_ids[0, 0] == int(ref[0].argmax())
+
+
+def test_tied_logprobs_rank_as_vllm():
+    """Two tokens tie for the top: the sampled one's rank counts the tokens at least as likely
+    (2), and in an entry with top-k alternatives it takes its top-k position, so the entry's
+    ranks are 1..k with no repeat (vLLM's ranks)."""
+    from ferrokv.outputs import make_logprobs_entry
+
+    x = torch.zeros(2, 10)
+    x[:, [3, 6]] = 5.0
+    out = run(x, [SamplingRow(SP(logprobs=0, temperature=0.0)), SamplingRow(SP(logprobs=3, temperature=0.0))])
+    lp = out.logprobs
+    assert lp.sampled_ranks.tolist() == [2, 2] and int(out.token_ids[1]) in (3, 6)
+    k = int(lp.num_top[1])
+    entry = make_logprobs_entry(int(out.token_ids[1]), float(lp.sampled_logprobs[1]), int(lp.sampled_ranks[1]),
+                                lp.top_ids[1, :k], lp.top_logprobs[1, :k])
+    assert sorted(e.rank for e in entry.values()) == [1, 2, 3]
+    assert next(iter(entry)) == int(out.token_ids[1])  # the sampled token stays first
 
 
 def test_build_ignores_out_of_range_ids():

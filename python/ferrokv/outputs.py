@@ -109,7 +109,9 @@ def make_logprobs_entry(
     top_logprobs: Sequence[float] = (),
     decode: Callable[[int], str] | None = None,
 ) -> dict[int, Logprob]:
-    """Builds one position's ``{token_id: Logprob}`` dict: sampled token first, then top-k.
+    """Builds one position's ``{token_id: Logprob}`` dict: sampled token first, then top-k (a
+    sampled token that is among them takes its top-k position as its rank, as in vLLM, so ranks
+    of one entry never repeat even when logprobs tie).
 
     Feed it one row of :class:`ferrokv.sampler.LogprobsResult` (sliced to ``num_top``); ``decode``
     (e.g. :func:`ferrokv.detokenizer.decode_token` bound to a tokenizer) fills ``decoded_token``.
@@ -120,7 +122,9 @@ def make_logprobs_entry(
     }
     for i, (tid, lp) in enumerate(zip(top_ids, top_logprobs)):
         tid = int(tid)
-        if tid not in entry:
+        if tid == token_id:
+            entry[tid] = Logprob(entry[tid].logprob, i + 1, entry[tid].decoded_token)
+        else:
             entry[tid] = Logprob(float(lp), i + 1, decode(tid) if decode else None)
     return entry
 

@@ -103,7 +103,7 @@ def compute(logits: torch.Tensor, p: PromptLogprobsPlan) -> tuple[np.ndarray, np
     lp = torch.log_softmax(logits.float(), dim=-1)
     targets = p.targets.to(lp.device)
     tok_lp = lp.gather(1, targets.unsqueeze(1))
-    ranks = (lp > tok_lp).sum(dim=1) + 1
+    ranks = (lp >= tok_lp).sum(dim=1)  # vLLM's: the tokens at least as likely, itself included
     k = min(p.num_top, lp.shape[1])
     top_lp, top_ids = lp.topk(k, dim=1) if k > 0 else (lp[:, :0], torch.zeros_like(lp[:, :0], dtype=torch.int64))
     return tok_lp.squeeze(1).cpu().numpy(), ranks.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy()

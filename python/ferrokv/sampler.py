@@ -513,7 +513,7 @@ def _logprobs(logits: torch.Tensor, md: SamplingMetadata, sampled: torch.Tensor)
     lp = compute_logprobs(logits.index_select(0, rows))
     tok = sampled.index_select(0, rows).to(torch.int64).unsqueeze(1)
     tok_lp = lp.gather(1, tok)
-    ranks = (lp > tok_lp).sum(dim=-1) + 1
+    ranks = (lp >= tok_lp).sum(dim=-1)  # vLLM's: the tokens at least as likely, itself included
     k = int(md.num_top_logprobs.max())
     if k > 0:
         top_lp, top_ids = lp.topk(k, dim=-1)
