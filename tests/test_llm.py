@@ -281,7 +281,7 @@ def test_chat_gives_tools_and_an_assistants_null_content_to_the_template(llama_l
     out = llm.chat(conv, params, use_tqdm=False, chat_template=template, tools=tools)[0]
     assert out.prompt == "TOOLS now [user]time?[assistant][user]well?"
     assert llm.chat(conv, params, use_tqdm=False, chat_template=template)[0].prompt.startswith("[user]")
-    with pytest.raises(ValueError, match="tools must be a list of tool dicts"):
+    with pytest.raises(ValueError, match="tools must be a list of tool objects"):
         llm.chat(conv, params, use_tqdm=False, tools={"name": "now"})
     with pytest.raises(ValueError, match=r"messages\[1\].content must be a str"):
         llm.chat([{"role": "user", "content": "a"}, {"role": "user", "content": None}], params, use_tqdm=False)

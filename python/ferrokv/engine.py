@@ -231,8 +231,10 @@ class LLMEngine:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
         # Capped at max_model_len (the core's int range); none given: what n samples' worst case fits.
         room = max(self.max_model_len - len(ids), 1)
-        fits = self.scheduler.max_fitting_tokens(len(ids), params.n) or room  # 0: the core refuses it
-        max_tokens = min(room, fits) if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is None:  # 0 fits: the core refuses the request
+            max_tokens = min(room, self.scheduler.max_fitting_tokens(len(ids), params.n) or room)
+        else:
+            max_tokens = min(params.max_tokens, room)
         self._submit(request_id, text, ids, params, max_tokens, priority, cache_salt, beam=None, grammar=grammar)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:

@@ -76,6 +76,6 @@ def _read(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"generation_config: {str(path)!r} must hold a JSON object, got {type(data).__name__}")
     try:
-        return GenerationConfig.from_pretrained(str(path.parent)).to_diff_dict()
+        return GenerationConfig.from_dict(data).to_diff_dict()
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"generation_config: cannot read {str(path)!r}: {e}") from None

@@ -21,7 +21,7 @@ import numpy as np
 
 from ferrokv.checks import check_text, shown
 
-__all__ = ["batch_prompts", "check_logprobs_cap", "check_no_lora", "message_text", "prompt_cache_salt", "prompt_ids",
+__all__ = ["batch_prompts", "check_logprobs_cap", "check_no_lora", "check_tools", "message_text", "prompt_cache_salt", "prompt_ids",
            "request_id_str", "request_ids", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
@@ -163,6 +163,12 @@ def message_text(content: Any, name: str, role: Any = None) -> str:
             parts.append(check_text(f"{name}[{j}].text", part["text"]))
         return "".join(parts)
     return check_text(name, content)
+
+
+def check_tools(tools: Any) -> None:
+    """OpenAI's tool definitions for a chat template: None or a list of objects."""
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
+        raise ValueError(f"tools must be a list of tool objects, got {shown(tools)}")
 
 
 def check_logprobs_cap(logprobs: int | None, prompt_logprobs: int | None, max_logprobs: int, vocab_size: int) -> None:

@@ -31,7 +31,7 @@ from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineLoop, StreamItem
-from ferrokv.inputs import batch_prompts, check_no_lora, message_text
+from ferrokv.inputs import batch_prompts, check_no_lora, check_tools, message_text
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
@@ -116,8 +116,7 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
     elif not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}: the tokenizer has no chat template")
     extra = _template_kwargs(chat_template_kwargs)
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
-        raise ValueError(f"tools must be a list of tool dicts, got {shown(tools)}")
+    check_tools(tools)
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, tools=tools,
                                              add_generation_prompt=add_generation_prompt,

@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ferrokv.checks import shown
-from ferrokv.inputs import message_text
+from ferrokv.inputs import check_tools, message_text
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.structured_outputs import StructuredOutputsParams
@@ -403,8 +403,10 @@ def _tools(body: Mapping[str, Any]) -> list[Any] | None:
     tools = body.get("tools")
     if not tools:
         return None
-    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
-        raise bad("tools", f"tools must be a list of tool objects, got {shown(tools)}")
+    try:
+        check_tools(tools)
+    except ValueError as e:
+        raise bad("tools", str(e)) from None
     choice = body.get("tool_choice")
     if choice != "none":
         shown_choice = '"auto" (the default with tools)' if choice is None else shown(choice)

@@ -3,7 +3,8 @@
 Choices are numbered ``prompt_index * n + sample_index``, as in OpenAI and vLLM. Non-streaming
 requests run ``FINAL_ONLY`` (one output each); streaming ones ``DELTA``, one chunk per choice
 that moved per engine step, then a usage chunk if ``stream_options.include_usage`` (and, with
-vLLM's ``continuous_usage_stats``, the usage so far in every chunk), then ``data: [DONE]``. ``logprobs`` follow OpenAI's completion shape (``tokens``, ``token_logprobs``,
+vLLM's ``continuous_usage_stats``, the usage so far in every chunk), then ``data: [DONE]``.
+``logprobs`` follow OpenAI's completion shape (``tokens``, ``token_logprobs``,
 ``top_logprobs``, ``text_offset``; the sampled token first in each ``top_logprobs`` entry, which
 keeps a key that several tokens decode to, e.g. a partial UTF-8 character). ``prompt_logprobs``
 (vLLM's extra) are in each non-streamed choice, as vLLM sends them: one entry per prompt token,
