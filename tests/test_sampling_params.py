@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ferrokv.sampling_params import GREEDY_EPS, SamplingParams
+from ferrokv.sampling_params import GREEDY_EPS, MIN_TEMPERATURE, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -31,8 +31,19 @@ def test_normalisation():
 def test_greedy_neutralises_truncation():
     p = SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2)
     assert p.is_greedy and (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
-    assert SamplingParams(temperature=GREEDY_EPS / 2).is_greedy
+    assert SamplingParams(temperature=0).is_greedy
     assert not SamplingParams(temperature=GREEDY_EPS * 2).is_greedy
+
+
+@pytest.mark.parametrize("temperature", [GREEDY_EPS / 2, GREEDY_EPS * 2, 0.005])
+def test_tiny_temperature_is_raised_as_vllm(temperature, caplog):
+    # vLLM raises 0 < temperature < 0.01 to 0.01 (logits / ~0 overflow), so such a request
+    # samples, and is not greedy.
+    with caplog.at_level("WARNING", logger="ferrokv"):
+        p = SamplingParams(temperature=temperature)
+    assert p.temperature == MIN_TEMPERATURE and not p.is_greedy
+    assert "raised to 0.01" in caplog.text
+    assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
 
 
 def test_replace_revalidates():

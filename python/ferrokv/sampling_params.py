@@ -30,7 +30,9 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
   prompt's last that many tokens are used (left truncation, as vLLM).
 * ``output_kind`` is a ``RequestOutputKind`` (an int 0-2 is accepted and converted): what each
   output of the request carries (``ferrokv.outputs``). ``LLM.generate`` sets ``FINAL_ONLY``.
-* Greedy means ``temperature < GREEDY_EPS``; for greedy requests top_p/top_k/min_p are reset to
+* A temperature in (0, ``MIN_TEMPERATURE``) is raised to it, with a warning, as vLLM does (dividing
+  logits by less overflows them to inf or nan).
+* Greedy means ``temperature < GREEDY_EPS`` (so, after the raise, 0); for greedy requests top_p/top_k/min_p are reset to
   their neutral values (as vLLM does) because they cannot change an argmax.
 
 Costs: construction is O(len(stop) + len(stop_token_ids)); nothing here touches torch, so building
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import numbers
 from collections.abc import Iterable, Mapping
@@ -50,11 +53,15 @@ from ferrokv.checks import check_text, shown
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.structured_outputs import StructuredOutputsParams  # stdlib-only at import
 
-__all__ = ["GREEDY_EPS", "SamplingParams", "StructuredOutputsParams"]  # vLLM exports both here
+__all__ = ["GREEDY_EPS", "MIN_TEMPERATURE", "SamplingParams", "StructuredOutputsParams"]  # vLLM exports the last two here
+
+logger = logging.getLogger("ferrokv")
 
 # Below this temperature a request is treated as greedy: dividing logits by ~0 would overflow, and
 # vLLM uses the same threshold, so requests behave the same on both engines.
 GREEDY_EPS: float = 1e-5
+# vLLM's _MAX_TEMP: the smallest temperature used as given (above 0).
+MIN_TEMPERATURE: float = 1e-2
 
 
 def _is_int(x: object) -> bool:
@@ -139,6 +146,10 @@ class SamplingParams:
         self._check_real("temperature")
         if not (0.0 <= self.temperature < math.inf):
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in "
+                           "tensors; it is raised to %s", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         self._check_real("top_p")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
