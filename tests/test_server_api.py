@@ -27,6 +27,7 @@ MAX_MODEL_LEN = 512
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 PROMPT = "The cat runs the red ball"
+MAX_LOGPROBS = 30  # the server's --max-logprobs, above the default 20
 UNI_PROMPT = "The café owner likes crème brûlée 中文 🚀"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "A dog sees the blue sky."}]
 # Long enough to span several 16-token KV blocks, so a repeat can hit the prefix cache.
@@ -41,7 +42,7 @@ def model_dir(tiny_model_dir):
 @pytest.fixture(scope="module")
 def server(model_dir):
     with serve(model_dir, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
-               "--enable-prefix-caching") as s:
+               "--enable-prefix-caching", "--trust-request-chat-template", "--max-logprobs", str(MAX_LOGPROBS)) as s:
         yield s
 
 
@@ -389,6 +390,13 @@ def test_chat_logprobs_and_top_logprobs(client):
         tops = [t.logprob for t in entry.top_logprobs]
         assert tops == sorted(tops, reverse=True)
         assert entry.logprob == pytest.approx(tops[0], abs=1e-4)  # greedy: the top token was sampled
+    # The engine's --max-logprobs caps top_logprobs, logprobs and prompt_logprobs (not a fixed 20).
+    wide = chat(client, max_tokens=2, logprobs=True, top_logprobs=MAX_LOGPROBS).choices[0].logprobs.content
+    assert [len(e.top_logprobs) for e in wide] == [MAX_LOGPROBS] * 2
+    # (completions' top_logprobs is keyed by token text, and texts can repeat: at most 25 keys)
+    assert 20 < len(complete(client, max_tokens=2, logprobs=25).choices[0].logprobs.top_logprobs[0]) <= 25
+    with pytest.raises(openai.BadRequestError, match=r"top_logprobs must be an integer in \[0, 30\]"):
+        chat(client, max_tokens=2, logprobs=True, top_logprobs=MAX_LOGPROBS + 1)
     only_sampled = chat(client, max_tokens=4, logprobs=True, top_logprobs=0).choices[0].logprobs.content
     assert len(only_sampled) == 4 and all(e.top_logprobs == [] for e in only_sampled)
     assert chat(client, max_tokens=3).choices[0].logprobs is None
@@ -462,6 +470,11 @@ def test_chat_template_fields_shape_the_prompt_as_in_vllm(http):
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": conv, "max_tokens": 1, **body})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), (body, r.text)
     assert want != chat_token_ids(tiny_tokenizer(), conv, True, chat_template=template)
+    # A trusted template's code failing on the request is a 400 naming it, never a 500.
+    for bad in ("{{ 1/0 }}", "{{ messages[0].content + 1 }}", "{% for i in range(1000000) %}{% endfor %}"):
+        for path in ("/tokenize", "/v1/chat/completions"):
+            r = http.post(path, json={"model": MODEL, "messages": conv, "max_tokens": 1, "chat_template": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", (path, bad, r.text)
     for body, field in [({"continue_final_message": True}, "continue_final_message"),
                         ({"chat_template_kwargs": 5}, "chat_template_kwargs"),
                         ({"add_special_tokens": True}, "add_special_tokens")]:

@@ -118,6 +118,10 @@ BAD_PARAMS = [
     (_CH, "messages", "hello", "hello"),
     (_CH, "messages", [{"role": "user"}], None),
     (_CH, "top_logprobs", 30, "30"),
+    (_CH, "top_logprobs", 21, "--max-logprobs"),
+    (_CH, "chat_template", "{% for i in range(10**10) %}{% endfor %}", "--trust-request-chat-template"),
+    (_CH, "chat_template_kwargs", {"chat_template": "x"}, "--trust-request-chat-template"),
+    (_CH, "chat_template_kwargs", {"messages": 1}, "messages"),
     (_CH, "top_logprobs", -1, "-1"),
     (_CH, "max_completion_tokens", 0, "0"),
     (_CH, "temperature", -0.5, "-0.5"),
@@ -160,6 +164,20 @@ def test_400_bad_parameter_names_field_and_value(http, path, field, value, shown
     if shown is not None:
         assert shown in err["message"], f"value {shown!r} not shown in {err['message']!r}"
     assert_still_serves(http)
+
+
+def test_400_request_chat_template_on_tokenize_without_trust(http):
+    """vLLM's --trust-request-chat-template is off by default: a template is code the server would
+    run (a loop or a huge list in one would hold a worker or fill memory), so /tokenize refuses
+    it too; the model's own template still serves."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for extra, field in (({"chat_template": "{{ 1 }}"}, "chat_template"),
+                         ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs")):
+        r = http.post("/tokenize", json={"model": MODEL, "messages": messages, **extra})
+        err = assert_openai_error(r, 400, "--trust-request-chat-template", field)
+        assert err["param"] == field, err
+    r = http.post("/tokenize", json={"model": MODEL, "messages": messages})
+    assert r.status_code == 200 and r.json()["count"] > 0, r.text
 
 
 def test_400_stream_options_include_usage_names_the_nested_field(http):
@@ -475,6 +493,7 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--allowed-methods", "[1]"], ["--allowed-methods", "a JSON list of strings"]),
     (["--allowed-headers", "{}"], ["--allowed-headers", "a JSON list of strings"]),
     (["--allow-credentials=1"], ["--allow-credentials"]),
+    (["--trust-request-chat-template=1"], ["--trust-request-chat-template"]),
     (["--model", "/some/other/model"], ["model", "/some/other/model"]),
     (["--block-size", "24"], ["block_size", "24"]),
     (["--max-num-seqs", "0"], ["max_num_seqs", "0"]),

@@ -269,6 +269,9 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--allowed-{name}", type=_json_strings, default=getattr(d, f"allowed_{name}"), metavar="JSON",
                        help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"], any)")
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: off)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat_template sent in a request (default: off, such requests get 400: a "
+                        "template is code the server runs)")
     _engine_flags(p)
 
 
@@ -315,7 +318,8 @@ def _serve(args: argparse.Namespace) -> int:
                           max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                          trust_request_chat_template=args.trust_request_chat_template)
     return run_server(AsyncLLM.from_engine_args(engine_args), config)
 
 

@@ -77,9 +77,9 @@ def checked_messages(conversation: Any, name: str = "messages") -> list[dict[str
     return out
 
 
-# apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM drops them).
+# apply_chat_template's own arguments and the template's messages: chat_template_kwargs may not set them.
 _TEMPLATE_RESERVED = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
@@ -117,14 +117,29 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
         raise ValueError(f"{name}: the tokenizer has no chat template")
     extra = _template_kwargs(chat_template_kwargs)
     check_tools(tools)
+    which = "chat_template" if chat_template is not None else f"{name}: the model's chat template"
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, tools=tools,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **extra)
     except TemplateError as e:
-        which = "chat_template" if chat_template is not None else f"{name}: the model's chat template"
-        raise ValueError(f"{which} refused this conversation ({e})") from None
+        raise ValueError(f"{which} refused this conversation ({_escaped(e)})") from None
+    except Exception as e:  # noqa: BLE001  the template's code failed on what the caller gave it
+        raise ValueError(f"{which} failed on this conversation{' and chat_template_kwargs' if extra else ''} "
+                         f"({type(e).__name__}: {_escaped(e)})") from None
+    if not isinstance(text, str):
+        raise ValueError(f"{which} rendered {type(text).__name__}, not text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{which} rendered text with a lone surrogate (from chat_template_kwargs?), "
+                         "which is not valid Unicode") from None
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _escaped(e: BaseException) -> str:
+    """An exception's message, with characters that cannot be UTF-8 (lone surrogates) escaped."""
+    return str(e).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _template_kwargs(kwargs: Any) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from ferrokv.checks import shown
 from ferrokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from ferrokv.entrypoints.openai.protocol import (OpenAIError, error_body, parse_detokenize_request,
                                                  parse_tokenize_request)
-from ferrokv.entrypoints.openai.serving import ServerState, error_response
+from ferrokv.entrypoints.openai.serving import ServerState, error_response, to_openai_error
 from ferrokv.entrypoints.openai.serving_chat import create_chat_completion
 from ferrokv.entrypoints.openai.serving_completion import create_completion
 from ferrokv.entrypoints.openai.server_config import ServerConfig
@@ -166,7 +166,7 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     state_box: dict[str, ServerState] = {}
     metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight)
     state = ServerState(async_llm, metrics, (config.served_model_name,), config.max_waiting_requests,
-                        config.log_prompts)
+                        config.log_prompts, config.trust_request_chat_template)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ferrokv = state
@@ -237,13 +237,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(request: Request) -> Any:
         req = parse_tokenize_request(await _json(request))
         state.check_model(req.model)
+        state.check_chat_template(req.template)
         try:
             if req.messages is not None:
                 ids = await llm.encode_chat(req.messages, req.add_generation_prompt, **req.template)
             else:
                 ids = await llm.encode(req.prompt, req.add_special_tokens)
-        except ValueError as e:
-            raise OpenAIError(400, str(e), "messages" if req.messages is not None else "prompt") from None
+        except ValueError as e:  # a chat error names its field first (messages, chat_template, ...)
+            raise (to_openai_error(e) if req.messages is not None else OpenAIError(400, str(e), "prompt")) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")

@@ -27,17 +27,19 @@ from types import MappingProxyType
 from typing import Any
 
 from ferrokv.checks import shown
+from ferrokv.engine_args import EngineArgs
 from ferrokv.inputs import check_tools, message_text
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.structured_outputs import StructuredOutputsParams
 
 __all__ = [
-    "MAX_LOGPROBS", "ChatRequest", "CompletionRequest", "OpenAIError", "error_body", "parse_chat_request",
+    "ChatRequest", "CompletionRequest", "OpenAIError", "error_body", "parse_chat_request",
     "StructuredSource", "parse_completion_request", "parse_detokenize_request", "parse_tokenize_request",
 ]
 
-MAX_LOGPROBS = 20  # most top alternatives per token (OpenAI's and vLLM's default cap)
+# The engine's cap when a caller gives none (EngineArgs' default).
+_DEFAULT_MAX_LOGPROBS: int = EngineArgs.__dataclass_fields__["max_logprobs"].default
 
 # Request field -> SamplingParams field, for the knobs that map one to one.
 _SAMPLING_FIELDS = (
@@ -95,6 +97,15 @@ def _int(body: Mapping[str, Any], name: str, default: Any, lo: int, hi: int) -> 
     return v
 
 
+def _logprobs(body: Mapping[str, Any], name: str, max_logprobs: int) -> int | None:
+    """A logprobs count, within the engine's ``max_logprobs`` (-1: no cap), as vLLM checks it."""
+    v = _opt(body, name)
+    if v is not None and (not _is_int(v) or v < 0 or (max_logprobs != -1 and v > max_logprobs)):
+        bound = "an integer >= 0" if max_logprobs == -1 else f"an integer in [0, {max_logprobs}]"
+        raise bad(name, f"{name} must be {bound} (the server's --max-logprobs), got {shown(v)}")
+    return v
+
+
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     v = _opt(body, name, default)
     if not isinstance(v, bool):
@@ -123,7 +134,8 @@ _I32 = (1 << 31) - 1
 
 
 def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind,
-                    defaults: Mapping[str, Any]) -> tuple[SamplingParams, StructuredSource | None]:
+                    defaults: Mapping[str, Any],
+                    max_logprobs: int = _DEFAULT_MAX_LOGPROBS) -> tuple[SamplingParams, StructuredSource | None]:
     """The request's ``SamplingParams`` (their own checks mapped to a 400 naming the field), and
     where its structured-output constraint came from (None: it has none). ``defaults`` (the
     model's generation config, ``ferrokv.generation_defaults``) fill the fields the request left
@@ -153,7 +165,7 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
     bias = _logit_bias(body.get("logit_bias"))
     if bias:
         kw["logit_bias"] = bias
-    prompt_logprobs = _int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    prompt_logprobs = _logprobs(body, "prompt_logprobs", max_logprobs)
     if prompt_logprobs is not None and _bool(body, "stream", False):
         # vLLM: a stream carries no prompt logprobs, so asking for alternatives is an error
         # and prompt_logprobs=0 is accepted and not computed.
@@ -352,12 +364,13 @@ def _prompts(value: Any) -> list[Any]:
 
 
 def parse_completion_request(body: Any, stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                             defaults: Mapping[str, Any] = _NO_DEFAULTS) -> CompletionRequest:
+                             defaults: Mapping[str, Any] = _NO_DEFAULTS,
+                             max_logprobs: int = _DEFAULT_MAX_LOGPROBS) -> CompletionRequest:
     body = _object(body)
     if body.get("prompt") is None:
         raise bad("prompt", "prompt is required")
     prompts = _prompts(body["prompt"])
-    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = _logprobs(body, "logprobs", max_logprobs)
     stream = _bool(body, "stream", False)
     kind = stream_kind if stream else RequestOutputKind.FINAL_ONLY
     # vLLM's echo: the prompt leads each choice's text (and its logprobs, the prompt's); with
@@ -366,7 +379,7 @@ def parse_completion_request(body: Any, stream_kind: RequestOutputKind = Request
     if echo and logprobs is not None and stream:
         raise bad("echo", "echo with logprobs is not supported with stream: true yet")
     max_tokens = _max_tokens(body, 16, lo=0 if echo else 1)
-    params, source = sampling_params(body, max_tokens or 1, logprobs, kind, defaults)
+    params, source = sampling_params(body, max_tokens or 1, logprobs, kind, defaults, max_logprobs)
     if echo and logprobs is not None and params.prompt_logprobs is None:
         params.prompt_logprobs = logprobs
     return CompletionRequest(**_common(body, params, source), prompts=prompts, logprobs=logprobs,
@@ -440,18 +453,19 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 
 def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRequest:
+                       defaults: Mapping[str, Any] = _NO_DEFAULTS,
+                       max_logprobs: int = _DEFAULT_MAX_LOGPROBS) -> ChatRequest:
     body = _object(body)
     if _bool(body, "echo", False):
         raise bad("echo", "echo is not supported for chat by this server, got true")
     messages = _messages(body.get("messages"))
     want_logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    top = _logprobs(body, "top_logprobs", max_logprobs)
     if top and not want_logprobs:  # vLLM accepts top_logprobs=0 alone
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
     params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind,
-                                     defaults)
+                                     defaults, max_logprobs)
     return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
                        top_logprobs=top or 0, add_generation_prompt=_bool(body, "add_generation_prompt", True),
                        template=_template(body))

@@ -19,7 +19,9 @@ class ServerConfig:
     """``served_model_name``: the name clients send and see. ``max_waiting_requests``: engine
     requests accepted beyond the ``max_num_seqs`` running ones. ``drain_timeout``: seconds
     requests in flight may run on after SIGTERM/SIGINT. ``allowed_*`` and ``allow_credentials``:
-    the CORS policy browsers are told (vLLM's flags and defaults: any origin, method and header)."""
+    the CORS policy browsers are told (vLLM's flags and defaults: any origin, method and header).
+    ``trust_request_chat_template``: whether a request's own ``chat_template`` is rendered (vLLM's
+    flag; off, such a request is a 400: a Jinja template is code, one could loop or fill memory)."""
 
     served_model_name: str = DEFAULT_MODEL_NAME
     host: str = "127.0.0.1"
@@ -33,3 +35,4 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    trust_request_chat_template: bool = False

@@ -27,7 +27,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ class ServerState:
     model_names: tuple[str, ...]
     max_waiting_requests: int
     log_prompts: bool
+    trust_request_chat_template: bool = False  # ServerConfig's
     draining: bool = False
     http_in_flight: int = 0  # generation requests being served (the drain waits for 0)
     admitted: int = 0  # engine requests of the calls being served (admit reserves, Generation.close frees)
@@ -64,6 +65,17 @@ class ServerState:
             raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
                                    f"{', '.join(map(repr, self.model_names))}", "model", "NotFoundError")
         return self.model_names[0]
+
+    def check_chat_template(self, template: Mapping[str, Any]) -> None:
+        """A request's own chat template (``template``: ``protocol._template``'s keywords) is
+        refused unless the server trusts them (vLLM's ``--trust-request-chat-template``)."""
+        if self.trust_request_chat_template:
+            return
+        for name, value in (("chat_template", template.get("chat_template")),
+                            ("chat_template_kwargs", (template.get("chat_template_kwargs") or {}).get("chat_template"))):
+            if value is not None:
+                raise OpenAIError(400, f"{name}: a chat template sent with the request is refused: this server was "
+                                       "not started with --trust-request-chat-template", name)
 
     def admit(self, num_requests: int) -> None:
         if self.draining or not self.llm.is_running:

@@ -72,8 +72,10 @@ class _Chat:
 
 
 async def create_chat_completion(request: Request, state: ServerState, body: Any) -> Any:
-    req = parse_chat_request(body, defaults=state.llm.default_sampling_params)
+    req = parse_chat_request(body, defaults=state.llm.default_sampling_params,
+                             max_logprobs=state.llm.engine.args.max_logprobs)
     model = state.check_model(req.model)
+    state.check_chat_template(req.template)
     state.admit(1)
     call = _Chat(req, model, int(time.time()))  # OpenAI's created: when this completion was made
     rid = call.head["id"]

@@ -138,7 +138,8 @@ class _Completion:
 
 
 async def create_completion(request: Request, state: ServerState, body: Any) -> Any:
-    req = parse_completion_request(body, defaults=state.llm.default_sampling_params)
+    req = parse_completion_request(body, defaults=state.llm.default_sampling_params,
+                             max_logprobs=state.llm.engine.args.max_logprobs)
     model = state.check_model(req.model)
     state.admit(len(req.prompts))
     call = _Completion(req, model, state.llm.tokenizer)
