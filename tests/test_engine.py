@@ -172,7 +172,7 @@ def make_engine(path, **kw) -> LLMEngine:
     args = dict(model=str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=4,
                 num_kv_blocks=128)
     args.update(kw)
-    return LLMEngine(EngineArgs(**args))
+    return LLMEngine.from_engine_args(EngineArgs(**args))  # vLLM's spelling; the same as LLMEngine(args)
 
 
 def tokens_of(out) -> list[list[int]]:

@@ -84,6 +84,9 @@ def test_an_alias_and_its_name_together_or_bad_values_fail(kw, match):
     (dict(tokenizer_mode="slow"), "tokenizer_mode must be one of auto; got 'slow'"),
     (dict(logprobs_mode="processed_logprobs"), "logprobs_mode must be one of raw_logprobs; got 'processed_logprobs'"),
     (dict(dtype=torch.float64), "dtype must be one of .*; got 'float64'"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'"),
+    (dict(gpu_memory_utilization="0.5"), r"gpu_memory_utilization must be in \(0, 1\], got '0.5'"),
+    (dict(gpu_memory_utilization=True), r"gpu_memory_utilization must be in \(0, 1\], got True"),
 ])
 def test_vllm_arguments_check_their_values(kw, match):
     with pytest.raises(ValueError, match=match):

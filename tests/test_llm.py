@@ -351,6 +351,32 @@ def test_chat_template_failures_are_value_errors_naming_the_template(llama_llm):
     assert_no_leak(llm)
 
 
+def test_use_tqdm_callable_makes_the_bar(llama_llm):
+    """vLLM's use_tqdm may be a callable that makes the progress bar (partial(tqdm, leave=False))."""
+    import functools
+
+    from tqdm import tqdm
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.n, self.closed = total, 0, False
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix_str(self, s):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    made = []
+    outs = llama_llm.generate(["a b", "c d"], SamplingParams(max_tokens=2),
+                              use_tqdm=lambda **kw: made.append(Bar(**kw)) or made[-1])
+    assert len(outs) == 2 and len(made) == 1 and (made[0].n, made[0].total, made[0].closed) == (2, 2, True)
+    assert len(llama_llm.generate(["a"], SamplingParams(max_tokens=1), use_tqdm=functools.partial(tqdm, disable=True)))
+
+
 def test_beam_search_params_form_equals_the_earlier_forms(llama_llm):
     """vLLM's beam_search(prompts, BeamSearchParams(...)) and ferrokv's earlier keyword and
     positional forms run the same search; unsupported and conflicting values are refused."""

@@ -184,7 +184,7 @@ BAD_NEW = [
     ("prompt_logprobs", -2, -2),
     ("prompt_logprobs", 1.5, 1.5),
     ("prompt_logprobs", "2", "2"),
-    ("prompt_logprobs", True, True),
+    ("prompt_logprobs", False, False),  # True is vLLM's 1; False is refused, not read as 0
     ("detokenize", 1, 1),
     ("detokenize", "no", "no"),
     ("detokenize", None, None),
@@ -247,3 +247,17 @@ def test_spaces_between_special_tokens_is_vllms_field():
         SamplingParams(spaces_between_special_tokens=False, skip_special_tokens=False)
     with pytest.raises(ValueError, match="spaces_between_special_tokens must be a bool"):
         SamplingParams(spaces_between_special_tokens="no")
+
+
+def test_vllm_spellings_logprobs_true_extra_args_and_from_optional():
+    p = SamplingParams(logprobs=True, prompt_logprobs=True, extra_args={"k": [1]})
+    assert (p.logprobs, p.prompt_logprobs, p.extra_args) == (1, 1, {"k": [1]})
+    with pytest.raises(ValueError, match="logprobs must be None.*got False"):
+        SamplingParams(logprobs=False)
+    with pytest.raises(ValueError, match="extra_args must be None or a dict"):
+        SamplingParams(extra_args=[1])
+    # from_optional: None means the default, unless None is a value of the field's own.
+    q = SamplingParams.from_optional(n=None, temperature=None, top_p=0.5, max_tokens=None, seed=None, stop=None)
+    assert (q.n, q.temperature, q.top_p, q.max_tokens, q.seed, q.stop) == (1, 1.0, 0.5, None, None, [])
+    with pytest.raises(TypeError):
+        SamplingParams.from_optional(not_a_field=None)

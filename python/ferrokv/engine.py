@@ -177,6 +177,11 @@ class LLMEngine:
         self._stats_wanted = False
         self._num_free_blocks: int = self.scheduler.num_free_blocks
         self._num_blocks = num_blocks  # a scheduler getter would borrow it, failing mid-step
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's constructor spelling: ``LLMEngine.from_engine_args(EngineArgs(model=...))``."""
+        return cls(engine_args)
+
     # ------------------------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
         return self.tokenizer

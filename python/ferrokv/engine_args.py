@@ -168,7 +168,11 @@ class EngineArgs:
         self._check_vllm_compat()
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        for f in fields(self):  # every plain flag (annotated `bool`) is a bool, not a truthy string
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if isinstance(self.num_cpu_blocks, bool) or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
@@ -189,9 +193,6 @@ class EngineArgs:
 
     def _check_vllm_compat(self) -> None:
         """vLLM's arguments that ferrokv accepts only at their no-op values."""
-        for name in ("enforce_eager", "trust_remote_code"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -203,8 +204,6 @@ class EngineArgs:
         swap = self.swap_space
         if isinstance(swap, bool) or not isinstance(swap, (int, float)) or not 0 <= swap < float("inf"):
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r}")
-        if not isinstance(self.disable_log_stats, bool):
-            raise ValueError(f"disable_log_stats must be True or False, got {self.disable_log_stats!r}")
         if not (self.enable_chunked_prefill is None or self.enable_chunked_prefill is True):
             raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r} is not supported: ferrokv "
                              "always chunks prompts longer than max_num_batched_tokens (use None or True)")

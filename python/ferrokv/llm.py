@@ -22,7 +22,7 @@ import logging
 import queue
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,7 +216,7 @@ class LLM:
     def _next_id(self) -> str:
         return str(next(self._request_counter))  # atomic under the GIL: safe from any thread
 
-    def _run(self, prompts: Sequence[Any], params: Sequence[SamplingParams] | None, use_tqdm: bool,
+    def _run(self, prompts: Sequence[Any], params: Sequence[SamplingParams] | None, use_tqdm: bool | Callable[..., Any],
              beam: dict[str, Any] | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Submits every prompt to the engine loop and returns their finished outputs in order."""
         loop = self.engine_loop
@@ -225,9 +225,12 @@ class LLM:
         done: dict[str, StreamItem] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(prompts), desc="Processed prompts", unit="req", dynamic_ncols=True)
+            # vLLM's use_tqdm: True, or a callable that makes the bar (e.g. partial(tqdm, leave=False)).
+            if callable(use_tqdm):
+                make_bar = use_tqdm
+            else:
+                from tqdm.auto import tqdm as make_bar
+            bar = make_bar(total=len(prompts), desc="Processed prompts", unit="req", dynamic_ncols=True)
         t0, generated = time.perf_counter(), 0
         try:
             for i, p in enumerate(prompts):
@@ -256,7 +259,7 @@ class LLM:
         return [done[rid].output for rid in ids]
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: Any = None, *,
+                 use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None, *,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generates for every prompt (vLLM's forms, ``ferrokv.inputs``: a str, a ``TextPrompt`` or
         ``TokensPrompt`` dict, a list of ints, or a list of these); returns one finished
@@ -288,7 +291,8 @@ class LLM:
         return self._run(prompts, params, use_tqdm, priority=priority)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = True,
              lora_request: Any = None, add_generation_prompt: bool = True, *, chat_template: str | None = None,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
@@ -311,7 +315,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams | int | None = None, max_tokens: int | None = None,
-                    length_penalty: float = 1.0, ignore_eos: bool = False, use_tqdm: bool = False, *,
+                    length_penalty: float = 1.0, ignore_eos: bool = False, use_tqdm: bool | Callable[..., Any] = False, *,
                     beam_width: int | None = None, lora_request: Any = None) -> list[BeamSearchOutput]:
         """Beam search built on the core's fork and copy-on-write (transformers' semantics).
 

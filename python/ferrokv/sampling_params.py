@@ -13,7 +13,8 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
 * ``stop`` is always a ``list[str]`` of non-empty, valid Unicode strings afterwards (a single ``str`` or ``None``
   are accepted on construction); ``stop_token_ids`` is always a ``list[int]`` of ids ``>= 0``.
 * ``logprobs`` is ``None``, ``-1`` (the whole vocabulary, as vLLM) or ``>= 0`` (how many top alternatives to return *in addition to* the
-  sampled token's own logprob).
+  sampled token's own logprob); ``True`` (vLLM's) becomes 1, for both logprobs fields.
+* ``extra_args`` is ``None`` or a dict with str keys, carried as given (vLLM's, for plugins).
 * ``prompt_logprobs`` is ``None``, ``-1`` or ``>= 0``: the prompt's logprobs (each prompt token's own,
   plus that many top alternatives), computed from every prompt position, never a cache hit.
 * ``detokenize`` is a bool; without it no text is made, so ``stop`` must be empty.
@@ -48,6 +49,7 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ferrokv.checks import check_text, shown
 from ferrokv.outputs import RequestOutputKind
@@ -109,6 +111,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None  # vLLM's: carried for plugins and callers, unused by the engine
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
     # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -139,6 +142,9 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
         if self.seed == -1:
             self.seed = None  # vLLM's spelling of "no seed"
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)  # vLLM's: True asks for the sampled token's logprob (one)
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
             raise ValueError(f"logprobs must be None, -1 (the whole vocabulary) or an int >= 0, got {self.logprobs!r}")
 
@@ -172,6 +178,9 @@ class SamplingParams:
 
         self._validate_stops()
 
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict)
+                                                and all(isinstance(k, str) for k in self.extra_args)):
+            raise ValueError(f"extra_args must be None or a dict with str keys, got {self.extra_args!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
@@ -295,6 +304,13 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's ``from_optional``: a None stands for the field's default where None is not
+        one of the field's own values (``max_tokens=None`` stays None: no limit)."""
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k not in fields or "None" in str(fields[k].type)})
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's ``clone``): changing the copy's lists or dicts leaves this one as it was."""
