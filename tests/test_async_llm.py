@@ -350,6 +350,68 @@ def test_a_refused_duplicate_that_is_cancelled_does_not_abort_the_first(allm, se
     assert_engine_idle(allm)
 
 
+@pytest.mark.parametrize("how", ["wait_for", "cancel", "aclose"])
+def test_a_request_retried_under_its_id_right_after_the_caller_gave_up_runs(allm, sequential, how):
+    """vLLM's retry pattern: a request whose caller timed out, was cancelled or closed its stream
+    is aborted, and its id may be given again at once; the retry waits in the loop for the old
+    request's end, then runs as if alone (the old one's abort output never reaches it)."""
+    prompt = rand_prompts(48, [8])[0]
+    aborted_before = allm.stats()["requests_aborted"]
+
+    async def main():
+        gen = allm.generate(prompt, greedy(10_000, output_kind=Kind.DELTA), f"retry-{how}")
+        if how == "wait_for":
+            async def drain():  # a slow consumer: it cannot read every output in time
+                async for _ in gen:
+                    await asyncio.sleep(10)
+
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(drain(), timeout=0.3)
+        elif how == "cancel":
+            task = asyncio.ensure_future(anext(gen))
+            await task
+            task = asyncio.ensure_future(anext(gen))
+            await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await gen.aclose()
+        else:
+            await anext(gen)
+            await gen.aclose()
+        return await collect(allm, prompt, greedy(6), f"retry-{how}")  # at once: no "already in use"
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    assert [o.outputs[0].finish_reason for o in outs][-1] == "length" and len(outs) == 6  # no abort output
+    assert token_ids([outs[-1]]) == token_ids(sequential([prompt], 6))
+    # (the timed-out one may have ended in the engine already; its consumer just never read it)
+    aborted = allm.stats()["requests_aborted"] - aborted_before
+    assert aborted <= 1 if how == "wait_for" else aborted == 1
+    assert_engine_idle(allm)
+
+
+def test_retries_given_up_in_turn_each_end_and_the_last_runs(allm, sequential):
+    """Give up, retry, give up on the retry while it still waits for the first, retry again: the
+    waiting retry is added and aborted at once (nothing runs for it), the last one runs, and every
+    claim on the id ends."""
+    prompt = rand_prompts(49, [6])[0]
+
+    async def main():
+        for _ in range(2):
+            gen = allm.generate(prompt, greedy(10_000, output_kind=Kind.DELTA), "turns")
+            await anext(gen)
+            await gen.aclose()
+        gen = allm.generate(prompt, greedy(10_000, output_kind=Kind.DELTA), "turns")
+        await gen.aclose()  # never read: given up before it started
+        outs = await collect(allm, prompt, greedy(4), "turns")
+        return outs
+
+    outs = asyncio.run(main())
+    assert token_ids([outs[-1]]) == token_ids(sequential([prompt], 4))
+    assert not allm.engine_loop.holding({"turns"})
+    assert_engine_idle(allm)
+
+
 def test_ids_the_engine_makes_never_match_a_callers(allm):
     async def main():
         mine = asyncio.ensure_future(collect(allm, {"prompt_token_ids": [5, 6]}, greedy(4), "1"))

@@ -358,3 +358,43 @@ def test_an_interrupt_while_a_batch_is_submitted_leaves_no_request_behind(llama_
     assert not loop.holding({str(i) for i in range(100)})
     out = llm.generate(prompts[:1], greedy(3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_a_retry_under_a_given_up_id_waits_for_the_old_request_and_gets_only_its_own_outputs(llama_path):
+    """The old request's abort cannot be applied at once (another thread holds the engine lock,
+    as ``reset_prefix_cache`` does): a retry under its id waits in the loop; a retry that is
+    given up in turn while it waits is added and aborted (its terminal item is an abort); the
+    last one then runs as if alone. Each sink gets only its own request's items, and every
+    claim on the id ends."""
+    llm = tiny_llm(llama_path)
+    loop, engine = llm.engine_loop, llm.llm_engine
+    prompt = rand_prompts(61, [6])[0]
+    want = llm.generate([prompt], greedy(5), use_tqdm=False)[0].outputs[0].token_ids
+    old, retry, last = queue.SimpleQueue(), queue.SimpleQueue(), queue.SimpleQueue()
+    loop.submit("same", prompt, greedy(10_000), sink=old)
+    while engine.get_num_unfinished_requests() == 0:
+        pass
+    engine._lock.acquire()  # the loop's next step, and every abort, wait for it
+    try:
+        loop.abandon("same", old)
+        loop.submit("same", prompt, greedy(5), sink=retry)
+        with pytest.raises(ValueError, match="already in use"):  # the retry holds it, not given up
+            loop.submit("same", prompt, greedy(5), sink=queue.SimpleQueue())
+        loop.abandon("same", retry)
+        loop.submit("same", prompt, greedy(5), sink=last)
+    finally:
+        engine._release()  # applies the queued aborts on this thread: their outputs go through the inbox
+
+    def items(sink):
+        got = [sink.get(timeout=60)]
+        while not got[-1].finished:
+            got.append(sink.get(timeout=60))
+        return got
+
+    finals = [items(s)[-1] for s in (old, retry, last)]
+    assert [f.error for f in finals] == [None, None, None]
+    assert [f.output.outputs[0].finish_reason for f in finals] == ["abort", "abort", "length"]
+    assert finals[2].output.outputs[0].token_ids == want
+    assert old.empty() and retry.empty() and last.empty()
+    assert not loop.holding({"same"})
+    assert_idle(engine)

@@ -345,8 +345,8 @@ class AsyncLLM:
                 left = self._live.pop(rid) - 1
                 if left:
                     self._live[rid] = left
-            if not ended:  # closed or cancelled early: the client is gone
-                self.engine_loop.abort([rid])
+            if not ended:  # closed or cancelled early: the client is gone, and the id is free again
+                self.engine_loop.abandon(rid, stream)
 
     def abort(self, request_id: str | list[str]) -> _Done:
         """Ends the requests (unknown or finished ids are ignored); each one's generator then

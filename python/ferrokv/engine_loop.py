@@ -13,7 +13,10 @@ Interface (every method is safe from any thread):
   and ``submit_beam(request_id, prompt, *, sink, beam_width, max_tokens, ...)`` queue a request;
 * ``abort(request_ids)`` queues aborts (unknown or finished ids are ignored);
 * a request id (a str, or an int) is claimed from its submit to its terminal item: submitting
-  an id in use raises ``ValueError`` at once;
+  an id in use raises ``ValueError`` at once, unless every holder of the id gave it up
+  (``abandon(request_id, sink)``: a caller that stopped reading, e.g. a cancelled task): then the
+  new request waits in the loop until the old one's terminal item was delivered, so that a
+  request retried under its id right after a timeout starts at once, as in vLLM;
 * ``stream(request_id, prompt, params)``: one request's outputs as an iterator (closing it early
   aborts the request);
 * ``shutdown()`` ends the loop, and with it every request still in it; idempotent.
@@ -114,6 +117,23 @@ class _Record:
     sink: OutputSink
 
 
+@dataclass(slots=True)
+class _Claim:
+    """One holder of a request id: its sink, and whether it gave the id up (``abandon``)."""
+
+    sink: OutputSink
+    abandoned: bool = False
+
+
+@dataclass(slots=True)
+class _Deferred:
+    """A submit waiting for an earlier request of its id to end; ``aborted``: an abort of the id
+    came meanwhile (the request is then added and aborted at once, so it still gets its output)."""
+
+    submit: _Submit
+    aborted: bool = False
+
+
 _SHUTDOWN = object()
 _running: weakref.WeakSet[EngineLoop] = weakref.WeakSet()  # loops whose thread was started
 
@@ -142,7 +162,8 @@ class EngineLoop:
         # lock in Python code, and an interrupt there left it held: every caller then hung).
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._records: dict[str, _Record] = {}  # the loop thread's alone
-        self._claimed: set[str] = set()  # ids submitted and not ended (under _state)
+        self._claims: dict[str, list[_Claim]] = {}  # ids submitted and not ended, by holder (under _state)
+        self._deferred: dict[str, list[_Deferred]] = {}  # the loop thread's: submits of an id still in the engine
         self._flushes: set[Callable[[], None]] = set()  # the loop thread's: flush() of sinks put to since the last
         self._state = threading.Lock()  # orders starting/ending the thread against queuing
         self._thread: threading.Thread | None = None
@@ -190,6 +211,15 @@ class EngineLoop:
         if ids:
             self._queue(_Abort(ids), start=False)
 
+    def abandon(self, request_id: str, sink: OutputSink) -> None:
+        """The holder whose sink is ``sink`` stops reading request ``request_id``: the request is
+        aborted, and the id may be submitted again at once (module docs)."""
+        with self._state:
+            for claim in self._claims.get(request_id, ()):
+                if claim.sink is sink:
+                    claim.abandoned = True
+        self.abort([request_id])
+
     def stream(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                **kwargs: Any) -> Iterator[RequestOutput]:
         """Submits one request and returns an iterator of its outputs (the last one finished);
@@ -213,7 +243,7 @@ class EngineLoop:
     def holding(self, request_ids: set[str]) -> set[str]:
         """Those of ``request_ids`` still claimed: submitted, their terminal item not yet delivered."""
         with self._state:
-            return request_ids & self._claimed
+            return {i for i in request_ids if self._claims.get(i)}
 
     @property
     def is_running(self) -> bool:
@@ -231,7 +261,7 @@ class EngineLoop:
                 yield item.output
         finally:
             if not done:
-                self.abort([request_id])
+                self.abandon(request_id, sink)
 
     def _queue(self, command: Any, start: bool) -> None:
         with self._state:
@@ -242,11 +272,12 @@ class EngineLoop:
             claimed = None
             if isinstance(command, _Submit):
                 # Claimed until its terminal item: a second submit of the id fails here, so the
-                # refused caller never holds (and, cancelled, never aborts) the id of another.
-                if command.request_id in self._claimed:
+                # refused caller never holds (and, cancelled, never aborts) the id of another;
+                # unless every holder gave it up (module docs).
+                if not all(c.abandoned for c in self._claims.get(command.request_id, ())):
                     raise ValueError(f"request_id={command.request_id!r} is already in use")
-                claimed = command.request_id
-                self._claimed.add(claimed)
+                claimed = _Claim(command.sink)
+                self._claims.setdefault(command.request_id, []).append(claimed)
             try:
                 if self._thread is None:
                     if not start:
@@ -257,13 +288,29 @@ class EngineLoop:
                 self._inbox.put(command)
             except BaseException:  # an interrupt before the put: the id was never queued
                 if claimed is not None:
-                    self._claimed.discard(claimed)
+                    self._release(command.request_id, claimed.sink)
                 raise
 
+    def _release(self, request_id: str, sink: OutputSink) -> None:
+        """Ends the claim of ``sink``'s holder on ``request_id`` (under _state)."""
+        holders = self._claims.get(request_id, [])
+        for i, claim in enumerate(holders):
+            if claim.sink is sink:
+                del holders[i]
+                break
+        if not holders:
+            self._claims.pop(request_id, None)
+
     def _on_abort(self, output: RequestOutput) -> None:
-        # LLMEngine.on_abort: called by whichever thread applied the abort, lock-free by design
-        # (that thread may be this loop, in the middle of a command).
-        if self._thread is not None and self._dead is None:
+        # LLMEngine.on_abort: called by whichever thread applied the abort (after the engine lock
+        # is released). On this loop's thread the output is routed at once, to the record of the
+        # request it belongs to (queued, a later request of the same id could take its record);
+        # from another thread it is queued, lock-free by design.
+        if self._thread is None or self._dead is not None:
+            return
+        if threading.current_thread() is self._thread:
+            self._apply(_Aborted(output))
+        else:
             self._inbox.put(_Aborted(output))
 
     # ------------------------------------------------------------------------------------------
@@ -308,11 +355,28 @@ class EngineLoop:
     def _deliver(self, sink: OutputSink, item: StreamItem) -> None:
         if item.finished:
             with self._state:
-                self._claimed.discard(item.request_id)
+                self._release(item.request_id, sink)
         _deliver(sink, item)
         flush = getattr(sink, "flush", None)
         if flush is not None:
             self._flushes.add(flush)  # bound methods of one object are equal: one flush each
+        rid = item.request_id
+        if item.finished and rid in self._deferred and rid not in self._records:
+            self._start_deferred(rid)
+
+    def _start_deferred(self, request_id: str) -> None:
+        """Adds the next submit that waited for ``request_id``'s earlier request to end; one
+        whose holder gave it up, or aborted meanwhile, is added and aborted at once (its
+        terminal item releases its claim, and starts the next)."""
+        waiting = self._deferred[request_id]
+        entry = waiting.pop(0)
+        if not waiting:
+            del self._deferred[request_id]
+        with self._state:
+            abandoned = any(c.sink is entry.submit.sink and c.abandoned for c in self._claims.get(request_id, ()))
+        self._apply(entry.submit)
+        if (entry.aborted or abandoned) and request_id in self._records:
+            self.engine.abort_request(request_id)  # reported through _on_abort
 
     def _flush(self) -> None:
         flushes, self._flushes = self._flushes, set()
@@ -324,6 +388,10 @@ class EngineLoop:
 
     def _apply(self, command: Any) -> None:
         if isinstance(command, _Submit):
+            rid = command.request_id
+            if rid in self._records or rid in self._deferred:  # an earlier request of the id is not over
+                self._deferred.setdefault(rid, []).append(_Deferred(command))
+                return
             try:
                 command.add(self.engine)
             except BaseException as e:
@@ -331,6 +399,9 @@ class EngineLoop:
                 return
             self._records[command.request_id] = _Record(command.sink)
         elif isinstance(command, _Abort):
+            for rid in command.request_ids:
+                for entry in self._deferred.get(rid, ()):
+                    entry.aborted = True
             self.engine.abort_request(command.request_ids)  # reported through _on_abort
         elif isinstance(command, _Aborted):
             rec = self._records.pop(command.output.request_id, None)
@@ -352,13 +423,14 @@ class EngineLoop:
                        type(error).__name__, error, len(records))
         self.engine.abort_request(list(records))  # first: a caller told of the error finds them gone
         for rid, rec in records.items():
-            self._deliver(rec.sink, StreamItem(rid, error=error))
+            self._deliver(rec.sink, StreamItem(rid, error=error))  # then a submit that waited for it starts
 
     def _die(self, cause: BaseException | None) -> None:
         with self._state:
             if self._dead is None:
                 self._dead = EngineDeadError("the engine loop failed")
-            pending = []
+            pending = [entry.submit for waiting in self._deferred.values() for entry in waiting]
+            self._deferred = {}
             while not self._inbox.empty():
                 c = self._inbox.get_nowait()
                 if isinstance(c, _Submit):
