@@ -180,6 +180,15 @@ def tokens_of(out) -> list[list[int]]:
 
 
 # --- 4. n > 1: shared prompt blocks, copy-on-write, distinct samples, seeded reproducibility ----
+def test_model_config_has_the_attributes_vllm_scripts_read(llama_path):
+    """``llm_engine.model_config.max_model_len`` and the like, as in vLLM."""
+    engine = make_engine(llama_path, max_model_len=48, seed=7)
+    mc = engine.model_config
+    assert (mc.model, mc.tokenizer) == (str(engine.model_path), str(engine.model_path))
+    assert (mc.max_model_len, mc.dtype, mc.seed, mc.revision) == (48, torch.float32, 7, None)
+    assert mc.get_vocab_size() == engine.vocab_size and mc.hf_config.num_hidden_layers == 2
+
+
 def test_n_samples_share_prompt_blocks_and_reproduce(llama_path):
     prompt = ragged_prompts(1)[4][:10]  # 10 tokens: 2 full blocks + a partial one that must be COWed
     params = SamplingParams(n=4, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)

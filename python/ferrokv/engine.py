@@ -67,7 +67,7 @@ from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
-from ferrokv.engine_setup import load_engine
+from ferrokv.engine_setup import ModelConfigView, load_engine
 from ferrokv.inputs import (check_logprobs_cap, check_no_lora, prompt_cache_salt, prompt_ids, request_id_str,
                             request_ids, validate_prompt_ids)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
@@ -133,7 +133,7 @@ class LLMEngine:
         self.model_path: Path = parts.model_path
         self.device, self.dtype = parts.device, parts.dtype
         self.model = parts.model
-        self.model_config = self.model.config
+        self.model_config = ModelConfigView(self)  # vLLM's llm_engine.model_config
         self.tokenizer = parts.tokenizer
         self.vocab_size = parts.vocab_size
         self.eos_token_ids = parts.eos_token_ids

@@ -204,3 +204,46 @@ def load_engine(args: EngineArgs) -> EngineParts:
                        tokens_capacity, max_len)
     return EngineParts(model_path, device, dtype, model, tokenizer, vocab_size, eos, defaults, max_len, num_blocks,
                        kv_cache, scheduler)
+
+
+class ModelConfigView:
+    """vLLM's ``llm_engine.model_config``: the attributes scripts read from it (``model``,
+    ``tokenizer``, ``dtype``, ``max_model_len``, ``hf_config``, ``seed``, ``revision``,
+    ``get_vocab_size()``), read from the engine when asked (a view, not a copy)."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    @property
+    def model(self) -> str:
+        return str(self._engine.model_path)
+
+    @property
+    def tokenizer(self) -> str:
+        return self._engine.args.tokenizer or self.model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._engine.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def hf_config(self) -> Any:
+        """The architecture's settings as ferrokv parsed them from config.json."""
+        return self._engine.model.config
+
+    @property
+    def seed(self) -> int | None:
+        return self._engine.args.seed
+
+    @property
+    def revision(self) -> str | None:
+        return self._engine.args.revision
+
+    def get_vocab_size(self) -> int:
+        return self._engine.vocab_size
