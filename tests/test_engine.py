@@ -17,6 +17,7 @@ import torch
 
 from ferrokv import LLM, CacheCapacityError, InvalidArgumentError, SamplingParams
 from ferrokv.engine import EngineArgs, LLMEngine
+from helpers.text_oracle import final_text
 from helpers.tiny_models import TINY_VOCAB
 
 MAX_NEW = 12
@@ -739,7 +740,7 @@ def test_streaming_outputs_are_cumulative(llama_path, hf_greedy):
     assert [len(t) for t, _, _ in seen] == list(range(1, MAX_NEW + 1))
     assert [f for _, f, _ in seen] == [False] * (MAX_NEW - 1) + [True]
     assert seen[-1][0] == ref and all(t == ref[:len(t)] for t, _, _ in seen)
-    assert seen[-1][2] == engine.tokenizer.decode(ref)
+    assert seen[-1][2] == final_text(engine.tokenizer, ref)
     assert n_out.finished and len(n_out.outputs) == 4
     for c in n_out.outputs:
         if c.finish_reason == "stop":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ferrokv import LLM, SamplingParams
+from helpers.text_oracle import final_text
 from helpers.tiny_models import TINY_VOCAB
 
 
@@ -226,7 +227,7 @@ def test_text_prompts_and_per_prompt_params(llama_llm, hf_greedy, llama_path):
         assert o.prompt == t and o.prompt_token_ids == ids
         ref = hf_greedy(llama_path, ids, p.max_tokens)
         assert o.outputs[0].token_ids == ref
-        assert o.outputs[0].text == tok.decode(ref)
+        assert o.outputs[0].text == final_text(tok, ref)
     single = llm.generate(texts[0], params[0], use_tqdm=False)  # a bare str is one prompt
     assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert_no_leak(llm)

@@ -17,6 +17,7 @@ from ferrokv.outputs import RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.text import PythonText, RustText
 from helpers.engine_faults import assert_idle, rand_prompts, tiny_engine
+from helpers.text_oracle import final_text
 from helpers.tiny_tokenizer import tiny_tokenizer
 
 KINDS = list(RequestOutputKind)
@@ -173,7 +174,7 @@ def test_the_stop_token_is_in_the_text_only_with_include_stop_str_in_output(llam
         c, pieces = final[f"id-{incl}"].outputs[0], [o.outputs[0] for o in streamed[f"id-{incl}"]]
         assert (c.finish_reason, c.stop_reason) == ("stop", stop_id)
         assert sum((p.token_ids for p in pieces), []) == full.token_ids[:k + 1]  # DELTA: the pieces add up
-        want = tok.decode(full.token_ids[:k + 1] if incl else full.token_ids[:k])
+        want = final_text(tok, full.token_ids[:k + 1] if incl else full.token_ids[:k])
         assert "".join(p.text for p in pieces) == want, incl
         for skip in (True, False):
             e = final[f"eos-{incl}-{skip}"].outputs[0]

@@ -12,7 +12,8 @@ Invariants:
 * The concatenation of every delta returned by :meth:`IncrementalDetokenizer.append` plus
   :meth:`~IncrementalDetokenizer.flush` equals :attr:`~IncrementalDetokenizer.text`; for a
   byte-level tokenizer and no stop strings this equals
-  ``tokenizer.decode(ids, skip_special_tokens=...)`` of all appended ids.
+  ``tokenizer.decode(ids, skip_special_tokens=...)`` of all appended ids, less a last character
+  still incomplete when the sequence ends (vLLM drops it too: a cut never ends in U+FFFD).
 * No U+FFFD is emitted for a character split across tokens; at most ``_MAX_PENDING`` tokens are
   held for that (beyond that the bytes are genuinely invalid and are emitted as U+FFFD, which keeps
   the window, and so the cost, bounded).
@@ -263,20 +264,11 @@ class IncrementalDetokenizer:
             self._text_cache = None
 
     def flush(self) -> str:
-        """Releases held-back text at the end of the sequence; returns it (maybe '').
-
-        Tokens still waiting to complete a character are decoded as they are (U+FFFD), matching
-        what a one-shot ``decode`` of the whole sequence gives for such bytes.
-        """
+        """Releases the text held back for stop strings at the end of the sequence; returns it
+        (maybe ''). Tokens still pending (a character not complete yet, or tokens that added no
+        character) are dropped, as vLLM's detokenizer drops them: a cut never ends in U+FFFD."""
         out = self._held
         self._held = self._tail = ""
-        if self.stop_reason is None and len(self._window) > self._read:
-            convert = self._tokenizer.convert_tokens_to_string
-            prefix_text = self._prefix_text
-            if prefix_text is None:
-                prefix_text = convert(self._window[self._prefix : self._read])
-            out += convert(self._window[self._prefix :])[len(prefix_text) :]
-            del self._window[: self._read]
-            self._prefix, self._read, self._prefix_text = 0, len(self._window), None
+        del self._window[self._read:]
         self._push(out)
         return out

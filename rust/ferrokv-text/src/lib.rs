@@ -13,9 +13,10 @@
 //! The semantics are those of `IncrementalDetokenizer` in python/ferrokv/detokenizer.py: for a
 //! byte-level BPE tokenizer the text equals `decode(output_ids, skip_special_tokens)`; for a
 //! SentencePiece-style one it equals `decode(context + output) - decode(context)` where the
-//! context is the last 5 kept prompt ids. A character split across tokens is never emitted
-//! half-formed (held until complete, or emitted as U+FFFD once more than `MAX_PENDING` tokens
-//! pend). Costs per token are independent of the output length (see each module's header).
+//! context is the last 5 kept prompt ids; in both, less the tokens still pending when the
+//! sequence ends (vLLM's). A character split across tokens is never emitted half-formed (held
+//! until complete, or emitted as U+FFFD once more than `MAX_PENDING` tokens pend), and one still
+//! incomplete at the end is dropped. Costs per token are independent of the output length (see each module's header).
 
 mod model;
 mod scheduler_text;

@@ -18,7 +18,8 @@
 //! * After a stop string no token is accepted (`append` is a no-op, a debug assertion).
 //! * Like the Python path (and vLLM), the caller does not append the EOS / `stop_token_ids`
 //!   token that ended a sequence (it is not part of the text and is not counted here), and calls
-//!   `flush` when a sequence ends for any reason other than a stop string.
+//!   `flush` when a sequence ends for any reason other than a stop string: pending tokens are then
+//!   dropped (vLLM's), so a cut in the middle of a character leaves no U+FFFD.
 //!
 //! Costs per appended token: on the byte-level fast path a table lookup, or a decode of the
 //! pending tokens after an incomplete character; otherwise two window decodes over at most
@@ -73,14 +74,6 @@ fn completes(new_text: &str, pending: usize) -> bool {
 /// tail always decodes to a final U+FFFD; a literal one ends valid bytes).
 fn ends_clean(text: &Cow<'_, str>) -> bool {
     matches!(text, Cow::Borrowed(_)) || !text.ends_with(REPLACEMENT)
-}
-
-/// Byte offset of the `n`-th char of `s` (`s.len()` when `s` is shorter).
-fn char_offset(s: &str, n: usize) -> usize {
-    if n == 0 {
-        return 0;
-    }
-    s.char_indices().nth(n).map_or(s.len(), |(i, _)| i)
 }
 
 impl SeqText {
@@ -211,16 +204,12 @@ impl SeqText {
         }
     }
 
-    /// End of the sequence for any reason but a stop string: releases held-back text and decodes
-    /// pending tokens as they are (an incomplete character becomes U+FFFD).
-    pub fn flush(&mut self, model: &TextModel) {
+    /// End of the sequence for any reason but a stop string: releases the text held back for
+    /// stop strings. Pending tokens (a character still incomplete, or tokens that added no
+    /// character yet) are dropped, as vLLM's detokenizer drops them: a cut never ends in U+FFFD.
+    pub fn flush(&mut self, _model: &TextModel) {
         self.scan.flush(&mut self.text);
-        if self.stop_index.is_none() && self.window.len() > self.read {
-            let prefix_chars = self.prefix_chars(model);
-            let new_text = model.decode_window(&self.window, &mut self.scratch);
-            self.text.push_str(&new_text[char_offset(&new_text, prefix_chars)..]);
-            self.slide(false);
-        }
+        self.window.truncate(self.read);
     }
 
     /// All text emitted so far (after `flush`: the complete output text).
