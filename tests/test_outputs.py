@@ -36,3 +36,28 @@ def test_text_so_far_snapshots_stay_valid_as_it_grows_and_compacts():
     assert [s.text for s in snaps] == want
     assert snaps[5] == CompletionOutput(0, want[5], []) and snaps[5] != snaps[6]
     assert "text='0,1,2,3,4,5,'" in repr(snaps[5])
+
+
+def test_completion_output_works_with_dataclasses_as_vllms():
+    """vLLM's CompletionOutput is a dataclass: fields, asdict (also through a RequestOutput),
+    replace and copy work here too, the lazily joined text included."""
+    import copy
+    import dataclasses
+    import pickle
+
+    from ferrokv.outputs import TextSoFar
+
+    so_far = TextSoFar()
+    so_far.append("he")
+    so_far.append("llo")
+    c = CompletionOutput(0, so_far.snapshot(), [1, 2], -1.5, None, "length", None)
+    assert dataclasses.is_dataclass(c)
+    assert [f.name for f in dataclasses.fields(c)] == ["index", "text", "token_ids", "cumulative_logprob",
+                                                       "logprobs", "finish_reason", "stop_reason"]
+    assert dataclasses.asdict(c) == {"index": 0, "text": "hello", "token_ids": [1, 2], "cumulative_logprob": -1.5,
+                                     "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    d = dataclasses.replace(c, text="yo", finish_reason="stop")
+    assert isinstance(d, CompletionOutput) and (d.text, d.token_ids, d.finish_reason) == ("yo", [1, 2], "stop")
+    assert copy.deepcopy(c) == c == pickle.loads(pickle.dumps(c))
+    r = RequestOutput("r", "p", [5], [c], finished=True)
+    assert dataclasses.asdict(r)["outputs"] == [dataclasses.asdict(c)]

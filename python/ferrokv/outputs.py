@@ -215,6 +215,25 @@ class CompletionOutput:
         )
 
 
+@dataclass
+class _CompletionOutputFields:
+    """vLLM's ``CompletionOutput`` fields, in its order: ``CompletionOutput`` (a slots class, for
+    its lazily joined text) presents them as its dataclass fields, so ``dataclasses.fields``,
+    ``asdict`` and ``replace`` work on it as on vLLM's."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+CompletionOutput.__dataclass_fields__ = _CompletionOutputFields.__dataclass_fields__  # type: ignore[attr-defined]
+CompletionOutput.__dataclass_params__ = _CompletionOutputFields.__dataclass_params__  # type: ignore[attr-defined]
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """Everything produced so far for one request."""
