@@ -304,6 +304,11 @@ def test_chat_template_and_continue_final_message(llama_llm):
 
     out = llm.chat(conv, params, use_tqdm=False, chat_template=template)[0]
     assert out.prompt_token_ids == ids(chat_template=template, add_generation_prompt=True)
+    # vLLM's positional order: messages, sampling_params, use_tqdm, lora_request, chat_template,
+    # chat_template_content_format, add_generation_prompt.
+    assert llm.chat(conv, params, False, None, template, "string", True)[0].prompt_token_ids == out.prompt_token_ids
+    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto' or 'string'"):
+        llm.chat(conv, params, use_tqdm=False, chat_template_content_format="openai")
     assert tok.decode(out.prompt_token_ids).startswith("[user] Name a colour.")
     cont = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
     want = ids(add_generation_prompt=False, continue_final_message=True)

@@ -293,14 +293,20 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True,
-             lora_request: Any = None, add_generation_prompt: bool = True, *, chat_template: str | None = None,
+             lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Applies the chat template (the tokenizer's, or ``chat_template``, a Jinja string) to one
-        conversation (or a list of them). ``continue_final_message`` leaves the last message open
-        for the model to continue (vLLM's semantics: then ``add_generation_prompt`` must be False);
-        ``tools`` (OpenAI's tool definitions) and ``chat_template_kwargs`` (extra variables) are
-        given to the template."""
+        conversation (or a list of them); the arguments are vLLM's, in its order.
+        ``continue_final_message`` leaves the last message open for the model to continue (vLLM's
+        semantics: then ``add_generation_prompt`` must be False); ``tools`` (OpenAI's tool
+        definitions) and ``chat_template_kwargs`` (extra variables) are given to the template.
+        ``chat_template_content_format``: "auto" or "string" (a message's text parts are joined
+        into one string, which every supported template reads); "openai" is not supported yet."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format must be 'auto' or 'string' ('openai' is not supported "
+                             f"yet), got {chat_template_content_format!r}")
         if isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
             named = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
         else:
