@@ -509,13 +509,52 @@ def test_the_success_counter_counts_each_choice_once_streamed_or_not():
 
     m = ServerMetrics(_Engine(), "m", lambda: 0)
     delta = RequestTimer()
-    delta.on_output(m, out(False, (0, "stop"), (1, None)))  # choice 0 ends first ...
+    delta.on_output(out(False, (0, "stop"), (1, None)))  # choice 0 ends first ...
     m.finished(out(True, (1, "length")), delta)  # ... and is not in the last DELTA output
     cumulative = RequestTimer()
     m.finished(out(True, (0, "stop"), (1, "length")), cumulative)
     for reason in ("stop", "length"):
         labels = {"model_name": "m", "finished_reason": reason}
         assert m.registry.get_sample_value("ferrokv:request_success_total", labels) == 2, reason
+
+
+def test_inter_token_latency_counts_each_decode_step_streamed_or_not():
+    """vLLM observes inter-token latency once per decode step of a request: n samples (n tokens per
+    step) or one, one final output or a DELTA stream, the request's steps are what count."""
+    from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+    from ferrokv.outputs import CompletionOutput, RequestOutput, RequestStateStats
+
+    class _Engine:
+        def stats(self):
+            return collections.defaultdict(int)
+
+    stats = RequestStateStats(40, 0.0, queued_ts=1.0, scheduled_ts=1.0, first_token_ts=1.0, last_token_ts=1.9,
+                              finished_ts=1.9)
+
+    def out(finished, tokens_per_choice, n):
+        comps = [CompletionOutput(i, "x", [5] * tokens_per_choice, finish_reason="length" if finished else None)
+                 for i in range(n)]
+        return RequestOutput("r", None, [1], comps, finished, metrics=stats)
+
+    def itl(m):
+        return (m.registry.get_sample_value("ferrokv:inter_token_latency_seconds_count", {"model_name": "m"}),
+                m.registry.get_sample_value("ferrokv:inter_token_latency_seconds_sum", {"model_name": "m"}))
+
+    final = ServerMetrics(_Engine(), "m", lambda: 0)
+    final.finished(out(True, 10, 4), RequestTimer())  # 4 samples of 10 tokens: 9 steps after the first
+    assert itl(final) == (9, pytest.approx(0.9))
+    streamed, timer = ServerMetrics(_Engine(), "m", lambda: 0), RequestTimer()
+    for k in (1, 3, 2, 3):  # DELTA outputs, some bundling several steps
+        timer.on_output(out(False, k, 4))
+    streamed.finished(out(True, 1, 4), timer)
+    assert itl(streamed) == (9, pytest.approx(0.9))
+    assert final.registry.get_sample_value("ferrokv:inter_token_latency_seconds_bucket",
+                                           {"model_name": "m", "le": "0.1"}) == 9
+    assert final.registry.get_sample_value("ferrokv:inter_token_latency_seconds_bucket",
+                                           {"model_name": "m", "le": "0.075"}) == 0
+    # Every engine series carries the model's name too, as vLLM's.
+    assert final.registry.get_sample_value("ferrokv:num_requests_running", {"model_name": "m"}) == 0
+    assert final.registry.get_sample_value("ferrokv:generation_tokens_total", {"model_name": "m"}) == 0
 
 
 def test_metrics_names(server, client):

@@ -5,20 +5,26 @@ Invariants: every server has its own ``CollectorRegistry`` (never the global one
 one process do not mix. Gauges and counters are read from the engine at scrape time
 (``AsyncLLM.stats``: the engine is their one home); the histograms are observed from each
 request's ``RequestOutput.metrics`` (the core's timestamps), once per request for TTFT, e2e and
-queue time, and per output for inter-token latency. A request that never got a token (aborted
-while waiting) observes nothing.
+queue time; inter-token latency counts once per decode step of the request, as vLLM's does,
+however the client reads it (streamed or not, n samples or one): the request's mean gap between
+steps, times its number of steps. A request that never got a token (aborted while waiting)
+observes nothing. Every series is labelled with ``model_name``, as vLLM's.
 Costs: a scrape is one ``stats()`` snapshot, O(KV blocks); an observation is O(1).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from ferrokv.outputs import RequestOutput
 
@@ -58,18 +64,49 @@ _GAUGES = {
 class _EngineCollector:
     """Reads the engine's stats at scrape time."""
 
-    def __init__(self, async_llm: Any, extra: dict[str, Any]) -> None:
+    def __init__(self, async_llm: Any, model_name: str, extra: dict[str, Any]) -> None:
         self._llm = async_llm
+        self._model = [model_name]
         self._extra = extra  # name -> (callable, help): server-side gauges
 
     def collect(self) -> Iterator[Metric]:
         st = self._llm.stats()
-        for name, (key, doc) in _GAUGES.items():
-            yield GaugeMetricFamily(name, doc, value=float(st[key]))
-        for name, (key, doc) in _COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=float(st[key]))
-        for name, (read, doc) in self._extra.items():
-            yield GaugeMetricFamily(name, doc, value=float(read()))
+        values = [(GaugeMetricFamily, name, doc, st[key]) for name, (key, doc) in _GAUGES.items()]
+        values += [(CounterMetricFamily, name, doc, st[key]) for name, (key, doc) in _COUNTERS.items()]
+        values += [(GaugeMetricFamily, name, doc, read()) for name, (read, doc) in self._extra.items()]
+        for family, name, doc, value in values:
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric(self._model, float(value))
+            yield metric
+
+
+class _StepHistogram:
+    """A histogram (one ``model_name`` series) whose observation may count several times at once:
+    a request's mean gap between decode steps, once per step."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str) -> None:
+        self._name, self._doc, self._model = name, doc, [model_name]
+        self._bounds = (*buckets, math.inf)
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._lock = threading.Lock()  # scrapes may come from another thread
+
+    def observe(self, value: float, times: int = 1) -> None:
+        i = bisect.bisect_left(self._bounds, value)  # the first bucket whose bound is >= value
+        with self._lock:
+            self._counts[i] += times
+            self._sum += value * times
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, buckets = 0, []
+        for bound, count in zip(self._bounds, counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        metric = HistogramMetricFamily(self._name, self._doc, labels=["model_name"])
+        metric.add_metric(self._model, buckets, total)
+        yield metric
 
 
 class ServerMetrics:
@@ -78,12 +115,14 @@ class ServerMetrics:
     def __init__(self, async_llm: Any, model_name: str, in_flight_http: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         extra = {"ferrokv:num_requests_in_flight": (in_flight_http, "HTTP generation requests being served.")}
-        self.registry.register(_EngineCollector(async_llm, extra))
+        self.registry.register(_EngineCollector(async_llm, model_name, extra))
         labels = ["model_name"]
         self.ttft = Histogram("ferrokv:time_to_first_token_seconds", "Time to the first token (queued to token).",
                               labels, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("ferrokv:inter_token_latency_seconds", "Time between a request's tokens.",
-                             labels, buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = _StepHistogram("ferrokv:inter_token_latency_seconds",
+                                  "Time between a request's decode steps (one observation per step).", _ITL_BUCKETS,
+                                  model_name)
+        self.registry.register(self.itl)
         self.e2e = Histogram("ferrokv:e2e_request_latency_seconds", "Time from queued to finished.",
                              labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
         self.queue = Histogram("ferrokv:request_queue_time_seconds", "Time from queued to first scheduled.",
@@ -101,17 +140,16 @@ class ServerMetrics:
         choices by finish reason (streamed or not: a DELTA choice that ended earlier is not in
         the last output, the timer saw it)."""
         m = output.metrics
-        timer.see_finishes(output)
+        timer.on_output(output)
         for reason in timer.finish_reasons.values():
             self._success.labels(self._model, reason).inc()
         if m is None or not m.queued_ts:
             return  # aborted before the engine recorded anything
         if m.first_token_ts:
             self.ttft.observe(max(m.first_token_ts - m.queued_ts, 0.0))
-            timer.on_output(self, output)
-            if timer.observed == 0 and m.num_generation_tokens > 1 and m.last_token_ts > m.first_token_ts:
-                # One output for the whole request (FINAL_ONLY): its mean gap, once.
-                self.itl.observe((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+            steps = max(timer.tokens.values(), default=0) - 1  # decode steps after the first token's
+            if steps > 0 and m.last_token_ts > m.first_token_ts:
+                self.itl.observe((m.last_token_ts - m.first_token_ts) / steps, steps)
         if m.scheduled_ts:
             self.queue.observe(max(m.scheduled_ts - m.queued_ts, 0.0))
         if m.finished_ts:
@@ -120,24 +158,14 @@ class ServerMetrics:
 
 @dataclass(slots=True)
 class RequestTimer:
-    """Per request: the last token time seen, for inter-token latency across streamed outputs, and
-    the finish reason of each choice as it ends."""
+    """Per request, from the outputs the server got (DELTA or FINAL_ONLY, the server's kinds):
+    each choice's tokens so far (its decode steps) and its finish reason as it ends."""
 
-    last_token_ts: float = 0.0
-    observed: int = 0
+    tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens generated
     finish_reasons: dict[int, str] = field(default_factory=dict)  # choice index -> its finish reason
 
-    def see_finishes(self, output: RequestOutput) -> None:
+    def on_output(self, output: RequestOutput) -> None:
         for c in output.outputs:
+            self.tokens[c.index] = self.tokens.get(c.index, 0) + len(c.token_ids)
             if c.finish_reason is not None:
                 self.finish_reasons.setdefault(c.index, c.finish_reason)
-
-    def on_output(self, metrics: ServerMetrics, output: RequestOutput) -> None:
-        self.see_finishes(output)
-        m = output.metrics
-        if m is None or not m.last_token_ts:
-            return
-        if self.last_token_ts and m.last_token_ts > self.last_token_ts:
-            metrics.itl.observe(m.last_token_ts - self.last_token_ts)
-            self.observed += 1
-        self.last_token_ts = max(self.last_token_ts, m.last_token_ts)

@@ -186,19 +186,28 @@ async def until_disconnected(request: Request) -> None:
 
 
 async def watched(request: Request, work: Awaitable[Any]) -> Any:
-    """``await work``, cancelled (and ``ClientGone`` raised) if the client disconnects first."""
+    """``await work``, cancelled (and ``ClientGone`` raised) if the client disconnects first. If
+    this call is cancelled itself (the server stopping at once), the work is cancelled and the
+    cancellation goes on: nobody is told the client left."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(until_disconnected(request))
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except BaseException:
         watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            raise ClientGone()
+        await _cancelled(task)
+        raise
+    watch.cancel()
+    if not task.done():  # the client went away first
+        await _cancelled(task)
+        raise ClientGone()
     return task.result()
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
 
 
 class Generation:
@@ -237,7 +246,7 @@ class Generation:
         if out.finished:
             self.state.metrics.finished(out, timer)
         else:
-            timer.on_output(self.state.metrics, out)
+            timer.on_output(out)
         return out
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
