@@ -677,3 +677,44 @@ def test_chat_fields_vllm_accepts():
         parse_chat_request({"messages": [{"role": "user", "content": None}]})
     with pytest.raises(OpenAIError, match="echo is not supported for chat"):
         parse_chat_request({"messages": msgs, "echo": True})
+
+
+def test_watched_work_cancelled_from_outside_is_a_cancellation_not_a_gone_client():
+    """The server stopping at once cancels a handler mid-request: its work is cancelled and the
+    cancellation goes on (before, it became ClientGone: a 499 "the client disconnected"); a
+    client that does disconnect is still ClientGone."""
+    import asyncio
+
+    from ferrokv.entrypoints.openai.serving import ClientGone, watched
+
+    class Request:
+        def __init__(self, disconnects: bool) -> None:
+            self.disconnects = disconnects
+
+        async def receive(self):
+            if self.disconnects:
+                await asyncio.sleep(0.01)
+                return {"type": "http.disconnect"}
+            await asyncio.Event().wait()  # a client that stays
+
+    async def main():
+        work_cancelled = asyncio.Event()
+
+        async def work():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                work_cancelled.set()
+                raise
+
+        handler = asyncio.ensure_future(watched(Request(False), work()))
+        await asyncio.sleep(0.01)
+        handler.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        assert work_cancelled.is_set()
+        with pytest.raises(ClientGone):
+            await watched(Request(True), work())
+        assert await watched(Request(False), asyncio.sleep(0, result=7)) == 7
+
+    asyncio.run(main())

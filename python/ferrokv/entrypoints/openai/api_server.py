@@ -318,8 +318,9 @@ def run_server(llm: Any, config: ServerConfig) -> int:
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="info", access_log=False,
                                timeout_graceful_shutdown=5, lifespan="off")
     server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)
-    logger.info("serving %r on http://%s:%d (API key %s)", config.served_model_name, config.host, config.port,
-                "required" if config.api_key else "off")
+    host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address, as a URL writes it
+    logger.info("serving %r on http://%s:%s (API key %s)", config.served_model_name, host,
+                config.port or "<a free port, see uvicorn's line>", "required" if config.api_key else "off")
     try:
         server.run()
     finally:
