@@ -144,7 +144,9 @@ def hf_greedy_fresh_rope(hf, prompt: list[int], max_new_tokens: int) -> list[int
 
 @pytest.mark.parametrize("config", ["chunked-16", "prefix-cache", "preempt-recompute"])
 def test_dynamic_rope_matches_transformers_however_prompts_are_chunked_cached_or_recomputed(
-        config, tiny_model_dir, hf_model, caplog):
+        config, tiny_model_dir, hf_model, caplog, monkeypatch):
+    # max_model_len beyond the scaled positions too, which vLLM (and ferrokv) allow only when asked.
+    monkeypatch.setenv("FERROKV_ALLOW_LONG_MAX_MODEL_LEN", "1")
     path = tiny_model_dir("llama-dynamic-rope", "llama", **DYNAMIC_ROPE)
     prompts = ragged_prompts()  # most are longer than the model's 16 positions; two share 24 tokens
     hf = hf_model(path)

@@ -43,6 +43,35 @@ def test_kv_blocks_from_a_count_a_budget_or_the_cpu_default():
         num_kv_blocks(EngineArgs(kv_cache_memory=spec.bytes_per_block), spec, cpu, 128)
 
 
+def test_max_model_len_beyond_the_models_positions_is_refused_unless_allowed(monkeypatch):
+    from ferrokv.engine_setup import checked_max_model_len
+
+    for name in ("FERROKV_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        monkeypatch.delenv(name, raising=False)
+    assert checked_max_model_len(None, 512) == 512 and checked_max_model_len(100, 512) == 100
+    with pytest.raises(ValueError, match="max_model_len=100000 is more than the model's 512 positions"):
+        checked_max_model_len(100_000, 512)
+    for name in ("FERROKV_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"):  # vLLM's name works too
+        with monkeypatch.context() as m:
+            m.setenv(name, "1")
+            assert checked_max_model_len(100_000, 512) == 100_000
+
+
+def test_a_kv_cache_the_machine_cannot_hold_is_a_value_error_naming_its_setting():
+    from ferrokv.engine_setup import _available_cpu_memory, allocate_kv_cache
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    huge = 2 * (_available_cpu_memory() or 1 << 45) // spec.bytes_per_block
+    for args, name in ((EngineArgs(num_gpu_blocks_override=huge), "num_gpu_blocks_override"),
+                       (EngineArgs(kv_cache_memory_bytes=huge * spec.bytes_per_block), "kv_cache_memory_bytes")):
+        with pytest.raises(ValueError, match=rf"^{name}: {huge} KV blocks of {spec.bytes_per_block} bytes"):
+            allocate_kv_cache(args, spec, num_kv_blocks(args, spec, cpu, 128), cpu)
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        allocate_kv_cache(EngineArgs(num_cpu_blocks=huge), spec, 4, cpu)
+    assert allocate_kv_cache(EngineArgs(), spec, 4, cpu).num_blocks == 4
+
+
 # ------------------------------------------------------------------------------------------------
 # EngineArgs: vLLM's names, ferrokv's former names as aliases, vLLM's arguments accepted as no-ops
 # ------------------------------------------------------------------------------------------------

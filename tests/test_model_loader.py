@@ -79,6 +79,19 @@ def test_missing_weight_error(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_a_truncated_weights_file_is_a_value_error_naming_it(tmp_path, fmt):
+    model = make_tiny_hf_model("llama")
+    model.save_pretrained(tmp_path)
+    if fmt == "pt":
+        (tmp_path / "model.safetensors").unlink()
+        torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    (weights,) = tmp_path.glob("*.safetensors" if fmt == "safetensors" else "*.bin")
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"model: weights file .*{weights.name}.* cannot be read"):
+        load_model(tmp_path)
+
+
 def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
     """A conversion that dies half way leaves no cache folder (only a cleaned-up tmp dir)."""
     monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))

@@ -10,6 +10,7 @@ Costs: once per engine.
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -98,6 +99,44 @@ def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_mo
     return int(n)
 
 
+def allocate_kv_cache(a: EngineArgs, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> PagedKVCache:
+    """The KV cache; a size this machine cannot hold is a ``ValueError`` naming the setting it came
+    from, before the allocation where the memory can be known (the CPU's available memory; an
+    over-committed allocation there would be killed, not refused), after it otherwise."""
+    source = ("num_gpu_blocks_override" if a.num_gpu_blocks_override is not None else
+              "kv_cache_memory_bytes" if a.kv_cache_memory_bytes is not None else
+              "gpu_memory_utilization" if device.type == "cuda" else "max_num_seqs * max_model_len")
+    need = num_blocks * spec.bytes_per_block
+    swap = a.num_cpu_blocks * spec.bytes_per_block
+    detail = f"{num_blocks} KV blocks of {spec.bytes_per_block} bytes ({need} bytes, from {source})"
+    if swap:
+        detail += f" and {a.num_cpu_blocks} swap blocks (num_cpu_blocks, {swap} bytes)"
+    on_cpu = need * (device.type == "cpu") + swap
+    available = _available_cpu_memory()
+    if available is not None and on_cpu > available:
+        raise ValueError(f"{source}: {detail} need more memory than this machine has available ({available} bytes)")
+    try:
+        return PagedKVCache(spec, num_blocks, a.num_cpu_blocks, device)
+    except (MemoryError, torch.OutOfMemoryError) as e:
+        raise ValueError(f"{source}: {detail} could not be allocated ({e})") from None
+    except RuntimeError as e:  # the CPU allocator's refusal
+        if "alloc" not in str(e):
+            raise
+        raise ValueError(f"{source}: {detail} could not be allocated ({e})") from None
+
+
+def _available_cpu_memory() -> int | None:
+    """Bytes of memory the OS can give without swapping (Linux' MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torch.device,
                    enable_prefix_caching: bool) -> Scheduler:
     """The engine's scheduler: its step budget (8192 tokens on a GPU, 2048 on a CPU, at least
@@ -140,6 +179,23 @@ class EngineParts:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+# As vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN (either name): a max_model_len beyond the model's positions.
+_ALLOW_LONG_ENV = ("FERROKV_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def checked_max_model_len(wanted: int | None, derived: int) -> int:
+    """``max_model_len``: the model's (``derived``: its positions times a RoPE scaling factor, as
+    vLLM derives it) unless given; more than that is refused, as vLLM refuses it (positions the
+    model never saw), unless an ``_ALLOW_LONG_ENV`` variable is 1."""
+    if wanted is None:
+        return derived
+    if wanted > derived and not any(os.environ.get(name) == "1" for name in _ALLOW_LONG_ENV):
+        raise ValueError(f"max_model_len={wanted} is more than the model's {derived} positions (config.json's "
+                         f"max_position_embeddings, times its RoPE scaling factor); set {_ALLOW_LONG_ENV[0]}=1 to "
+                         "run beyond them anyway")
+    return wanted
+
+
 def load_engine(args: EngineArgs) -> EngineParts:
     """Validates ``args``, resolves the model (a folder or a Hub id) and the tokenizer, loads the
     weights, sizes and allocates the KV cache and builds the scheduler; logs what it made."""
@@ -176,11 +232,11 @@ def load_engine(args: EngineArgs) -> EngineParts:
     if defaults:
         logger.info("default sampling parameters from the model's generation config: %s (generation_config='vllm' "
                     "turns them off)", defaults)
-    max_len = args.max_model_len or mc.rope.default_max_model_len  # vLLM's: positions times a rope scaling factor
+    max_len = checked_max_model_len(args.max_model_len, mc.rope.default_max_model_len)
     spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                        head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
     num_blocks = num_kv_blocks(args, spec, device, max_len)
-    kv_cache = PagedKVCache(spec, num_blocks, args.num_cpu_blocks, device)
+    kv_cache = allocate_kv_cache(args, spec, num_blocks, device)
     prefix_caching = args.enable_prefix_caching
     if prefix_caching and dynamic_rope_rescales(mc.rope, max_len):
         logger.warning("prefix caching is off: with dynamic RoPE and max_model_len=%d above the model's %d "

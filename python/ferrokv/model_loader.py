@@ -124,20 +124,32 @@ def weight_files(folder: Path, load_format: str = "auto") -> list[Path]:
 def iter_weights(path: str | os.PathLike[str], load_format: str = "auto") -> Iterator[tuple[str, Tensor]]:
     """(name, CPU tensor) for every tensor of the folder's checkpoint (``weight_files``): a
     safetensors file one tensor at a time, a ``.bin`` shard memory-mapped where its format allows."""
-    from safetensors import safe_open
-
     for file in weight_files(_model_dir(path), load_format):
-        if file.suffix == ".safetensors":
+        try:
+            yield from _file_weights(file)
+        except (OSError, RuntimeError, ValueError, EOFError) as e:  # truncated, corrupt or not what it says
+            if isinstance(e, ValueError) and str(e).startswith("model: "):
+                raise
+            raise ValueError(f"model: weights file {str(file)!r} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _file_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    if file.suffix == ".safetensors":
+        try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-            continue
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # a legacy (pre-zip) file cannot be memory-mapped
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        yield from state.items()
-        del state
+        except SafetensorError as e:
+            raise ValueError(str(e)) from None
+        return
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a legacy (pre-zip) file cannot be memory-mapped
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    yield from state.items()
+    del state
 
 
 def load_model(
