@@ -91,13 +91,14 @@ def test_a_consumer_that_lags_reads_the_unread_outputs_as_one(allm, sequential, 
     output (and so finishing no earlier than A) has ended: they are then read as one output,
     merged (DELTA) or the newest (CUMULATIVE), and still add up to the sequential result."""
     a_prompt, b_prompt = rand_prompts(48, [7, 5])
-    (expected_out,) = sequential([a_prompt], 10)
+    # A long enough that its first output is read before it ends, even on a loaded machine.
+    (expected_out,) = sequential([a_prompt], 40)
     expected = expected_out.outputs[0].token_ids
 
     async def main():
-        a = allm.generate(a_prompt, greedy(10, output_kind=kind, logprobs=1), f"lag-{kind.name}")
+        a = allm.generate(a_prompt, greedy(40, output_kind=kind, logprobs=1), f"lag-{kind.name}")
         first = await anext(a)
-        await collect(allm, b_prompt, greedy(9, output_kind=Kind.FINAL_ONLY), f"lag-probe-{kind.name}")
+        await collect(allm, b_prompt, greedy(39, output_kind=Kind.FINAL_ONLY), f"lag-probe-{kind.name}")
         return first, [o async for o in a]
 
     first, rest = asyncio.run(main())
@@ -106,10 +107,10 @@ def test_a_consumer_that_lags_reads_the_unread_outputs_as_one(allm, sequential, 
     if kind == Kind.DELTA:
         assert first.outputs[0].token_ids + c.token_ids == expected
         assert first.outputs[0].text + c.text == expected_out.outputs[0].text
-        assert len(first.outputs[0].logprobs) + len(c.logprobs) == 10
+        assert len(first.outputs[0].logprobs) + len(c.logprobs) == 40
         assert c.finish_reason == "length"
     else:
-        assert c.token_ids == expected and len(c.logprobs) == 10
+        assert c.token_ids == expected and len(c.logprobs) == 40
     assert_engine_idle(allm)
 
 
