@@ -399,6 +399,21 @@ def test_beam_search_params_form_equals_the_earlier_forms(llama_llm):
     vllm_form = seqs(llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)), True)
     assert seqs(llm.beam_search(prompts, beam_width=3, max_tokens=5, ignore_eos=True)) == vllm_form
     assert seqs(llm.beam_search(prompts, 3, 5, 1.0, True)) == vllm_form
+    # vLLM's concurrency_limit: the prompts searched a few at a time, the same searches.
+    runs = []
+    real_run = type(llm)._run
+
+    def counted_run(self, batch, *a, **kw):
+        runs.append(len(batch))
+        return real_run(self, batch, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(type(llm), "_run", counted_run)
+        limited = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True),
+                                  concurrency_limit=1)
+    assert seqs(limited) == vllm_form and runs == [1, 1]
+    with pytest.raises(ValueError, match="concurrency_limit must be in"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5), concurrency_limit=0)
     assert all(len(o) == 3 for o in vllm_form)
     with pytest.raises(ValueError, match="temperature=0.7"):
         BeamSearchParams(beam_width=2, max_tokens=3, temperature=0.7)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrokv.beam_search_params import BeamSearchParams
-from ferrokv.checks import check_text, shown
+from ferrokv.checks import check_int, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineLoop, StreamItem
@@ -322,13 +322,17 @@ class LLM:
 
     def beam_search(self, prompts: Any, params: BeamSearchParams | int | None = None, max_tokens: int | None = None,
                     length_penalty: float = 1.0, ignore_eos: bool = False, use_tqdm: bool | Callable[..., Any] = False, *,
-                    beam_width: int | None = None, lora_request: Any = None) -> list[BeamSearchOutput]:
+                    beam_width: int | None = None, lora_request: Any = None,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search built on the core's fork and copy-on-write (transformers' semantics).
 
         vLLM's form is ``beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))``;
         ferrokv's earlier ``beam_search(prompts, beam_width, max_tokens, length_penalty, ignore_eos)``
-        (``beam_width`` positionally or by keyword) builds the same ``BeamSearchParams``."""
+        (``beam_width`` positionally or by keyword) builds the same ``BeamSearchParams``.
+        ``concurrency_limit`` (vLLM's): at most that many prompts are searched at once."""
         check_no_lora(lora_request)
+        if concurrency_limit is not None:
+            check_int("concurrency_limit", concurrency_limit, 1, 1 << 31)
         if isinstance(params, BeamSearchParams):
             if beam_width is not None or max_tokens is not None:
                 raise ValueError("beam_search: give a BeamSearchParams or beam_width and max_tokens, not both")
@@ -342,7 +346,9 @@ class LLM:
         prompts = batch_prompts(prompts)
         beam = dict(beam_width=p.beam_width, max_tokens=p.max_tokens, length_penalty=p.length_penalty,
                     ignore_eos=p.ignore_eos)
-        outs = self._run(prompts, None, use_tqdm, beam=beam)
+        chunk = concurrency_limit or max(len(prompts), 1)
+        outs = [o for i in range(0, len(prompts), chunk) for o in self._run(prompts[i:i + chunk], None, use_tqdm,
+                                                                            beam=beam)]
         return [
             BeamSearchOutput(o.prompt, o.prompt_token_ids,
                              [BeamSearchSequence(c.token_ids, c.text, c.cumulative_logprob, c.finish_reason)
