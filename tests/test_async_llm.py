@@ -536,3 +536,27 @@ def test_serve_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
         rc = e.code
     assert rc == 2
     assert needle in capsys.readouterr().err
+
+
+def test_event_loops_that_used_the_engine_are_freed_when_they_end(allm):
+    """One asyncio.run per call (sync wrappers, a loop per thread): each loop, and the engine's
+    dispatcher for it, is freed once it ends; the dispatcher must not keep its loop alive."""
+    import gc
+
+    async def once(i: int) -> None:
+        outs = await collect(allm, {"prompt_token_ids": [5, 6, 7]}, greedy(1), f"loop-{i}")
+        assert outs[-1].finished
+
+    import weakref
+
+    loops = []
+    for i in range(20):
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(once(i))
+        loop.close()
+        loops.append(weakref.ref(loop))
+        del loop
+    gc.collect()
+    assert len(allm._dispatchers) == 0
+    assert [r() for r in loops] == [None] * 20
+    assert_engine_idle(allm)

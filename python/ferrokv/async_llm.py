@@ -56,10 +56,12 @@ class _LoopDispatcher:
     ``flush`` (the engine loop calls it after a step's puts) schedules one ``_drain`` unless one
     is pending, so a step's outputs cost one wake-up of the event loop."""
 
-    __slots__ = ("loop", "_items", "_pending")
+    __slots__ = ("_loop", "_items", "_pending")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        # Weakly: AsyncLLM keeps its dispatchers in a map weakly keyed by their loop, and a strong
+        # reference here would keep every loop that ever used the engine (and its map entry) alive.
+        self._loop = weakref.ref(loop)
         self._items: collections.deque[tuple[_RequestStream, StreamItem]] = collections.deque()
         self._pending = False
 
@@ -71,10 +73,20 @@ class _LoopDispatcher:
             # The drain clears the flag before it pops: an item appended meanwhile is either
             # popped by it or finds the flag clear and schedules the next drain.
             self._pending = True
+            loop = self._loop()
             try:
-                self.loop.call_soon_threadsafe(self._drain)
-            except RuntimeError:  # the event loop is closed (its client is gone): nobody reads these
+                if loop is None:
+                    raise RuntimeError("the event loop is gone")
+                loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the event loop is closed or gone (its client too): nobody reads these
                 self._items.clear()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The dispatcher's event loop (called from that loop, so it is alive)."""
+        loop = self._loop()
+        assert loop is not None
+        return loop
 
     def _drain(self) -> None:  # the event loop
         self._pending = False
