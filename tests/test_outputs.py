@@ -61,3 +61,25 @@ def test_completion_output_works_with_dataclasses_as_vllms():
     assert copy.deepcopy(c) == c == pickle.loads(pickle.dumps(c))
     r = RequestOutput("r", "p", [5], [c], finished=True)
     assert dataclasses.asdict(r)["outputs"] == [dataclasses.asdict(c)]
+
+
+def test_request_output_add_merges_as_vllms():
+    """aggregate (DELTA): per index, text, tokens and logprobs concatenate and the later state
+    wins; otherwise the later completion replaces; a new index is appended in order."""
+    lp = [{1: Logprob(-0.5)}]
+
+    def out(finished, *comps):
+        return RequestOutput("r", "p", [9], list(comps), finished)
+
+    a = out(False, CompletionOutput(0, "a", [1], -0.5, list(lp)), CompletionOutput(1, "x", [4], -1.0, list(lp)))
+    a.add(out(True, CompletionOutput(1, "y", [5], -2.0, list(lp), "stop", "y"),
+              CompletionOutput(2, "z", [6], -0.1, None, "length")), aggregate=True)
+    assert a.finished and [c.index for c in a.outputs] == [0, 1, 2]
+    c1 = a.outputs[1]
+    assert (c1.text, c1.token_ids, len(c1.logprobs), c1.cumulative_logprob, c1.finish_reason, c1.stop_reason) == \
+        ("xy", [4, 5], 2, -2.0, "stop", "y")
+    assert (a.outputs[0].text, a.outputs[0].token_ids) == ("a", [1])
+    b = out(False, CompletionOutput(0, "a", [1]))
+    newer = CompletionOutput(0, "ab", [1, 2], finish_reason="length")
+    b.add(out(True, newer), aggregate=False)
+    assert b.outputs == [newer] and b.finished

@@ -96,26 +96,6 @@ class _LoopDispatcher:
             stream.deliver(item)
 
 
-def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
-    """Appends DELTA output ``new`` to the unread DELTA output ``into`` (vLLM's aggregation):
-    per completion index, text, tokens and logprobs concatenate; the newer state wins."""
-    by_index = {c.index: c for c in into.outputs}
-    for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
-            into.outputs.append(c)
-            by_index[c.index] = c
-            continue
-        old.text = old.text + c.text
-        old.token_ids = old.token_ids + c.token_ids
-        if old.logprobs is not None and c.logprobs is not None:
-            old.logprobs = old.logprobs + c.logprobs
-        old.cumulative_logprob, old.finish_reason, old.stop_reason = \
-            c.cumulative_logprob, c.finish_reason, c.stop_reason
-    into.outputs.sort(key=lambda c: c.index)
-    into.finished, into.num_cached_tokens, into.metrics = new.finished, new.num_cached_tokens, new.metrics
-
-
 class _RequestStream:
     """One request's sink and its consumer's queue (``put`` on the engine thread, the rest on the
     event loop). While the consumer lags, a CUMULATIVE output replaces the unread one and a DELTA
@@ -145,7 +125,7 @@ class _RequestStream:
             if self._kind == RequestOutputKind.CUMULATIVE:
                 q[-1] = item  # a newer cumulative output holds everything the older one did
             else:  # DELTA (FINAL_ONLY has one output)
-                _merge_delta(q[-1].output, item.output)  # type: ignore[arg-type]
+                q[-1].output.add(item.output, aggregate=True)  # type: ignore[union-attr,arg-type]  # vLLM's aggregation
         else:
             q.append(item)
         w = self._waiter

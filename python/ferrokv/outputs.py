@@ -247,6 +247,30 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     metrics: RequestStateStats | None = None
 
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """vLLM's merge of a later output of the same request into this one: per completion
+        index, ``aggregate`` (DELTA outputs) concatenates text, tokens and logprobs, else the
+        later completion replaces this one's; the later state (finish, stop reason, cumulative
+        logprob, cache hits, metrics) wins. Completions stay in index order."""
+        by_index = {c.index: c for c in self.outputs}
+        for c in next_output.outputs:
+            old = by_index.get(c.index)
+            if old is None:
+                self.outputs.append(c)
+                by_index[c.index] = c
+            elif not aggregate:
+                self.outputs[self.outputs.index(old)] = by_index[c.index] = c
+            else:
+                old.text = old.text + c.text
+                old.token_ids = old.token_ids + c.token_ids
+                if old.logprobs is not None and c.logprobs is not None:
+                    old.logprobs = old.logprobs + c.logprobs
+                old.cumulative_logprob, old.finish_reason, old.stop_reason = \
+                    c.cumulative_logprob, c.finish_reason, c.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = self.finished or next_output.finished
+        self.num_cached_tokens, self.metrics = next_output.num_cached_tokens, next_output.metrics
+
     def __repr__(self) -> str:
         plp = "None" if self.prompt_logprobs is None else f"<{len(self.prompt_logprobs)} positions>"
         outs = ", ".join(repr(o) for o in self.outputs)
