@@ -560,3 +560,26 @@ def test_event_loops_that_used_the_engine_are_freed_when_they_end(allm):
     assert len(allm._dispatchers) == 0
     assert [r() for r in loops] == [None] * 20
     assert_engine_idle(allm)
+
+
+def test_closing_a_stream_whose_request_already_ended_leaves_a_newer_one_of_its_id_alone(allm, sequential):
+    """A's request ends while its final output is still unread; B starts under the same id (it
+    was free); closing A's stream then must not abort B (it aborted the id before)."""
+    b_prompt = rand_prompts(50, [5])[0]
+
+    async def main():
+        gen_a = allm.generate(rand_prompts(51, [3])[0], greedy(2, output_kind=Kind.DELTA), "ended")
+        await anext(gen_a)
+        while allm.engine_loop.holding({"ended"}):  # A ended in the engine; its last output waits unread
+            await asyncio.sleep(0.01)
+        outs = []
+        async for o in allm.generate(b_prompt, greedy(30, output_kind=Kind.DELTA), "ended"):
+            outs.append(o)
+            if len(outs) == 1:
+                await gen_a.aclose()
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert sum((o.outputs[0].token_ids for o in outs), []) == token_ids(sequential([b_prompt], 30))[0][0]
+    assert_engine_idle(allm)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import queue
 import threading
+import time
 
 import pytest
 
@@ -398,3 +399,54 @@ def test_a_retry_under_a_given_up_id_waits_for_the_old_request_and_gets_only_its
     assert old.empty() and retry.empty() and last.empty()
     assert not loop.holding({"same"})
     assert_idle(engine)
+
+
+def test_retries_given_up_in_turn_behind_a_held_engine_lock_each_end_with_their_own_outputs(llama_path):
+    """Another thread holds the engine lock while a request is given up, retried, the retry given
+    up, and retried again, each with its own prompt: the two waiting retries start one after the
+    other (the first is added and aborted), no sink gets another request's output, and the id's
+    claims, records and waiting submits all end."""
+    from ferrokv.engine_loop import EngineLoop
+
+    engine = tiny_engine(llama_path)
+    loop = EngineLoop(engine)
+    prompts = {name: rand_prompts(70 + i, [4 + i])[0] for i, name in enumerate("abc")}
+    sinks = {name: queue.SimpleQueue() for name in "abc"}
+    # Pins the timing: the loop's third step waits (off the engine lock) until the commands are queued.
+    real_step, steps, paused, go = engine.step, [0], threading.Event(), threading.Event()
+
+    def step():
+        steps[0] += 1
+        if steps[0] == 3:
+            paused.set()
+            go.wait(30)
+            return []
+        return real_step()
+
+    engine.step = step
+    loop.submit("X", prompts["a"], greedy(10_000), sink=sinks["a"])
+    assert paused.wait(30)
+    engine._lock.acquire()  # as reset_prefix_cache holds it
+    try:
+        loop.abandon("X", sinks["a"])
+        loop.submit("X", prompts["b"], greedy(10_000), sink=sinks["b"])
+        loop.abandon("X", sinks["b"])
+        loop.submit("X", prompts["c"], greedy(5), sink=sinks["c"])
+        go.set()
+        time.sleep(0.3)  # the loop takes the commands while the lock is held
+    finally:
+        engine._release()
+    finals = {}
+    for name, sink in sinks.items():
+        item = sink.get(timeout=60)
+        while True:
+            assert item.error is None and item.output.prompt_token_ids == prompts[name]["prompt_token_ids"], name
+            if item.finished:
+                break
+            item = sink.get(timeout=60)
+        finals[name] = item.output.outputs[0]
+    assert [finals[n].finish_reason for n in "abc"] == ["abort", "abort", "length"]
+    assert len(finals["c"].token_ids) == 5
+    assert not loop.holding({"X"}) and not loop._records and not loop._deferred
+    assert_idle(engine)
+    loop.shutdown()

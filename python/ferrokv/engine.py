@@ -298,12 +298,17 @@ class LLMEngine:
             **text, **core_sampling_kwargs(params, self.vocab_size),
         )
 
-    def abort_request(self, request_id: str | Sequence[str]) -> None:
+    def abort_request(self, request_id: str | Sequence[str], wait: bool = False) -> None:
         """Ends the requests (unknown or finished ids are ignored) and frees their blocks; they
         report no more outputs (``on_abort`` aside). Safe from any thread: applied at once when no
-        step is in progress, else when the step in progress ends."""
+        step is in progress, else when the step in progress ends; ``wait``: waits for that, so the
+        aborts are applied, and ``on_abort`` called, on this thread before it returns."""
         self._abort_inbox.extend(request_ids(request_id))  # all checked before any is queued
-        self._drain_aborts()
+        if wait:
+            self._lock.acquire()
+            self._release()
+        else:
+            self._drain_aborts()
 
     @_exclusive
     def reset_prefix_cache(self) -> bool:

@@ -39,8 +39,10 @@ Invariants:
   collected, without waiting) and an ``atexit`` hook joins every loop still running. On CUDA
   its current device is the model's (the current device is per thread, and kernels launch on it). A caller waits on its sink, so a ``KeyboardInterrupt`` lands in the
   caller, which aborts its requests (``LLM._run``), never inside a step.
-* Aborts are applied between steps (at most one step's wait). ``LLMEngine.abort_request`` is safe
-  from any thread too; its aborts reach their sinks through ``LLMEngine.on_abort``.
+* Aborts are applied between steps (at most one step's wait), on the loop's thread (it waits
+  for the engine lock a getter may hold), so an abort's output is routed before any later
+  request of the same id starts. ``LLMEngine.abort_request`` is safe from any thread too; its
+  aborts reach their sinks through ``LLMEngine.on_abort``.
 * A step that raises (the engine has cancelled it) ends every request of the loop with that
   exception, so nobody waits for a request the failure left behind, and the loop goes on. An error
   in the loop itself ends every request with ``EngineDeadError`` and the loop with it.
@@ -108,6 +110,12 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _Abandon:
+    request_id: str
+    sink: OutputSink
+
+
+@dataclass(slots=True)
 class _Aborted:
     output: RequestOutput
 
@@ -127,8 +135,9 @@ class _Claim:
 
 @dataclass(slots=True)
 class _Deferred:
-    """A submit waiting for an earlier request of its id to end; ``aborted``: an abort of the id
-    came meanwhile (the request is then added and aborted at once, so it still gets its output)."""
+    """A submit waiting for an earlier request of its id to end; ``aborted``: an abort of the id,
+    or its holder's abandon, came meanwhile (the request is then added and aborted at once, so
+    it still gets its terminal output)."""
 
     submit: _Submit
     aborted: bool = False
@@ -167,6 +176,7 @@ class EngineLoop:
         self._flushes: set[Callable[[], None]] = set()  # the loop thread's: flush() of sinks put to since the last
         self._state = threading.Lock()  # orders starting/ending the thread against queuing
         self._thread: threading.Thread | None = None
+        self._stepping = False  # the loop's thread is in engine.step()
         self._dead: EngineDeadError | None = None
         self._device: torch.device = next(engine.model.parameters()).device  # with its index on CUDA
         engine.on_abort = self._on_abort
@@ -212,13 +222,16 @@ class EngineLoop:
             self._queue(_Abort(ids), start=False)
 
     def abandon(self, request_id: str, sink: OutputSink) -> None:
-        """The holder whose sink is ``sink`` stops reading request ``request_id``: the request is
-        aborted, and the id may be submitted again at once (module docs)."""
+        """The holder whose sink is ``sink`` stops reading request ``request_id``: its request
+        (that one only: a later request under the id is not touched) is aborted, and the id may be
+        submitted again at once (module docs). Nothing happens once its terminal item was delivered."""
+        held = False
         with self._state:
             for claim in self._claims.get(request_id, ()):
                 if claim.sink is sink:
-                    claim.abandoned = True
-        self.abort([request_id])
+                    claim.abandoned = held = True
+        if held:
+            self._queue(_Abandon(request_id, sink), start=False)
 
     def stream(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                **kwargs: Any) -> Iterator[RequestOutput]:
@@ -303,14 +316,15 @@ class EngineLoop:
 
     def _on_abort(self, output: RequestOutput) -> None:
         # LLMEngine.on_abort: called by whichever thread applied the abort (after the engine lock
-        # is released). On this loop's thread the output is routed at once, to the record of the
-        # request it belongs to (queued, a later request of the same id could take its record);
-        # from another thread it is queued, lock-free by design.
+        # is released). The loop's own aborts are applied on its thread (abort_request(wait=True)),
+        # and their outputs routed at once, to the record of the request they belong to (queued, a
+        # later request of the same id could take its record first); others are queued,
+        # lock-free by design.
         if self._thread is None or self._dead is not None:
             return
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread and not self._stepping:
             self._apply(_Aborted(output))
-        else:
+        else:  # another thread's; or applied as a step ended: after the step's outputs are routed
             self._inbox.put(_Aborted(output))
 
     # ------------------------------------------------------------------------------------------
@@ -342,12 +356,15 @@ class EngineLoop:
             self._apply(command)
         self._flush()
         if self.engine.has_unfinished_requests():
+            self._stepping = True
             try:
                 outputs = self.engine.step()
             except BaseException as e:  # the engine cancelled the step (or aborted its requests)
+                self._stepping = False
                 self._fail_all(e)
                 self._flush()
                 return True
+            self._stepping = False
             self._route(outputs)
             self._flush()
         return True
@@ -372,11 +389,9 @@ class EngineLoop:
         entry = waiting.pop(0)
         if not waiting:
             del self._deferred[request_id]
-        with self._state:
-            abandoned = any(c.sink is entry.submit.sink and c.abandoned for c in self._claims.get(request_id, ()))
-        self._apply(entry.submit)
-        if (entry.aborted or abandoned) and request_id in self._records:
-            self.engine.abort_request(request_id)  # reported through _on_abort
+        self._add(entry.submit)
+        if entry.aborted and request_id in self._records:
+            self.engine.abort_request(request_id, wait=True)  # reported through _on_abort
 
     def _flush(self) -> None:
         flushes, self._flushes = self._flushes, set()
@@ -391,22 +406,32 @@ class EngineLoop:
             rid = command.request_id
             if rid in self._records or rid in self._deferred:  # an earlier request of the id is not over
                 self._deferred.setdefault(rid, []).append(_Deferred(command))
-                return
-            try:
-                command.add(self.engine)
-            except BaseException as e:
-                self._deliver(command.sink, StreamItem(command.request_id, error=e))
-                return
-            self._records[command.request_id] = _Record(command.sink)
+            else:
+                self._add(command)
         elif isinstance(command, _Abort):
             for rid in command.request_ids:
                 for entry in self._deferred.get(rid, ()):
                     entry.aborted = True
-            self.engine.abort_request(command.request_ids)  # reported through _on_abort
+            self.engine.abort_request(command.request_ids, wait=True)  # reported through _on_abort
+        elif isinstance(command, _Abandon):
+            rec = self._records.get(command.request_id)
+            if rec is not None and rec.sink is command.sink:
+                self.engine.abort_request(command.request_id, wait=True)
+            for entry in self._deferred.get(command.request_id, ()):
+                if entry.submit.sink is command.sink:
+                    entry.aborted = True
         elif isinstance(command, _Aborted):
             rec = self._records.pop(command.output.request_id, None)
             if rec is not None:
                 self._deliver(rec.sink, StreamItem(command.output.request_id, command.output))
+
+    def _add(self, command: _Submit) -> None:
+        try:
+            command.add(self.engine)
+        except BaseException as e:
+            self._deliver(command.sink, StreamItem(command.request_id, error=e))
+            return
+        self._records[command.request_id] = _Record(command.sink)
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
@@ -421,7 +446,7 @@ class EngineLoop:
         records, self._records = self._records, {}
         logger.warning("engine step failed (%s: %s); ending its %d request(s)",
                        type(error).__name__, error, len(records))
-        self.engine.abort_request(list(records))  # first: a caller told of the error finds them gone
+        self.engine.abort_request(list(records), wait=True)  # first: a caller told of the error finds them gone
         for rid, rec in records.items():
             self._deliver(rec.sink, StreamItem(rid, error=error))  # then a submit that waited for it starts
 
