@@ -511,6 +511,7 @@ def test_serve_flags_default_to_server_config():
             args.log_prompts, args.api_key) == (d.host, d.port, d.max_body_bytes, d.max_waiting_requests,
                                                d.drain_timeout, d.log_prompts, d.api_key)
     assert d.host == "127.0.0.1"
+    assert _parser().parse_args(["serve", "m", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
     assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == (
         d.allowed_origins, d.allowed_methods, d.allowed_headers, d.allow_credentials) == (["*"], ["*"], ["*"], False)
 
@@ -526,6 +527,7 @@ def test_serve_flags_default_to_server_config():
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--allowed-origins", "*"], "--allowed-origins: not JSON"),
     (["--allowed-headers", '{"a": 1}'], "--allowed-headers: a JSON list of strings is needed"),
+    (["--served-model-name", "a", "./my-model"], "write the model first"),
 ])
 def test_serve_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     from ferrokv.cli import main

@@ -657,6 +657,33 @@ def test_completions_honour_add_special_tokens(tiny_model_dir, tmp_path):
         llm.shutdown()
 
 
+def test_served_model_aliases_are_accepted_and_listed_as_vllms(llama_path):
+    """vLLM's --served-model-name a b: clients may send either name; responses show the first."""
+    import asyncio
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    try:
+        async def main():
+            config = ServerConfig(served_model_name="main", served_model_aliases=("alias",))
+            transport = httpx.ASGITransport(app=build_app(llm, config))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                listed = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+                body = {"prompt": "The cat", "max_tokens": 1}
+                ok = await c.post("/v1/completions", json={**body, "model": "alias"})
+                unknown = await c.post("/v1/completions", json={**body, "model": "other"})
+            return listed, ok, unknown
+
+        listed, ok, unknown = asyncio.run(main())
+        assert listed == ["main", "alias"]
+        assert ok.status_code == 200 and ok.json()["model"] == "main", ok.text
+        assert_openai_error(unknown, 404, "'main', 'alias'")
+    finally:
+        llm.shutdown()
+
+
 def test_chat_fields_vllm_accepts():
     """An assistant turn with null content (a replayed tool call), ``top_logprobs: 0`` without
     ``logprobs``, and ``tools`` with ``tool_choice: "none"`` (given to the chat template only);

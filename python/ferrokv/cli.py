@@ -252,8 +252,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
                         "(default: none, else $FERROKV_API_KEY)")
-    g.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model name clients send and see (default: the model argument)")
+    g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="the model name(s) clients may send; responses show the first (default: the model argument)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help=help_with_default("largest request body accepted; larger ones get 413",
                                           d.max_body_bytes))
@@ -297,6 +297,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
         raise ValueError(f"model: given twice, as {args.model_pos!r} and --model {args.model!r}")
     args.model = args.model_pos if args.model_pos is not None else args.model
+    names = args.served_model_name
+    if names is not None and len(names) > 1 and args.model is None:
+        # nargs="+" takes a model written after it as one more name: the default model would be
+        # served silently under it.
+        raise ValueError(f"--served-model-name took {len(names)} names ({', '.join(map(repr, names))}) and no model "
+                         "was given: write the model first (ferrokv serve MODEL --served-model-name NAME ...)")
     for flag, value, lo in (("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1),
                             ("--max-waiting-requests", args.max_waiting_requests, 0)):
         if value < lo or (flag == "--port" and value > 65535):
@@ -313,8 +319,8 @@ def _serve(args: argparse.Namespace) -> int:
     from ferrokv.entrypoints.openai.api_server import run_server
     from ferrokv.entrypoints.openai.server_config import DEFAULT_MODEL_NAME, ServerConfig
 
-    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    config = ServerConfig(served_model_name=name, host=args.host, port=args.port, api_key=api_key,
+    name, *aliases = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    config = ServerConfig(served_model_name=name, served_model_aliases=tuple(aliases), host=args.host, port=args.port, api_key=api_key,
                           max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,

@@ -165,7 +165,8 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``async_llm`` (the caller owns it: the app does not shut it down)."""
     state_box: dict[str, ServerState] = {}
     metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight)
-    state = ServerState(async_llm, metrics, (config.served_model_name,), config.max_waiting_requests,
+    state = ServerState(async_llm, metrics, (config.served_model_name, *config.served_model_aliases),
+                        config.max_waiting_requests,
                         config.log_prompts, config.trust_request_chat_template)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)

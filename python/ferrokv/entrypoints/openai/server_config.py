@@ -16,7 +16,8 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded 
 
 @dataclass(slots=True)
 class ServerConfig:
-    """``served_model_name``: the name clients send and see. ``max_waiting_requests``: engine
+    """``served_model_name``: the name clients send and see (``served_model_aliases``: other names
+    they may send, listed by ``/v1/models`` too). ``max_waiting_requests``: engine
     requests accepted beyond the ``max_num_seqs`` running ones. ``drain_timeout``: seconds
     requests in flight may run on after SIGTERM/SIGINT. ``allowed_*`` and ``allow_credentials``:
     the CORS policy browsers are told (vLLM's flags and defaults: any origin, method and header).
@@ -24,6 +25,7 @@ class ServerConfig:
     flag; off, such a request is a 400: a Jinja template is code, one could loop or fill memory)."""
 
     served_model_name: str = DEFAULT_MODEL_NAME
+    served_model_aliases: tuple[str, ...] = ()  # more names clients may send (vLLM's later --served-model-name values)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
