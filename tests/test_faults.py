@@ -120,22 +120,25 @@ def test_a_failure_in_the_sampler_undoes_the_step(llama_path, clean, overlap):
     assert_idle(engine)
 
 
-def test_a_failure_after_a_beam_step_aborts_that_beam_search(llama_path, clean):
+def test_a_failure_after_a_beam_step_aborts_that_beam_search(llama_path, clean, monkeypatch):
     """A beam search moves in Python during the step (forks, drops): it cannot be put back, so a
     failure after it aborts that search; the other request goes on unharmed."""
+    import ferrokv.engine
+
     engine = tiny_engine(llama_path)
     beam_prompt, prompt = rand_prompts(6, [9, 17])
     engine.add_beam_request("beam", beam_prompt, beam_width=3, max_tokens=8)
     engine.add_request("0", prompt, greedy(8))
-    beam_step, calls = engine._beam_step, []
+    beam_step, calls = ferrokv.engine.advance, []
 
     def failing_beam_step(*args):
-        beam_step(*args)
+        done = beam_step(*args)
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("failed after a beam step")
+        return done
 
-    engine._beam_step = failing_beam_step
+    monkeypatch.setattr(ferrokv.engine, "advance", failing_beam_step)
     last = drive(engine, fails=RuntimeError)
     assert "beam" not in last  # aborted: no output, as for any aborted request
     assert outputs_of(last, 1) == clean([prompt], greedy(8))

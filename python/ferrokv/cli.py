@@ -320,7 +320,8 @@ def _serve(args: argparse.Namespace) -> int:
     from ferrokv.entrypoints.openai.server_config import DEFAULT_MODEL_NAME, ServerConfig
 
     name, *aliases = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    config = ServerConfig(served_model_name=name, served_model_aliases=tuple(aliases), host=args.host, port=args.port, api_key=api_key,
+    config = ServerConfig(served_model_name=name, served_model_aliases=tuple(aliases), host=args.host, port=args.port,
+                          api_key=api_key,
                           max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,

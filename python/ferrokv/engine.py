@@ -177,6 +177,7 @@ class LLMEngine:
         self._stats_wanted = False
         self._num_free_blocks: int = self.scheduler.num_free_blocks
         self._num_blocks = num_blocks  # a scheduler getter would borrow it, failing mid-step
+
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         """vLLM's constructor spelling: ``LLMEngine.from_engine_args(EngineArgs(model=...))``."""
@@ -521,7 +522,11 @@ class LLMEngine:
                 for cid in np.unique(row_req[rows]).tolist():
                     req = self._requests[cid]
                     undo.beams.append(req)
-                    self._beam_step(req, rows[row_req[rows] == cid].tolist(), row_seq, logits, sampled)
+                    # One step of the search (ferrokv.beam_engine.advance); one that is done has
+                    # ended in the scheduler and reports at the end of the step.
+                    if advance(self.scheduler, req, rows[row_req[rows] == cid].tolist(), row_seq, logits, sampled):
+                        self._finish(req)
+                        self._beams_done.append(req)
         return sampled, so.logprobs
 
     def _finish_pending(self, p: _Pending) -> list[RequestOutput]:
@@ -593,11 +598,3 @@ class LLMEngine:
         request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, None)
         state, params = beam_request(p, len(ids), self.max_model_len, self.eos_token_ids)
         self._submit(request_id, text, ids, params, params.max_tokens, 0, cache_salt, beam=state)
-
-    def _beam_step(self, req: RequestState, rows: list[int], row_seq: list[int], logits: torch.Tensor,
-                   sampled: np.ndarray) -> None:
-        """Moves a beam search one step (``ferrokv.beam_search.advance``); a search that is done
-        has ended in the scheduler and reports at the end of the step."""
-        if advance(self.scheduler, req, rows, row_seq, logits, sampled):
-            self._finish(req)
-            self._beams_done.append(req)

@@ -117,10 +117,8 @@ def allocate_kv_cache(a: EngineArgs, spec: KVCacheSpec, num_blocks: int, device:
         raise ValueError(f"{source}: {detail} need more memory than this machine has available ({available} bytes)")
     try:
         return PagedKVCache(spec, num_blocks, a.num_cpu_blocks, device)
-    except (MemoryError, torch.OutOfMemoryError) as e:
-        raise ValueError(f"{source}: {detail} could not be allocated ({e})") from None
-    except RuntimeError as e:  # the CPU allocator's refusal
-        if "alloc" not in str(e):
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(e):
             raise
         raise ValueError(f"{source}: {detail} could not be allocated ({e})") from None
 

@@ -127,8 +127,6 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
     except Exception as e:  # noqa: BLE001  the template's code failed on what the caller gave it
         raise ValueError(f"{which} failed on this conversation{' and chat_template_kwargs' if extra else ''} "
                          f"({type(e).__name__}: {_escaped(e)})") from None
-    if not isinstance(text, str):
-        raise ValueError(f"{which} rendered {type(text).__name__}, not text")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -124,25 +124,22 @@ def weight_files(folder: Path, load_format: str = "auto") -> list[Path]:
 def iter_weights(path: str | os.PathLike[str], load_format: str = "auto") -> Iterator[tuple[str, Tensor]]:
     """(name, CPU tensor) for every tensor of the folder's checkpoint (``weight_files``): a
     safetensors file one tensor at a time, a ``.bin`` shard memory-mapped where its format allows."""
+    from safetensors import SafetensorError
+
     for file in weight_files(_model_dir(path), load_format):
         try:
             yield from _file_weights(file)
-        except (OSError, RuntimeError, ValueError, EOFError) as e:  # truncated, corrupt or not what it says
-            if isinstance(e, ValueError) and str(e).startswith("model: "):
-                raise
+        except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as e:  # truncated or corrupt
             raise ValueError(f"model: weights file {str(file)!r} cannot be read ({type(e).__name__}: {e})") from None
 
 
 def _file_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
     if file.suffix == ".safetensors":
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except SafetensorError as e:
-            raise ValueError(str(e)) from None
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
         return
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
