@@ -288,6 +288,28 @@ def test_chat_gives_tools_and_an_assistants_null_content_to_the_template(llama_l
         llm.chat([{"role": "user", "content": "a"}, {"role": "user", "content": None}], params, use_tqdm=False)
 
 
+def test_chat_replays_tool_calls_with_their_arguments_as_objects(llama_llm):
+    """vLLM's chat(): an assistant turn that only called tools may leave out its content; its
+    calls' ``arguments`` (JSON text) reach the template as objects, and a tool message's
+    ``tool_call_id`` reaches it too; arguments that are not JSON are a ValueError naming them."""
+    template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+                "{% for c in m.get('tool_calls', []) %}{{ c['function']['name'] }}({{ c['function']['arguments']['city'] }})"
+                "{% endfor %}{{ m.get('tool_call_id', '') }}{% endfor %}")
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    conv = [{"role": "user", "content": "weather?"}, {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    out = llama_llm.chat(conv, params, use_tqdm=False, chat_template=template, add_generation_prompt=False)[0]
+    assert out.prompt == "[user]weather?[assistant]weather(Paris)[tool]sunnyc1"
+    assert conv[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's is untouched
+    bad = [conv[0], {"role": "assistant", "tool_calls": [{**call, "function": {"name": "w", "arguments": "{x"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments must be JSON"):
+        llama_llm.chat(bad, params, use_tqdm=False, chat_template=template)
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content is missing"):
+        llama_llm.chat([conv[0], {"role": "user"}], params, use_tqdm=False, chat_template=template)
+    assert_no_leak(llama_llm)
+
+
 def test_chat_template_and_continue_final_message(llama_llm):
     """vLLM's chat(): a chat_template string replaces the tokenizer's, and continue_final_message
     leaves the last (assistant) message open, both as transformers renders them; bad values name

@@ -14,6 +14,7 @@ most ``max_model_len`` long. Costs: O(prompt length).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,7 +22,8 @@ import numpy as np
 
 from ferrokv.checks import check_text, shown
 
-__all__ = ["batch_prompts", "check_logprobs_cap", "check_no_lora", "check_tools", "message_text", "prompt_cache_salt", "prompt_ids",
+__all__ = ["batch_prompts", "check_logprobs_cap", "check_no_lora", "check_tools", "message_text", "message_tool_fields",
+           "prompt_cache_salt", "prompt_ids",
            "request_id_str", "request_ids", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
@@ -163,6 +165,42 @@ def message_text(content: Any, name: str, role: Any = None) -> str:
             parts.append(check_text(f"{name}[{j}].text", part["text"]))
         return "".join(parts)
     return check_text(name, content)
+
+
+def message_tool_fields(m: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The tool fields of the chat message ``where`` (``messages[3]``) that a chat template may
+    use, checked: an assistant's ``tool_calls`` (each ``function.arguments`` JSON text parsed
+    into an object, "" or absent as {}, as vLLM gives them to templates), a tool message's
+    ``tool_call_id``, and ``name``. A ``ValueError`` starts with the bad field's path."""
+    out: dict[str, Any] = {}
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            out[key] = check_text(f"{where}.{key}", m[key])
+    calls = m.get("tool_calls")
+    if calls is None:
+        return out
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls must be a list, got {shown(calls)}")
+    out["tool_calls"] = [_replayed_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
+    return out
+
+
+def _replayed_call(where: str, call: Any) -> dict[str, Any]:
+    f = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(f, Mapping) or not isinstance(f.get("name"), str):
+        raise ValueError(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                         f"'arguments': ...}}}}, got {shown(call)}")
+    args = f.get("arguments")
+    if isinstance(args, str) and args:
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise ValueError(f"{where}.function.arguments must be JSON text, got {shown(args)}") from None
+    elif args in (None, ""):
+        args = {}
+    elif not isinstance(args, (Mapping, list)):
+        raise ValueError(f"{where}.function.arguments must be JSON text, got {shown(args)}")
+    return {**call, "function": {**f, "arguments": args}}
 
 
 def check_tools(tools: Any) -> None:

@@ -31,7 +31,7 @@ from ferrokv.checks import check_int, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineLoop, StreamItem
-from ferrokv.inputs import batch_prompts, check_no_lora, check_tools, message_text
+from ferrokv.inputs import batch_prompts, check_no_lora, check_tools, message_text, message_tool_fields
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
@@ -61,7 +61,8 @@ def checked_messages(conversation: Any, name: str = "messages") -> list[dict[str
     """A conversation: a non-empty list of dicts, each with a ``role`` that is text and a
     ``content`` that is text or a list of text parts (``message_text``: joined here); a
     ``ValueError`` names the first bad one (``messages[2].content``). Returns copies with the
-    content as text (the messages' other keys kept)."""
+    content as text, tool calls' arguments as objects (``message_tool_fields``), and the
+    messages' other keys kept."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"{name} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                          f"got {shown(conversation)}")
@@ -69,11 +70,15 @@ def checked_messages(conversation: Any, name: str = "messages") -> list[dict[str
     for i, message in enumerate(conversation):
         if not isinstance(message, Mapping):
             raise ValueError(f"{name}[{i}] must be a dict with 'role' and 'content', got {shown(message)}")
-        for key in ("role", "content"):
+        # OpenAI's schema lets an assistant turn that only called tools leave its content out.
+        needed = ("role",) if message.get("role") == "assistant" and message.get("tool_calls") else ("role", "content")
+        for key in needed:
             if key not in message:
                 raise ValueError(f"{name}[{i}].{key} is missing (the message is {shown(message)})")
         check_text(f"{name}[{i}].role", message["role"])
-        out.append({**message, "content": message_text(message["content"], f"{name}[{i}].content", message["role"])})
+        out.append({**message, "content": message_text(message.get("content"), f"{name}[{i}].content",
+                                                        message["role"]),
+                    **message_tool_fields(message, f"{name}[{i}]")})
     return out
 
 

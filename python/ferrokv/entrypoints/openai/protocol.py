@@ -28,7 +28,8 @@ from typing import Any
 
 from ferrokv.checks import shown
 from ferrokv.engine_args import EngineArgs
-from ferrokv.inputs import check_tools, message_text
+from ferrokv.entrypoints.openai.tool_calls import ToolChoice, ToolError, parse_tools
+from ferrokv.inputs import message_text, message_tool_fields
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.structured_outputs import StructuredOutputsParams
@@ -134,12 +135,13 @@ _I32 = (1 << 31) - 1
 
 
 def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind,
-                    defaults: Mapping[str, Any],
-                    max_logprobs: int = _DEFAULT_MAX_LOGPROBS) -> tuple[SamplingParams, StructuredSource | None]:
+                    defaults: Mapping[str, Any], max_logprobs: int = _DEFAULT_MAX_LOGPROBS,
+                    tool_choice: ToolChoice | None = None) -> tuple[SamplingParams, StructuredSource | None]:
     """The request's ``SamplingParams`` (their own checks mapped to a 400 naming the field), and
     where its structured-output constraint came from (None: it has none). ``defaults`` (the
     model's generation config, ``ferrokv.generation_defaults``) fill the fields the request left
-    out, and its ``max_tokens`` caps the request's, as in vLLM."""
+    out, and its ``max_tokens`` caps the request's, as in vLLM. A forced tool call's schema is
+    the constraint, whatever else the request asks (vLLM's precedence)."""
     for name, (*noop,) in _UNSUPPORTED.items():
         if body.get(name) not in noop:
             raise bad(name, f"{name} is not supported by this server, got {shown(body.get(name))}")
@@ -173,7 +175,7 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
             raise bad("prompt_logprobs", f"prompt_logprobs are not available with stream: true, got "
                                          f"prompt_logprobs={prompt_logprobs}")
         prompt_logprobs = None
-    structured, source = _structured(body)
+    structured, source = _structured(body) if tool_choice is None else _tool_structured(tool_choice)
     try:
         params = SamplingParams(**kw, max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
                                 prompt_logprobs=prompt_logprobs, structured_outputs=structured)
@@ -249,6 +251,14 @@ def _structured(body: Mapping[str, Any]) -> tuple[StructuredOutputsParams | None
         spec["whitespace_pattern"] = ws
     try:
         return StructuredOutputsParams.from_dict(spec), source
+    except ValueError as e:
+        raise source.error(str(e)) from None
+
+
+def _tool_structured(choice: ToolChoice) -> tuple[StructuredOutputsParams, StructuredSource]:
+    source = StructuredSource("tools", (("json", "tools"),))
+    try:
+        return StructuredOutputsParams(json=choice.schema()), source
     except ValueError as e:
         raise source.error(str(e)) from None
 
@@ -394,11 +404,13 @@ class ChatRequest(_Common):
     top_logprobs: int = 0
     add_generation_prompt: bool = True
     template: dict[str, Any] = field(default_factory=dict)  # chat_token_ids' template keywords
+    tool_choice: ToolChoice | None = None  # a forced tool call (named or "required")
 
 
-def _template(body: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's chat-template fields of a request: ``chat_template`` (a Jinja string), ``tools``,
-    ``continue_final_message`` and ``chat_template_kwargs`` (``chat_token_ids`` checks the rest)."""
+def _template(body: Mapping[str, Any], tools: list[Any] | None) -> dict[str, Any]:
+    """vLLM's chat-template fields of a request: ``chat_template`` (a Jinja string), ``tools``
+    (checked by ``_tools``), ``continue_final_message`` and ``chat_template_kwargs``
+    (``chat_token_ids`` checks the rest)."""
     kwargs = _opt(body, "chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise bad("chat_template_kwargs", f"chat_template_kwargs must be a JSON object, got {shown(kwargs)}")
@@ -406,26 +418,16 @@ def _template(body: Mapping[str, Any]) -> dict[str, Any]:
         raise bad("add_special_tokens", "add_special_tokens: true is not supported for chat (the template adds them)")
     return dict(chat_template=_str(body, "chat_template"),
                 continue_final_message=_bool(body, "continue_final_message", False), chat_template_kwargs=kwargs,
-                tools=_tools(body))
+                tools=tools)
 
 
-def _tools(body: Mapping[str, Any]) -> list[Any] | None:
-    """``tools``, for the chat template, as vLLM gives them to it under ``tool_choice: "none"``;
-    any other choice (vLLM's default with tools is "auto") would need tool calls parsed out of
-    the text, which this server does not do."""
-    tools = body.get("tools")
-    if not tools:
-        return None
+def _tools(body: Mapping[str, Any]) -> tuple[list[Any] | None, ToolChoice | None]:
+    """``tools`` (for the chat template) and the tool call ``tool_choice`` forces
+    (``ferrokv.entrypoints.openai.tool_calls``), each error a 400 naming its field."""
     try:
-        check_tools(tools)
-    except ValueError as e:
-        raise bad("tools", str(e)) from None
-    choice = body.get("tool_choice")
-    if choice != "none":
-        shown_choice = '"auto" (the default with tools)' if choice is None else shown(choice)
-        raise bad("tool_choice", f"tool_choice {shown_choice} is not supported: this server does not parse tool "
-                                 'calls; with tool_choice: "none" the tools are given to the chat template only')
-    return tools
+        return parse_tools(body)
+    except ToolError as e:
+        raise bad(e.param, str(e)) from None
 
 
 def _content(i: int, content: Any, role: str) -> str:
@@ -448,7 +450,11 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with 'role' and 'content', got {shown(m)}")
         if not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}].role", f"messages[{i}].role must be a string, got {shown(m.get('role'))}")
-        out.append({"role": m["role"], "content": _content(i, m.get("content"), m["role"])})
+        try:
+            tool_fields = message_tool_fields(m, f"messages[{i}]")
+        except ValueError as e:  # its message starts with the field's path
+            raise bad(str(e).split(" ", 1)[0], str(e)) from None
+        out.append({"role": m["role"], "content": _content(i, m.get("content"), m["role"]), **tool_fields})
     return out
 
 
@@ -464,11 +470,12 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     if top and not want_logprobs:  # vLLM accepts top_logprobs=0 alone
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
+    tools, tool_choice = _tools(body)
     params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind,
-                                     defaults, max_logprobs)
+                                     defaults, max_logprobs, tool_choice)
     return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
                        top_logprobs=top or 0, add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                       template=_template(body))
+                       template=_template(body, tools), tool_choice=tool_choice)
 
 
 @dataclass(slots=True)
@@ -489,7 +496,8 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
         raise bad("prompt", "give exactly one of prompt and messages")
     prompt = _str(body, "prompt")
     messages = _messages(body["messages"]) if has_messages else None
-    template = _template(body) if has_messages else {}
+    # vLLM's /tokenize takes tools for the template, and no tool_choice.
+    template = _template(body, _tools({"tools": body.get("tools"), "tool_choice": "none"})[0]) if has_messages else {}
     return TokenizeRequest(_str(body, "model"), prompt, messages,
                            _bool(body, "add_special_tokens", not has_messages),
                            _bool(body, "add_generation_prompt", True), template)

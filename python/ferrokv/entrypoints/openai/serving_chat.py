@@ -7,6 +7,7 @@ then a usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``. `
 follow OpenAI's chat shape (``content: [{token, logprob, bytes, top_logprobs}]``), with
 ``top_logprobs`` alternatives ranked 1..top_logprobs. ``prompt_logprobs`` (vLLM's extra) are a
 top-level field of the non-streamed response, in vLLM's shape (``serving_completion``).
+With a forced tool call, ``tool_calls`` replace the content (``tool_calls``).
 Costs: as completions, plus one chat-template render per request.
 """
 
@@ -25,6 +26,7 @@ from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
 from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, run_generation,
                                                stream_events, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, usage
+from ferrokv.entrypoints.openai.tool_calls import ToolCallStream
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
@@ -58,6 +60,7 @@ class _Chat:
         self.cached = 0
         self.completion_tokens = 0
         self.started: set[int] = set()
+        self.tool_streams: dict[int, ToolCallStream] = {}  # per choice, with a forced tool call
 
     def count(self, out: RequestOutput) -> None:
         self.prompt_tokens = len(out.prompt_token_ids)
@@ -69,6 +72,28 @@ class _Chat:
 
     def logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
         return _logprobs(c, self.req.top_logprobs) if self.req.logprobs else None
+
+    def message(self, c: CompletionOutput) -> dict[str, Any]:
+        """A whole choice's message: its text, or the tool calls it made (``tool_calls``)."""
+        if self.req.tool_choice is None:
+            return {"role": "assistant", "content": c.text}
+        calls = ToolCallStream(self.req.tool_choice)
+        calls.feed(c.text)
+        calls.close()
+        return {"role": "assistant", "content": calls.leftover(), "tool_calls": calls.calls}
+
+    def delta(self, c: CompletionOutput) -> dict[str, Any]:
+        """A streamed choice's next delta (empty: nothing to send yet)."""
+        if self.req.tool_choice is None:
+            return {"content": c.text} if c.text or c.finish_reason is None else {}
+        calls = self.tool_streams.setdefault(c.index, ToolCallStream(self.req.tool_choice))
+        delta: dict[str, Any] = {}
+        deltas = calls.feed(c.text) + (calls.close() if c.finish_reason is not None else [])
+        if deltas:
+            delta["tool_calls"] = deltas
+        if c.finish_reason is not None and calls.leftover():
+            delta["content"] = calls.leftover()
+        return delta
 
 
 async def create_chat_completion(request: Request, state: ServerState, body: Any) -> Any:
@@ -96,7 +121,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
             return SSEResponse(_stream(gen, call), gen)
         (out,) = await watched(request, gen.finals())
         call.count(out)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choices = [{"index": c.index, "message": call.message(c),
                     "logprobs": call.logprobs(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for c in sorted(out.outputs, key=lambda c: c.index)]
         return JSONResponse({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
@@ -123,9 +148,10 @@ def _stream(gen: Generation, call: _Chat) -> Any:
                 call.started.add(c.index)
                 events.append(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]))
-            if not c.text and c.finish_reason is None and c.logprobs is None:
-                continue  # a token that completes no character yet: nothing to send
-            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            delta = call.delta(c)
+            if not delta.get("content") and "tool_calls" not in delta and c.finish_reason is None \
+                    and c.logprobs is None:
+                continue  # a token that completes no character (or call) yet: nothing to send
             events.append(chunk([{"index": c.index, "delta": delta, "logprobs": call.logprobs(c),
                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
         return events

@@ -1,0 +1,248 @@
+"""`ferrokv serve`'s tool calling (``ferrokv.entrypoints.openai.tool_calls``) through the official
+``openai`` client and raw HTTP: a named function and ``tool_choice: "required"`` decode under the
+tools' schemas and come back as ``message.tool_calls`` (streamed: ``delta.tool_calls``), with
+vLLM's shapes; replayed calls reach the chat template; bad fields are 400s naming them.
+
+The model is a tiny random one, so only the constraint can make its output a call: a test passes
+only if the schema really drives decoding. Schemas are bounded (enums, small integers, no extra
+properties), so every call ends well within ``max_tokens``. Requests are greedy and sequential.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from helpers.server import assert_openai_error, serve
+
+from ferrokv.entrypoints.openai.protocol import parse_chat_request
+from ferrokv.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
+
+MODEL = "tiny-tools"
+MAX_TOKENS = 400
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with serve(tiny_model_dir("llama-serve"), "--served-model-name", MODEL, "--max-model-len", "512") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(120.0, connect=30.0)) as c:
+        yield c
+
+
+def create(client, stream: bool, **kw: Any) -> Any:
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0,
+                                          max_tokens=kw.pop("max_tokens", MAX_TOKENS), stream=stream, **kw)
+
+
+def streamed_calls(chunks: Any) -> tuple[list[dict[str, Any]], str, str | None, list[Any]]:
+    """The tool calls a stream's deltas add up to (by call index), its content, finish_reason,
+    and every tool-call delta as sent."""
+    calls: dict[int, dict[str, Any]] = {}
+    content, reason, deltas = "", None, []
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            reason = c.finish_reason or reason
+            for d in c.delta.tool_calls or []:
+                deltas.append(d)
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                if d.function is not None:
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], content, reason, deltas
+
+
+def test_named_function_is_one_call_valid_under_its_schema(client):
+    r = create(client, False, tool_choice=NAMED)
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop"  # vLLM: a forced call keeps the engine's reason
+    assert choice.message.content == ""
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+def test_named_function_streams_its_arguments_and_equals_the_whole(client):
+    whole = create(client, False, tool_choice=NAMED).choices[0].message.tool_calls[0]
+    calls, content, reason, deltas = streamed_calls(create(client, True, tool_choice=NAMED))
+    assert reason == "stop" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", whole.function.arguments)]
+    assert len(deltas) > 1, "the arguments should arrive in several deltas"
+    first, rest = deltas[0], deltas[1:]
+    assert first.id.startswith("chatcmpl-tool-") and first.type == "function" and first.function.name == "get_weather"
+    assert all(d.id is None and d.function.name is None and d.index == 0 for d in rest)
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_gives_calls_of_the_tools_each_valid(client, parallel):
+    kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = create(client, False, tool_choice="required", **kw)
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop" and choice.message.content == ""
+    calls = choice.message.tool_calls
+    assert len(calls) >= 1 and (parallel is None or len(calls) == 1)
+    assert len({c.id for c in calls}) == len(calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+def test_required_stream_equals_the_whole(client):
+    whole = create(client, False, tool_choice="required").choices[0].message.tool_calls
+    calls, content, reason, _ = streamed_calls(create(client, True, tool_choice="required"))
+    assert reason == "stop" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_a_call_cut_by_max_tokens_loses_no_text(client):
+    """``required`` cut short: the text that is no complete call comes back as content (nothing
+    generated is lost), and the stream says the same."""
+    r = create(client, False, tool_choice="required", max_tokens=3)
+    (choice,) = r.choices
+    assert choice.finish_reason == "length" and choice.message.tool_calls == []
+    assert choice.message.content.lstrip().startswith("[")
+    calls, content, reason, _ = streamed_calls(create(client, True, tool_choice="required", max_tokens=3))
+    assert (calls, content, reason) == ([], choice.message.content, "length")
+
+
+def test_n_choices_each_get_their_own_calls(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, n=2,
+                                       temperature=1.0, seed=3, max_tokens=MAX_TOKENS)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    ids = {c.message.tool_calls[0].id for c in r.choices}
+    assert len(ids) == 2
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), WEATHER)
+
+
+def test_tool_schema_wins_over_response_format(client):
+    """vLLM's precedence: a forced call's schema is the constraint."""
+    r = create(client, False, tool_choice=NAMED, response_format={"type": "json_object"})
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), WEATHER)
+
+
+def test_tool_choice_none_and_no_tools_answer_in_text(client):
+    r = create(client, False, tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.tool_calls in (None, []) and r.choices[0].message.content is not None
+
+
+def test_replayed_calls_reach_the_template_as_objects(http):
+    """An assistant turn with ``tool_calls`` (no content) and the tool's answer are accepted; the
+    template sees the arguments as an object (vLLM's), so the conversation round-trips."""
+    replay = MESSAGES + [
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"}]
+    req = parse_chat_request({"messages": replay, "tools": TOOLS, "tool_choice": "none"})
+    assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert req.messages[1]["content"] == "" and req.messages[2]["tool_call_id"] == "call_1"
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": replay, "tools": TOOLS,
+                                                "tool_choice": NAMED, "temperature": 0, "max_tokens": MAX_TOKENS})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]),
+                        WEATHER)
+
+
+BAD = [
+    (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice.function.name", ["'nope'"]),
+    (dict(tool_choice="auto"), "tool_choice", ["auto"]),
+    (dict(tool_choice=None), "tool_choice", ["auto"]),
+    (dict(tool_choice="sometimes"), "tool_choice", ["'sometimes'"]),
+    (dict(tool_choice=7), "tool_choice", ["7"]),
+    (dict(tools=None, tool_choice="required"), "tools", ["'required'"]),
+    (dict(tools=[{"type": "function", "function": {"parameters": {}}}], tool_choice="required"),
+     "tools[0].function.name", ["None"]),
+    (dict(tools=[{"type": "retrieval"}], tool_choice="required"), "tools[0].type", ["'retrieval'"]),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}], tool_choice="required"),
+     "tools[0].function.parameters", ["'x'"]),
+    (dict(tools="f", tool_choice="none"), "tools", ["'f'"]),
+    (dict(tool_choice="required", parallel_tool_calls="no"), "parallel_tool_calls", ["'no'"]),
+    (dict(tool_choice="none", messages=[{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
+     "messages[0].tool_calls[0].function.arguments", ["'{oops'"]),
+    (dict(tool_choice="none", messages=[{"role": "assistant", "tool_calls": [{"type": "function"}]}]),
+     "messages[0].tool_calls[0]", ["{'type': 'function'}"]),
+    (dict(tool_choice="none", messages=[{"role": "tool", "tool_call_id": 5, "content": "x"}]),
+     "messages[0].tool_call_id", ["5"]),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+          tool_choice="required"), "tools", ["nonsense"]),
+]
+
+
+@pytest.mark.parametrize("extra,param,needles", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_tool_fields_are_400s_naming_them(http, extra, param, needles):
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **extra}
+    err = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, *needles)
+    assert err["param"] == param, err
+    assert http.get("/health").status_code == 200
+
+
+def test_tokenize_takes_tools_without_a_tool_choice(http):
+    r = http.post("/tokenize", json={"model": MODEL, "messages": MESSAGES, "tools": TOOLS})
+    assert r.status_code == 200 and r.json()["count"] > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# ToolCallStream alone: any split of the text gives the same calls.
+def _split_everywhere(choice: ToolChoice, text: str) -> list[tuple[list[dict[str, Any]], str]]:
+    results = []
+    for cut in range(len(text) + 1):
+        s = ToolCallStream(choice)
+        s.feed(text[:cut])
+        s.feed(text[cut:])
+        s.close()
+        results.append(([(c["function"]["name"], c["function"]["arguments"]) for c in s.calls], s.leftover()))
+    return results
+
+
+def test_required_text_splits_into_calls_at_any_cut():
+    choice = ToolChoice(tuple(t["function"] for t in TOOLS))
+    text = ' [ {"name": "get_time", "parameters": {"zone": "U\\"}{TC"}} ,{"name":"get_weather","parameters":{}}]'
+    want = [("get_time", json.dumps({"zone": 'U"}{TC'})), ("get_weather", "{}")]
+    assert all(r == (want, "") for r in _split_everywhere(choice, text))
+    cut = text[:60]  # the second call is open: it comes back as text
+    s = ToolCallStream(choice)
+    s.feed(cut)
+    assert [c["function"]["name"] for c in s.calls] == ["get_time"] and s.leftover() == cut[cut.index("} ,") + 1:]
+
+
+def test_named_call_with_no_text_still_has_one_call():
+    s = ToolCallStream(ToolChoice(tuple(t["function"] for t in TOOLS), name="get_time"))
+    (delta,) = s.close()
+    assert delta["function"] == {"name": "get_time", "arguments": ""} and s.leftover() == ""
+
+
+def test_required_schema_matches_vllms_shape():
+    fns = tuple(t["function"] for t in TOOLS)
+    schema = ToolChoice(fns, parallel=False).schema()
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    jsonschema.validate([{"name": "get_time", "parameters": {"zone": "UTC"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"city": "Paris", "days": 2}}], schema)
+    assert "maxItems" not in ToolChoice(fns).schema()
