@@ -819,3 +819,21 @@ def test_top_k_and_logprobs_beyond_the_vocabulary_mean_the_whole_vocabulary(llam
     V = engine.vocab_size
     assert [len(e) for e in final["many"].outputs[0].logprobs] == [V, V]
     assert final["many"].outputs[0].logprobs == final["all"].outputs[0].logprobs
+
+
+@pytest.mark.parametrize("kind", ["DELTA", "CUMULATIVE"])
+def test_every_streamed_output_of_a_cache_hit_carries_its_cached_tokens(llama_path, kind):
+    """vLLM sets ``num_cached_tokens`` before building each output, the first one included (its
+    servers read it from the first output of a stream)."""
+    from ferrokv.outputs import RequestOutputKind
+
+    prompt = {"prompt_token_ids": list(range(3, 3 + 13))}  # 3 full blocks of 4 + 1 token
+    engine = make_engine(llama_path, block_size=4, enable_prefix_caching=True)
+    engine.add_request("warm", prompt, greedy(2))
+    run_engine(engine)
+    engine.add_request("hit", prompt, greedy(3, output_kind=RequestOutputKind[kind]))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [o.num_cached_tokens for o in engine.step() if o.request_id == "hit"]
+    assert seen == [12] * 3
+    assert_no_leak(engine)

@@ -16,12 +16,24 @@ def test_completion_and_request_output():
     assert not c.finished() and c.finish_reason is None and c.stop_reason is None
     c.finish_reason, c.stop_reason = "stop", "\n"
     assert c.finished()
-    r = RequestOutput("req-1", "Capital?", [1, 2, 3], [c], finished=True, num_cached_tokens=2)
+    r = RequestOutput("req-1", "Capital?", [1, 2, 3], None, [c], finished=True, num_cached_tokens=2)
     text = repr(r)
     assert text.startswith("RequestOutput(request_id='req-1', prompt='Capital?'")
     assert "text='Paris'" in text and "(100 total)" in text and "finish_reason='stop'" in text
     assert len(text) < 400  # long token lists are elided
     assert r.prompt_logprobs is None
+
+
+def test_request_output_takes_vllms_positional_order_and_fields():
+    """vLLM's ``RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs, outputs,
+    finished, metrics, lora_request, encoder_prompt, encoder_prompt_token_ids, num_cached_tokens)``:
+    code that builds one positionally means the same here; the fields ferrokv does not use are None."""
+    c = CompletionOutput(0, "x", [1])
+    r = RequestOutput("1", None, [1], [None, {1: Logprob(-0.5)}], [c], True, None, None, None, None, 3)
+    assert (r.prompt_logprobs[1][1].logprob, r.outputs, r.finished, r.num_cached_tokens) == (-0.5, [c], True, 3)
+    assert (r.lora_request, r.encoder_prompt, r.encoder_prompt_token_ids, r.kv_transfer_params, r.metrics) == \
+        (None,) * 5
+    assert c.lora_request is None
 
 
 def test_text_so_far_snapshots_stay_valid_as_it_grows_and_compacts():
@@ -53,13 +65,14 @@ def test_completion_output_works_with_dataclasses_as_vllms():
     c = CompletionOutput(0, so_far.snapshot(), [1, 2], -1.5, None, "length", None)
     assert dataclasses.is_dataclass(c)
     assert [f.name for f in dataclasses.fields(c)] == ["index", "text", "token_ids", "cumulative_logprob",
-                                                       "logprobs", "finish_reason", "stop_reason"]
+                                                       "logprobs", "finish_reason", "stop_reason", "lora_request"]
     assert dataclasses.asdict(c) == {"index": 0, "text": "hello", "token_ids": [1, 2], "cumulative_logprob": -1.5,
-                                     "logprobs": None, "finish_reason": "length", "stop_reason": None}
+                                     "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                                     "lora_request": None}
     d = dataclasses.replace(c, text="yo", finish_reason="stop")
     assert isinstance(d, CompletionOutput) and (d.text, d.token_ids, d.finish_reason) == ("yo", [1, 2], "stop")
     assert copy.deepcopy(c) == c == pickle.loads(pickle.dumps(c))
-    r = RequestOutput("r", "p", [5], [c], finished=True)
+    r = RequestOutput("r", "p", [5], None, [c], finished=True)
     assert dataclasses.asdict(r)["outputs"] == [dataclasses.asdict(c)]
 
 
@@ -69,7 +82,7 @@ def test_request_output_add_merges_as_vllms():
     lp = [{1: Logprob(-0.5)}]
 
     def out(finished, *comps):
-        return RequestOutput("r", "p", [9], list(comps), finished)
+        return RequestOutput("r", "p", [9], None, list(comps), finished)
 
     a = out(False, CompletionOutput(0, "a", [1], -0.5, list(lp)), CompletionOutput(1, "x", [4], -1.0, list(lp)))
     a.add(out(True, CompletionOutput(1, "y", [5], -2.0, list(lp), "stop", "y"),

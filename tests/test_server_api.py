@@ -505,7 +505,7 @@ def test_the_success_counter_counts_each_choice_once_streamed_or_not():
 
     def out(finished, *choices):
         comps = [CompletionOutput(i, "x", [5], finish_reason=r) for i, r in choices]
-        return RequestOutput("r", None, [1], comps, finished)
+        return RequestOutput("r", None, [1], None, comps, finished)
 
     m = ServerMetrics(_Engine(), "m", lambda: 0)
     delta = RequestTimer()
@@ -534,7 +534,7 @@ def test_inter_token_latency_counts_each_decode_step_streamed_or_not():
     def out(finished, tokens_per_choice, n):
         comps = [CompletionOutput(i, "x", [5] * tokens_per_choice, finish_reason="length" if finished else None)
                  for i in range(n)]
-        return RequestOutput("r", None, [1], comps, finished, metrics=stats)
+        return RequestOutput("r", None, [1], None, comps, finished, metrics=stats)
 
     def itl(m):
         return (m.registry.get_sample_value("ferrokv:inter_token_latency_seconds_count", {"model_name": "m"}),

@@ -209,9 +209,10 @@ def build_outputs(touched: Iterable[RequestState], ended_now: dict[int, list[Com
             generated += seq.num_emitted
         if len(comps) > 1:
             comps.sort(key=_by_index)
-        outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, req.finished,
-                                     req.num_cached_tokens, _prompt_logprobs_out(req),
-                                     fill_metrics(req.stats, times_of(req), generated)))
+        # times_of first: it also records the request's cache hits, which this output carries.
+        metrics = fill_metrics(req.stats, times_of(req), generated)
+        outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, _prompt_logprobs_out(req),
+                                     comps, req.finished, metrics, num_cached_tokens=req.num_cached_tokens))
     return outputs
 
 

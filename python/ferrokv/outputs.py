@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "CompletionOutput",
@@ -164,14 +164,18 @@ class CompletionOutput:
     """One of the ``n`` completions of a request (cumulative: text/token_ids so far).
 
     A plain attribute class with vLLM's fields (``index``, ``text``, ``token_ids``,
-    ``cumulative_logprob``, ``logprobs``, ``finish_reason``, ``stop_reason``); ``text`` may be
-    given as a ``TextSoFar`` snapshot, joined the first time it is read."""
+    ``cumulative_logprob``, ``logprobs``, ``finish_reason``, ``stop_reason``, ``lora_request``:
+    None, as no adapter is supported); ``text`` may be given as a ``TextSoFar`` snapshot, joined
+    the first time it is read."""
 
-    __slots__ = ("index", "_text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason")
+    __slots__ = ("index", "_text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
+                 "lora_request")
 
     def __init__(self, index: int, text: str | _TextSnapshot, token_ids: list[int],
                  cumulative_logprob: float | None = None, logprobs: SampleLogprobs | None = None,
-                 finish_reason: FinishReason | None = None, stop_reason: int | str | None = None) -> None:
+                 finish_reason: FinishReason | None = None, stop_reason: int | str | None = None,
+                 lora_request: Any = None) -> None:
+        self.lora_request = lora_request
         self.index = index
         self._text = text
         self.token_ids = token_ids
@@ -228,6 +232,7 @@ class _CompletionOutputFields:
     logprobs: SampleLogprobs | None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    lora_request: Any = None
 
 
 CompletionOutput.__dataclass_fields__ = _CompletionOutputFields.__dataclass_fields__  # type: ignore[attr-defined]
@@ -236,16 +241,22 @@ CompletionOutput.__dataclass_params__ = _CompletionOutputFields.__dataclass_para
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Everything produced so far for one request."""
+    """Everything produced so far for one request. vLLM's fields in vLLM's order, so positional
+    construction means the same (``lora_request``, the encoder prompt and ``kv_transfer_params``
+    are None here: no adapters, encoder-decoder models or KV transfer)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_cached_tokens: int = 0
-    prompt_logprobs: PromptLogprobs | None = None
     metrics: RequestStateStats | None = None
+    lora_request: Any = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """vLLM's merge of a later output of the same request into this one: per completion
