@@ -315,6 +315,22 @@ def test_seeded_request_independent_of_batch(llama_path):
     assert_no_leak(engine)
 
 
+def test_a_seeded_n_request_is_n_one_sample_requests_with_the_seed_plus_the_index(llama_path):
+    """vLLM's child seeds: sample i of ``SamplingParams(n=3, seed=s)`` samples as a one-sample
+    request with seed s + i, so splitting a request (or not) changes nothing."""
+    prompt = ragged_prompts(3)[2][:9]
+    params = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    engine = make_engine(llama_path)
+    engine.add_request("n3", {"prompt_token_ids": prompt}, SamplingParams(n=3, seed=7, **params))
+    for i in range(3):
+        engine.add_request(f"one{i}", {"prompt_token_ids": prompt}, SamplingParams(seed=7 + i, **params))
+    outs = run_engine(engine)
+    samples = tokens_of(outs["n3"])
+    assert samples == [tokens_of(outs[f"one{i}"])[0] for i in range(3)]
+    assert len({tuple(s) for s in samples}) == 3
+    assert_no_leak(engine)
+
+
 # --- 5. bad input: ValueError naming the field, in-flight requests unaffected, no block leak -----
 def bad_requests(engine: LLMEngine):
     """(prompt, params, text the ValueError must contain)."""

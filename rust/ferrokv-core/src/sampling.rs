@@ -26,8 +26,11 @@ pub struct SamplingSpec {
     pub repetition_penalty: f32,
     /// Logprobs wanted per sampled token; -1 = none.
     pub num_logprobs: i32,
-    /// The key of the request's random draws (`rng_key`).
+    /// The key of the request's random draws (`rng_key`): its seed itself when `seeded`.
     pub rng_key: u64,
+    /// The request gave a seed: sample `i` draws as the request with seed + i and one sample
+    /// would (vLLM's child seeds, so splitting an n>1 request into seeded n=1 ones is the same).
+    pub seeded: bool,
     /// The request has `bad_words` (banned per step from its output's tail).
     pub has_bad_words: bool,
     /// The request has a static per-token bias that the engine keeps per batch row
@@ -47,6 +50,7 @@ impl Default for SamplingSpec {
             repetition_penalty: 1.0,
             num_logprobs: -1,
             rng_key: 0,
+            seeded: false,
             has_bad_words: false,
             has_logit_bias: false,
         }
@@ -96,18 +100,31 @@ impl SamplingSpec {
     }
 }
 
-/// The key of a request's draws: from its seed alone when it has one (reproducible whatever
-/// else runs), else from its id and the scheduler's sampling seed.
+/// The key of a request's draws: its seed when it has one (reproducible whatever else runs),
+/// else a hash of its id and the scheduler's sampling seed.
 pub fn rng_key(seed: Option<u64>, request_id: u64, sampling_seed: u64) -> u64 {
     match seed {
-        Some(s) => xxh3_64_with_seed(b"ferrokv-seeded", s),
+        Some(s) => s,
         None => xxh3_64_with_seed(&request_id.to_le_bytes(), sampling_seed),
     }
 }
 
-/// The uniform draw in [0, 1) of sample `sample_index` at token position `position`.
+/// The uniform draw in [0, 1) of sample `sample_index` of a request sampling with `spec`, at
+/// token position `position`. A seeded sample draws from its own seed, the request's plus its
+/// index (two's complement: a seed of -1 and index 1 give seed 0).
 #[inline]
-pub fn uniform(rng_key: u64, sample_index: u32, position: u32) -> f64 {
+pub fn sample_uniform(spec: &SamplingSpec, sample_index: u32, position: u32) -> f64 {
+    if spec.seeded {
+        let seed = spec.rng_key.wrapping_add(u64::from(sample_index));
+        uniform(xxh3_64_with_seed(b"ferrokv-seeded", seed), 0, position)
+    } else {
+        uniform(spec.rng_key, sample_index, position)
+    }
+}
+
+/// The uniform draw in [0, 1) keyed by `rng_key`, `sample_index` and `position`.
+#[inline]
+fn uniform(rng_key: u64, sample_index: u32, position: u32) -> f64 {
     let mut bytes = [0u8; 8];
     bytes[..4].copy_from_slice(&sample_index.to_le_bytes());
     bytes[4..].copy_from_slice(&position.to_le_bytes());
@@ -197,7 +214,7 @@ impl SamplingColumns {
         self.frequency.push(spec.frequency_penalty);
         self.repetition.push(spec.repetition_penalty);
         self.num_logprobs.push(spec.num_logprobs);
-        let u = if spec.is_greedy() { 0.0 } else { uniform(spec.rng_key, sample_index, position) };
+        let u = if spec.is_greedy() { 0.0 } else { sample_uniform(spec, sample_index, position) };
         self.uniform.push(u);
         self.batch_rows.push(batch_row);
         self.num_output.push(num_output.min(i32::MAX as u32) as i32);
@@ -249,6 +266,20 @@ mod tests {
         assert_eq!(seen.len(), 1024, "distinct draws per (sample, position)");
         let mean: f64 = (0..10_000).map(|p| uniform(k, 0, p)).sum::<f64>() / 10_000.0;
         assert!((mean - 0.5).abs() < 0.02, "{mean}");
+    }
+
+    #[test]
+    fn a_seeded_sample_draws_as_one_sample_with_the_seed_plus_its_index() {
+        let seeded = |seed: i64| SamplingSpec { rng_key: rng_key(Some(seed as u64), 1, 2), seeded: true, ..Default::default() };
+        for p in 0..64 {
+            for i in 0..4u32 {
+                assert_eq!(sample_uniform(&seeded(7), i, p), sample_uniform(&seeded(7 + i as i64), 0, p));
+            }
+            assert_eq!(sample_uniform(&seeded(-1), 1, p), sample_uniform(&seeded(0), 0, p), "two's complement");
+            assert_ne!(sample_uniform(&seeded(7), 0, p), sample_uniform(&seeded(7), 1, p));
+        }
+        let unseeded = SamplingSpec { rng_key: rng_key(None, 1, 2), ..Default::default() };
+        assert_ne!(sample_uniform(&unseeded, 0, 5), sample_uniform(&unseeded, 1, 5), "unseeded samples differ too");
     }
 
     #[test]

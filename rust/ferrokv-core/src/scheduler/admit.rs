@@ -171,6 +171,7 @@ impl Scheduler {
             },
             sampling: SamplingSpec {
                 rng_key: rng_key(r.seed, r.request_id, self.cfg.sampling_seed),
+                seeded: r.seed.is_some(),
                 has_bad_words: !r.bad_words.is_empty(),
                 ..r.sampling
             },

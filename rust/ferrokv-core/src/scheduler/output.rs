@@ -263,7 +263,13 @@ mod tests {
     use super::super::*;
     use crate::output::{BlockTables, FinishedSeq, SchedulerOutput};
     use crate::request::FinishReason;
-    use crate::sampling::{rng_key, uniform, SamplingSpec};
+    use crate::sampling::{rng_key, sample_uniform, SamplingSpec};
+
+    /// The draw of sample `si` at `pos` of request `id` (with `seed`) under `sampling_seed`.
+    fn draw(seed: Option<u64>, id: u64, sampling_seed: u64, si: u32, pos: u32) -> f64 {
+        let spec = SamplingSpec { rng_key: rng_key(seed, id, sampling_seed), seeded: seed.is_some(), ..Default::default() };
+        sample_uniform(&spec, si, pos)
+    }
 
     #[test]
     fn chunked_prefill_then_decode_with_exact_slots_and_tables() {
@@ -392,7 +398,7 @@ mod tests {
             specs.push(sp);
             let pos = o.positions[o.logits_indices[i] as usize] as u32 + 1; // of the sampled token
             let si = o.row_sample_index[i] as u32;
-            let u = if sp.temperature == 0.0 { 0.0 } else { uniform(rng_key(r.seed, rid, s.cfg.sampling_seed), si, pos) };
+            let u = if sp.temperature == 0.0 { 0.0 } else { draw(r.seed, rid, s.cfg.sampling_seed, si, pos) };
             assert_eq!(c.uniform[i], u, "row {i} (request {rid}, sample {si}, position {pos})");
             let out = pos as usize - r.prompt_token_ids.len();
             assert_eq!(c.num_output[i], out as i32, "row {i}");
@@ -468,7 +474,7 @@ mod tests {
         let c = &o.sampling;
         assert_eq!((o.row_req_ids.clone(), c.batch_rows.clone(), c.num_output.clone()), (vec![3, 2], vec![0, 1], vec![2, 2]));
         assert_eq!((c.temperature.clone(), c.top_k.clone(), c.repetition.clone()), (vec![1.3, 0.0], vec![5, 2], vec![1.5, 1.2]));
-        assert_eq!(c.uniform[0], uniform(rng_key(Some(99), 0, 0), 0, 8));
+        assert_eq!(c.uniform[0], draw(Some(99), 0, 0, 0, 8));
         assert_eq!((c.num_greedy_rows, c.max_top_k), (1, 5));
         drain(&mut s, 9);
         assert_eq!(s.num_free_blocks(), 63);
@@ -517,8 +523,8 @@ mod tests {
         assert_eq!((c.batch_rows.clone(), c.num_output.clone()), (vec![0, -1, -1, 1, -1], vec![0; 5]));
         assert_eq!(c.temperature, vec![0.8, 0.8, 0.8, 0.0, 0.0]);
         assert_eq!(c.top_p, vec![0.9, 0.9, 0.9, 0.95, 0.95]);
-        let key = rng_key(Some(5), 0, 0);
-        assert_eq!(c.uniform, vec![uniform(key, 0, 5), uniform(key, 1, 5), uniform(key, 2, 5), 0.0, 0.0]);
+        // vLLM's child seeds: sample i draws as a one-sample request with seed 5 + i.
+        assert_eq!(c.uniform, vec![draw(Some(5), 0, 0, 0, 5), draw(Some(6), 0, 0, 0, 5), draw(Some(7), 0, 0, 0, 5), 0.0, 0.0]);
         assert!(c.uniform[0] != c.uniform[1] && c.uniform[1] != c.uniform[2] && c.uniform[0] != c.uniform[2]);
         // Forked at update: each sample has its own row now and keeps its sample index.
         let (o, _) = checked_step(&mut s, 9, &reqs);
@@ -560,13 +566,12 @@ mod tests {
         };
         let others = || vec![NewRequest { sampling: hot, ..req(1, 7, 6) }, req(2, 3, 6), NewRequest { sampling: hot, seed: Some(3), ..req(3, 4, 2) }];
         let alone = draws(0, vec![], 1, Some(42), false);
-        let key = rng_key(Some(42), 0, 0);
-        assert_eq!(alone, (5..9).map(|p| uniform(key, 0, p)).collect::<Vec<_>>());
+        assert_eq!(alone, (5..9).map(|p| draw(Some(42), 0, 0, 0, p)).collect::<Vec<_>>());
         assert_eq!(draws(123, others(), 9, Some(42), false), alone, "another batch, id and sampling seed");
         assert_eq!(draws(0, vec![], 1, Some(42), true), alone, "the same draws again after a preemption");
         assert_ne!(draws(0, vec![], 1, Some(43), false), alone);
         let unseeded = draws(0, others(), 7, None, false);
-        assert_eq!(unseeded, (5..9).map(|p| uniform(rng_key(None, 7, 0), 0, p)).collect::<Vec<_>>());
+        assert_eq!(unseeded, (5..9).map(|p| draw(None, 7, 0, 0, p)).collect::<Vec<_>>());
         assert_eq!(draws(0, vec![], 7, None, false), unseeded, "keyed by id and sampling seed only");
         assert_ne!(draws(1, others(), 7, None, false), unseeded, "another sampling seed");
         assert_ne!(draws(0, others(), 8, None, false), unseeded, "another id");
