@@ -193,6 +193,23 @@ def test_400_a_bad_prompt_of_a_batch_is_named_by_its_index(http):
     assert_still_serves(http)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_a_bad_prompt_of_a_batch_ends_the_call_before_the_good_one_runs(server, http, stream):
+    """vLLM checks every prompt before generating: the 400 for prompt[1] comes at once, and the
+    good prompt's request is aborted, not run to its max_tokens (seconds of decoding) first."""
+    def generated() -> float:
+        m = wait_for_metrics(server.url, lambda m: m["ferrokv:num_requests_running"] == 0, timeout=120)
+        return m["ferrokv:generation_tokens_total"]
+
+    before = generated()
+    r = http.post(_C, json=completion_body(prompt=[[5, 6, 7], [10 ** 9]], max_tokens=LONG_TOKENS, ignore_eos=True,
+                                           stream=stream))
+    err = assert_openai_error(r, 400, "prompt[1]", str(10 ** 9))
+    assert err["param"] == "prompt[1]", err
+    assert generated() - before < LONG_TOKENS // 10
+    assert_still_serves(http)
+
+
 def test_400_a_batch_larger_than_the_server_ever_admits(http):
     # --max-num-seqs 1 and --max-waiting-requests 1: three prompts never fit, so no retry helps (not a 503).
     r = http.post(_C, json=completion_body(prompt=["a", "b", "c"]))

@@ -223,14 +223,24 @@ class Generation:
         self.timers = [RequestTimer() for _ in gens]
 
     async def start(self) -> None:
+        """Fetches every request's first output. The first error (the lowest request index among
+        those that failed together) ends the call at once: the other requests stop waiting and
+        are aborted, as vLLM answers a batch with a bad prompt without running the rest."""
         async def first(i: int) -> None:
             self.first[i] = await anext(self.gens[i])  # type: ignore[arg-type]
 
-        results = await asyncio.gather(*(first(i) for i in range(len(self.gens))), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
+        tasks = [asyncio.ensure_future(first(i)) for i in range(len(self.gens))]
+        done: set[asyncio.Future[None]] = set()
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # also when this call is cancelled: no generator may still be running
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tasks:  # only errors of their own, not of the cancel above
+            if t in done and t.exception() is not None:
                 await self.close()
-                raise r
+                raise t.exception()  # type: ignore[misc]
 
     async def close(self) -> None:
         if self.closed:
