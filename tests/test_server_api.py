@@ -422,10 +422,11 @@ def test_seed_reproducible(client):
 # models, tokenize / detokenize, metrics, logs
 # ------------------------------------------------------------------------------------------------
 
-def test_models(client):
+def test_models(client, model_dir):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].object == "model"
+    assert models[0].root == str(model_dir)  # vLLM's: the model as given, whatever it is served as
 
 
 @pytest.mark.parametrize("text", [PROMPT, UNI_PROMPT, "two\nlines\tand  spaces", "x"])
@@ -435,7 +436,9 @@ def test_tokenize_detokenize_round_trip(http, text):
     body = r.json()
     assert body["tokens"] == prompt_ids(text)
     assert body["count"] == len(body["tokens"])
-    assert body["max_model_len"] == MAX_MODEL_LEN
+    assert body["max_model_len"] == MAX_MODEL_LEN and body["token_strs"] is None
+    strs = http.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()["token_strs"]
+    assert strs == tiny_tokenizer().convert_ids_to_tokens(body["tokens"])
     d = http.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
     assert d.status_code == 200, d.text
     assert d.json()["prompt"] == text

@@ -220,11 +220,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    # vLLM's root: the model as given to the server (its path or Hub id), whatever it is served as.
+    root = llm.engine.args.model or config.served_model_name
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": state.created, "owned_by": "ferrokv",
-             "root": name, "parent": None, "max_model_len": llm.max_model_len} for name in state.model_names]}
+             "root": root, "parent": None, "max_model_len": llm.max_model_len} for name in state.model_names]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -246,7 +249,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
                 ids = await llm.encode(req.prompt, req.add_special_tokens)
         except ValueError as e:  # a chat error names its field first (messages, chat_template, ...)
             raise (to_openai_error(e) if req.messages is not None else OpenAIError(400, str(e), "prompt")) from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+        strs = llm.engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Any:

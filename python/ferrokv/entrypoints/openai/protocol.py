@@ -486,10 +486,11 @@ class TokenizeRequest:
     add_special_tokens: bool
     add_generation_prompt: bool
     template: dict[str, Any]  # with messages: chat_token_ids' template keywords
+    return_token_strs: bool = False  # vLLM's: the tokens' strings too (the tokenizer's own spelling)
 
 
 def parse_tokenize_request(body: Any) -> TokenizeRequest:
-    """vLLM's ``/tokenize``: ``{model?, prompt | messages, add_special_tokens?}``."""
+    """vLLM's ``/tokenize``: ``{model?, prompt | messages, add_special_tokens?, return_token_strs?}``."""
     body = _object(body)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
@@ -500,7 +501,8 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
     template = _template(body, _tools({"tools": body.get("tools"), "tool_choice": "none"})[0]) if has_messages else {}
     return TokenizeRequest(_str(body, "model"), prompt, messages,
                            _bool(body, "add_special_tokens", not has_messages),
-                           _bool(body, "add_generation_prompt", True), template)
+                           _bool(body, "add_generation_prompt", True), template,
+                           _bool(body, "return_token_strs", False))
 
 
 @dataclass(slots=True)
