@@ -501,6 +501,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_llm, llama_p
         llama_llm.generate([long_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     out = llama_llm.generate([long_prompt], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert out.prompt_token_ids == long_prompt[-llama_llm.llm_engine.max_model_len:]
+    too_many = llama_llm.llm_engine.max_model_len + 1  # vLLM refuses a truncation longer than the context
+    with pytest.raises(ValueError, match=rf"truncate_prompt_tokens={too_many} is greater than max_model_len"):
+        llama_llm.generate([prompt], SamplingParams(max_tokens=1, truncate_prompt_tokens=too_many), use_tqdm=False)
+    assert_no_leak(llama_llm)
 
 
 def test_lora_request_none_is_accepted_everywhere_and_an_adapter_refused(llama_llm, llama_path):

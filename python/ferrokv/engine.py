@@ -69,7 +69,7 @@ from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_setup import ModelConfigView, load_engine
 from ferrokv.inputs import (check_logprobs_cap, check_no_lora, prompt_cache_salt, prompt_ids, request_id_str,
-                            request_ids, validate_prompt_ids)
+                            request_ids, truncated_prompt, validate_prompt_ids)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -201,8 +201,7 @@ class LLMEngine:
         if request_id in self._by_name:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = prompt_ids(self.tokenizer, prompt)
-        if truncate is not None:
-            ids = ids[-(self.max_model_len if truncate == -1 else truncate):]
+        ids = truncated_prompt(ids, truncate, self.max_model_len)
         validate_prompt_ids(ids, self.vocab_size, self.max_model_len)
         return request_id, text, ids, prompt_cache_salt(prompt, cache_salt)
 

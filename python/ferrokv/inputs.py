@@ -23,8 +23,7 @@ import numpy as np
 from ferrokv.checks import check_text, shown
 
 __all__ = ["batch_prompts", "check_logprobs_cap", "check_no_lora", "check_tools", "message_text", "message_tool_fields",
-           "prompt_cache_salt", "prompt_ids",
-           "request_id_str", "request_ids", "validate_prompt_ids"]
+           "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "truncated_prompt", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -141,6 +140,17 @@ def request_ids(value: Any) -> list[str]:
     checked: a bad one anywhere is a ValueError before any is used)."""
     many = isinstance(value, (list, tuple, set, frozenset))
     return [request_id_str(r) for r in value] if many else [request_id_str(value)]
+
+
+def truncated_prompt(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last ``truncate`` ids (vLLM's ``truncate_prompt_tokens``: -1 means
+    ``max_model_len``; more than ``max_model_len`` is a ValueError naming both, as vLLM's)."""
+    if truncate is None:
+        return ids
+    if truncate > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={truncate} is greater than max_model_len={max_model_len}: "
+                         "ask for a smaller truncation")
+    return ids[-(max_model_len if truncate == -1 else truncate):]
 
 
 def check_no_lora(lora_request: Any) -> None:
