@@ -190,6 +190,16 @@ def test_model_config_has_the_attributes_vllm_scripts_read(llama_path):
     assert (mc.model, mc.tokenizer) == (str(engine.model_path), str(engine.model_path))
     assert (mc.max_model_len, mc.dtype, mc.seed, mc.revision) == (48, torch.float32, 7, None)
     assert mc.get_vocab_size() == engine.vocab_size and mc.hf_config.num_hidden_layers == 2
+    assert engine.get_model_config() is mc
+
+
+def test_cache_config_has_the_attributes_vllm_scripts_read(llama_path):
+    engine = make_engine(llama_path, block_size=8, num_kv_blocks=40, num_cpu_blocks=6,
+                         enable_prefix_caching=False)
+    cc = engine.cache_config
+    assert (cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks, cc.enable_prefix_caching) == (8, 40, 6, False)
+    assert (cc.gpu_memory_utilization, cc.swap_space, cc.cache_dtype) == (0.9, 4.0, "auto")
+    assert cc.num_gpu_blocks == engine.scheduler.num_blocks
 
 
 def test_n_samples_share_prompt_blocks_and_reproduce(llama_path):

@@ -67,7 +67,7 @@ from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
-from ferrokv.engine_setup import ModelConfigView, load_engine
+from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
 from ferrokv.inputs import (check_logprobs_cap, check_no_lora, prompt_cache_salt, prompt_ids, request_id_str,
                             request_ids, truncated_prompt, validate_prompt_ids)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
@@ -133,7 +133,8 @@ class LLMEngine:
         self.model_path: Path = parts.model_path
         self.device, self.dtype = parts.device, parts.dtype
         self.model = parts.model
-        self.model_config = ModelConfigView(self)  # vLLM's llm_engine.model_config
+        self.model_config = ModelConfigView(self)  # vLLM's llm_engine.model_config and cache_config
+        self.cache_config = CacheConfigView(self)
         self.tokenizer = parts.tokenizer
         self.vocab_size = parts.vocab_size
         self.eos_token_ids = parts.eos_token_ids
@@ -141,7 +142,6 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.kv_cache = parts.kv_cache
         self.scheduler = parts.scheduler
-        num_blocks = parts.num_blocks
         self.text = make_text_layer(self.tokenizer, self.scheduler)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.step_sampler = StepSampler(self.vocab_size, self.device, args.seed)
@@ -176,7 +176,7 @@ class LLMEngine:
         self._stats: dict[str, int] = self.scheduler.stats()
         self._stats_wanted = False
         self._num_free_blocks: int = self.scheduler.num_free_blocks
-        self._num_blocks = num_blocks  # a scheduler getter would borrow it, failing mid-step
+        self._num_blocks = parts.num_blocks  # a scheduler getter would borrow it, failing mid-step
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -186,6 +186,9 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_model_config(self) -> ModelConfigView:
+        return self.model_config
 
     def get_default_sampling_params(self) -> SamplingParams:
         """A request's parameters when it gives none: the model's recommendations (vLLM's)."""

@@ -301,3 +301,24 @@ class ModelConfigView:
 
     def get_vocab_size(self) -> int:
         return self._engine.vocab_size
+
+
+
+class CacheConfigView:
+    """vLLM's ``llm_engine.cache_config``: ``block_size``, ``num_gpu_blocks`` (the KV cache's
+    blocks, the reserved null block included), ``num_cpu_blocks``, ``enable_prefix_caching``,
+    ``gpu_memory_utilization``, ``swap_space`` and ``cache_dtype`` ("auto": the model's dtype),
+    read from the engine when asked (a view, not a copy)."""
+
+    __slots__ = ("_engine",)
+    cache_dtype = "auto"
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    block_size = property(lambda self: self._engine.args.block_size)
+    num_gpu_blocks = property(lambda self: self._engine.kv_cache.num_blocks)
+    num_cpu_blocks = property(lambda self: self._engine.args.num_cpu_blocks)
+    enable_prefix_caching = property(lambda self: self._engine.args.enable_prefix_caching)
+    gpu_memory_utilization = property(lambda self: self._engine.args.gpu_memory_utilization)
+    swap_space = property(lambda self: self._engine.args.swap_space)
