@@ -38,6 +38,22 @@ def test_sharded_safetensors_reload(tmp_path):
     torch.testing.assert_close(_logits(b, ids), ref, atol=1e-4, rtol=0)
 
 
+def test_safetensors_under_other_names_and_no_index_load_as_vllm_loads_them(tmp_path):
+    """vLLM takes every ``*.safetensors`` file of a folder with no index (and no
+    model.safetensors): shards renamed, index dropped, the same weights."""
+    hf = make_tiny_hf_model("llama")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    (tmp_path / "sharded" / "model.safetensors.index.json").unlink()
+    for i, shard in enumerate(sorted((tmp_path / "sharded").glob("*.safetensors"))):
+        shard.rename(shard.with_name(f"weights-part{i}.safetensors"))
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    a = load_model(tmp_path / "sharded")
+    ids = [5, 17, 42, 99, 3]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(a, ids), ref, atol=1e-4, rtol=0)
+
+
 def test_dtype_and_tied_embeddings(tmp_path):
     make_tiny_hf_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path)
     m = load_model(tmp_path, dtype=torch.bfloat16)

@@ -92,7 +92,8 @@ def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None =
 
 
 def _checkpoint(folder: Path, index_name: str, single_name: str) -> list[Path] | None:
-    """The files of one checkpoint format: its index's shards, or its single file (None: neither)."""
+    """The files of one checkpoint format: its index's shards, or its single file, or (safetensors,
+    as vLLM) every ``*.safetensors`` file when there is neither (None: nothing of the format)."""
     index = folder / index_name
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
@@ -104,7 +105,10 @@ def _checkpoint(folder: Path, index_name: str, single_name: str) -> list[Path] |
             raise ValueError(f"model: shard(s) {missing} listed in {index} are missing")
         return [folder / name for name in files]
     single = folder / single_name
-    return [single] if single.is_file() else None
+    if single.is_file():
+        return [single]
+    others = sorted(p for p in folder.glob("*.safetensors") if p.is_file()) if single.suffix == ".safetensors" else []
+    return others or None
 
 
 def weight_files(folder: Path, load_format: str = "auto") -> list[Path]:
