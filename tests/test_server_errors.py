@@ -511,6 +511,8 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--allowed-headers", "{}"], ["--allowed-headers", "a JSON list of strings"]),
     (["--allow-credentials=1"], ["--allow-credentials"]),
     (["--trust-request-chat-template=1"], ["--trust-request-chat-template"]),
+    (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser", "hermes"]),
+    (["--tool-call-parser", "mistral"], ["--tool-call-parser", "'mistral'"]),
     (["--model", "/some/other/model"], ["model", "/some/other/model"]),
     (["--block-size", "24"], ["block_size", "24"]),
     (["--max-num-seqs", "0"], ["max_num_seqs", "0"]),

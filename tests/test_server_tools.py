@@ -11,6 +11,7 @@ properties), so every call ends well within ``max_tokens``. Requests are greedy 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -20,7 +21,8 @@ import pytest
 from helpers.server import assert_openai_error, serve
 
 from ferrokv.entrypoints.openai.protocol import parse_chat_request
-from ferrokv.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice
+from ferrokv.entrypoints.openai.tool_calls import ToolChoice
+from ferrokv.entrypoints.openai.tool_parsers import tool_call_parser
 
 MODEL = "tiny-tools"
 MAX_TOKENS = 400
@@ -169,6 +171,58 @@ def test_replayed_calls_reach_the_template_as_objects(http):
                         WEATHER)
 
 
+@pytest.fixture(scope="module")
+def auto_client(tiny_model_dir):
+    """A server that reads ``tool_choice: "auto"`` calls in the hermes format."""
+    with serve(tiny_model_dir("llama-serve"), "--served-model-name", MODEL, "--max-model-len", "512",
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as s:
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120.0) as c:
+            yield c
+
+
+def forced_text(text: str) -> dict[str, Any]:
+    """A structured output that makes the random model write exactly ``text`` (the model's own
+    calls would be noise): the parser then reads what a tool-calling model writes."""
+    return {"structured_outputs": {"regex": re.sub(r"([.+*?()|\[\]{}^$\\])", r"\\\1", text)}}
+
+
+HERMES_TEXT = 'Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_hermes_calls_from_the_text(auto_client, stream):
+    r = create(auto_client, stream, extra_body=forced_text(HERMES_TEXT))
+    if stream:
+        calls, content, reason, _ = streamed_calls(r)
+    else:
+        (choice,) = r.choices
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls]
+        content, reason = choice.message.content, choice.finish_reason
+    assert reason == "tool_calls"  # vLLM's, once an auto reply called tools
+    assert content == "Checking.\n"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_time", {"zone": "CET"})]
+    assert calls[0]["id"].startswith("chatcmpl-tool-")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_without_calls_is_plain_text(auto_client, stream):
+    r = create(auto_client, stream, extra_body=forced_text("It is <b>sunny</b>."))
+    if stream:
+        calls, content, reason, _ = streamed_calls(r)
+    else:
+        calls, content, reason = r.choices[0].message.tool_calls, r.choices[0].message.content, \
+            r.choices[0].finish_reason
+    assert (calls, content, reason) == ([], "It is <b>sunny</b>.", "stop")
+
+
+def test_auto_only_calls_has_null_content(auto_client):
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}</tool_call>'
+    choice = create(auto_client, False, extra_body=forced_text(text)).choices[0]
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Rome", "days": 2}
+
+
 BAD = [
     (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice.function.name", ["'nope'"]),
     (dict(tool_choice="auto"), "tool_choice", ["auto"]),
@@ -209,40 +263,60 @@ def test_tokenize_takes_tools_without_a_tool_choice(http):
 
 
 # ------------------------------------------------------------------------------------------------
-# ToolCallStream alone: any split of the text gives the same calls.
-def _split_everywhere(choice: ToolChoice, text: str) -> list[tuple[list[dict[str, Any]], str]]:
-    results = []
-    for cut in range(len(text) + 1):
-        s = ToolCallStream(choice)
-        s.feed(text[:cut])
-        s.feed(text[cut:])
-        s.close()
-        results.append(([(c["function"]["name"], c["function"]["arguments"]) for c in s.calls], s.leftover()))
-    return results
+# The parsers alone: any split of the text gives the same calls and content.
+FUNCTIONS = tuple(t["function"] for t in TOOLS)
+
+
+def parse_split(choice: ToolChoice, text: str, cut: int) -> tuple[list[tuple[str, str]], str | None]:
+    """The calls (name, arguments) and content of ``text`` fed in two pieces, as a stream adds
+    them up (each call's first delta whole, later ones appending arguments)."""
+    p = tool_call_parser(choice)
+    content, calls = "", {}
+    for piece in (p.feed(text[:cut]), p.feed(text[cut:]), p.close()):
+        content += piece[0]
+        for d in piece[1]:
+            c = calls.setdefault(d["index"], ["", ""])
+            c[0] += d["function"].get("name", "")
+            c[1] += d["function"]["arguments"]
+    assert [tuple(c) for c in calls.values()] == [(c["function"]["name"], c["function"]["arguments"]) for c in p.calls]
+    return [tuple(c) for c in calls.values()], content
 
 
 def test_required_text_splits_into_calls_at_any_cut():
-    choice = ToolChoice(tuple(t["function"] for t in TOOLS))
+    choice = ToolChoice(FUNCTIONS)
     text = ' [ {"name": "get_time", "parameters": {"zone": "U\\"}{TC"}} ,{"name":"get_weather","parameters":{}}]'
     want = [("get_time", json.dumps({"zone": 'U"}{TC'})), ("get_weather", "{}")]
-    assert all(r == (want, "") for r in _split_everywhere(choice, text))
+    assert all(parse_split(choice, text, cut) == (want, "") for cut in range(len(text) + 1))
     cut = text[:60]  # the second call is open: it comes back as text
-    s = ToolCallStream(choice)
-    s.feed(cut)
-    assert [c["function"]["name"] for c in s.calls] == ["get_time"] and s.leftover() == cut[cut.index("} ,") + 1:]
+    calls, content = parse_split(choice, cut, 30)
+    assert calls == want[:1] and content == cut[cut.index("} ,") + 1:]
 
 
 def test_named_call_with_no_text_still_has_one_call():
-    s = ToolCallStream(ToolChoice(tuple(t["function"] for t in TOOLS), name="get_time"))
-    (delta,) = s.close()
-    assert delta["function"] == {"name": "get_time", "arguments": ""} and s.leftover() == ""
+    assert parse_split(ToolChoice(FUNCTIONS, name="get_time"), "", 0) == ([("get_time", "")], "")
+
+
+HERMES = ToolChoice(FUNCTIONS, parser="hermes")
+
+
+@pytest.mark.parametrize("text,calls,content", [
+    ("Let me check.\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"CET\"}}\n</tool_call>",
+     [("get_time", '{"zone": "CET"}')], "Let me check.\n"),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": "</"}}'
+     "</tool_call>", [("a", "{}"), ("b", '{"x": "</"}')], ""),
+    ("no calls here, just a < sign and <tool", [], "no calls here, just a < sign and <tool"),
+    ('<tool_call>{"name": "a", "arguments": {"k": 1}}', [("a", '{"k": 1}')], ""),  # unclosed at the end: vLLM's
+    ("<tool_call>{not json}</tool_call> after", [], "<tool_call>{not json}</tool_call> after"),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\nDone.', [("a", "{}")], "Done."),
+])
+def test_hermes_calls_and_content_at_any_cut(text, calls, content):
+    assert all(parse_split(HERMES, text, cut) == (calls, content) for cut in range(len(text) + 1))
 
 
 def test_required_schema_matches_vllms_shape():
-    fns = tuple(t["function"] for t in TOOLS)
-    schema = ToolChoice(fns, parallel=False).schema()
+    schema = ToolChoice(FUNCTIONS, parallel=False).schema()
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     jsonschema.validate([{"name": "get_time", "parameters": {"zone": "UTC"}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_time", "parameters": {"city": "Paris", "days": 2}}], schema)
-    assert "maxItems" not in ToolChoice(fns).schema()
+    assert "maxItems" not in ToolChoice(FUNCTIONS).schema()

@@ -27,6 +27,7 @@ from typing import Any
 from ferrokv import __version__
 from ferrokv.checks import check_text
 from ferrokv.engine_args import EngineArgs, engine_arg_help, help_with_default
+from ferrokv.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
 from ferrokv.sampling_params import SamplingParams
 
@@ -272,6 +273,12 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent in a request (default: off, such requests get 400: a "
                         "template is code the server runs)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": the model\'s tool calls are read from its text with '
+                        "--tool-call-parser (default: off, such requests get 400)")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the format the model writes tool calls in, for --enable-auto-tool-choice (hermes: "
+                        "<tool_call>{...}</tool_call>, as Hermes, Qwen2.5 and Qwen3 models) (default: none)")
     _engine_flags(p)
 
 
@@ -309,6 +316,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {lo}'}, got {value}")
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise ValueError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_CALL_PARSERS)})")
     _check_listen(args.host, args.port)
     api_key = args.api_key if args.api_key is not None else os.environ.get("FERROKV_API_KEY") or None
     if api_key is not None and (not api_key or not api_key.isprintable()):
@@ -326,7 +335,8 @@ def _serve(args: argparse.Namespace) -> int:
                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                          trust_request_chat_template=args.trust_request_chat_template)
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     return run_server(AsyncLLM.from_engine_args(engine_args), config)
 
 

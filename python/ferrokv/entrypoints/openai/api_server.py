@@ -167,7 +167,8 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight)
     state = ServerState(async_llm, metrics, (config.served_model_name, *config.served_model_aliases),
                         config.max_waiting_requests,
-                        config.log_prompts, config.trust_request_chat_template)
+                        config.log_prompts, config.trust_request_chat_template,
+                        config.tool_call_parser if config.enable_auto_tool_choice else None)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ferrokv = state

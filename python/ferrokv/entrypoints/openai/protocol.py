@@ -141,7 +141,8 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
     where its structured-output constraint came from (None: it has none). ``defaults`` (the
     model's generation config, ``ferrokv.generation_defaults``) fill the fields the request left
     out, and its ``max_tokens`` caps the request's, as in vLLM. A forced tool call's schema is
-    the constraint, whatever else the request asks (vLLM's precedence)."""
+    the constraint, whatever else the request asks (vLLM's precedence); calls read from free
+    text keep special tokens in it (tags may be ones)."""
     for name, (*noop,) in _UNSUPPORTED.items():
         if body.get(name) not in noop:
             raise bad(name, f"{name} is not supported by this server, got {shown(body.get(name))}")
@@ -175,7 +176,10 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
             raise bad("prompt_logprobs", f"prompt_logprobs are not available with stream: true, got "
                                          f"prompt_logprobs={prompt_logprobs}")
         prompt_logprobs = None
-    structured, source = _structured(body) if tool_choice is None else _tool_structured(tool_choice)
+    forced = tool_choice is not None and tool_choice.forced
+    structured, source = _tool_structured(tool_choice) if forced else _structured(body)  # type: ignore[arg-type]
+    if tool_choice is not None and not forced:
+        kw["skip_special_tokens"] = False  # vLLM's hermes parser: call tags may be special tokens
     try:
         params = SamplingParams(**kw, max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
                                 prompt_logprobs=prompt_logprobs, structured_outputs=structured)
@@ -421,11 +425,11 @@ def _template(body: Mapping[str, Any], tools: list[Any] | None) -> dict[str, Any
                 tools=tools)
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[list[Any] | None, ToolChoice | None]:
-    """``tools`` (for the chat template) and the tool call ``tool_choice`` forces
+def _tools(body: Mapping[str, Any], auto_parser: str | None = None) -> tuple[list[Any] | None, ToolChoice | None]:
+    """``tools`` (for the chat template) and the request's tool calling
     (``ferrokv.entrypoints.openai.tool_calls``), each error a 400 naming its field."""
     try:
-        return parse_tools(body)
+        return parse_tools(body, auto_parser)
     except ToolError as e:
         raise bad(e.param, str(e)) from None
 
@@ -459,8 +463,10 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 
 def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       defaults: Mapping[str, Any] = _NO_DEFAULTS,
-                       max_logprobs: int = _DEFAULT_MAX_LOGPROBS) -> ChatRequest:
+                       defaults: Mapping[str, Any] = _NO_DEFAULTS, max_logprobs: int = _DEFAULT_MAX_LOGPROBS,
+                       tool_call_parser: str | None = None) -> ChatRequest:
+    """``tool_call_parser``: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice``
+    is on (None: ``tool_choice: "auto"`` is refused)."""
     body = _object(body)
     if _bool(body, "echo", False):
         raise bad("echo", "echo is not supported for chat by this server, got true")
@@ -470,7 +476,7 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     if top and not want_logprobs:  # vLLM accepts top_logprobs=0 alone
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
-    tools, tool_choice = _tools(body)
+    tools, tool_choice = _tools(body, tool_call_parser)
     params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind,
                                      defaults, max_logprobs, tool_choice)
     return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,

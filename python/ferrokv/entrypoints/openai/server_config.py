@@ -22,7 +22,9 @@ class ServerConfig:
     requests in flight may run on after SIGTERM/SIGINT. ``allowed_*`` and ``allow_credentials``:
     the CORS policy browsers are told (vLLM's flags and defaults: any origin, method and header).
     ``trust_request_chat_template``: whether a request's own ``chat_template`` is rendered (vLLM's
-    flag; off, such a request is a 400: a Jinja template is code, one could loop or fill memory)."""
+    flag; off, such a request is a 400: a Jinja template is code, one could loop or fill memory).
+    ``enable_auto_tool_choice`` and ``tool_call_parser``: ``tool_choice: "auto"`` is served, the
+    model's calls read in that format (vLLM's flags; one needs the other)."""
 
     served_model_name: str = DEFAULT_MODEL_NAME
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (vLLM's later --served-model-name values)
@@ -38,3 +40,5 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     trust_request_chat_template: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None

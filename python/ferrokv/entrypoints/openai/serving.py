@@ -55,6 +55,7 @@ class ServerState:
     max_waiting_requests: int
     log_prompts: bool
     trust_request_chat_template: bool = False  # ServerConfig's
+    tool_call_parser: str | None = None  # ServerConfig's, when enable_auto_tool_choice is on
     draining: bool = False
     http_in_flight: int = 0  # generation requests being served (the drain waits for 0)
     admitted: int = 0  # engine requests of the calls being served (admit reserves, Generation.close frees)

@@ -7,7 +7,9 @@ then a usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``. `
 follow OpenAI's chat shape (``content: [{token, logprob, bytes, top_logprobs}]``), with
 ``top_logprobs`` alternatives ranked 1..top_logprobs. ``prompt_logprobs`` (vLLM's extra) are a
 top-level field of the non-streamed response, in vLLM's shape (``serving_completion``).
-With a forced tool call, ``tool_calls`` replace the content (``tool_calls``).
+With tools, the calls come as ``tool_calls`` (``tool_parsers``): a forced call's replace the
+content, and a reply of ``tool_choice: "auto"`` that called tools ends with ``finish_reason``
+"tool_calls".
 Costs: as completions, plus one chat-template render per request.
 """
 
@@ -26,7 +28,7 @@ from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
 from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, run_generation,
                                                stream_events, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, usage
-from ferrokv.entrypoints.openai.tool_calls import ToolCallStream
+from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
@@ -60,7 +62,7 @@ class _Chat:
         self.cached = 0
         self.completion_tokens = 0
         self.started: set[int] = set()
-        self.tool_streams: dict[int, ToolCallStream] = {}  # per choice, with a forced tool call
+        self.parsers: dict[int, ToolCallParser] = {}  # per choice, when the request uses tools
 
     def count(self, out: RequestOutput) -> None:
         self.prompt_tokens = len(out.prompt_token_ids)
@@ -74,31 +76,45 @@ class _Chat:
         return _logprobs(c, self.req.top_logprobs) if self.req.logprobs else None
 
     def message(self, c: CompletionOutput) -> dict[str, Any]:
-        """A whole choice's message: its text, or the tool calls it made (``tool_calls``)."""
+        """A whole choice's message: its text, and the tool calls it made (``tool_calls``)."""
         if self.req.tool_choice is None:
             return {"role": "assistant", "content": c.text}
-        calls = ToolCallStream(self.req.tool_choice)
-        calls.feed(c.text)
-        calls.close()
-        return {"role": "assistant", "content": calls.leftover(), "tool_calls": calls.calls}
+        parser = self._parser(c.index)
+        content = parser.feed(c.text)[0] + parser.close()[0]
+        if not parser.choice.forced and parser.calls and not content:
+            content = None  # vLLM's: a reply that only called tools has no content
+        return {"role": "assistant", "content": content, "tool_calls": parser.calls}
 
     def delta(self, c: CompletionOutput) -> dict[str, Any]:
         """A streamed choice's next delta (empty: nothing to send yet)."""
         if self.req.tool_choice is None:
             return {"content": c.text} if c.text or c.finish_reason is None else {}
-        calls = self.tool_streams.setdefault(c.index, ToolCallStream(self.req.tool_choice))
-        delta: dict[str, Any] = {}
-        deltas = calls.feed(c.text) + (calls.close() if c.finish_reason is not None else [])
+        parser = self._parser(c.index)
+        content, deltas = parser.feed(c.text)
+        if c.finish_reason is not None:
+            rest, more = parser.close()
+            content, deltas = content + rest, deltas + more
+        delta: dict[str, Any] = {"content": content} if content else {}
         if deltas:
             delta["tool_calls"] = deltas
-        if c.finish_reason is not None and calls.leftover():
-            delta["content"] = calls.leftover()
         return delta
+
+    def finish_reason(self, c: CompletionOutput) -> str | None:
+        """vLLM's: "tool_calls" once a reply of ``tool_choice: "auto"`` called tools."""
+        parser = self.parsers.get(c.index)
+        called = parser is not None and not parser.choice.forced and parser.calls
+        return "tool_calls" if called and c.finish_reason is not None else c.finish_reason
+
+    def _parser(self, index: int) -> ToolCallParser:
+        parser = self.parsers.get(index)
+        if parser is None:
+            parser = self.parsers[index] = tool_call_parser(self.req.tool_choice)  # type: ignore[arg-type]
+        return parser
 
 
 async def create_chat_completion(request: Request, state: ServerState, body: Any) -> Any:
     req = parse_chat_request(body, defaults=state.llm.default_sampling_params,
-                             max_logprobs=state.llm.engine.args.max_logprobs)
+                             max_logprobs=state.llm.engine.args.max_logprobs, tool_call_parser=state.tool_call_parser)
     model = state.check_model(req.model)
     state.check_chat_template(req.template)
     state.admit(1)
@@ -122,7 +138,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
         (out,) = await watched(request, gen.finals())
         call.count(out)
         choices = [{"index": c.index, "message": call.message(c),
-                    "logprobs": call.logprobs(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    "logprobs": call.logprobs(c), "finish_reason": call.finish_reason(c), "stop_reason": c.stop_reason}
                    for c in sorted(out.outputs, key=lambda c: c.index)]
         return JSONResponse({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
                              "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)})
@@ -153,7 +169,7 @@ def _stream(gen: Generation, call: _Chat) -> Any:
                     and c.logprobs is None:
                 continue  # a token that completes no character (or call) yet: nothing to send
             events.append(chunk([{"index": c.index, "delta": delta, "logprobs": call.logprobs(c),
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
+                                  "finish_reason": call.finish_reason(c), "stop_reason": c.stop_reason}]))
         return events
 
     def tail() -> list[Any]:

@@ -1,36 +1,33 @@
-"""Tool calling for ``/v1/chat/completions``, as vLLM does it without a tool parser.
+"""Tool calling requests for ``/v1/chat/completions``: ``tools`` and ``tool_choice``, as vLLM
+checks and serves them.
 
 ``tool_choice`` is ``"none"`` (the tools reach the chat template only), a named function
 (``{"type": "function", "function": {"name": ...}}``: the output is that function's arguments,
-decoded under its ``parameters`` JSON schema) or ``"required"`` (the output is a JSON array of
+decoded under its ``parameters`` JSON schema), ``"required"`` (the output is a JSON array of
 ``{"name", "parameters"}`` objects, one of the tools each, at least one, at most one when
-``parallel_tool_calls`` is false). ``"auto"`` (OpenAI's default with tools) needs a model-specific
-parser of tool calls in free text, which this server does not have: a 400, as vLLM without
-``--enable-auto-tool-choice``.
+``parallel_tool_calls`` is false), or ``"auto"`` (OpenAI's default with tools): the model writes
+calls in its own format, found in the text by the server's ``--tool-call-parser``; a server
+started without ``--enable-auto-tool-choice`` refuses it (a 400, as vLLM).
 
-The constraint is a structured output (``ferrokv.structured_outputs``); the response carries
-``message.tool_calls`` (``content`` ""), each ``{"id": "chatcmpl-tool-…", "type": "function",
-"function": {"name", "arguments"}}`` with ``arguments`` a JSON string, and the engine's
-``finish_reason`` (vLLM's: "stop", or "length" when cut). One ``ToolCallStream`` per choice turns
-the text into calls, streamed or not: a named call's arguments stream as they are generated; a
-required array's calls each come whole once its object is closed. Text that is not a complete call
-(an array cut by ``max_tokens``) is returned as ``content``, so nothing generated is lost.
-
-Conversations replay earlier calls (``ferrokv.inputs.message_tool_fields``).
-Costs: O(tools) per request to check and build the schema; O(new text) per streamed delta.
+A forced call's constraint is a structured output (``ferrokv.structured_outputs``); the
+calls are read out of the text by ``ferrokv.entrypoints.openai.tool_parsers``. Conversations
+replay earlier calls (``ferrokv.inputs.message_tool_fields``).
+Costs: O(tools) per request to check them and build the schema.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ferrokv.checks import shown
 
-__all__ = ["ToolChoice", "ToolCallStream", "ToolError", "parse_tools"]
+__all__ = ["TOOL_CALL_PARSERS", "ToolChoice", "ToolError", "parse_tools"]
+
+TOOL_CALL_PARSERS = ("hermes",)
+"""The formats ``--tool-call-parser`` reads (hermes: ``<tool_call>{"name", "arguments"}</tool_call>``,
+as Hermes, Qwen2.5 and Qwen3 models write them)."""
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -45,11 +42,17 @@ class ToolError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
-    """A forced tool call: ``name`` set for a named function, None for ``"required"``."""
+    """A request's tool calling: ``parser`` set for ``"auto"`` (the format the model's calls are
+    read in), else a forced call: ``name`` set for a named function, None for ``"required"``."""
 
     tools: tuple[Mapping[str, Any], ...]  # the checked ``function`` objects
     name: str | None = None
     parallel: bool = True
+    parser: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.parser is None
 
     def schema(self) -> dict[str, Any]:
         """The JSON schema the output is decoded under (vLLM's ``get_json_schema_from_tools``)."""
@@ -99,20 +102,23 @@ def _functions(tools: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(out)
 
 
-def parse_tools(body: Mapping[str, Any]) -> tuple[list[Any] | None, ToolChoice | None]:
-    """A chat request's ``tools`` (for the template; None when absent or empty) and the call it
-    forces (None for ``"none"`` or no tools); a ``ToolError`` names a bad field (module docs)."""
+def parse_tools(body: Mapping[str, Any],
+                auto_parser: str | None = None) -> tuple[list[Any] | None, ToolChoice | None]:
+    """A chat request's ``tools`` (for the template; None when absent or empty) and its tool
+    calling (None for ``"none"`` or no tools); ``auto_parser``: the server's
+    ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on. A ``ToolError`` names a bad
+    field (module docs)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got {shown(parallel)}")
     functions = _functions(tools) if tools is not None else ()
-    if choice is None or choice == "none" or (choice == "auto" and not functions):
-        if choice is None and functions:
+    if choice in (None, "auto") and functions:
+        if auto_parser is None:
             raise ToolError("tool_choice", _AUTO)
+        return list(tools), ToolChoice(functions, parallel=parallel is not False, parser=auto_parser)
+    if choice in (None, "none", "auto"):
         return (list(tools) if functions else None), None
-    if choice == "auto":
-        raise ToolError("tool_choice", _AUTO)
     if choice == "required":
         name = None
     elif isinstance(choice, Mapping) and choice.get("type", "function") == "function" \
@@ -129,102 +135,6 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[list[Any] | None, ToolChoice |
     return list(tools), ToolChoice(functions, name, parallel is not False)
 
 
-_AUTO = ('tool_choice "auto" (the default with tools) is not supported: this server has no parser of tool calls '
-         'in free text; use "required", a named function ({"type": "function", "function": {"name": ...}}) '
-         'or "none" (the tools are given to the chat template only)')
-
-
-def _call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-@dataclass(slots=True)
-class ToolCallStream:
-    """One choice's text -> its tool calls (module docs). ``feed`` takes the next text and
-    returns the streamed ``tool_calls`` deltas; ``calls`` and ``leftover`` give the whole."""
-
-    choice: ToolChoice
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    _text: str = ""
-    _scanned: int = 0  # required: chars of _text scanned so far
-    _depth: int = 0
-    _in_string: bool = False
-    _escaped: bool = False
-    _start: int = -1  # required: where the open call object began
-    _done: int = 0  # required: chars of _text that became calls
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        self._text += text
-        if self.choice.name is not None:
-            return [self._named(text)]
-        return [self._delta(len(self.calls) - 1) for _ in self._scan()]
-
-    def close(self) -> list[dict[str, Any]]:
-        """The last deltas once the text is complete: a named call with no text yet still has
-        one call (empty arguments), as vLLM gives it."""
-        if self.choice.name is not None and not self.calls:
-            self.calls.append({"id": _call_id(), "type": "function",
-                               "function": {"name": self.choice.name, "arguments": ""}})
-            return [self._delta(0)]
-        return []
-
-    def _named(self, text: str) -> dict[str, Any]:
-        if not self.calls:
-            self.calls.append({"id": _call_id(), "type": "function",
-                               "function": {"name": self.choice.name, "arguments": text}})
-            return self._delta(0)
-        self.calls[0]["function"]["arguments"] += text
-        return {"index": 0, "function": {"arguments": text}}
-
-    def _delta(self, index: int) -> dict[str, Any]:
-        """A call's first delta: all of it so far."""
-        c = self.calls[index]
-        return {"index": index, "id": c["id"], "type": "function",
-                "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
-
-    def _scan(self) -> Any:
-        """Yields once per call object of the required array closed in the new text."""
-        text = self._text
-        for i in range(self._scanned, len(text)):
-            ch = text[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "[{":
-                self._depth += 1
-                if self._depth == 2 and ch == "{":
-                    self._start = i
-            elif ch in "]}":
-                self._depth -= 1
-                if self._depth == 1 and ch == "}" and self._start >= 0 and self._add(text[self._start:i + 1]):
-                    self._done = i + 1
-                    self._start = -1
-                    self._scanned = i + 1
-                    yield
-        self._scanned = len(text)
-
-    def _add(self, obj: str) -> bool:
-        try:
-            call = json.loads(obj)
-        except ValueError:
-            return False
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return False
-        self.calls.append({"id": _call_id(), "type": "function", "function": {
-            "name": call["name"], "arguments": json.dumps(call.get("parameters", {}), ensure_ascii=False)}})
-        return True
-
-    def leftover(self) -> str:
-        """Generated text no call holds: "" once a named call started or a required array
-        closed; else what was not a complete call (an array cut short), whole."""
-        rest = self._text[self._done:]
-        closed = self._depth == 0 and rest.strip() in ("]", "")
-        return "" if self.choice.name is not None or (self.calls and closed) else rest
+_AUTO = ('tool_choice "auto" (the default with tools) needs the server started with --enable-auto-tool-choice '
+         'and --tool-call-parser; use "required", a named function ({"type": "function", "function": '
+         '{"name": ...}}) or "none" (the tools are given to the chat template only)')

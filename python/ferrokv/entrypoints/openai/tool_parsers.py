@@ -1,0 +1,195 @@
+"""A chat choice's text -> its tool calls, streamed or whole (``ToolChoice`` says how the
+calls are written; ``ferrokv.entrypoints.openai.tool_calls``).
+
+One parser per choice. ``feed(text)`` takes the choice's next text and returns what to send
+now: ``(content, tool_call_deltas)``; ``close()`` returns the rest once the text is complete.
+A response that is not streamed feeds the whole text once, so both ways give the same calls.
+Each call is ``{"id": "chatcmpl-tool-…", "type": "function", "function": {"name", "arguments"}}``
+with ``arguments`` a JSON string; its first delta carries all of that so far (with ``index``, the
+call's position in the choice), later ones ``{"index", "function": {"arguments"}}`` only.
+
+- a named function (forced): the text is the arguments, streamed as generated;
+- ``"required"`` (forced): a JSON array of ``{"name", "parameters"}``; each call is sent whole once
+  its object closes;
+- ``"auto"`` with the hermes parser: ``<tool_call>{"name", "arguments"}</tool_call>`` blocks in
+  free text; text outside them streams as content (holding back what could start a tag), each
+  block is sent whole once closed, and an unclosed block at the end is read as a call too (vLLM's).
+
+Nothing generated is lost: text that is no complete call (an array cut by ``max_tokens``, a block
+whose JSON does not parse) comes back as content.
+Costs: O(new text) per ``feed`` (the required scanner and the tag search start where they stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from ferrokv.entrypoints.openai.tool_calls import ToolChoice
+
+__all__ = ["ToolCallParser", "tool_call_parser"]
+
+Deltas = list[dict[str, Any]]
+
+
+def _call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class ToolCallParser:
+    """The calls of one choice (module docs); ``calls`` holds those found so far."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        self.choice = choice
+        self.calls: list[dict[str, Any]] = []
+
+    def feed(self, text: str) -> tuple[str, Deltas]:
+        raise NotImplementedError
+
+    def close(self) -> tuple[str, Deltas]:
+        return "", []
+
+    def _add(self, name: str, arguments: str) -> dict[str, Any]:
+        """A new call, and its first delta."""
+        self.calls.append({"id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}})
+        c = self.calls[-1]
+        return {"index": len(self.calls) - 1, "id": c["id"], "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+    def _add_parsed(self, obj_text: str, arguments_key: str) -> dict[str, Any] | None:
+        """A call from one JSON object ``{"name": ..., <arguments_key>: {...}}`` (None: not one)."""
+        try:
+            obj = json.loads(obj_text)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        return self._add(obj["name"], json.dumps(obj.get(arguments_key, {}), ensure_ascii=False))
+
+
+class _NamedCall(ToolCallParser):
+    def feed(self, text: str) -> tuple[str, Deltas]:
+        if not text:
+            return "", []
+        if not self.calls:
+            return "", [self._add(self.choice.name or "", text)]
+        self.calls[0]["function"]["arguments"] += text
+        return "", [{"index": 0, "function": {"arguments": text}}]
+
+    def close(self) -> tuple[str, Deltas]:
+        # A named call with no text still is one call (empty arguments), as vLLM gives it.
+        return ("", []) if self.calls else ("", [self._add(self.choice.name or "", "")])
+
+
+class _RequiredCalls(ToolCallParser):
+    """Scans the JSON array for its element objects (depth 2), strings and escapes included."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        super().__init__(choice)
+        self._text = ""
+        self._scanned = 0
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._start = -1  # where the open element object began
+        self._done = 0  # text up to here became calls
+
+    def feed(self, text: str) -> tuple[str, Deltas]:
+        self._text += text
+        deltas = []
+        for i in range(self._scanned, len(self._text)):
+            ch = self._text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                self._depth += 1
+                if self._depth == 2 and ch == "{":
+                    self._start = i
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth == 1 and ch == "}" and self._start >= 0:
+                    delta = self._add_parsed(self._text[self._start:i + 1], "parameters")
+                    if delta is not None:
+                        deltas.append(delta)
+                        self._done = i + 1
+                    self._start = -1
+        self._scanned = len(self._text)
+        return "", deltas
+
+    def close(self) -> tuple[str, Deltas]:
+        rest = self._text[self._done:]
+        closed = self._depth == 0 and rest.strip() in ("]", "")
+        return ("" if self.calls and closed else rest), []
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+class _HermesCalls(ToolCallParser):
+    def __init__(self, choice: ToolChoice) -> None:
+        super().__init__(choice)
+        self._buf = ""  # text not handed out yet: a possible tag start, or an open block
+        self._in_call = False
+        self._after_call = False  # no content since the last call: leading whitespace is dropped
+
+    def feed(self, text: str) -> tuple[str, Deltas]:
+        self._buf += text
+        content, deltas = [], []
+        while True:
+            if self._in_call:
+                end = self._buf.find(_CLOSE)
+                if end < 0:
+                    break
+                self._block(self._buf[:end], _CLOSE, content, deltas)
+                self._buf, self._in_call = self._buf[end + len(_CLOSE):], False
+                continue
+            start = self._buf.find(_OPEN)
+            if start >= 0:
+                self._content(self._buf[:start], content)
+                self._buf, self._in_call = self._buf[start + len(_OPEN):], True
+                continue
+            keep = next((k for k in range(min(len(_OPEN) - 1, len(self._buf)), 0, -1)
+                         if _OPEN.startswith(self._buf[-k:])), 0)
+            self._content(self._buf[:len(self._buf) - keep], content)
+            self._buf = self._buf[len(self._buf) - keep:]
+            break
+        return "".join(content), deltas
+
+    def close(self) -> tuple[str, Deltas]:
+        content: list[str] = []
+        deltas: Deltas = []
+        if self._in_call:
+            self._block(self._buf, "", content, deltas)
+        else:
+            self._content(self._buf, content)
+        self._buf, self._in_call = "", False
+        return "".join(content), deltas
+
+    def _content(self, text: str, out: list[str]) -> None:
+        # Between and after calls, the model's separating whitespace is not content.
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        if text:
+            out.append(text)
+
+    def _block(self, body: str, closing: str, content: list[str], deltas: Deltas) -> None:
+        delta = self._add_parsed(body, "arguments")
+        if delta is None:
+            self._content(_OPEN + body + closing, content)
+        else:
+            deltas.append(delta)
+            self._after_call = True
+
+
+def tool_call_parser(choice: ToolChoice) -> ToolCallParser:
+    if choice.parser == "hermes":
+        return _HermesCalls(choice)
+    return _NamedCall(choice) if choice.name is not None else _RequiredCalls(choice)
