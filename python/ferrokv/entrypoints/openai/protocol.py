@@ -408,7 +408,7 @@ class ChatRequest(_Common):
     top_logprobs: int = 0
     add_generation_prompt: bool = True
     template: dict[str, Any] = field(default_factory=dict)  # chat_token_ids' template keywords
-    tool_choice: ToolChoice | None = None  # a forced tool call (named or "required")
+    tool_choice: ToolChoice | None = None  # its tool calling: forced (named, "required") or "auto"
 
 
 def _template(body: Mapping[str, Any], tools: list[Any] | None) -> dict[str, Any]:
