@@ -149,6 +149,14 @@ def test_tool_schema_wins_over_response_format(client):
     jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), WEATHER)
 
 
+def test_a_named_choice_takes_the_last_tool_of_that_name(client):
+    """vLLM's: tools are looked up by name, the last one wins."""
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "get_weather", "parameters": TIME}}]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice=NAMED, temperature=0,
+                                       max_tokens=MAX_TOKENS)
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), TIME)
+
+
 def test_tool_choice_none_and_no_tools_answer_in_text(client):
     r = create(client, False, tool_choice="none", max_tokens=4)
     assert r.choices[0].message.tool_calls in (None, []) and r.choices[0].message.content is not None
@@ -230,6 +238,18 @@ BAD = [
     (dict(tool_choice="sometimes"), "tool_choice", ["'sometimes'"]),
     (dict(tool_choice=7), "tool_choice", ["7"]),
     (dict(tools=None, tool_choice="required"), "tools", ["'required'"]),
+    (dict(tools=None, tool_choice="auto"), "tools", ["'auto'"]),  # OpenAI's and vLLM's: a choice needs tools
+    (dict(tool_choice="required", tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {"$defs": {"A": {"type": "integer"}}}}},
+        {"type": "function", "function": {"name": "g", "parameters": {"$defs": {"A": {"enum": ["s"]}}}}}]),
+     "tools[1].function.parameters.$defs", ["'A'", "two schemas"]),
+    (dict(tool_choice="required", tools=[{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}]),
+     "tools[0].function.parameters.$defs", ["[1]"]),
+    (dict(tool_choice="none", messages=[{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]}]),
+     "messages[0].tool_calls[0].function.arguments", ["must be JSON text"]),
+    (dict(tool_choice="required", response_format={"type": "json_schema"}), "response_format.json_schema", ["None"]),
+    (dict(tool_choice=NAMED, structured_outputs="bogus"), "structured_outputs", ["'bogus'"]),
     (dict(tools=[{"type": "function", "function": {"parameters": {}}}], tool_choice="required"),
      "tools[0].function.name", ["None"]),
     (dict(tools=[{"type": "retrieval"}], tool_choice="required"), "tools[0].type", ["'retrieval'"]),

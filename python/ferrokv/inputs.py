@@ -204,7 +204,7 @@ def _replayed_call(where: str, call: Any) -> dict[str, Any]:
     if isinstance(args, str) and args:
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
             raise ValueError(f"{where}.function.arguments must be JSON text, got {shown(args)}") from None
     elif args in (None, ""):
         args = {}

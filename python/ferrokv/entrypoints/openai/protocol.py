@@ -176,9 +176,10 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
             raise bad("prompt_logprobs", f"prompt_logprobs are not available with stream: true, got "
                                          f"prompt_logprobs={prompt_logprobs}")
         prompt_logprobs = None
-    forced = tool_choice is not None and tool_choice.forced
-    structured, source = _tool_structured(tool_choice) if forced else _structured(body)  # type: ignore[arg-type]
-    if tool_choice is not None and not forced:
+    structured, source = _structured(body)  # checked whatever the tools say, as vLLM checks it
+    if tool_choice is not None and tool_choice.forced:
+        structured, source = _tool_structured(tool_choice)
+    if tool_choice is not None and not tool_choice.forced:
         kw["skip_special_tokens"] = False  # vLLM's hermes parser: call tags may be special tokens
     try:
         params = SamplingParams(**kw, max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
@@ -263,6 +264,8 @@ def _tool_structured(choice: ToolChoice) -> tuple[StructuredOutputsParams, Struc
     source = StructuredSource("tools", (("json", "tools"),))
     try:
         return StructuredOutputsParams(json=choice.schema()), source
+    except ToolError as e:
+        raise bad(e.param, str(e)) from None
     except ValueError as e:
         raise source.error(str(e)) from None
 

@@ -55,12 +55,21 @@ class ToolChoice:
         return self.parser is None
 
     def schema(self) -> dict[str, Any]:
-        """The JSON schema the output is decoded under (vLLM's ``get_json_schema_from_tools``)."""
+        """The JSON schema the output is decoded under (vLLM's ``get_json_schema_from_tools``:
+        a named function's is its parameters, the last tool of that name's; "required"'s lifts
+        the tools' ``$defs`` to the top, where one name with two schemas is a ``ToolError``)."""
         if self.name is not None:
-            return dict(next(_parameters(f) for f in self.tools if f["name"] == self.name))
+            return dict(next(_parameters(f) for f in reversed(self.tools) if f["name"] == self.name))
         defs: dict[str, Any] = {}
-        for f in self.tools:
-            defs.update(_parameters(f).get("$defs") or {})
+        for i, f in enumerate(self.tools):
+            where = f"tools[{i}].function.parameters.$defs"
+            these = _parameters(f).get("$defs") or {}
+            if not isinstance(these, Mapping):
+                raise ToolError(where, f"{where} must be an object of named schemas, got {shown(these)}")
+            for name, sub in these.items():
+                if defs.setdefault(name, sub) != sub:
+                    raise ToolError(where, f"{where}[{name!r}] differs from another tool's {name!r}: with tool_choice "
+                                           '"required" the tools share their $defs, so one name cannot have two schemas')
         items = [{"properties": {"name": {"type": "string", "enum": [f["name"]]},
                                  "parameters": {k: v for k, v in _parameters(f).items() if k != "$defs"}},
                   "required": ["name", "parameters"]} for f in self.tools]
@@ -117,9 +126,9 @@ def parse_tools(body: Mapping[str, Any],
         if auto_parser is None:
             raise ToolError("tool_choice", _AUTO)
         return list(tools), ToolChoice(functions, parallel=parallel is not False, parser=auto_parser)
-    if choice in (None, "none", "auto"):
+    if choice in (None, "none"):
         return (list(tools) if functions else None), None
-    if choice == "required":
+    if choice in ("required", "auto"):  # "auto" only without tools: refused below
         name = None
     elif isinstance(choice, Mapping) and choice.get("type", "function") == "function" \
             and isinstance(choice.get("function"), Mapping) and isinstance(choice["function"].get("name"), str):

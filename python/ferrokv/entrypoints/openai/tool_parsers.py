@@ -61,7 +61,7 @@ class ToolCallParser:
         """A call from one JSON object ``{"name": ..., <arguments_key>: {...}}`` (None: not one)."""
         try:
             obj = json.loads(obj_text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
