@@ -165,6 +165,23 @@ def test_cache_hits_and_lru(tok):
     assert uncached.compile(SOP(regex="a+")) is not uncached.compile(SOP(regex="a+"))
 
 
+def test_a_spec_that_fails_is_compiled_once(tok, monkeypatch):
+    """A bad spec's error is cached as a grammar would be: sent again (or checked again on the
+    engine's thread), it fails at once with the same message, with no second compile."""
+    c = GrammarCompiler(tok, V, EOS)
+    builds = []
+    build = GrammarCompiler._build
+    monkeypatch.setattr(GrammarCompiler, "_build", lambda self, p: builds.append(p) or build(self, p))
+    bad = SOP(json={"type": "object", "properties": {"x": {"type": "string", "pattern": "("}}})
+    messages = []
+    for _ in range(3):
+        with pytest.raises(ValueError, match=r"^structured_outputs\.json") as e:
+            c.compile(bad)
+        messages.append(str(e.value))
+    assert len(builds) == 1 and len(set(messages)) == 1
+    assert c.compile(SOP(regex="a+")).kind == "regex"
+
+
 def test_compile_from_threads(compiler):
     specs = [SOP(regex=f"[a-c]{{{i},5}}x") for i in range(4)] * 3 + [SOP(json={"type": "integer"})] * 4
     results: list = [None] * len(specs)

@@ -220,6 +220,19 @@ def _additional_properties_off(schema: Any) -> None:
                 _additional_properties_off(value)
 
 
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """A spec that does not compile, cached with its error."""
+
+    message: str
+
+
+def _unless_failed(entry: CompiledGrammar | _Failed) -> CompiledGrammar:
+    if isinstance(entry, _Failed):
+        raise ValueError(entry.message)
+    return entry
+
+
 class GrammarCompiler:
     """Params -> ``CompiledGrammar`` for one tokenizer, with an LRU cache of ``cache_size``."""
 
@@ -236,28 +249,33 @@ class GrammarCompiler:
             tokenizer, n_vocab=n_vocab, eos_token=eos_token_id)
         self.vocab_size = self.tokenizer.vocab_size
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple, CompiledGrammar | _Failed] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled grammar of ``params``; an invalid one raises ``ValueError`` naming its field."""
+        """The compiled grammar of ``params``; an invalid one raises ``ValueError`` naming its
+        field. Failures are cached too: a bad spec costs one compile, however often it is sent
+        and on whichever thread it is checked again (the engine's, the event loop's)."""
         key = params.cache_key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
-        compiled = self._build(params)  # unlocked: can take long, other threads go on
+                return _unless_failed(hit)
+        try:
+            compiled: CompiledGrammar | _Failed = self._build(params)  # unlocked: can take long, others go on
+        except ValueError as e:
+            compiled = _Failed(str(e))
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:  # another thread built it meanwhile: everyone shares one
                 self._cache.move_to_end(key)
-                return hit
+                return _unless_failed(hit)
             if self.cache_size:
                 self._cache[key] = compiled
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
-        return compiled
+        return _unless_failed(compiled)
 
     def forget(self, compiled: CompiledGrammar) -> None:
         """Drops ``compiled`` from the cache: its matchers share the template's lexer, so one that
