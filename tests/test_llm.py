@@ -310,6 +310,36 @@ def test_chat_replays_tool_calls_with_their_arguments_as_objects(llama_llm):
     assert_no_leak(llama_llm)
 
 
+PARTS_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{% for part in m['content'] %}"
+                  "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}\n{% endfor %}")
+
+
+def test_chat_content_format_follows_what_the_template_reads(llama_llm):
+    """vLLM's chat_template_content_format: "auto" finds a template that loops over a message's
+    content parts and gives it parts ({"type": "text", ...}); "openai" and "string" force one."""
+    from ferrokv.chat_content_format import detect_content_format
+
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": "Hello"}]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    prompt = llama_llm.chat(conv, params, use_tqdm=False, chat_template=PARTS_TEMPLATE)[0].prompt
+    assert prompt == "[user]Hi there[assistant]Hello"  # transformers trims the newline after a block
+    assert llama_llm.chat(conv, params, use_tqdm=False, chat_template=PARTS_TEMPLATE,
+                          chat_template_content_format="openai")[0].prompt == prompt
+    # Forced to strings, the loop walks the characters and finds no text part.
+    assert llama_llm.chat(conv, params, use_tqdm=False, chat_template=PARTS_TEMPLATE,
+                          chat_template_content_format="string")[0].prompt == "[user][assistant]"
+    assert detect_content_format(PARTS_TEMPLATE) == "openai"
+    assert detect_content_format("{% for m in messages %}{{ m.content }}{% endfor %}") == "string"
+    assert detect_content_format("{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p.text }}"
+                                 "{% endfor %}{% endfor %}") == "openai"
+    assert detect_content_format("{% for m in messages %}{% for p in m.content | selectattr('type') %}"
+                                 "{% break %}{% endfor %}{% endfor %}") == "openai"
+    assert detect_content_format("{% for %}") == "string"  # rendering reports a broken template
+    tok = llama_llm.get_tokenizer()
+    assert detect_content_format(tok.chat_template) == "string"
+
+
 def test_chat_template_and_continue_final_message(llama_llm):
     """vLLM's chat(): a chat_template string replaces the tokenizer's, and continue_final_message
     leaves the last (assistant) message open, both as transformers renders them; bad values name
@@ -329,8 +359,9 @@ def test_chat_template_and_continue_final_message(llama_llm):
     # vLLM's positional order: messages, sampling_params, use_tqdm, lora_request, chat_template,
     # chat_template_content_format, add_generation_prompt.
     assert llm.chat(conv, params, False, None, template, "string", True)[0].prompt_token_ids == out.prompt_token_ids
-    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto' or 'string'"):
-        llm.chat(conv, params, use_tqdm=False, chat_template_content_format="openai")
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of 'auto', 'string', 'openai', "
+                                         "got 'parts'"):
+        llm.chat(conv, params, use_tqdm=False, chat_template_content_format="parts")
     assert tok.decode(out.prompt_token_ids).startswith("[user] Name a colour.")
     cont = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
     want = ids(add_generation_prompt=False, continue_final_message=True)

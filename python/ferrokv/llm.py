@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrokv.beam_search_params import BeamSearchParams
+from ferrokv.chat_content_format import with_content_format
 from ferrokv.checks import check_int, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
@@ -98,14 +99,15 @@ def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_gener
 
 def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
                 name: str = "messages", *, chat_template: str | None = None, continue_final_message: bool = False,
-                chat_template_kwargs: Mapping[str, Any] | None = None,
-                tools: list[Any] | None = None) -> tuple[str, list[int]]:
+                chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[Any] | None = None,
+                content_format: str = "auto") -> tuple[str, list[int]]:
     """One conversation (checked by ``checked_messages``) through the chat template (the
     tokenizer's, or ``chat_template``): the rendered text and its token ids (tokenized without
     special tokens of the tokenizer's own, as transformers and vLLM do: the template has them);
     ``name`` is what errors call it. A template's own refusal or syntax error is a ``ValueError``
     naming it. ``chat_template_kwargs``: extra variables for the template (vLLM's; e.g.
-    ``enable_thinking``); ``tools``: OpenAI's tool definitions, for a template that shows them."""
+    ``enable_thinking``); ``tools``: OpenAI's tool definitions, for a template that shows them;
+    ``content_format``: how the template reads a message's content (``ferrokv.chat_content_format``)."""
     from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
 
     conversation = checked_messages(conversation, name)
@@ -122,6 +124,8 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
         raise ValueError(f"{name}: the tokenizer has no chat template")
     extra = _template_kwargs(chat_template_kwargs)
     check_tools(tools)
+    conversation = with_content_format(conversation, content_format,
+                                       chat_template if chat_template is not None else tokenizer.chat_template)
     which = "chat_template" if chat_template is not None else f"{name}: the model's chat template"
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, tools=tools,
@@ -305,11 +309,8 @@ class LLM:
         ``continue_final_message`` leaves the last message open for the model to continue (vLLM's
         semantics: then ``add_generation_prompt`` must be False); ``tools`` (OpenAI's tool
         definitions) and ``chat_template_kwargs`` (extra variables) are given to the template.
-        ``chat_template_content_format``: "auto" or "string" (a message's text parts are joined
-        into one string, which every supported template reads); "openai" is not supported yet."""
-        if chat_template_content_format not in ("auto", "string"):
-            raise ValueError(f"chat_template_content_format must be 'auto' or 'string' ('openai' is not supported "
-                             f"yet), got {chat_template_content_format!r}")
+        ``chat_template_content_format``: "string" (a message's text), "openai" (a list of text
+        parts) or "auto" (what the template reads, ``ferrokv.chat_content_format``)."""
         if isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
             named = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
         else:
@@ -319,7 +320,8 @@ class LLM:
         for name, conv in named:
             text, ids = chat_prompt(tok, conv, add_generation_prompt, name, chat_template=chat_template,
                                     continue_final_message=continue_final_message,
-                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
+                                    chat_template_kwargs=chat_template_kwargs, tools=tools,
+                                    content_format=chat_template_content_format)
             prompts.append({"prompt": text, "prompt_token_ids": ids})  # vLLM's output.prompt: the rendered text
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
