@@ -484,6 +484,28 @@ def test_shutdown_ends_requests_in_flight_and_refuses_new_ones(llama_path):
     llm.shutdown()  # idempotent
 
 
+def test_a_request_still_waiting_for_the_tokenizer_pool_ends_with_engine_dead_at_shutdown(llama_path):
+    """Shutdown cancels the pool's queued work: a request whose prompt waited there raises the
+    engine's EngineDeadError (as every other request does), not a CancelledError that a server
+    would take for a client that went away."""
+    llm = AsyncLLM(str(llama_path), tokenizer_threads=1, **{k: v for k, v in engine_kwargs(llama_path).items()
+                                                            if k != "model"})
+    gate = threading.Event()
+
+    async def main():
+        busy = asyncio.get_running_loop().run_in_executor(llm._pool, gate.wait)  # the one worker
+        task = asyncio.ensure_future(collect(llm, "a text prompt", greedy(2), "queued"))
+        while llm._pool._work_queue.qsize() == 0:  # the prompt waits behind the busy worker
+            await asyncio.sleep(0)
+        llm.shutdown()
+        gate.set()
+        await busy
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await task
+
+    asyncio.run(main())
+
+
 def test_vllm_engine_client_queries(allm):
     """What code written against vLLM's EngineClient awaits."""
 

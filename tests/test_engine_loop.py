@@ -375,7 +375,7 @@ def test_a_retry_under_a_given_up_id_waits_for_the_old_request_and_gets_only_its
     loop.submit("same", prompt, greedy(10_000), sink=old)
     while engine.get_num_unfinished_requests() == 0:
         pass
-    engine._lock.acquire()  # the loop's next step, and every abort, wait for it
+    engine._guard._lock.acquire()  # the loop's next step, and every abort, wait for it
     try:
         loop.abandon("same", old)
         loop.submit("same", prompt, greedy(5), sink=retry)
@@ -384,7 +384,8 @@ def test_a_retry_under_a_given_up_id_waits_for_the_old_request_and_gets_only_its
         loop.abandon("same", retry)
         loop.submit("same", prompt, greedy(5), sink=last)
     finally:
-        engine._release()  # applies the queued aborts on this thread: their outputs go through the inbox
+        engine._before_release()  # applies the queued aborts on this thread: their outputs go through the inbox
+        engine._guard._unlock()
 
     def items(sink):
         got = [sink.get(timeout=60)]
@@ -426,7 +427,7 @@ def test_retries_given_up_in_turn_behind_a_held_engine_lock_each_end_with_their_
     engine.step = step
     loop.submit("X", prompts["a"], greedy(10_000), sink=sinks["a"])
     assert paused.wait(30)
-    engine._lock.acquire()  # as reset_prefix_cache holds it
+    engine._guard._lock.acquire()  # as reset_prefix_cache holds it
     try:
         loop.abandon("X", sinks["a"])
         loop.submit("X", prompts["b"], greedy(10_000), sink=sinks["b"])
@@ -435,7 +436,8 @@ def test_retries_given_up_in_turn_behind_a_held_engine_lock_each_end_with_their_
         go.set()
         time.sleep(0.3)  # the loop takes the commands while the lock is held
     finally:
-        engine._release()
+        engine._before_release()
+        engine._guard._unlock()
     finals = {}
     for name, sink in sinks.items():
         item = sink.get(timeout=60)

@@ -146,6 +146,118 @@ def test_a_failure_after_a_beam_step_aborts_that_beam_search(llama_path, clean, 
     assert_idle(engine)
 
 
+class _InterruptAfter:
+    """Delegates to ``target``; the ``call``-th call of ``method`` runs, then raises
+    KeyboardInterrupt, as a SIGINT landing right after it returns (before its caller holds the
+    result) would."""
+
+    def __init__(self, target, method: str, call: int) -> None:
+        self._target, self._method, self._call, self.calls = target, method, call, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self._target, name)
+        if name != self._method:
+            return attr
+
+        def wrapped(*args, **kwargs):
+            result = attr(*args, **kwargs)
+            self.calls += 1
+            if self.calls == self._call:
+                raise KeyboardInterrupt
+            return result
+
+        return wrapped
+
+
+@pytest.mark.parametrize("call", [1, 3], ids=["prefill", "decode"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_an_interrupt_as_schedule_returns_cancels_the_step_it_planned(llama_path, clean, call, overlap):
+    """``schedule()`` releases the GIL while it plans, so a Ctrl-C most often lands as it returns:
+    the step it planned is cancelled all the same (the engine is not left with a step in flight,
+    refusing every later ``step()``), and a caller that keeps stepping gets a clean run's output."""
+    engine = tiny_engine(llama_path, overlap=overlap)
+    prompts = rand_prompts(3, LENGTHS)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(MAX_NEW))
+    engine.scheduler = _InterruptAfter(engine.scheduler, "schedule", call)
+    last = drive(engine, fails=KeyboardInterrupt)
+    assert outputs_of(last, len(prompts)) == clean(prompts, greedy(MAX_NEW))
+    assert engine.stats()["cancelled_steps"] == 1
+    engine.scheduler = engine.scheduler._target
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("method", ["add_request", "stats", "abort_request"])
+def test_an_interrupt_as_the_engine_lock_is_taken_leaves_it_free(llama_path, clean, method):
+    """A Ctrl-C landing right after the engine lock is taken (in an engine call, a getter or an
+    abort) cannot leave the lock held: another thread's call that needs it still returns, and
+    the engine serves on."""
+    import threading
+
+    engine = tiny_engine(llama_path)
+    prompts = rand_prompts(4, LENGTHS)
+    engine.add_request("0", prompts[0], greedy(MAX_NEW))
+    engine._guard._lock = _InterruptAfter(engine._guard._lock, "acquire", 1)
+    with pytest.raises(KeyboardInterrupt):
+        {"add_request": lambda: engine.add_request("1", prompts[1], greedy(MAX_NEW)),
+         "stats": engine.stats, "abort_request": lambda: engine.abort_request("x", wait=True)}[method]()
+    other = threading.Thread(target=engine.abort_request, args=("nobody",), kwargs={"wait": True})
+    other.start()
+    other.join(timeout=60)
+    assert not other.is_alive(), "the engine lock was left held"
+    for i, p in enumerate(prompts):
+        if str(i) not in engine._by_name:
+            engine.add_request(str(i), p, greedy(MAX_NEW))
+    assert outputs_of(drive(engine), len(prompts)) == clean(prompts, greedy(MAX_NEW))
+    assert_idle(engine)
+
+
+def test_aborted_requests_are_all_reported_though_one_report_is_interrupted(llama_path):
+    """An interrupt in ``on_abort`` (the loop's routing) leaves the other aborted requests'
+    reports queued: the next release of the engine lock hands them over, each once."""
+    engine = tiny_engine(llama_path)
+    for i, p in enumerate(rand_prompts(5, [6, 7, 8])):
+        engine.add_request(str(i), p, greedy(MAX_NEW))
+    engine.step()
+    got = []
+
+    def on_abort(o):
+        got.append(o.request_id)
+        if len(got) == 1:
+            raise KeyboardInterrupt
+
+    engine.on_abort = on_abort
+    with pytest.raises(KeyboardInterrupt):
+        engine.abort_request(["0", "1", "2"], wait=True)
+    assert got == ["0"]
+    engine.stats()  # any release reports the rest
+    assert got == ["0", "1", "2"]
+    assert_idle(engine)
+
+
+def test_an_abort_drops_the_kept_outputs_of_a_request_that_had_finished(llama_path):
+    """Outputs made before a step failed are handed out by the next ``step()``; an abort of their
+    request in between drops them, also when it had finished (as vLLM: an aborted request reports
+    nothing more), so a new request under the same id never gets the old one's output."""
+    engine = tiny_engine(llama_path, overlap=True)
+    a, b = rand_prompts(6, [6, 9])
+    engine.add_request("A", a, greedy(2))
+    engine.add_request("B", b, greedy(MAX_NEW))
+    RunnerHook(engine, raise_on(3, RuntimeError("forward failed")))
+    for _ in range(2):
+        assert all(o.request_id != "A" or not o.finished for o in engine.step())
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.step()  # A's final output was made (overlapped) before the forward pass failed
+    assert "A" in [o.request_id for o in engine._unreturned if o.finished]
+    engine.abort_request("A")
+    engine.add_request("A", a, greedy(5))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == "A"]
+    assert [len(o.outputs[0].token_ids) for o in outs if o.finished] == [5]
+    assert_idle(engine)
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. LLM.generate: a failed or interrupted call ends its requests; the LLM goes on
 # ------------------------------------------------------------------------------------------------

@@ -271,6 +271,9 @@ class Scheduler:
         appended and no computed count advances; blocks the step allocated are released, requests
         whose block ops may not have run are recomputed, a request that forked or dropped a
         sequence mid-step is aborted. What the output reported is reported again."""
+    def cancel_step_in_flight(self) -> bool:
+        """``cancel_step`` of whichever step is in flight (for a caller interrupted before it held
+        that step's output); False when no step is in flight."""
     def abort(self, request_id: int) -> list[FinishedSequence]:
         """Ends a request anywhere (waiting, running, swapped, mid-step); returns its sequences as
         aborted, with the tokens each generated."""

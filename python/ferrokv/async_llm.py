@@ -264,7 +264,14 @@ class AsyncLLM:
             future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         except RuntimeError:  # the pool was shut down with the engine
             raise EngineDeadError("the engine loop was shut down") from None
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            cancelling = task is not None and getattr(task, "cancelling", lambda: 0)()  # Python >= 3.11
+            if not cancelling and not self.is_running:  # the work was cancelled by shutdown, not by our caller
+                raise EngineDeadError("the engine loop was shut down") from None
+            raise
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (ValueError when it is not Unicode text: a lone surrogate)."""

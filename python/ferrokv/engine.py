@@ -34,7 +34,10 @@ release the GIL while they hold it borrowed; the step job touches no scheduler s
 ``abort_request`` and the getters (``stats()``, ``num_free_blocks``, ``kv_cache_usage``,
 ``has_unfinished_requests``) are safe from any thread and never wait for a step: an abort is
 queued and applied when the step in progress ends (before the lock is released), a getter reads
-a snapshot refreshed whenever the lock is released.
+a snapshot refreshed whenever the lock is released. An interrupt (Ctrl-C) anywhere cannot leave
+the lock held (``ferrokv.engine_lock``) or a step in flight (one between ``schedule()`` returning
+and the step holding its output is cancelled too); an engine call from inside another on the same
+thread is a ``RuntimeError``.
 Costs per step: the model forward, plus O(1) Python calls for scheduling, inputs, sampling
 metadata and ``update`` (array operations and the core: no Python per row), O(1) Python per
 streaming row, logprobs row and penalty row that joined or moved, and O(its output) once per
@@ -49,9 +52,7 @@ import dataclasses
 import functools
 import itertools
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,7 @@ from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import check_int, rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
+from ferrokv.engine_lock import EngineLock
 from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
 from ferrokv.inputs import (check_logprobs_cap, check_no_lora, prompt_cache_salt, prompt_ids, request_id_str,
                             request_ids, truncated_prompt, validate_prompt_ids)
@@ -111,15 +113,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _exclusive(method: _F) -> _F:
-    """Runs an ``LLMEngine`` method holding the engine lock (released by ``_release``)."""
+    """Runs an ``LLMEngine`` method holding the engine lock (``ferrokv.engine_lock``)."""
 
     @functools.wraps(method)
     def locked(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
-        self._lock.acquire()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._release()
+        return self._guard.call(method.__name__, functools.partial(method, self, *args, **kwargs))
 
     return locked  # type: ignore[return-value]
 
@@ -165,10 +163,8 @@ class LLMEngine:
         self._beams_done: list[RequestState] = []
         self.peak_used_blocks = 0
         # Threads (module docs): the lock guards the scheduler; aborts from any thread queue in
-        # the inbox; the snapshot serves getters while another thread holds the lock.
-        self._lock = threading.Lock()
-        self._abort_inbox: deque[str] = deque()
-        self._aborted_outputs: list[RequestOutput] = []
+        # its inbox; the snapshot serves getters while another thread holds the lock.
+        self._guard = EngineLock(self._before_release, self._report_abort)
         self.on_abort: Callable[[RequestOutput], None] | None = None
         """Called with the final output (``finish_reason`` "abort") of each request that
         ``abort_request`` or a failed step ended, from the thread that applied it, after the
@@ -306,12 +302,11 @@ class LLMEngine:
         report no more outputs (``on_abort`` aside). Safe from any thread: applied at once when no
         step is in progress, else when the step in progress ends; ``wait``: waits for that, so the
         aborts are applied, and ``on_abort`` called, on this thread before it returns."""
-        self._abort_inbox.extend(request_ids(request_id))  # all checked before any is queued
+        self._guard.abort_inbox.extend(request_ids(request_id))  # all checked before any is queued
         if wait:
-            self._lock.acquire()
-            self._release()
+            self._guard.sync(wait=True)
         else:
-            self._drain_aborts()
+            self._guard.drain()
 
     @_exclusive
     def reset_prefix_cache(self) -> bool:
@@ -335,15 +330,13 @@ class LLMEngine:
         """The scheduler's counters: live when no other thread holds the engine, else the
         snapshot taken when the lock was last released (refreshed at the end of the current step)."""
         self._stats_wanted = True
-        if self._lock.acquire(blocking=False):
-            self._release()
+        self._guard.sync(wait=False)
         return dict(self._stats)
 
     @property
     def num_free_blocks(self) -> int:
         """Free KV blocks (cached prefix blocks count as free); a snapshot while a step runs."""
-        if self._lock.acquire(blocking=False):
-            self._release()
+        self._guard.sync(wait=False)
         return self._num_free_blocks
 
     @property
@@ -353,42 +346,32 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------
     # The engine lock (module docs, "Threads")
-    def _release(self) -> None:
-        """Releases the engine lock, first applying queued aborts and refreshing the getters'
-        snapshot; then reports aborted requests and drains aborts queued meanwhile."""
-        try:
-            self._apply_aborts()
-            self._num_free_blocks = self.scheduler.num_free_blocks
-            if self._stats_wanted:
-                self._stats_wanted = False
-                self._stats = self.scheduler.stats()
-        finally:
-            aborted, self._aborted_outputs = self._aborted_outputs, []
-            self._lock.release()
-        if self.on_abort is not None:
-            for o in aborted:
-                self.on_abort(o)
-        self._drain_aborts()
+    def _before_release(self) -> None:
+        """Applies queued aborts and refreshes the getters' snapshot (lock held)."""
+        self._apply_aborts()
+        self._num_free_blocks = self.scheduler.num_free_blocks
+        if self._stats_wanted:
+            self._stats_wanted = False
+            self._stats = self.scheduler.stats()
 
-    def _drain_aborts(self) -> None:
-        # Whoever queued an abort tries the lock; if another thread holds it, that thread sees the
-        # abort in _release (queued before this failed try, so before that release).
-        if self._abort_inbox and self._lock.acquire(blocking=False):
-            self._release()
+    def _report_abort(self, output: RequestOutput) -> None:
+        if self.on_abort is not None:
+            self.on_abort(output)
 
     def _apply_aborts(self) -> None:
-        if self._abort_inbox and self._pending is not None:
+        inbox = self._guard.abort_inbox
+        if inbox and self._pending is not None:
             # The pending step's text is made first, as a serial engine made it before the abort
             # (the final output has it); its outputs of aborted requests are dropped below.
             p, self._pending = self._pending, None
             self._unreturned += self._finish_pending(p)
         aborted = set()
-        while self._abort_inbox:
-            name = self._abort_inbox.popleft()
+        while inbox:
+            name = inbox.popleft()
             core_id = self._by_name.get(name)
             if core_id is not None:
                 self._abort_now(self._requests[core_id])
-                aborted.add(name)
+            aborted.add(name)  # finished ones too: their outputs kept from a failed step() are not handed out
         if aborted and self._unreturned:  # as in vLLM, an aborted request reports nothing more
             self._unreturned = [o for o in self._unreturned if o.request_id not in aborted]
 
@@ -400,7 +383,7 @@ class LLMEngine:
             ended = []  # ended by the scheduler already (a capacity abort, a cancelled reshaped step)
         self._finish(req)
         if self.on_abort is not None:
-            self._aborted_outputs.append(aborted_output(req, ended, self._times_of))
+            self._guard.aborted.append(aborted_output(req, ended, self._times_of))
 
     # ------------------------------------------------------------------------------------------
     @_exclusive
@@ -414,14 +397,13 @@ class LLMEngine:
         exception is re-raised."""
         prof = self.profile
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        prev, self._pending = self._pending, None
-        self.peak_used_blocks = max(self.peak_used_blocks, self.scheduler.num_blocks - 1 - self.scheduler.num_free_blocks)
-        undo = _StepUndo()
-        job = None
-        outputs, self._unreturned = self._unreturned, []
-        prev_done = prev is None
+        prev, out, job, undo = self._pending, None, None, _StepUndo()
+        outputs: list[RequestOutput] = []
+        finishing_prev = False
+        # Nothing changes before the try: an interrupt anywhere leaves the engine recoverable.
         try:
+            out = self.scheduler.schedule()
+            self.peak_used_blocks = max(self.peak_used_blocks, self._num_blocks - 1 - self.scheduler.num_free_blocks)
             t1 = time.perf_counter()
             md = self.step_sampler.metadata(out, prompt_of_row(self._requests, out), self.scheduler.output_tokens)
             plp = prompt_logprobs.plan(out, self._requests, self._plp_wanted.ids()) if self._plp_wanted else None
@@ -430,8 +412,9 @@ class LLMEngine:
             t2 = time.perf_counter()
             job = self.worker.submit(functools.partial(self._forward_and_sample, inputs, md, out.num_rows, plp, grammar))
             if prev is not None:
-                outputs += self._finish_step(prev)  # overlapped with the forward pass
-                prev_done = True
+                finishing_prev = True
+                outputs = self._finish_step(prev)  # overlapped with the forward pass
+                self._pending, finishing_prev = None, False
             t3 = time.perf_counter()
             logits, tokens, plp_result = job.wait()
             t4 = time.perf_counter()
@@ -445,13 +428,7 @@ class LLMEngine:
                 plp.apply(plp_result, self._decode_token)
                 self._plp_wanted.drop_complete()
         except BaseException:
-            if job is not None:
-                job.join()
-            self._cancel_step(out, undo)
-            if prev_done:
-                self._unreturned = outputs  # made already: the next step() returns them
-            else:
-                self._abort_step_requests(prev.out)
+            self._fail_step(out, job, undo, prev if finishing_prev else None, outputs)
             raise
         t5 = time.perf_counter()
         pending = _Pending(out, sampled, row_lp)
@@ -460,10 +437,32 @@ class LLMEngine:
         else:
             # Serial, or an empty step (no forward pass to overlap with; nothing is left pending,
             # so an idle engine reports no unfinished work).
-            outputs += self._finish_pending(pending)
+            try:
+                outputs += self._finish_pending(pending)
+            except BaseException:
+                self._unreturned += outputs
+                raise
         if prof is not None:
             prof.add(out.num_rows, t0, t1, t2, t3, t4, t5, time.perf_counter())
+        outputs, self._unreturned = self._unreturned + outputs, []
         return outputs
+
+    def _fail_step(self, out: Any, job: Any, undo: _StepUndo, half_made: _Pending | None,
+                   made: list[RequestOutput]) -> None:
+        """Undoes a step that raised: waits for its job, cancels it (also one whose output the
+        interrupt kept from us: ``schedule()`` had returned), aborts the requests of a previous
+        step whose text and outputs were half made, and keeps the outputs made for the next
+        ``step()``; a previous step not yet begun stays pending."""
+        if job is not None:
+            job.join()
+        if out is None:
+            self.scheduler.cancel_step_in_flight()
+        else:
+            self._cancel_step(out, undo)
+        if half_made is not None:
+            self._pending = None
+            self._abort_step_requests(half_made.out)
+        self._unreturned += made
 
     def _forward_and_sample(self, inputs: Any, md: Any, num_rows: int, plp: PromptLogprobsPlan | None,
                             grammar: GrammarStep | None) -> tuple[torch.Tensor | None, Any, Any]:

@@ -314,6 +314,18 @@ impl PyScheduler {
         py.detach(|| inner.cancel_step(step_id)).map_err(to_py_err)
     }
 
+    /// Cancels the step in flight, whichever it is (`cancel_step` without its output: for a
+    /// caller interrupted between `schedule` returning and holding the output); False if none.
+    fn cancel_step_in_flight(&mut self, py: Python<'_>) -> PyResult<bool> {
+        let Some(step_id) = self.inner.step_in_flight_id() else {
+            return Ok(false);
+        };
+        self.flush_deferred(py);
+        let inner = &mut self.inner;
+        py.detach(|| inner.cancel_step(step_id)).map_err(to_py_err)?;
+        Ok(true)
+    }
+
     /// Ends a request anywhere; returns its sequences as aborted, with what they generated.
     fn abort(&mut self, py: Python<'_>, request_id: i64) -> PyResult<Vec<PyFinishedSequence>> {
         let id = non_negative("request_id", request_id)?;

@@ -275,6 +275,12 @@ impl Scheduler {
         self.running.partition_point(|&s| self.req(s).order_key() < key)
     }
 
+    /// The id of the step between `schedule` and `update` (or `cancel_step`), if any: a caller
+    /// interrupted before it held the step's output still finds the step to cancel.
+    pub fn step_in_flight_id(&self) -> Option<u64> {
+        self.in_flight.as_ref().map(|fl| fl.step_id)
+    }
+
     /// The step in flight, if `step_id` names it (for `update` and `cancel_step`).
     fn step_in_flight(&self, call: &str, step_id: u64) -> CoreResult<&InFlight> {
         let Some(fl) = self.in_flight.as_ref() else {
@@ -367,6 +373,19 @@ mod tests {
         let (b, _) = step(&mut s, 1);
         let (c, _) = step(&mut s, 1);
         assert_eq!((b.step_id, c.step_id), (a.step_id + 1, a.step_id + 2));
+    }
+
+    #[test]
+    fn the_step_in_flight_is_known_without_its_output_and_cancels_by_its_id() {
+        let mut s = with_requests(cfg(8, 4, 16), [req(1, 3, 4)]);
+        assert_eq!(s.step_in_flight_id(), None);
+        let o = s.schedule().unwrap();
+        assert_eq!(s.step_in_flight_id(), Some(o.step_id));
+        s.cancel_step(s.step_in_flight_id().unwrap()).unwrap();
+        assert_eq!((s.step_in_flight_id(), s.stats().cancelled_steps), (None, 1));
+        let (again, _) = step(&mut s, 1);
+        assert_eq!(again.step_id, o.step_id + 1);
+        assert_eq!(s.step_in_flight_id(), None);
     }
 
     #[test]
