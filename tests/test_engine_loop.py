@@ -385,7 +385,8 @@ def test_a_retry_under_a_given_up_id_waits_for_the_old_request_and_gets_only_its
         loop.submit("same", prompt, greedy(5), sink=last)
     finally:
         engine._before_release()  # applies the queued aborts on this thread: their outputs go through the inbox
-        engine._guard._unlock()
+        engine._guard._lock.release()
+        engine._guard._after_release(released=True)
 
     def items(sink):
         got = [sink.get(timeout=60)]
@@ -437,7 +438,8 @@ def test_retries_given_up_in_turn_behind_a_held_engine_lock_each_end_with_their_
         time.sleep(0.3)  # the loop takes the commands while the lock is held
     finally:
         engine._before_release()
-        engine._guard._unlock()
+        engine._guard._lock.release()
+        engine._guard._after_release(released=True)
     finals = {}
     for name, sink in sinks.items():
         item = sink.get(timeout=60)

@@ -6,7 +6,8 @@ refresh the getters' snapshot) while still holding the lock, then hands the abor
 outputs to ``report`` one at a time, then applies aborts queued meanwhile if the lock is free.
 An interrupt (Ctrl-C) anywhere cannot leave the lock held: it is reentrant only so that a
 release frees whatever this thread holds (the lock knows its owner) rather than what the thread
-recorded taking, which an interrupt between taking it and recording it would lose. A call from
+recorded taking, which an interrupt between taking it and recording it would lose; and the
+release runs first thing in a ``finally``, before any Python call where a signal is checked. A call from
 inside another on the same thread is a ``RuntimeError`` (it would run in the middle of a step).
 An interrupted report leaves the rest queued for the next release.
 Costs: O(1) per call, plus the queued aborts and reports.
@@ -44,7 +45,15 @@ class EngineLock:
             finally:
                 self._before_release()
         finally:
-            self._unlock()
+            # Inline, not in a helper: Python checks for signals as a function starts, and an
+            # interrupt there would skip the release.
+            released = False
+            try:
+                self._lock.release()
+                released = True
+            except RuntimeError:  # not taken: interrupted first
+                pass
+            self._after_release(released)
 
     def sync(self, wait: bool) -> None:
         """Takes the lock for nothing (``wait``: for it to be free; else only if it is), so that
@@ -56,7 +65,13 @@ class EngineLock:
             if self._lock.acquire(blocking=wait):
                 self._before_release()
         finally:
-            self._unlock()
+            released = False  # as in call()
+            try:
+                self._lock.release()
+                released = True
+            except RuntimeError:  # not taken: busy (its holder applies the aborts), or interrupted first
+                pass
+            self._after_release(released)
 
     def drain(self) -> None:
         """Applies queued aborts unless another thread holds the lock: that thread sees them as
@@ -64,12 +79,9 @@ class EngineLock:
         if self.abort_inbox:
             self.sync(wait=False)
 
-    def _unlock(self) -> None:
-        try:
-            self._lock.release()
-            released = True
-        except RuntimeError:  # not taken: busy (its holder applies the aborts), or interrupted first
-            released = False
+    def _after_release(self, released: bool) -> None:
+        """Reports aborted requests, then (if this call released the lock) applies aborts queued
+        meanwhile."""
         while self.aborted:
             self._report(self.aborted.popleft())
         if released:
