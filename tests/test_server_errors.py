@@ -512,6 +512,8 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--allow-credentials=1"], ["--allow-credentials"]),
     (["--trust-request-chat-template=1"], ["--trust-request-chat-template"]),
     (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser", "hermes"]),
+    (["--chat-template", "/no/such/template.jinja"], ["--chat-template", "/no/such/template.jinja"]),
+    (["--chat-template-content-format", "parts"], ["--chat-template-content-format", "'parts'"]),
     (["--tool-call-parser", "mistral"], ["--tool-call-parser", "'mistral'"]),
     (["--model", "/some/other/model"], ["model", "/some/other/model"]),
     (["--block-size", "24"], ["block_size", "24"]),
@@ -674,6 +676,26 @@ def test_completions_honour_add_special_tokens(tiny_model_dir, tmp_path):
         assert got == {None: plain + 1, True: plain + 1, False: plain}
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("as_file", [True, False], ids=["file", "inline"])
+def test_a_server_chat_template_replaces_the_tokenizers(tiny_model_dir, tmp_path, as_file):
+    """vLLM's --chat-template (a file or the template itself) renders every chat; the content
+    format follows what it reads (here OpenAI's text parts, found by "auto")."""
+    from helpers.tiny_tokenizer import tiny_tokenizer
+
+    template = ("{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"
+                "{% endfor %}")
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    with serve(tiny_model_dir("llama-serve"), "--chat-template", str(path) if as_file else template) as s:
+        body = {"messages": [{"role": "user", "content": "Hi there"}], "add_generation_prompt": False}
+        for endpoint in ("/tokenize", "/v1/chat/completions"):
+            r = httpx.post(s.url + endpoint, json={**body, "max_tokens": 1} if "chat" in endpoint else body,
+                           timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+        tokens = httpx.post(s.url + "/tokenize", json=body, timeout=TIMEOUT).json()["tokens"]
+        assert tokens == tiny_tokenizer()("<user>Hi there", add_special_tokens=False)["input_ids"]
 
 
 def test_served_model_aliases_are_accepted_and_listed_as_vllms(llama_path):

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ferrokv import __version__
+from ferrokv.chat_content_format import CONTENT_FORMATS
 from ferrokv.checks import check_text
 from ferrokv.engine_args import EngineArgs, engine_arg_help, help_with_default
 from ferrokv.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -273,6 +274,13 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent in a request (default: off, such requests get 400: a "
                         "template is code the server runs)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the Jinja chat template chats use instead of the tokenizer's: a file, or the template "
+                        "itself (default: the tokenizer's)")
+    g.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default=d.chat_template_content_format,
+                   help=help_with_default("how the template reads a message's content: one string, a list of "
+                                          "OpenAI text parts, or auto (what the template reads)",
+                                          d.chat_template_content_format))
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto": the model\'s tool calls are read from its text with '
                         "--tool-call-parser (default: off, such requests get 400)")
@@ -280,6 +288,19 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="the format the model writes tool calls in, for --enable-auto-tool-choice (hermes: "
                         "<tool_call>{...}</tool_call>, as Hermes, Qwen2.5 and Qwen3 models) (default: none)")
     _engine_flags(p)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself when it is one (vLLM's rule)."""
+    from pathlib import Path
+
+    if value is None or any(c in value for c in "{}\n"):
+        return value
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {value!r}: not a readable template file ({e}); give a Jinja file or "
+                         "the template itself") from None
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -318,6 +339,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_CALL_PARSERS)})")
+    chat_template = _chat_template(args.chat_template)
     _check_listen(args.host, args.port)
     api_key = args.api_key if args.api_key is not None else os.environ.get("FERROKV_API_KEY") or None
     if api_key is not None and (not api_key or not api_key.isprintable()):
@@ -336,7 +358,8 @@ def _serve(args: argparse.Namespace) -> int:
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                           trust_request_chat_template=args.trust_request_chat_template,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                          chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
     return run_server(AsyncLLM.from_engine_args(engine_args), config)
 
 

@@ -166,9 +166,11 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     state_box: dict[str, ServerState] = {}
     metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight)
     state = ServerState(async_llm, metrics, (config.served_model_name, *config.served_model_aliases),
-                        config.max_waiting_requests,
-                        config.log_prompts, config.trust_request_chat_template,
-                        config.tool_call_parser if config.enable_auto_tool_choice else None)
+                        config.max_waiting_requests, config.log_prompts,
+                        trust_request_chat_template=config.trust_request_chat_template,
+                        tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+                        chat_template=config.chat_template,
+                        chat_template_content_format=config.chat_template_content_format)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ferrokv = state
@@ -242,10 +244,10 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(request: Request) -> Any:
         req = parse_tokenize_request(await _json(request))
         state.check_model(req.model)
-        state.check_chat_template(req.template)
+        template = state.template_for(req.template) if req.messages is not None else {}
         try:
             if req.messages is not None:
-                ids = await llm.encode_chat(req.messages, req.add_generation_prompt, **req.template)
+                ids = await llm.encode_chat(req.messages, req.add_generation_prompt, **template)
             else:
                 ids = await llm.encode(req.prompt, req.add_special_tokens)
         except ValueError as e:  # a chat error names its field first (messages, chat_template, ...)

@@ -24,7 +24,9 @@ class ServerConfig:
     ``trust_request_chat_template``: whether a request's own ``chat_template`` is rendered (vLLM's
     flag; off, such a request is a 400: a Jinja template is code, one could loop or fill memory).
     ``enable_auto_tool_choice`` and ``tool_call_parser``: ``tool_choice: "auto"`` is served, the
-    model's calls read in that format (vLLM's flags; one needs the other)."""
+    model's calls read in that format (vLLM's flags; one needs the other). ``chat_template``: the
+    Jinja template chats use instead of the tokenizer's (vLLM's ``--chat-template``, its text);
+    ``chat_template_content_format``: how it reads a message's content (``ferrokv.chat_content_format``)."""
 
     served_model_name: str = DEFAULT_MODEL_NAME
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (vLLM's later --served-model-name values)
@@ -42,3 +44,5 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"

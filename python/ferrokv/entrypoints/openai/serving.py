@@ -55,6 +55,8 @@ class ServerState:
     max_waiting_requests: int
     log_prompts: bool
     trust_request_chat_template: bool = False  # ServerConfig's
+    chat_template: str | None = None  # ServerConfig's: the template chats use unless a request gives one
+    chat_template_content_format: str = "auto"  # ServerConfig's
     tool_call_parser: str | None = None  # ServerConfig's, when enable_auto_tool_choice is on
     draining: bool = False
     http_in_flight: int = 0  # generation requests being served (the drain waits for 0)
@@ -77,6 +79,16 @@ class ServerState:
             if value is not None:
                 raise OpenAIError(400, f"{name}: a chat template sent with the request is refused: this server was "
                                        "not started with --trust-request-chat-template", name)
+
+    def template_for(self, template: Mapping[str, Any]) -> dict[str, Any]:
+        """``chat_token_ids``' keywords for a request's template fields (checked by
+        ``check_chat_template``): the server's ``--chat-template`` unless the request gives its
+        own, and the server's content format."""
+        self.check_chat_template(template)
+        out = dict(template, content_format=self.chat_template_content_format)
+        if out.get("chat_template") is None:
+            out["chat_template"] = self.chat_template
+        return out
 
     def admit(self, num_requests: int) -> None:
         if self.draining or not self.llm.is_running:

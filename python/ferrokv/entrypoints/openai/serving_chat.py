@@ -116,7 +116,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     req = parse_chat_request(body, defaults=state.llm.default_sampling_params,
                              max_logprobs=state.llm.engine.args.max_logprobs, tool_call_parser=state.tool_call_parser)
     model = state.check_model(req.model)
-    state.check_chat_template(req.template)
+    template = state.template_for(req.template)
     state.admit(1)
     call = _Chat(req, model, int(time.time()))  # OpenAI's created: when this completion was made
     rid = call.head["id"]
@@ -125,7 +125,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
 
     async def prompt_then_generate() -> Any:
         # The template runs inside the generator, so its errors surface in Generation.start.
-        ids = await state.llm.encode_chat(req.messages, req.add_generation_prompt, **req.template)
+        ids = await state.llm.encode_chat(req.messages, req.add_generation_prompt, **template)
         stream = generate_checked(state.llm, {"prompt_token_ids": ids}, req.params, rid, "messages",
                                   priority=req.priority, cache_salt=req.cache_salt)
         async with contextlib.aclosing(stream):  # closed at once when this one is (the abort)
