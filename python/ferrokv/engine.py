@@ -131,8 +131,7 @@ class LLMEngine:
         self.model_path: Path = parts.model_path
         self.device, self.dtype = parts.device, parts.dtype
         self.model = parts.model
-        self.model_config = ModelConfigView(self)  # vLLM's llm_engine.model_config and cache_config
-        self.cache_config = CacheConfigView(self)
+        self.model_config, self.cache_config = ModelConfigView(self), CacheConfigView(self)  # vLLM's llm_engine.*
         self.tokenizer = parts.tokenizer
         self.vocab_size = parts.vocab_size
         self.eos_token_ids = parts.eos_token_ids

@@ -7,8 +7,8 @@ outputs to ``report`` one at a time, then applies aborts queued meanwhile if the
 An interrupt (Ctrl-C) anywhere cannot leave the lock held: it is reentrant only so that a
 release frees whatever this thread holds (the lock knows its owner) rather than what the thread
 recorded taking, which an interrupt between taking it and recording it would lose; and the
-release runs first thing in a ``finally``, before any Python call where a signal is checked. A call from
-inside another on the same thread is a ``RuntimeError`` (it would run in the middle of a step).
+release runs first thing in a ``finally``, before any Python call where a signal is checked.
+A call from inside another on the same thread is a ``RuntimeError`` (it would run mid-step).
 An interrupted report leaves the rest queued for the next release.
 Costs: O(1) per call, plus the queued aborts and reports.
 """
@@ -38,34 +38,27 @@ class EngineLock:
         if self._lock._is_owned():  # type: ignore[attr-defined]
             raise RuntimeError(f"LLMEngine.{name}() was called from inside another engine call on the same "
                                "thread (a callback or hook): call it after that one returns")
-        try:
-            self._lock.acquire()
-            try:
-                return fn()
-            finally:
-                self._before_release()
-        finally:
-            # Inline, not in a helper: Python checks for signals as a function starts, and an
-            # interrupt there would skip the release.
-            released = False
-            try:
-                self._lock.release()
-                released = True
-            except RuntimeError:  # not taken: interrupted first
-                pass
-            self._after_release(released)
+        return self._locked(fn, wait=True)  # type: ignore[return-value]
 
     def sync(self, wait: bool) -> None:
         """Takes the lock for nothing (``wait``: for it to be free; else only if it is), so that
         queued aborts are applied, the snapshot refreshed and aborted requests reported. Inside a
         call on this thread, that call's release does it."""
-        if self._lock._is_owned():  # type: ignore[attr-defined]
-            return
+        if not self._lock._is_owned():  # type: ignore[attr-defined]
+            self._locked(None, wait)
+
+    def _locked(self, fn: Callable[[], _T] | None, wait: bool) -> _T | None:
         try:
             if self._lock.acquire(blocking=wait):
-                self._before_release()
+                try:
+                    return fn() if fn is not None else None
+                finally:
+                    self._before_release()
+            return None
         finally:
-            released = False  # as in call()
+            # Inline, not in a helper: Python checks for signals as a function starts, and an
+            # interrupt there would skip the release.
+            released = False
             try:
                 self._lock.release()
                 released = True
