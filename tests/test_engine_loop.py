@@ -158,6 +158,52 @@ def test_engine_stepped_by_one_thread_and_aborted_by_another(llama_path, overlap
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("where", ["report", "wake"])
+def test_an_interrupt_in_a_thread_that_aborted_a_loops_request_loses_no_report(llama_path, where):
+    """The main thread aborts a request of the loop through ``LLMEngine.abort_request`` and is
+    interrupted (Ctrl-C) right after the abort was applied: as it would hand the report over, or
+    as it wakes the loop. The report is the loop's own to hand out, so the request's caller still
+    gets its terminal output, and nothing is left behind."""
+    llm = tiny_llm(llama_path)
+    engine, guard = llm.llm_engine, llm.llm_engine._guard
+    main = threading.get_ident()
+    received: queue.SimpleQueue = queue.SimpleQueue()
+    delivering, go_on = threading.Event(), threading.Event()
+
+    class Sink:  # holds the loop in its first delivery: out of the engine lock, so this thread applies the abort
+        def put(self, item) -> None:
+            delivering.set()
+            assert go_on.wait(timeout=60)
+            received.put(item)
+
+    llm.engine_loop.submit("a", rand_prompts(35, [9])[0], greedy(200), sink=Sink())
+    assert delivering.wait(timeout=60)
+
+    def interrupted_on_main(fn):
+        def call(*args):
+            if threading.get_ident() == main:
+                raise KeyboardInterrupt
+            return fn(*args)
+        return call
+
+    if where == "report":
+        guard._report = interrupted_on_main(guard._report)
+    else:
+        guard._wake = interrupted_on_main(lambda: None)  # the wake is lost: the loop looks again itself
+    try:
+        engine.abort_request("a", wait=True)
+    except KeyboardInterrupt:
+        pass
+    assert engine.get_num_unfinished_requests() == 0  # applied here
+    go_on.set()
+    while not (item := received.get(timeout=60)).finished:
+        pass
+    assert item.output.outputs[0].finish_reason == "abort"
+    llm.engine_loop.submit("b", rand_prompts(36, [5])[0], greedy(1), sink=received)  # the loop serves on
+    assert received.get(timeout=60).output.finished
+    assert_idle(engine)
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. getters polled from another thread never raise
 # ------------------------------------------------------------------------------------------------

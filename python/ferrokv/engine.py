@@ -65,13 +65,13 @@ from ferrokv._core import SchedulerStateError, UnknownRequestError
 from ferrokv.beam_engine import advance, beam_output, beam_request, beam_seq_slots, check_beam_width
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.beam_search_params import BeamSearchParams
-from ferrokv.checks import check_int, rename_field
+from ferrokv.checks import rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_lock import EngineLock
 from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
-from ferrokv.inputs import (check_logprobs_cap, check_no_lora, prompt_cache_salt, prompt_ids, request_id_str,
-                            request_ids, truncated_prompt, validate_prompt_ids)
+from ferrokv.inputs import (check_logprobs_cap, check_no_lora, check_priority, prompt_cache_salt, prompt_ids,
+                            request_id_str, request_ids, truncated_prompt, validate_prompt_ids)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -88,9 +88,6 @@ from ferrokv.sampling_params import SamplingParams
 from ferrokv.text import make_text_layer
 
 logger = logging.getLogger("ferrokv")
-
-# The core takes a request's priority as a 32-bit signed int.
-_PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
 
 
 @dataclass(slots=True)
@@ -165,9 +162,8 @@ class LLMEngine:
         # its inbox; the snapshot serves getters while another thread holds the lock.
         self._guard = EngineLock(self._before_release, self._report_abort)
         self.on_abort: Callable[[RequestOutput], None] | None = None
-        """Called with the final output (``finish_reason`` "abort") of each request that
-        ``abort_request`` or a failed step ended, from the thread that applied it, after the
-        engine lock is released (``EngineLoop`` routes them). None: aborted requests report nothing."""
+        """Called with the final output of each request ``abort_request`` or a failed step ended, once
+        the engine lock is released, on the thread that applied it or ``report_aborts_here``'s."""
         self._stats: dict[str, int] = self.scheduler.stats()
         self._stats_wanted = False
         self._num_free_blocks: int = self.scheduler.num_free_blocks
@@ -249,10 +245,7 @@ class LLMEngine:
     def _submit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                 max_tokens: int, priority: int, cache_salt: str | None, beam: BeamSearchState | None,
                 grammar: CompiledGrammar | None = None) -> None:
-        check_int("priority", priority, _PRIORITY_MIN, _PRIORITY_MAX)
-        if priority != 0 and self.args.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
-                             f"(the engine runs {self.args.scheduling_policy!r})")  # as vLLM refuses it
+        check_priority(priority, self.args.scheduling_policy)
         core_id = next(self._next_core_id)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         # An id outside the vocabulary is never sampled: it cannot stop anything.
@@ -306,6 +299,14 @@ class LLMEngine:
             self._guard.sync(wait=True)
         else:
             self._guard.drain()
+
+    def report_aborts_here(self, wake: Callable[[], None] | None) -> None:
+        """Only this thread calls ``on_abort`` now (one no Ctrl-C reaches), in ``report_aborts()``,
+        which ``wake`` asks for; None: any thread again (``ferrokv.engine_lock``)."""
+        self._guard.report_here(wake)
+
+    def report_aborts(self) -> None:
+        self._guard.report_queued()
 
     @_exclusive
     def reset_prefix_cache(self) -> bool:

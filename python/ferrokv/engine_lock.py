@@ -10,6 +10,10 @@ recorded taking, which an interrupt between taking it and recording it would los
 release runs first thing in a ``finally``, before any Python call where a signal is checked.
 A call from inside another on the same thread is a ``RuntimeError`` (it would run mid-step).
 An interrupted report leaves the rest queued for the next release.
+Reports can be confined to one thread (``report_here``): one no ``KeyboardInterrupt`` reaches
+(not the main thread), so that none is lost between being taken from the queue and handed to
+``report``; another thread that applies aborts then leaves their reports queued and calls the
+reporter's ``wake``, and the reporter hands them out (``report_queued``).
 Costs: O(1) per call, plus the queued aborts and reports.
 """
 
@@ -32,6 +36,19 @@ class EngineLock:
         self._report = report
         self.abort_inbox: deque[str] = deque()  # request ids to abort, from any thread
         self.aborted: deque[Any] = deque()  # final outputs of aborted requests, to report
+        self._reporter: int | None = None  # the one thread that reports, if set (its ident)
+        self._wake: Callable[[], None] | None = None  # tells the reporter that reports are queued
+
+    def report_here(self, wake: Callable[[], None] | None) -> None:
+        """Makes the calling thread the only one that reports, told by ``wake`` that reports are
+        queued (module docs); ``None``: any thread reports again."""
+        self._reporter, self._wake = (None, None) if wake is None else (threading.get_ident(), wake)
+
+    def report_queued(self) -> None:
+        """Hands out the queued reports, if this thread may."""
+        if self._reporter is None or self._reporter == threading.get_ident():
+            while self.aborted:
+                self._report(self.aborted.popleft())
 
     def call(self, name: str, fn: Callable[[], _T]) -> _T:
         """``fn()`` holding the lock (waiting for it); ``name`` is what an error calls it."""
@@ -73,9 +90,11 @@ class EngineLock:
             self.sync(wait=False)
 
     def _after_release(self, released: bool) -> None:
-        """Reports aborted requests, then (if this call released the lock) applies aborts queued
-        meanwhile."""
-        while self.aborted:
-            self._report(self.aborted.popleft())
+        """Reports aborted requests (or wakes the reporter), then (if this call released the
+        lock) applies aborts queued meanwhile."""
+        self.report_queued()
+        wake = self._wake
+        if self.aborted and wake is not None:
+            wake()
         if released:
             self.drain()

@@ -22,8 +22,7 @@ Interface (every method is safe from any thread):
 * ``shutdown()`` ends the loop, and with it every request still in it; idempotent.
 
 A sink is anything with a non-blocking ``put(item: StreamItem)``: a ``queue.SimpleQueue``, or an
-asyncio adapter that calls ``loop.call_soon_threadsafe``. It is called from the loop's thread, or
-from a thread that called ``LLMEngine.abort_request`` itself (the abort is reported at once).
+asyncio adapter that calls ``loop.call_soon_threadsafe``. It is called from the loop's thread.
 A sink may also have a ``flush()``, which the loop calls after each batch of puts it made (a
 step's outputs, the commands applied before it): such a sink may hold its items until then, so
 that an asyncio adapter wakes its event loop once per step rather than once per output.
@@ -42,7 +41,8 @@ Invariants:
 * Aborts are applied between steps (at most one step's wait), on the loop's thread (it waits
   for the engine lock a getter may hold), so an abort's output is routed before any later
   request of the same id starts. ``LLMEngine.abort_request`` is safe from any thread too; its
-  aborts reach their sinks through ``LLMEngine.on_abort``.
+  aborts reach their sinks through ``LLMEngine.on_abort``, called on the loop's thread only
+  (``LLMEngine.report_aborts_here``: an interrupt in the aborting thread cannot lose one).
 * A step that raises (the engine has cancelled it) ends every request of the loop with that
   exception, so nobody waits for a request the failure left behind, and the loop goes on. An error
   in the loop itself ends every request with ``EngineDeadError`` and the loop with it.
@@ -144,6 +144,8 @@ class _Deferred:
 
 
 _SHUTDOWN = object()
+_WAKE = object()  # reports of aborts are queued in the engine (LLMEngine.report_aborts)
+_LOST_WAKE_S = 0.05
 _running: weakref.WeakSet[EngineLoop] = weakref.WeakSet()  # loops whose thread was started
 
 
@@ -315,16 +317,16 @@ class EngineLoop:
             self._claims.pop(request_id, None)
 
     def _on_abort(self, output: RequestOutput) -> None:
-        # LLMEngine.on_abort: called by whichever thread applied the abort (after the engine lock
-        # is released). The loop's own aborts are applied on its thread (abort_request(wait=True)),
-        # and their outputs routed at once, to the record of the request they belong to (queued, a
-        # later request of the same id could take its record first); others are queued,
-        # lock-free by design.
+        # LLMEngine.on_abort: called on the loop's thread only (report_aborts_here), so that no
+        # interrupt loses a report. The loop's own aborts (abort_request(wait=True)) are routed at
+        # once, to the record of the request they belong to (queued, a later request of the same
+        # id could take its record first); those reported as a step ends are queued, to follow
+        # the step's outputs.
         if self._thread is None or self._dead is not None:
             return
         if threading.current_thread() is self._thread and not self._stepping:
             self._apply(_Aborted(output))
-        else:  # another thread's; or applied as a step ended: after the step's outputs are routed
+        else:  # as a step ended: after the step's outputs are routed (or before the loop reported)
             self._inbox.put(_Aborted(output))
 
     # ------------------------------------------------------------------------------------------
@@ -334,6 +336,7 @@ class EngineLoop:
         try:
             if self._device.type == "cuda":  # CUDA's current device is per thread: the model's
                 torch.cuda.set_device(self._device)
+            self.engine.report_aborts_here(self._wake)
             while self._serve_once():
                 pass
         except BaseException as e:  # a bug in the loop: end every request rather than hang them
@@ -344,10 +347,14 @@ class EngineLoop:
     def _serve_once(self) -> bool:
         """Applies queued commands, then runs one step if anything is unfinished; False once
         the loop is to end."""
+        self.engine.report_aborts()  # of aborts another thread applied (it woke us)
         idle = not self.engine.has_unfinished_requests()
         while True:
             try:
-                command = self._inbox.get() if idle else self._inbox.get_nowait()  # idle: sleep until one comes
+                # Idle: sleep until a command comes. A request left unreported then had its abort
+                # applied by another thread, whose wake an interrupt may have lost: look again soon.
+                command = (self._inbox.get(timeout=_LOST_WAKE_S if self._records else None) if idle
+                           else self._inbox.get_nowait())
             except queue.Empty:
                 break
             idle = False
@@ -368,6 +375,9 @@ class EngineLoop:
             self._route(outputs)
             self._flush()
         return True
+
+    def _wake(self) -> None:
+        self._inbox.put(_WAKE)
 
     def _deliver(self, sink: OutputSink, item: StreamItem) -> None:
         if item.finished:
@@ -464,6 +474,7 @@ class EngineLoop:
         error.__cause__ = cause
         records, self._records = self._records, {}
         self.engine.on_abort = None
+        self.engine.report_aborts_here(None)
         try:
             self.engine.abort_request(list(records))  # first, as in _fail_all
         except BaseException:

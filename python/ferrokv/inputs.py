@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ferrokv.checks import check_text, shown
+from ferrokv.checks import check_int, check_text, shown
 
-__all__ = ["batch_prompts", "check_logprobs_cap", "check_no_lora", "check_tools", "message_text", "message_tool_fields",
-           "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "truncated_prompt", "validate_prompt_ids"]
+__all__ = ["batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority", "check_tools", "message_text",
+           "message_tool_fields", "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "truncated_prompt", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -217,6 +217,17 @@ def check_tools(tools: Any) -> None:
     """OpenAI's tool definitions for a chat template: None or a list of objects."""
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
         raise ValueError(f"tools must be a list of tool objects, got {shown(tools)}")
+
+
+# The core takes a request's priority as a 32-bit signed int.
+_PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def check_priority(priority: Any, scheduling_policy: str) -> None:
+    check_int("priority", priority, _PRIORITY_MIN, _PRIORITY_MAX)
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
+                         f"(the engine runs {scheduling_policy!r})")  # as vLLM refuses it
 
 
 def check_logprobs_cap(logprobs: int | None, prompt_logprobs: int | None, max_logprobs: int, vocab_size: int) -> None:
