@@ -114,6 +114,15 @@ def test_validation_names_field_and_value(field, value):
     assert repr(shown) in msg, msg
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty", "logit_bias"])
+def test_an_int_too_large_for_a_float_is_a_value_error_naming_the_field(field):
+    """10**400 is a valid int (and valid JSON) that no float holds: a ValueError, not an OverflowError."""
+    value = {5: 10 ** 400} if field == "logit_bias" else -10 ** 400
+    with pytest.raises(ValueError, match=rf"^{field}(\[5\])? must be a finite number, got -?1000"):
+        SamplingParams(**{field: value})
+
+
 def test_min_tokens_above_max_tokens():
     with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\), got 5"):
         SamplingParams(max_tokens=4, min_tokens=5)

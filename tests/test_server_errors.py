@@ -127,6 +127,10 @@ BAD_PARAMS = [
     (_CH, "temperature", -0.5, "-0.5"),
     (_C, "logit_bias", {"abc": 1}, "abc"),
     (_C, "logit_bias", {"5": "x"}, "x"),
+    (_C, "logit_bias", {"5": 10 ** 400}, "1000"),  # valid JSON, too large for a float
+    (_C, "temperature", 10 ** 400, "1000"),
+    (_CH, "presence_penalty", -10 ** 400, "-1000"),
+    (_CH, "top_p", 10 ** 400, "1000"),
     (_C, "logit_bias", {str(10 ** 9): 1}, str(10 ** 9)),  # outside the vocabulary (the engine's check)
     (_CH, "response_format", {"type": "xml"}, "xml"),
     (_CH, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "None"),

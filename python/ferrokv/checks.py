@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 __all__ = [
-    "DeviceMismatchError", "check_finite", "check_int", "check_same_device", "check_text", "rename_field", "shown",
+    "DeviceMismatchError", "as_float", "check_finite", "check_int", "check_same_device", "check_text", "rename_field", "shown",
 ]
 
 _SHOWN = 60  # characters of a bad value quoted in a message
@@ -48,15 +48,27 @@ def check_int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {shown(value)}")
     if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {shown(value)}")
     return int(value)
+
+
+def as_float(name: str, value: Any) -> float:
+    """``value`` must be a real number (not a bool) that a float holds (an int too large for one,
+    e.g. 10**400, is an error, not an ``OverflowError``); returned as a float, maybe infinite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {shown(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got {shown(value)}") from None
 
 
 def check_finite(name: str, value: Any) -> float:
     """``value`` must be a finite real number (not a bool); returned as a float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    f = as_float(name, value)
+    if not math.isfinite(f):
         raise ValueError(f"{name} must be a finite number, got {shown(value)}")
-    return float(value)
+    return f
 
 
 def rename_field(e: BaseException, old: str, new: str, old_value: str | None = None,

@@ -51,7 +51,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferrokv.checks import check_text, shown
+from ferrokv.checks import as_float, check_finite, check_text, shown
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.structured_outputs import StructuredOutputsParams  # stdlib-only at import
 
@@ -75,10 +75,6 @@ def _is_list_like(x: object) -> bool:
     """A list, tuple or other iterable of items; not text, bytes or a mapping (whose iteration
     would quietly read characters or keys as items)."""
     return isinstance(x, Iterable) and not isinstance(x, (str, bytes, bytearray, Mapping))
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass(slots=True)
@@ -248,9 +244,7 @@ class SamplingParams:
             for tok, value in self.logit_bias.items():
                 if not _is_int(tok) or tok < 0:
                     raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
-                if not _is_real(value) or not math.isfinite(value):
-                    raise ValueError(f"logit_bias[{tok}] must be a finite number, got {value!r}")
-                bias[int(tok)] = float(value)
+                bias[int(tok)] = check_finite(f"logit_bias[{tok}]", value)
             self.logit_bias = bias
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
@@ -281,10 +275,7 @@ class SamplingParams:
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {so!r}")
 
     def _check_real(self, name: str) -> None:
-        value = getattr(self, name)
-        if not _is_real(value):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        setattr(self, name, float(value))
+        setattr(self, name, as_float(name, getattr(self, name)))
 
     @property
     def is_greedy(self) -> bool:

@@ -203,9 +203,13 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     for key, bias in value.items():
         if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key):
             raise bad("logit_bias", f"logit_bias keys must be token ids (integers >= 0, as strings), got {shown(key)}")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+        try:
+            b = float(bias) if isinstance(bias, (int, float)) and not isinstance(bias, bool) else math.nan
+        except OverflowError:  # an int too large for a float, as pydantic refuses it in vLLM
+            b = math.nan
+        if math.isnan(b):
             raise bad("logit_bias", f"logit_bias[{key!r}] must be a number, got {shown(bias)}")
-        out[int(key)] = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, float(bias)))
+        out[int(key)] = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, b))
     return out
 
 
