@@ -431,6 +431,27 @@ def test_models(client, model_dir):
     assert models[0].root == str(model_dir)  # vLLM's: the model as given, whatever it is served as
 
 
+def test_invocations_serves_a_chat_or_a_completion_body_as_vllm(http):
+    """vLLM's (SageMaker's) /invocations: a body with messages is a chat request, one with a
+    prompt a completion request; the answers equal those of the OpenAI routes."""
+    for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 6,
+                                                 "temperature": 0}),
+                       ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0})):
+        direct, via = http.post(path, json=body), http.post("/invocations", json=body)
+        assert via.status_code == 200, via.text
+        assert via.json()["object"] == direct.json()["object"]
+        assert via.json()["choices"] == direct.json()["choices"]
+    neither = http.post("/invocations", json={"model": MODEL, "max_tokens": 3})
+    assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
+    not_an_object = http.post("/invocations", json=[1, 2])
+    assert not_an_object.status_code == 400, not_an_object.text
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_ping_is_the_health_check(http, method):
+    assert http.request(method, "/ping").status_code == 200
+
+
 @pytest.mark.parametrize("text", [PROMPT, UNI_PROMPT, "two\nlines\tand  spaces", "x"])
 def test_tokenize_detokenize_round_trip(http, text):
     r = http.post("/tokenize", json={"model": MODEL, "prompt": text})

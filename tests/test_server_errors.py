@@ -295,11 +295,11 @@ def test_401_missing_or_wrong_key(server, headers):
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
         for method, path, body in (("POST", _C, completion_body()), ("POST", _CH, chat_body()),
                                    ("GET", "/v1/models", None), ("POST", _TOK, {"prompt": "hi"}),
-                                   ("POST", _DETOK, {"tokens": [5]})):
+                                   ("POST", _DETOK, {"tokens": [5]}), ("POST", "/invocations", completion_body())):
             r = c.request(method, path, json=body, headers=headers)
             assert_openai_error(r, 401)
-        # /health and /metrics stay open.
-        assert c.get("/health").status_code == 200
+        # The health checks and /metrics stay open.
+        assert c.get("/health").status_code == 200 and c.get("/ping").status_code == 200
         metrics = c.get("/metrics")
         assert metrics.status_code == 200 and "ferrokv:num_requests_running" in metrics.text
         # And the right key works.

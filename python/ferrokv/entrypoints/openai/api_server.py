@@ -2,7 +2,7 @@
 (``ferrokv serve``).
 
 Every request first passes ``_Gate``, a plain ASGI layer: while the server drains it answers 503
-(``/metrics`` stays open); with ``--api-key`` every path but ``/health`` and ``/metrics`` needs
+(``/metrics`` stays open); with ``--api-key`` every path but the health checks and ``/metrics`` needs
 ``Authorization: Bearer KEY`` (compared with ``hmac.compare_digest``); a body larger than
 ``--max-body-bytes`` is a 413 before the endpoint sees it (the body is read once, up to the
 limit, and replayed); requests in progress are counted for the drain. Outside it, CORS
@@ -47,7 +47,7 @@ logger = logging.getLogger("ferrokv.serve")
 
 __all__ = ["ServerConfig", "build_app", "run_server"]
 
-_OPEN_PATHS = ("/health", "/metrics")
+_OPEN_PATHS = ("/health", "/ping", "/metrics")
 _STATS_PERIOD = 0.5  # seconds: the most a /metrics gauge lags behind the engine while it is busy
 
 
@@ -215,6 +215,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             return _error(503, "the engine is not running")
         return Response(status_code=200)
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) health check
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -239,6 +241,18 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         return await create_chat_completion(request, state, await _json(request))
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Any:
+        """vLLM's (SageMaker's) one inference route: a chat request if the body has messages, else
+        a completion request if it has a prompt."""
+        body = await _json(request)
+        if isinstance(body, dict) and "messages" in body:
+            return await create_chat_completion(request, state, body)
+        if not isinstance(body, dict) or "prompt" in body:  # completions names what is wrong with it
+            return await create_completion(request, state, body)
+        raise OpenAIError(400, "an /invocations body is a chat request (with messages) or a completion "
+                               "request (with prompt); it has neither")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
