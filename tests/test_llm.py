@@ -97,7 +97,7 @@ def hf_beams(model, prompt, k, eos, length_penalty=1.0):
     for row in g.sequences[:, len(prompt):].tolist():
         if eos is not None and eos in row:
             row = row[:row.index(eos) + 1]  # transformers pads finished beams (pad = 0)
-        seqs.append(row)
+        seqs.append(prompt + row)  # vLLM's beam tokens start with the prompt's
     return seqs, g.sequences_scores.tolist()
 
 
@@ -123,12 +123,19 @@ def test_beam_search_matches_transformers(k, with_eos, llama_path, eos_model_dir
         assert o.sequences[0].tokens == ref_seqs[0]  # the best hypothesis
         assert [s.tokens for s in o.sequences] == ref_seqs
         for s, ref in zip(o.sequences, ref_scores):
-            assert s.cum_logprob / len(s.tokens) == pytest.approx(ref, abs=1e-4)
+            generated = len(s.tokens) - len(p)
+            assert s.cum_logprob / generated == pytest.approx(ref, abs=1e-4)
+            # vLLM's shape: one {token: Logprob} per generated token, summing to the score; the
+            # text is the tokenizer's decode of every token.
+            assert [list(d) for d in s.logprobs] == [[t] for t in s.tokens[len(p):]]
+            assert sum(d[t].logprob for d, t in zip(s.logprobs, s.tokens[len(p):])) == pytest.approx(s.cum_logprob,
+                                                                                                     abs=1e-4)
+            assert s.text == llm.get_tokenizer().decode(s.tokens)
             ended = with_eos and s.tokens[-1] == 0
             saw_eos |= ended
             assert s.finish_reason == ("stop" if ended else "length")
             if not ended:
-                assert len(s.tokens) == BEAM_NEW
+                assert generated == BEAM_NEW
     assert saw_eos == with_eos  # with EOS active, some hypotheses really ended on it
     assert_no_leak(llm)
     st = llm.llm_engine.stats()

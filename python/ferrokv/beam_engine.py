@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferrokv.beam_search import BeamSearchState
+from ferrokv.beam_search import ROOT_BEAM, Beam, BeamSearchState, extend
 from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.output_processor import RequestState, fill_metrics
-from ferrokv.outputs import CompletionOutput, RequestOutput
+from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput
 from ferrokv.sampler import compute_logprobs
 from ferrokv.sampling_params import SamplingParams
 
@@ -64,17 +64,16 @@ def advance(scheduler: Any, req: RequestState, rows: list[int], row_seq: list[in
             req.num_cached_tokens = ended[-1].num_cached_tokens
         return True
     used: set[int] = set()
-    new_beams: dict[int, tuple[float, list[int]]] = {}
+    new_beams: dict[int, Beam] = {}
     for parent_row, tok, cum in res.next_beams:
         parent = seq_ids[parent_row]
-        _, toks = st.beams.get(parent, (0.0, []))
+        beam = extend(st.beams.get(parent, ROOT_BEAM), tok, cum)
         if parent not in used:
             used.add(parent)
             sampled[rows[parent_row]] = tok
-            new_beams[parent] = (cum, toks + [tok])
+            new_beams[parent] = beam
         else:
-            child = scheduler.fork_sequence(parent, tok)
-            new_beams[child] = (cum, toks + [tok])
+            new_beams[scheduler.fork_sequence(parent, tok)] = beam
     for sid in seq_ids:
         if sid not in used:
             scheduler.drop_sequence(sid)
@@ -88,8 +87,9 @@ def beam_output(req: RequestState, decode: Callable[[list[int], bool], str]) -> 
     eos = set(req.beam.eos_token_ids)
     for i, h in enumerate(req.beam.hypotheses() if req.finished else []):
         comps.append(CompletionOutput(
-            index=i, text=decode(h.token_ids, True),
-            token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob, logprobs=None,
+            index=i, text=decode(h.token_ids, True), token_ids=list(h.token_ids),
+            cumulative_logprob=h.cumulative_logprob,
+            logprobs=[{t: Logprob(lp)} for t, lp in zip(h.token_ids, h.token_logprobs)],
             finish_reason="stop" if h.token_ids and h.token_ids[-1] in eos else "length", stop_reason=None,
         ))
     return RequestOutput(

@@ -26,6 +26,12 @@ class BeamHypothesis:
     token_ids: list[int]  # generated tokens (the stopping EOS included)
     score: float  # normalised: cumulative logprob / generated_len ** length_penalty
     cumulative_logprob: float
+    token_logprobs: list[float] = field(default_factory=list)  # each generated token's logprob
+
+
+# A running beam: (cumulative logprob, generated tokens, their logprobs).
+Beam = tuple[float, list[int], list[float]]
+ROOT_BEAM: Beam = (0.0, [], [])
 
 
 @dataclass(slots=True)
@@ -42,8 +48,7 @@ class BeamSearchState:
     length_penalty: float = 1.0
     eos_token_ids: tuple[int, ...] = ()
     num_generated: int = 0
-    # seq_id -> (cumulative logprob, generated tokens)
-    beams: dict[int, tuple[float, list[int]]] = field(default_factory=dict)
+    beams: dict[int, Beam] = field(default_factory=dict)  # by sequence id
     finished_scores: list[float] = field(default_factory=list)
     finished: list[BeamHypothesis] = field(default_factory=list)
     finished_flags: list[bool] = field(default_factory=list)
@@ -58,7 +63,7 @@ class BeamSearchState:
         k = self.beam_width
         vocab = logprobs.shape[1]
         t = self.num_generated + 1
-        scores = torch.tensor([self.beams.get(s, (0.0, []))[0] for s in seq_ids], dtype=torch.float32)
+        scores = torch.tensor([self.beams.get(s, ROOT_BEAM)[0] for s in seq_ids], dtype=torch.float32)
         rows = logprobs.float()
         if len(seq_ids) < k:
             # transformers starts with k copies of the prompt, all but the first scored -1e9.
@@ -95,9 +100,10 @@ class BeamSearchState:
                 new_flags.append(self.finished_flags[m])
             else:
                 j = m - k
-                _, toks = self.beams.get(seq_ids[parent_row[j]], (0.0, []))
+                parent = self.beams.get(seq_ids[parent_row[j]], ROOT_BEAM)
+                cum, toks, lps = extend(parent, tokens[j], float(top_vals[j]))
                 new_scores.append(float(merged[m]))
-                new_hyps.append(BeamHypothesis(toks + [tokens[j]], float(merged[m]), float(top_vals[j])))
+                new_hyps.append(BeamHypothesis(toks, float(merged[m]), cum, lps))
                 new_flags.append(bool(just_finished[j]))
         self.finished_scores, self.finished, self.finished_flags = new_scores, new_hyps, new_flags
 
@@ -112,3 +118,9 @@ class BeamSearchState:
     def hypotheses(self) -> list[BeamHypothesis]:
         """Finished hypotheses, best first (every slot is filled once the search is done)."""
         return [h for h, f in zip(self.finished, self.finished_flags) if f]
+
+
+def extend(beam: Beam, token: int, cumulative_logprob: float) -> Beam:
+    """``beam`` continued by ``token``, its cumulative logprob then ``cumulative_logprob``."""
+    cum, toks, lps = beam
+    return cumulative_logprob, toks + [token], lps + [cumulative_logprob - cum]

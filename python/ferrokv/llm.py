@@ -23,7 +23,7 @@ import queue
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ferrokv.beam_search_params import BeamSearchParams
@@ -33,7 +33,7 @@ from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_loop import EngineLoop, StreamItem
 from ferrokv.inputs import batch_prompts, check_no_lora, check_tools, message_text, message_tool_fields
-from ferrokv.outputs import RequestOutput, RequestOutputKind
+from ferrokv.outputs import Logprob, RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrokv")
@@ -41,21 +41,29 @@ logger = logging.getLogger("ferrokv")
 
 @dataclass(slots=True)
 class BeamSearchSequence:
-    """One finished beam: generated ``tokens`` (EOS included), their ``text`` and score."""
+    """One finished beam, as vLLM's: ``tokens`` are the prompt's then the generated ones (a
+    stopping EOS included), ``logprobs`` one ``{token: Logprob}`` per generated token, ``text``
+    the tokenizer's decode of all ``tokens`` (special tokens kept, as vLLM's)."""
 
     tokens: list[int]
-    text: str
-    cum_logprob: float
-    finish_reason: str
+    logprobs: list[dict[int, Logprob]]
+    lora_request: Any = None
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    multi_modal_data: Any = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
 class BeamSearchOutput:
-    """The best ``beam_width`` hypotheses of one prompt, best first."""
+    """The best ``beam_width`` hypotheses of one prompt, best first (vLLM's ``sequences``; the
+    prompt is ferrokv's addition)."""
 
-    prompt: str | None
-    prompt_token_ids: list[int]
     sequences: list[BeamSearchSequence]
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 def checked_messages(conversation: Any, name: str = "messages") -> list[dict[str, Any]]:
@@ -354,9 +362,11 @@ class LLM:
         chunk = concurrency_limit or max(len(prompts), 1)
         outs = [o for i in range(0, len(prompts), chunk) for o in self._run(prompts[i:i + chunk], None, use_tqdm,
                                                                             beam=beam)]
+        decode = self.llm_engine.tokenizer.decode
         return [
-            BeamSearchOutput(o.prompt, o.prompt_token_ids,
-                             [BeamSearchSequence(c.token_ids, c.text, c.cumulative_logprob, c.finish_reason)
-                              for c in o.outputs])
+            BeamSearchOutput([BeamSearchSequence(
+                tokens, c.logprobs or [], cum_logprob=c.cumulative_logprob or 0.0, text=decode(tokens),
+                finish_reason=c.finish_reason) for c in o.outputs for tokens in [o.prompt_token_ids + c.token_ids]],
+                o.prompt, o.prompt_token_ids)
             for o in outs
         ]
