@@ -217,6 +217,32 @@ def test_split_character_and_flush(pair):
     assert seq2.text == "a" and seq2.take_delta() == "a" and model.decode(ids[:-1]).startswith("a\ufffd")
 
 
+def _byte_token(tok, b: int) -> int:
+    """The id of the token that is the single byte ``b`` (byte fallback's ``<0xNN>``, or the
+    byte-level alphabet's character for it)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {c: c for c in printable} | {c: 0x100 + i for i, c in enumerate(c for c in range(256) if c not in printable)}
+    for piece in (f"<0x{b:02X}>", chr(alphabet[b])):
+        i = tok.convert_tokens_to_ids(piece)
+        if i is not None and i != tok.unk_token_id:
+            return i
+    raise AssertionError(f"no token for byte {b:#x}")
+
+
+def test_a_character_after_a_run_of_undecodable_bytes_is_kept_whole(pair):
+    """Seven lone continuation bytes, then 😍 split over its four byte tokens: the garbage bytes
+    pend with the character, and the text is the one-shot decode (vLLM's), not the character
+    cut into U+FFFDs because many tokens pended. (Byte fallback's decoder makes every byte of an
+    invalid run a U+FFFD, the character's too: there the text only has to equal the decode.)"""
+    kind, tok, model = pair
+    ids = [_byte_token(tok, 0x80)] * 7 + [_byte_token(tok, b) for b in "😍".encode()] + tok.encode(
+        "!", add_special_tokens=False)
+    expected = tok.decode(ids)
+    assert expected == "\ufffd" * 7 + "😍!" or kind == "sp"
+    assert rust_run(model, [], ids)[0] == expected
+    assert py_run(tok, [], ids)[0] == expected
+
+
 def test_append_after_stop_raises(pair):
     _, tok, model = pair
     seq = _core.SeqText(model, [], stop=["a"])

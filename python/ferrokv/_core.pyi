@@ -365,7 +365,7 @@ class SeqText:
         completed: the text is then cut and further appends raise ``RuntimeError``."""
     def flush(self) -> None:
         """End of the sequence for any reason but a stop string: releases held-back text and
-        decodes pending incomplete bytes as U+FFFD."""
+        drops pending tokens (an incomplete character), as vLLM does."""
     def take_delta(self) -> str:
         """Text emitted since the previous call."""
     @property

@@ -48,9 +48,10 @@ __all__ = ["IncrementalDetokenizer", "decode_token", "special_token_ids"]
 # Prompt tokens used as decoding context for the first output tokens (vLLM uses 5): enough for
 # SentencePiece's leading-space handling, small enough to be free.
 _PROMPT_CONTEXT = 5
-# A UTF-8 character is at most 4 bytes, so a legitimately incomplete character never needs more
-# than 3 pending tokens; past this many the bytes are garbage and are emitted as-is.
-_MAX_PENDING = 8
+# vLLM holds undecodable tokens until the text completes, without a cap; this one only bounds the
+# window (a character needs at most 4 byte tokens, so only a long run of garbage bytes, which a
+# valid character may follow, reaches it: it is then emitted as it is).
+_MAX_PENDING = 64
 _REPLACEMENT = "\ufffd"
 
 _special_cache: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()

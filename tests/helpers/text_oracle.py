@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ferrokv.detokenizer import _MAX_PENDING as MAX_PENDING  # the cap on what may pend
+
 REPLACEMENT = "\ufffd"
-MAX_PENDING = 8  # ferrokv.detokenizer._MAX_PENDING, the cap on what may pend
 
 
 def final_text(tok: Any, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -36,8 +36,10 @@ use crate::stop::{StopScan, StopStrings};
 pub const PROMPT_CONTEXT: usize = 5;
 /// Extra prompt ids looked at in case some are skipped specials (Python takes the last 7).
 const PROMPT_LOOKBACK: usize = PROMPT_CONTEXT + 2;
-/// Pending tokens after which an undecodable tail is emitted as U+FFFD.
-pub const MAX_PENDING: usize = 8;
+/// Pending tokens after which an undecodable tail is emitted as U+FFFD. vLLM has no cap; this
+/// one bounds the window, and only a long run of garbage bytes reaches it (a character needs at
+/// most 4 byte tokens, but garbage may precede a valid one, which must pend with it).
+pub const MAX_PENDING: usize = 64;
 const REPLACEMENT: char = '\u{FFFD}';
 
 /// One sequence's incremental text state (see the module header).
@@ -84,7 +86,7 @@ impl SeqText {
             skip_special_tokens: params.skip_special_tokens(),
             has_stop: params.has_stop(),
             params,
-            window: Vec::with_capacity(PROMPT_CONTEXT + MAX_PENDING),
+            window: Vec::with_capacity(PROMPT_CONTEXT + 4),
             read: 0,
             prefix_chars: Some(0),
             // Empty, or context whose decode does not end in U+FFFD: clean either way.
