@@ -232,3 +232,38 @@ def test_dtype_aliases_and_chat_template_by_default(model, capsys):
 
     # The chat template wraps the prompt in <|im_start|>user ... <|im_start|>assistant.
     assert prompt_tokens(templated) > prompt_tokens(raw) + 4
+
+
+@pytest.mark.parametrize("text,value", [("16000", 16000), ("16k", 16000), ("25.6k", 25600), ("16K", 16384),
+                                        ("2M", 2 << 20), ("1.5m", 1_500_000), ("1g", 10 ** 9), (" 7 ", 7)])
+def test_integer_flags_take_vllms_suffixes(text, value):
+    from ferrokv.cli import human_readable_int
+
+    assert human_readable_int(text) == value
+
+
+def test_a_binary_suffix_on_a_fraction_is_refused_with_the_decimal_one_suggested():
+    import argparse
+
+    from ferrokv.cli import human_readable_int
+
+    with pytest.raises(argparse.ArgumentTypeError, match="1.5k"):
+        human_readable_int("1.5K")
+
+
+@pytest.mark.parametrize("flag,ferrokv_env,vllm_env,keys", [
+    (None, None, None, ()),
+    (None, None, "v", ("v",)),  # vLLM's variable: a deployment that sets it is not left open
+    (None, "f", "v", ("f",)),
+    (["a", "b"], "f", "v", ("a", "b")),
+])
+def test_the_api_keys_come_from_the_flag_then_ferrokvs_then_vllms_variable(flag, ferrokv_env, vllm_env, keys,
+                                                                           monkeypatch):
+    from ferrokv.cli import _api_keys
+
+    for name, value in (("FERROKV_API_KEY", ferrokv_env), ("VLLM_API_KEY", vllm_env)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert _api_keys(flag) == keys

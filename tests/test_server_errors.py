@@ -509,6 +509,17 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--drain-timeout", "nan"], ["--drain-timeout", "nan"]),
     (["--drain-timeout", "-1"], ["--drain-timeout", "-1"]),
     (["--api-key", ""], ["--api-key"]),
+    (["--api-key", "k1", ""], ["--api-key"]),
+    (["--disable-log-requests=1"], ["--disable-log-requests"]),
+    (["--uvicorn-log-level", "loud"], ["--uvicorn-log-level", "'loud'"]),
+    (["--uvicorn-access-log=1"], ["--uvicorn-access-log"]),
+    (["--disable-uvicorn-access-log=1"], ["--disable-uvicorn-access-log"]),
+    (["--root-path", "api"], ["--root-path", "'api'"]),
+    (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", "/no/cert.pem"], ["--ssl-keyfile", "/no/key.pem"]),
+    (["--ssl-certfile", "/no/cert.pem"], ["--ssl-certfile", "/no/cert.pem"]),
+    (["--ssl-ca-certs", "/no/ca.pem"], ["--ssl-ca-certs", "/no/ca.pem"]),
+    (["--max-model-len", "1.5K"], ["--max-model-len", "1.5k"]),
+    (["--max-model-len", "lots"], ["--max-model-len", "lots"]),
     (["--log-prompts=1"], ["--log-prompts"]),
     (["--allowed-origins", "*"], ["--allowed-origins", "not JSON"]),
     (["--allowed-methods", "[1]"], ["--allowed-methods", "a JSON list of strings"]),
@@ -604,6 +615,26 @@ def test_an_unexpected_error_is_a_json_500_that_keeps_the_connection(llama_path,
         assert good.status_code == 200, good.text
     finally:
         llm.shutdown()
+
+
+def test_https_several_api_keys_and_a_root_path_as_vllms_flags(llama_path, tmp_path):
+    """``--ssl-keyfile/--ssl-certfile`` serve HTTPS; ``--api-key k1 k2`` accepts either key; under
+    ``--root-path`` (the prefix a proxy strips) the routes and the open health checks stay where
+    they were."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True, timeout=60)
+    with serve(llama_path, "--ssl-keyfile", key, "--ssl-certfile", cert, "--api-key", "k1", "k2",
+               "--root-path", "/proxy", "--uvicorn-log-level", "warning", "--served-model-name", MODEL) as s:
+        assert s.url.startswith("https://")
+        with httpx.Client(base_url=s.url, timeout=TIMEOUT, verify=False) as c:
+            assert c.get("/health").status_code == 200 and c.get("/ping").status_code == 200
+            for k in ("k1", "k2"):
+                r = c.post(_C, json=completion_body(), headers={"Authorization": f"Bearer {k}"})
+                assert r.status_code == 200, r.text
+            assert_openai_error(c.post(_C, json=completion_body(), headers={"Authorization": "Bearer k3"}), 401)
+        with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
+            httpx.get(s.url.replace("https", "http") + "/health", timeout=10)
 
 
 def test_cors_answers_preflights_before_the_api_key_as_vllm(llama_path):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
 import time
 import typing
@@ -77,9 +79,32 @@ def _add_flag(group: Any, flag: str, dest: str, hint: Any, default: Any, help_te
         action = group.add_argument(flag, dest=dest, default=default, action="append", type=str, metavar="TEXT")
     else:
         metavar = None if choices else flag.lstrip("-").replace("-", "_").upper()
-        action = group.add_argument(flag, dest=dest, default=default, type=kind, choices=choices, metavar=metavar)
+        action = group.add_argument(flag, dest=dest, default=default, choices=choices, metavar=metavar,
+                                    type=human_readable_int if kind is int else kind)
     # Set after creation: BooleanOptionalAction would append a second "(default: ...)" to a given help.
     action.help = help_text.replace("%", "%%")
+
+
+_SUFFIXED_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG])")
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's integer flags: ``16000``, ``16k`` (16,000), ``25.6k``, ``16K`` (16,384; binary
+    suffixes take whole numbers only); likewise m/M and g/G."""
+    m = _SUFFIXED_INT.fullmatch(text.strip())
+    if m is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (such as 16000, 16k or 16K)") from None
+    number, suffix = m.groups()
+    power = "kmg".index(suffix.lower()) + 1
+    if suffix.islower():
+        return int(float(number) * 1000 ** power)
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; "
+                                         f"did you mean {number}{suffix.lower()}?")
+    return int(number) * 1024 ** power
 
 
 def _json_flag(what: str, fits: Callable[[Any], bool]) -> Callable[[str], Any]:
@@ -251,9 +276,9 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                                           d.host))
     g.add_argument("--port", type=int, default=d.port,
                    help=help_with_default("TCP port to listen on", d.port))
-    g.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
-                        "(default: none, else $FERROKV_API_KEY)")
+    g.add_argument("--api-key", default=None, nargs="+", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (any of the keys given) on every path but the health "
+                        "checks and /metrics (default: none, else $FERROKV_API_KEY, else $VLLM_API_KEY)")
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model name(s) clients may send; responses show the first (default: the model argument)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
@@ -265,8 +290,21 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help=help_with_default("seconds requests in flight may run on after SIGTERM/SIGINT before "
                                           "they are aborted", d.drain_timeout))
-    g.add_argument("--log-prompts", action="store_true",
+    g.add_argument("--log-prompts", "--enable-log-requests", action="store_true",
                    help="log each request's prompt and sampling parameters (default: off)")
+    g.add_argument("--disable-log-requests", dest="log_prompts", action="store_false",
+                   help="vLLM's older flag: requests are not logged (default: not logged)")
+    g.add_argument("--uvicorn-log-level", choices=_UVICORN_LEVELS, default=d.uvicorn_log_level,
+                   help=help_with_default("uvicorn's log level", d.uvicorn_log_level))
+    g.add_argument("--uvicorn-access-log", dest="uvicorn_access_log", action="store_true",
+                   default=d.uvicorn_access_log, help="log a line per HTTP request (default: off)")
+    g.add_argument("--disable-uvicorn-access-log", dest="uvicorn_access_log", action="store_false",
+                   help="vLLM's flag: no line per HTTP request (default: no lines)")
+    g.add_argument("--root-path", default=d.root_path, metavar="PATH",
+                   help="the path prefix a proxy serves the server under (default: none)")
+    for name, what in (("keyfile", "the TLS private key"), ("certfile", "the TLS certificate: serve HTTPS"),
+                       ("ca-certs", "CA certificates that verify clients' certificates")):
+        g.add_argument(f"--ssl-{name}", default=None, metavar="FILE", help=f"{what} (default: none)")
     for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
         g.add_argument(f"--allowed-{name}", type=_json_strings, default=getattr(d, f"allowed_{name}"), metavar="JSON",
                        help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"], any)")
@@ -288,6 +326,26 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="the format the model writes tool calls in, for --enable-auto-tool-choice (hermes: "
                         "<tool_call>{...}</tool_call>, as Hermes, Qwen2.5 and Qwen3 models) (default: none)")
     _engine_flags(p)
+
+
+_UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _api_keys(given: list[str] | None) -> tuple[str, ...]:
+    """``--api-key``'s keys, else ``$FERROKV_API_KEY``'s, else ``$VLLM_API_KEY``'s (vLLM's), so a
+    deployment that sets vLLM's variable is never left open."""
+    keys = given if given is not None else [k for k in (os.environ.get("FERROKV_API_KEY") or
+                                                        os.environ.get("VLLM_API_KEY"),) if k]
+    for key in keys:
+        if not key or not key.isprintable():
+            raise ValueError("--api-key must be a non-empty printable string")
+    return tuple(keys)
+
+
+def _check_files(**paths: str | None) -> None:
+    for flag, path in paths.items():
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')} {path!r}: no such file")
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -320,17 +378,18 @@ def _check_listen(host: str, port: int) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     import math
-    import os
 
     if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
         raise ValueError(f"model: given twice, as {args.model_pos!r} and --model {args.model!r}")
     args.model = args.model_pos if args.model_pos is not None else args.model
-    names = args.served_model_name
-    if names is not None and len(names) > 1 and args.model is None:
-        # nargs="+" takes a model written after it as one more name: the default model would be
-        # served silently under it.
-        raise ValueError(f"--served-model-name took {len(names)} names ({', '.join(map(repr, names))}) and no model "
-                         "was given: write the model first (ferrokv serve MODEL --served-model-name NAME ...)")
+    for flag, values in (("--served-model-name", args.served_model_name), ("--api-key", args.api_key)):
+        if values is not None and len(values) > 1 and args.model is None:
+            # nargs="+" takes a model written after it as one more value: the default model would
+            # be served silently, the model's name taken as a name or a key.
+            raise ValueError(f"{flag} took {len(values)} values and no model was given: write the model first "
+                             f"(ferrokv serve MODEL {flag} ...)")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
     for flag, value, lo in (("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1),
                             ("--max-waiting-requests", args.max_waiting_requests, 0)):
         if value < lo or (flag == "--port" and value > 65535):
@@ -341,9 +400,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_CALL_PARSERS)})")
     chat_template = _chat_template(args.chat_template)
     _check_listen(args.host, args.port)
-    api_key = args.api_key if args.api_key is not None else os.environ.get("FERROKV_API_KEY") or None
-    if api_key is not None and (not api_key or not api_key.isprintable()):
-        raise ValueError("--api-key must be a non-empty printable string")
+    api_keys = _api_keys(args.api_key)
+    _check_files(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs)
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
     engine_args = EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
     engine_args.validate()  # a bad flag fails before torch is imported
     from ferrokv.async_llm import AsyncLLM
@@ -352,7 +412,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     name, *aliases = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     config = ServerConfig(served_model_name=name, served_model_aliases=tuple(aliases), host=args.host, port=args.port,
-                          api_key=api_key,
+                          api_key=api_keys or None, uvicorn_log_level=args.uvicorn_log_level,
+                          uvicorn_access_log=args.uvicorn_access_log, root_path=args.root_path,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                           max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,

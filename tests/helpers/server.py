@@ -62,7 +62,7 @@ class ServerProcess:
         self.model_dir = str(model_dir)
         self.flags = [str(f) for f in flags]
         # A key in the caller's environment would silently turn auth on for servers meant without one.
-        self.env = {k: v for k, v in os.environ.items() if k != "FERROKV_API_KEY"}
+        self.env = {k: v for k, v in os.environ.items() if k not in ("FERROKV_API_KEY", "VLLM_API_KEY")}
         self.env.update(env or {})
         self.startup_timeout = startup_timeout
         self.port = 0
@@ -71,7 +71,7 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if '--ssl-certfile' in self.flags else 'http'}://127.0.0.1:{self.port}"
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "ferrokv", "serve", self.model_dir, "--port", str(self.port), *self.flags]
@@ -104,7 +104,7 @@ class ServerProcess:
         """True once /health answers 200; False if the process exits first or the time runs out."""
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(timeout=5.0, verify=False) as client:  # verify: a test's self-signed certificate
             while time.monotonic() < deadline:
                 try:
                     if client.get(self.url + "/health").status_code == 200:

@@ -62,15 +62,17 @@ class _Gate:
         self.app = app
         self.state = state
         self.limit = config.max_body_bytes
-        self.key = config.api_key.encode() if config.api_key is not None else None
+        self.keys = tuple(k.encode() for k in config.api_keys())
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):  # uvicorn prepends --root-path; the routes are below it
+            path = path[len(root):]
         if self.state.draining and path != "/metrics":
             return await _error(503, "the server is shutting down")(scope, receive, send)
-        if self.key is not None and path not in _OPEN_PATHS and not self._authorized(scope):
+        if self.keys and path not in _OPEN_PATHS and not self._authorized(scope):
             response = _error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
             response.headers["WWW-Authenticate"] = "Bearer"
             return await response(scope, receive, send)
@@ -113,7 +115,10 @@ class _Gate:
             if name == b"authorization":
                 got = value
         scheme, _, token = got.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key or b"")
+        token = token.strip()
+        # Every key is compared (no early exit), so the time taken does not tell which one matched.
+        matches = [hmac.compare_digest(token, key) for key in self.keys]
+        return scheme.lower() == b"bearer" and any(matches)
 
     async def _read_body(self, scope: Any, receive: Any) -> bytes | None:
         """The whole body, or None when it is larger than the limit (by its declared length, or
@@ -337,12 +342,15 @@ class _Server(uvicorn.Server):
 def run_server(llm: Any, config: ServerConfig) -> int:
     """Serves ``llm`` until a signal drains and stops the server; returns the exit status."""
     app = build_app(llm, config)
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="info", access_log=False,
-                               timeout_graceful_shutdown=5, lifespan="off")
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+                               access_log=config.uvicorn_access_log, root_path=config.root_path,
+                               ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                               ssl_ca_certs=config.ssl_ca_certs, timeout_graceful_shutdown=5, lifespan="off")
     server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)
     host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address, as a URL writes it
-    logger.info("serving %r on http://%s:%s (API key %s)", config.served_model_name, host,
-                config.port or "<a free port, see uvicorn's line>", "required" if config.api_key else "off")
+    logger.info("serving %r on %s://%s:%s%s (API key %s)", config.served_model_name,
+                "https" if config.ssl_certfile else "http", host, config.port or "<a free port, see uvicorn's line>",
+                config.root_path, "required" if config.api_keys() else "off")
     try:
         server.run()
     finally:

@@ -26,13 +26,14 @@ class ServerConfig:
     ``enable_auto_tool_choice`` and ``tool_call_parser``: ``tool_choice: "auto"`` is served, the
     model's calls read in that format (vLLM's flags; one needs the other). ``chat_template``: the
     Jinja template chats use instead of the tokenizer's (vLLM's ``--chat-template``, its text);
-    ``chat_template_content_format``: how it reads a message's content (``ferrokv.chat_content_format``)."""
+    ``chat_template_content_format``: how it reads a message's content (``ferrokv.chat_content_format``).
+    ``uvicorn_*``, ``root_path`` and ``ssl_*``: uvicorn's settings (vLLM's flags of those names)."""
 
     served_model_name: str = DEFAULT_MODEL_NAME
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (vLLM's later --served-model-name values)
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # one key, or several (vLLM's list): any of them is accepted
     max_body_bytes: int = 1 << 20
     max_waiting_requests: int = 1024
     drain_timeout: float = 30.0
@@ -46,3 +47,15 @@ class ServerConfig:
     tool_call_parser: str | None = None
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    uvicorn_log_level: str = "info"
+    uvicorn_access_log: bool = False
+    root_path: str = ""  # the path prefix a proxy serves the app under (uvicorn's, vLLM's --root-path)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a request may send (none: no key is needed)."""
+        if self.api_key is None:
+            return ()
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
