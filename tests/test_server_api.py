@@ -656,3 +656,51 @@ def test_cache_salt_isolates_tenants(client):
     assert cached(None) == 0  # nor does an unsalted request
     assert cached(None) > 0
     assert cached("tenant-b") > 0
+
+
+def test_response_role_default_template_kwargs_and_max_log_len_as_vllms_flags(tiny_model_dir):
+    """``--response-role`` names the answers' role (a chat that continues its last message keeps
+    that message's role, as vLLM); ``--default-chat-template-kwargs`` reach every template under
+    the request's own; ``--max-log-len`` cuts a logged prompt."""
+    import asyncio
+    import logging
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(tiny_model_dir("llama", "llama")), device="cpu", dtype="float32", max_model_len=128,
+                   num_kv_blocks=64)
+    config = ServerConfig(served_model_name=MODEL, response_role="bot", log_prompts=True, max_log_len=12,
+                          chat_template="{% for m in messages %}{{ m.content }}{% endfor %}{{ flavour }}",
+                          default_chat_template_kwargs={"flavour": " salty"})
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "A dog runs in the park."}], "max_tokens": 2,
+            "temperature": 0}
+
+    async def ask():
+        transport = httpx.ASGITransport(app=build_app(llm, config))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+            answer = (await c.post("/v1/chat/completions", json=chat)).json()
+            streamed = (await c.post("/v1/chat/completions", json={**chat, "stream": True})).text
+            continued = (await c.post("/v1/chat/completions", json={**chat, "add_generation_prompt": False})).json()
+            tokenized = [(await c.post("/tokenize", json={"model": MODEL, "messages": chat["messages"], **extra})).json()
+                         for extra in ({}, {"chat_template_kwargs": {"flavour": " sweet"}})]
+        return answer, streamed, continued, tokenized
+
+    logged: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    serve_log = logging.getLogger("ferrokv.serve")  # the package's loggers do not propagate
+    serve_log.addHandler(handler)
+    try:
+        answer, streamed, continued, tokenized = asyncio.run(ask())
+    finally:
+        serve_log.removeHandler(handler)
+        llm.shutdown()
+    assert answer["choices"][0]["message"]["role"] == "bot"
+    first = json.loads(next(e for e in streamed.split("\n") if e.startswith("data: {"))[len("data: "):])
+    assert first["choices"][0]["delta"]["role"] == "bot"
+    assert continued["choices"][0]["message"]["role"] == "user"
+    assert [t["tokens"] for t in tokenized] == [prompt_ids("A dog runs in the park. salty"),
+                                                prompt_ids("A dog runs in the park. sweet")]
+    logged = [m for m in logged if ": messages " in m]
+    assert len(logged) == 3 and all("... (" in m and "park" not in m for m in logged), logged

@@ -292,6 +292,14 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                                           "they are aborted", d.drain_timeout))
     g.add_argument("--log-prompts", "--enable-log-requests", action="store_true",
                    help="log each request's prompt and sampling parameters (default: off)")
+    g.add_argument("--max-log-len", type=int, default=d.max_log_len, metavar="N",
+                   help="characters of a prompt --log-prompts logs (default: all)")
+    g.add_argument("--response-role", default=d.response_role, metavar="ROLE",
+                   help=help_with_default("the role of chat answers (a chat that continues its last message: that "
+                                          "message's)", d.response_role))
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="keyword arguments every chat's template gets, under the request's own "
+                        "chat_template_kwargs, e.g. '{\"enable_thinking\": false}' (default: none)")
     g.add_argument("--disable-log-requests", dest="log_prompts", action="store_false",
                    help="vLLM's older flag: requests are not logged (default: not logged)")
     g.add_argument("--uvicorn-log-level", choices=_UVICORN_LEVELS, default=d.uvicorn_log_level,
@@ -388,6 +396,10 @@ def _serve(args: argparse.Namespace) -> int:
             # be served silently, the model's name taken as a name or a key.
             raise ValueError(f"{flag} took {len(values)} values and no model was given: write the model first "
                              f"(ferrokv serve MODEL {flag} ...)")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    if not args.response_role or not args.response_role.isprintable():
+        raise ValueError(f"--response-role must be a non-empty printable string, got {args.response_role!r}")
     if args.root_path and not args.root_path.startswith("/"):
         raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
     for flag, value, lo in (("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1),
@@ -414,6 +426,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(served_model_name=name, served_model_aliases=tuple(aliases), host=args.host, port=args.port,
                           api_key=api_keys or None, uvicorn_log_level=args.uvicorn_log_level,
                           uvicorn_access_log=args.uvicorn_access_log, root_path=args.root_path,
+                          max_log_len=args.max_log_len, response_role=args.response_role,
+                          default_chat_template_kwargs=args.default_chat_template_kwargs,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                           max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,

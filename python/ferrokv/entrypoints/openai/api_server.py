@@ -175,7 +175,9 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
                         trust_request_chat_template=config.trust_request_chat_template,
                         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
                         chat_template=config.chat_template,
-                        chat_template_content_format=config.chat_template_content_format)
+                        chat_template_content_format=config.chat_template_content_format,
+                        default_chat_template_kwargs=config.default_chat_template_kwargs or {},
+                        response_role=config.response_role, max_log_len=config.max_log_len)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ferrokv = state

@@ -8,6 +8,7 @@ stays fast.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["DEFAULT_MODEL_NAME", "ServerConfig"]
 
@@ -47,6 +48,9 @@ class ServerConfig:
     tool_call_parser: str | None = None
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    default_chat_template_kwargs: dict[str, Any] | None = None  # under each chat's own chat_template_kwargs
+    response_role: str = "assistant"  # the role of chat answers (a chat with add_generation_prompt false: its last)
+    max_log_len: int | None = None  # characters of a prompt --log-prompts logs (None: all)
     uvicorn_log_level: str = "info"
     uvicorn_access_log: bool = False
     root_path: str = ""  # the path prefix a proxy serves the app under (uvicorn's, vLLM's --root-path)

@@ -58,6 +58,9 @@ class ServerState:
     chat_template: str | None = None  # ServerConfig's: the template chats use unless a request gives one
     chat_template_content_format: str = "auto"  # ServerConfig's
     tool_call_parser: str | None = None  # ServerConfig's, when enable_auto_tool_choice is on
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # ServerConfig's
+    response_role: str = "assistant"  # ServerConfig's
+    max_log_len: int | None = None  # ServerConfig's
     draining: bool = False
     http_in_flight: int = 0  # generation requests being served (the drain waits for 0)
     admitted: int = 0  # engine requests of the calls being served (admit reserves, Generation.close frees)
@@ -83,12 +86,21 @@ class ServerState:
     def template_for(self, template: Mapping[str, Any]) -> dict[str, Any]:
         """``chat_token_ids``' keywords for a request's template fields (checked by
         ``check_chat_template``): the server's ``--chat-template`` unless the request gives its
-        own, and the server's content format."""
+        own, and the server's content format; the server's default ``chat_template_kwargs`` under
+        the request's own (vLLM's ``--default-chat-template-kwargs``)."""
         self.check_chat_template(template)
         out = dict(template, content_format=self.chat_template_content_format)
         if out.get("chat_template") is None:
             out["chat_template"] = self.chat_template
+        if self.default_chat_template_kwargs:
+            out["chat_template_kwargs"] = {**self.default_chat_template_kwargs, **(out.get("chat_template_kwargs") or {})}
         return out
+
+    def loggable(self, prompt: Any) -> str:
+        """A prompt as ``--log-prompts`` logs it: its repr, cut to ``--max-log-len`` characters."""
+        text = repr(prompt)
+        n = self.max_log_len
+        return text if n is None or len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
 
     def admit(self, num_requests: int) -> None:
         if self.draining or not self.llm.is_running:

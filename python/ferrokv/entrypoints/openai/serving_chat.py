@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: the conversation through the model's chat template (on the
 tokenizer pool), then one engine request with ``n`` samples.
 
-Streaming sends, per choice, a first chunk with ``delta.role`` "assistant", content chunks as the
+Streaming sends, per choice, a first chunk with ``delta.role`` (``--response-role``), content chunks as the
 engine steps, a last chunk with ``finish_reason`` (its delta empty unless text came with it),
 then a usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``. ``logprobs``
 follow OpenAI's chat shape (``content: [{token, logprob, bytes, top_logprobs}]``), with
@@ -54,8 +54,11 @@ def _logprobs(c: CompletionOutput, top_n: int) -> dict[str, Any] | None:
 
 
 class _Chat:
-    def __init__(self, req: ChatRequest, model: str, created: int) -> None:
+    def __init__(self, req: ChatRequest, model: str, created: int, response_role: str) -> None:
         self.req = req
+        # vLLM's: the answer's role is --response-role, or the last message's when the request
+        # continues it (add_generation_prompt false).
+        self.role = response_role if req.add_generation_prompt else req.messages[-1]["role"]
         self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": created,
                      "model": model}
         self.prompt_tokens = 0
@@ -78,12 +81,12 @@ class _Chat:
     def message(self, c: CompletionOutput) -> dict[str, Any]:
         """A whole choice's message: its text, and the tool calls it made (``tool_calls``)."""
         if self.req.tool_choice is None:
-            return {"role": "assistant", "content": c.text}
+            return {"role": self.role, "content": c.text}
         parser = self._parser(c.index)
         content = parser.feed(c.text)[0] + parser.close()[0]
         if not parser.choice.forced and parser.calls and not content:
             content = None  # vLLM's: a reply that only called tools has no content
-        return {"role": "assistant", "content": content, "tool_calls": parser.calls}
+        return {"role": self.role, "content": content, "tool_calls": parser.calls}
 
     def delta(self, c: CompletionOutput) -> dict[str, Any]:
         """A streamed choice's next delta (empty: nothing to send yet)."""
@@ -118,10 +121,10 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     model = state.check_model(req.model)
     template = state.template_for(req.template)
     state.admit(1)
-    call = _Chat(req, model, int(time.time()))  # OpenAI's created: when this completion was made
+    call = _Chat(req, model, int(time.time()), state.response_role)  # created: when this completion was made
     rid = call.head["id"]
     if state.log_prompts:
-        logger.info("%s: messages %r, params %r", rid, req.messages, req.params)
+        logger.info("%s: messages %s, params %r", rid, state.loggable(req.messages), req.params)
 
     async def prompt_then_generate() -> Any:
         # The template runs inside the generator, so its errors surface in Generation.start.
@@ -162,7 +165,7 @@ def _stream(gen: Generation, call: _Chat) -> Any:
         for c in out.outputs:
             if c.index not in call.started:
                 call.started.add(c.index)
-                events.append(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                events.append(chunk([{"index": c.index, "delta": {"role": call.role, "content": ""},
                                       "logprobs": None, "finish_reason": None}]))
             delta = call.delta(c)
             if not delta.get("content") and "tool_calls" not in delta and c.finish_reason is None \

@@ -145,7 +145,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
     call = _Completion(req, model, state.llm.tokenizer)
     created = int(time.time())  # OpenAI's created: when this completion was made
     if state.log_prompts:
-        logger.info("%s: prompts %r, params %r", call.id, req.prompts, req.params)
+        logger.info("%s: prompts %s, params %r", call.id, state.loggable(req.prompts), req.params)
     field = "prompt" if len(req.prompts) == 1 else "prompt[{}]"
     gens = [generate_checked(state.llm, p, req.params, f"{call.id}-{i}", field.format(i), req.add_special_tokens,
                              priority=req.priority, cache_salt=req.cache_salt)
