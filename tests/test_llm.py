@@ -140,6 +140,8 @@ def test_beam_search_matches_transformers(k, with_eos, llama_path, eos_model_dir
     assert_no_leak(llm)
     st = llm.llm_engine.stats()
     assert st["cow_copies"] > 0  # beams fork off shared blocks
+    # A search that found its hypotheses finished: it is not counted as aborted.
+    assert (st["requests_finished"], st["requests_aborted"]) == (len(prompts), 0)
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -264,13 +266,18 @@ def test_chat_uses_the_chat_template(llama_llm):
 
 
 def test_chat_takes_content_as_openai_text_parts(llama_llm):
-    """vLLM's chat() takes OpenAI's content parts: text parts are joined (other parts refused)."""
+    """vLLM's chat() takes OpenAI's content parts: for a template that reads strings, the text
+    parts (also input_text, refusal and thinking ones) are joined with newlines, as vLLM joins
+    them; other parts are refused; null content is empty text."""
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    plain = llama_llm.chat([{"role": "user", "content": "A dog runs."}], params, use_tqdm=False)[0]
-    parts = [{"type": "text", "text": "A dog "}, {"type": "text", "text": "runs."}]
+    plain = llama_llm.chat([{"role": "user", "content": "A dog\nruns.\nfast\nnow"}], params, use_tqdm=False)[0]
+    parts = [{"type": "text", "text": "A dog"}, {"type": "input_text", "text": "runs."},
+             {"type": "refusal", "refusal": "fast"}, {"type": "thinking", "thinking": "now"}]
     joined = llama_llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0]
     assert joined.prompt_token_ids == plain.prompt_token_ids
     assert joined.outputs[0].token_ids == plain.outputs[0].token_ids
+    empty = llama_llm.chat([{"role": "user", "content": ""}], params, use_tqdm=False)[0]
+    assert llama_llm.chat([{"role": "user", "content": None}], params, use_tqdm=False)[0].prompt == empty.prompt
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\] must be a \{'type': 'text'"):
         llama_llm.chat([{"role": "user", "content": [parts[0], {"type": "image_url", "image_url": {}}]}], params)
     assert_no_leak(llama_llm)
@@ -292,7 +299,7 @@ def test_chat_gives_tools_and_an_assistants_null_content_to_the_template(llama_l
     with pytest.raises(ValueError, match="tools must be a list of tool objects"):
         llm.chat(conv, params, use_tqdm=False, tools={"name": "now"})
     with pytest.raises(ValueError, match=r"messages\[1\].content must be a str"):
-        llm.chat([{"role": "user", "content": "a"}, {"role": "user", "content": None}], params, use_tqdm=False)
+        llm.chat([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], params, use_tqdm=False)
 
 
 def test_chat_replays_tool_calls_with_their_arguments_as_objects(llama_llm):
@@ -312,8 +319,11 @@ def test_chat_replays_tool_calls_with_their_arguments_as_objects(llama_llm):
     bad = [conv[0], {"role": "assistant", "tool_calls": [{**call, "function": {"name": "w", "arguments": "{x"}}]}]
     with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments must be JSON"):
         llama_llm.chat(bad, params, use_tqdm=False, chat_template=template)
-    with pytest.raises(ValueError, match=r"messages\[1\]\.content is missing"):
-        llama_llm.chat([conv[0], {"role": "user"}], params, use_tqdm=False, chat_template=template)
+    # vLLM's: a message without content (or with null) renders as empty text; a role is needed.
+    no_content = llama_llm.chat([conv[0], {"role": "user"}], params, use_tqdm=False, chat_template=template)[0]
+    assert no_content.prompt == "[user]weather?[user]"
+    with pytest.raises(ValueError, match=r"messages\[1\]\.role is missing"):
+        llama_llm.chat([conv[0], {"content": "hi"}], params, use_tqdm=False, chat_template=template)
     assert_no_leak(llama_llm)
 
 
@@ -330,7 +340,7 @@ def test_chat_content_format_follows_what_the_template_reads(llama_llm):
             {"role": "assistant", "content": "Hello"}]
     params = SamplingParams(temperature=0.0, max_tokens=1)
     prompt = llama_llm.chat(conv, params, use_tqdm=False, chat_template=PARTS_TEMPLATE)[0].prompt
-    assert prompt == "[user]Hi there[assistant]Hello"  # transformers trims the newline after a block
+    assert prompt == "[user]Hi there[assistant]Hello"  # parts as they are; transformers trims the newline after a block
     assert llama_llm.chat(conv, params, use_tqdm=False, chat_template=PARTS_TEMPLATE,
                           chat_template_content_format="openai")[0].prompt == prompt
     # Forced to strings, the loop walks the characters and finds no text part.

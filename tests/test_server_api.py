@@ -171,9 +171,10 @@ def test_chat_matches_offline_llm(client, reference):
 
 
 def test_chat_content_as_text_parts(client):
-    parts = [{"type": "text", "text": "A dog sees "}, {"type": "text", "text": "the blue sky."}]
+    """Text parts reach a template that reads strings joined with newlines, as vLLM joins them."""
+    parts = [{"type": "text", "text": "A dog sees"}, {"type": "text", "text": "the blue sky."}]
     as_parts = chat(client, messages=[{"role": "user", "content": parts}])
-    as_text = chat(client, messages=[{"role": "user", "content": "A dog sees the blue sky."}])
+    as_text = chat(client, messages=[{"role": "user", "content": "A dog sees\nthe blue sky."}])
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
     assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
 
@@ -269,8 +270,12 @@ def test_stream_include_usage(client, endpoint):
     assert last.usage.completion_tokens == 7
     assert last.usage.total_tokens == expected_prompt + 7
     assert body and all(c.usage is None for c in body)
-    # Without include_usage no chunk carries usage.
+    # Without stream_options no chunk carries usage; given, include_usage defaults to true (vLLM's),
+    # unless it is false.
     assert all(c.usage is None for c in call(client, max_tokens=3, stream=True))
+    for opts, usage in (({}, True), ({"continuous_usage_stats": False}, True), ({"include_usage": False}, False)):
+        *_, last = list(call(client, max_tokens=3, stream=True, stream_options=opts))
+        assert (last.usage is not None) == usage, opts
     # vLLM's continuous_usage_stats: the usage so far in every chunk, growing to the total.
     opts = {"include_usage": True, "continuous_usage_stats": True}
     *body, last = list(call(client, max_tokens=7, stream=True, stream_options=opts))

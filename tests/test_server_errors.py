@@ -116,7 +116,7 @@ BAD_PARAMS = [
     (_CH, "messages", _MISSING, None),
     (_CH, "messages", [], None),
     (_CH, "messages", "hello", "hello"),
-    (_CH, "messages", [{"role": "user"}], None),
+    (_CH, "messages", [{"content": "hi"}], None),  # no role
     (_CH, "top_logprobs", 30, "30"),
     (_CH, "top_logprobs", 21, "--max-logprobs"),
     (_CH, "chat_template", "{% for i in range(10**10) %}{% endfor %}", "--trust-request-chat-template"),
@@ -779,8 +779,9 @@ def test_chat_fields_vllm_accepts():
         with pytest.raises(OpenAIError) as e:
             parse_chat_request({"messages": msgs, **body})
         assert e.value.status == 400 and e.value.param == param, str(e.value)
-    with pytest.raises(OpenAIError, match=r"messages\[0\].content"):
-        parse_chat_request({"messages": [{"role": "user", "content": None}]})
+    # vLLM's: a null (or missing) content is empty text, for any role.
+    assert parse_chat_request({"messages": [{"role": "user", "content": None}, {"role": "user"}]}).messages == [
+        {"role": "user", "content": ""}, {"role": "user", "content": ""}]
     with pytest.raises(OpenAIError, match="echo is not supported for chat"):
         parse_chat_request({"messages": msgs, "echo": True})
 
@@ -824,3 +825,23 @@ def test_watched_work_cancelled_from_outside_is_a_cancellation_not_a_gone_client
         assert await watched(Request(False), asyncio.sleep(0, result=7)) == 7
 
     asyncio.run(main())
+
+
+def test_the_startup_heap_is_frozen_out_of_the_garbage_collector_before_serving(llama_path, monkeypatch):
+    """A full collection would walk the model's, tokenizer's and app's objects, stalling every
+    stream: run_server freezes them (vLLM's gc.freeze) before uvicorn serves."""
+    import gc
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server._Server, "run", lambda self: seen.setdefault("frozen", gc.get_freeze_count()))
+    llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    try:
+        gc.unfreeze()
+        assert api_server.run_server(llm, api_server.ServerConfig(served_model_name=MODEL, port=0)) == 0
+        assert seen["frozen"] > 0
+    finally:
+        gc.unfreeze()  # the rest of the test process collects as before
+        llm.shutdown()

@@ -277,6 +277,9 @@ class Scheduler:
     def abort(self, request_id: int) -> list[FinishedSequence]:
         """Ends a request anywhere (waiting, running, swapped, mid-step); returns its sequences as
         aborted, with the tokens each generated."""
+    def finish_request(self, request_id: int) -> list[FinishedSequence]:
+        """Ends a request its caller found complete (a beam search), as ``abort`` does, but
+        counted as finished; its sequences end with "length"."""
     def stop_sequence(self, seq_id: int, stop_str_index: int) -> FinishedSequence:
         """Ends a sequence because stop string ``stop_str_index`` of its request appeared in its
         text. Legal at any time (text may run a step behind): a step in flight then ignores its

@@ -58,7 +58,7 @@ def advance(scheduler: Any, req: RequestState, rows: list[int], row_seq: list[in
     lp = compute_logprobs(logits[torch.tensor(rows, device=logits.device)]).cpu()
     res = st.step(seq_ids, lp)
     if res.done:
-        ended = scheduler.abort(req.core_id)
+        ended = scheduler.finish_request(req.core_id)
         if ended:
             req.final_times = ended[-1].times
             req.num_cached_tokens = ended[-1].num_cached_tokens

@@ -3,9 +3,9 @@
 
 "auto" reads the template itself, as vLLM does: one that loops over a message's content
 (``{% for part in message['content'] %}``, ``message.content | ...``, or a variable set from it)
-reads parts; any other reads a string. Messages reach the template with their text joined
-(``ferrokv.inputs.message_text``) and, for "openai", wrapped back into one text part (none for
-an empty text: an assistant turn that only called tools).
+reads parts; any other reads a string. A message's text parts (``ferrokv.inputs.message_text``)
+reach a "string" template joined with newlines and an "openai" one as they are; a string content
+is one part for an "openai" template (none if empty: an assistant turn that only called tools).
 Costs: one Jinja parse per distinct template (cached); O(messages) per conversation.
 """
 
@@ -62,6 +62,12 @@ def with_content_format(conversation: list[dict[str, Any]], content_format: str,
                          f"got {content_format!r}")
     if content_format == "auto":
         content_format = detect_content_format(template) if isinstance(template, str) else "string"
-    if content_format == "string":
-        return conversation
-    return [{**m, "content": [{"type": "text", "text": m["content"]}] if m["content"] else []} for m in conversation]
+    if content_format == "string":  # parts joined with newlines, as vLLM joins them
+        return [{**m, "content": "\n".join(m["content"])} if isinstance(m["content"], tuple) else m
+                for m in conversation]
+    return [{**m, "content": [{"type": "text", "text": t} for t in _texts(m["content"])]} for m in conversation]
+
+
+def _texts(content: str | tuple[str, ...]) -> tuple[str, ...]:
+    """A checked content's texts, one per part (none for an empty string)."""
+    return content if isinstance(content, tuple) else ((content,) if content else ())

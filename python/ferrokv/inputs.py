@@ -160,20 +160,30 @@ def check_no_lora(lora_request: Any) -> None:
         raise ValueError(f"lora_request must be None: LoRA adapters are not supported yet, got {shown(lora_request)}")
 
 
-def message_text(content: Any, name: str, role: Any = None) -> str:
-    """A chat message's content as text: a string, or OpenAI's list of ``{"type": "text",
-    "text": ...}`` parts, joined (only text is supported), or an assistant's null (OpenAI's
-    schema allows it: a replayed turn that only called tools) as ""; ``name`` is what errors call it."""
-    if content is None and role == "assistant":
+# OpenAI's content part types that are text, and the key holding it (vLLM reads them all as text).
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+
+
+def message_text(content: Any, name: str, role: Any = None) -> str | tuple[str, ...]:
+    """A chat message's content: a string as it is; OpenAI's list of text parts (``{"type":
+    "text", "text": ...}``, and ``input_text``, ``output_text``, ``refusal``, ``thinking``) as the
+    tuple of their texts, which ``ferrokv.chat_content_format`` joins with newlines or hands on
+    as parts, as vLLM does; null as "" (vLLM's; e.g. a replayed turn that only called tools).
+    Only text is supported; ``name`` is what errors call it."""
+    if content is None:
         return ""
+    if isinstance(content, tuple) and all(isinstance(t, str) for t in content):  # checked already
+        return tuple(check_text(f"{name}[{j}]", t) for j, t in enumerate(content))
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            key = _TEXT_PARTS.get(part.get("type")) if isinstance(part, Mapping) else None
+            if key is None or not isinstance(part.get(key), str):
                 raise ValueError(f"{name}[{j}] must be a {{'type': 'text', 'text': ...}} part (only text is "
                                  f"supported), got {shown(part)}")
-            parts.append(check_text(f"{name}[{j}].text", part["text"]))
-        return "".join(parts)
+            parts.append(check_text(f"{name}[{j}].{key}", part[key]))
+        return tuple(parts)
     return check_text(name, content)
 
 

@@ -79,11 +79,9 @@ def checked_messages(conversation: Any, name: str = "messages") -> list[dict[str
     for i, message in enumerate(conversation):
         if not isinstance(message, Mapping):
             raise ValueError(f"{name}[{i}] must be a dict with 'role' and 'content', got {shown(message)}")
-        # OpenAI's schema lets an assistant turn that only called tools leave its content out.
-        needed = ("role",) if message.get("role") == "assistant" and message.get("tool_calls") else ("role", "content")
-        for key in needed:
-            if key not in message:
-                raise ValueError(f"{name}[{i}].{key} is missing (the message is {shown(message)})")
+        # A content left out (or null) is empty text, as vLLM reads it (a turn that only called tools).
+        if "role" not in message:
+            raise ValueError(f"{name}[{i}].role is missing (the message is {shown(message)})")
         check_text(f"{name}[{i}].role", message["role"])
         out.append({**message, "content": message_text(message.get("content"), f"{name}[{i}].content",
                                                         message["role"]),

@@ -99,8 +99,9 @@ class StructuredOutputsParams:
     text), ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark as llguidance takes it,
     or GBNF when it has ``::=``), ``json_object=True`` (any JSON object). The other three options
     shape JSON output only: ``disable_any_whitespace`` (no whitespace between tokens),
-    ``disable_additional_properties`` (objects with ``properties`` take no others unless they say
-    so), ``whitespace_pattern`` (the regex of whitespace between tokens; it wins over
+    ``disable_additional_properties`` (accepted for vLLM's guidance backend; always so here, as
+    vLLM's default backend compiles schemas strictly: objects with ``properties`` take no others
+    unless they say so), ``whitespace_pattern`` (the regex of whitespace between tokens; it wins over
     ``disable_any_whitespace``)."""
 
     json: str | dict | None = None
@@ -312,9 +313,10 @@ class GrammarCompiler:
         kind = params.kind
         if kind in ("json", "json_object"):
             schema: Any = params._schema if kind == "json" else '{"type": "object"}'
-            if params.disable_additional_properties:
-                schema = _json.loads(schema)
-                _additional_properties_off(schema)
+            # Always: vLLM's default backend (xgrammar) compiles schemas in strict mode, so an
+            # object takes only the properties it lists unless its schema says otherwise.
+            schema = _json.loads(schema)
+            _additional_properties_off(schema)
             options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
             if params.whitespace_pattern is not None:
                 options["whitespace_pattern"] = params.whitespace_pattern

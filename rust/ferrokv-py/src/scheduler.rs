@@ -62,6 +62,15 @@ impl PyScheduler {
         }
     }
 
+    /// `abort` (`finished`: `finish_request`): ends a request, with the text its sequences had.
+    fn end_by_caller(&mut self, py: Python<'_>, request_id: i64, finished: bool) -> PyResult<Vec<PyFinishedSequence>> {
+        let id = non_negative("request_id", request_id)?;
+        self.flush_deferred(py);
+        let ended = if finished { self.inner.finish_request(id) } else { self.inner.abort(id) }.map_err(to_py_err)?;
+        let texts = self.text.as_mut().map(|t| t.end(&ended));
+        Ok(Self::with_text(ended, texts))
+    }
+
     /// Runs a deferred step's text work (GIL released) before a call that changes sequences.
     fn flush_deferred(&mut self, py: Python<'_>) {
         let (deferred, inner, text) = (&mut self.deferred, &mut self.inner, &mut self.text);
@@ -328,11 +337,12 @@ impl PyScheduler {
 
     /// Ends a request anywhere; returns its sequences as aborted, with what they generated.
     fn abort(&mut self, py: Python<'_>, request_id: i64) -> PyResult<Vec<PyFinishedSequence>> {
-        let id = non_negative("request_id", request_id)?;
-        self.flush_deferred(py);
-        let ended = self.inner.abort(id).map_err(to_py_err)?;
-        let texts = self.text.as_mut().map(|t| t.end(&ended));
-        Ok(Self::with_text(ended, texts))
+        self.end_by_caller(py, request_id, false)
+    }
+
+    /// Ends a request its caller found complete (a beam search), counted as finished.
+    fn finish_request(&mut self, py: Python<'_>, request_id: i64) -> PyResult<Vec<PyFinishedSequence>> {
+        self.end_by_caller(py, request_id, true)
     }
 
     /// Ends a sequence on stop string `stop_str_index` (also with a step in flight).

@@ -348,7 +348,8 @@ def _common(body: Mapping[str, Any], params: SamplingParams, structured: Structu
     for key in ("include_usage", "continuous_usage_stats"):
         if opts.get(key) is not None and not isinstance(opts[key], bool):
             raise bad(f"stream_options.{key}", f"stream_options.{key} must be a boolean, got {shown(opts[key])}")
-    include_usage = bool(opts.get("include_usage"))
+    # vLLM's: given stream_options (even {}), include_usage defaults to true.
+    include_usage = body.get("stream_options") is not None and opts.get("include_usage") is not False
     if opts and not stream:
         raise bad("stream_options", "stream_options is only allowed with stream: true")
     salt = _str(body, "cache_salt")
@@ -441,9 +442,9 @@ def _tools(body: Mapping[str, Any], auto_parser: str | None = None) -> tuple[lis
         raise bad(e.param, str(e)) from None
 
 
-def _content(i: int, content: Any, role: str) -> str:
-    """A message's content as text (``message_text``: a string or text parts, joined; an
-    assistant's null), its error a 400 naming the field."""
+def _content(i: int, content: Any, role: str) -> str | tuple[str, ...]:
+    """A message's content (``message_text``: a string, text parts, or null), its error a 400
+    naming the field."""
     try:
         return message_text(content, f"messages[{i}].content", role)
     except ValueError as e:

@@ -162,10 +162,24 @@ impl Scheduler {
     /// in-flight rows of an aborted request are ignored by `update`). Frees its blocks at once
     /// and returns its sequences as aborted, with the tokens each had generated.
     pub fn abort(&mut self, request_id: u64) -> CoreResult<Vec<FinishedSeq>> {
+        self.end_by_caller(request_id, FinishReason::Abort)
+    }
+
+    /// Ends a request its caller found complete (a beam search that has its hypotheses), as
+    /// `abort` does, but counted as finished; its sequences end with `Length`.
+    pub fn finish_request(&mut self, request_id: u64) -> CoreResult<Vec<FinishedSeq>> {
+        self.end_by_caller(request_id, FinishReason::Length)
+    }
+
+    fn end_by_caller(&mut self, request_id: u64, reason: FinishReason) -> CoreResult<Vec<FinishedSeq>> {
         let slot = *self.by_id.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
         self.ts = crate::clock::now(); // its finished time
-        let ended = self.end_request(slot, FinishReason::Abort);
-        self.stats.requests_aborted += 1;
+        let ended = self.end_request(slot, reason);
+        if reason == FinishReason::Abort {
+            self.stats.requests_aborted += 1;
+        } else {
+            self.stats.requests_finished += 1;
+        }
         Ok(ended)
     }
 
@@ -513,6 +527,19 @@ mod tests {
         assert_eq!((o.finished_req_ids.clone(), o.num_tokens()), (vec![2], 0));
         assert_eq!((s.stats().requests_aborted, s.stats().requests_finished), (3, 0));
         assert_eq!(s.abort(2), Err(CoreError::UnknownRequest { request_id: 2 }));
+    }
+
+    #[test]
+    fn a_request_its_caller_finishes_frees_its_blocks_and_counts_as_finished() {
+        let mut s = with_requests(cfg(32, 4, 16), [req(1, 6, 10), req(2, 6, 10)]);
+        step(&mut s, 1);
+        let ended = s.finish_request(1).unwrap();
+        assert!(ended.iter().all(|f| f.reason == FinishReason::Length));
+        s.abort(2).unwrap();
+        assert_eq!((s.stats().requests_finished, s.stats().requests_aborted), (1, 1));
+        assert_eq!(s.num_free_blocks(), 31);
+        assert!(s.finish_request(1).is_err());
+        s.check_invariants().unwrap();
     }
 
     #[test]
