@@ -195,7 +195,7 @@ def test_concurrent_requests_from_one_event_loop_share_steps(llama_path, sequent
 # ------------------------------------------------------------------------------------------------
 # 3. abort, and clients that go away
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("awaited", [False, True])
+@pytest.mark.parametrize("awaited", ["await", "create_task", "run_coroutine_threadsafe"])
 def test_abort_ends_the_stream_with_finish_reason_abort(allm, awaited):
     aborted_before = allm.stats()["requests_aborted"]
 
@@ -203,11 +203,15 @@ def test_abort_ends_the_stream_with_finish_reason_abort(allm, awaited):
         outs = []
         async for o in allm.generate(rand_prompts(42, [7])[0], greedy(100, output_kind=Kind.DELTA), "ab"):
             outs.append(o)
-            if len(outs) == 1:
-                if awaited:  # vLLM's abort is a coroutine
+            if len(outs) == 1:  # vLLM's abort is a coroutine: each way of running one works
+                if awaited == "await":
                     assert await allm.abort("ab") is None
+                elif awaited == "create_task":
+                    await asyncio.create_task(allm.abort("ab"))
                 else:
-                    allm.abort("ab")
+                    loop = asyncio.get_running_loop()
+                    done = await asyncio.to_thread(lambda: asyncio.run_coroutine_threadsafe(allm.abort("ab"), loop))
+                    await asyncio.wrap_future(done)
         return outs
 
     outs = asyncio.run(main())
@@ -519,6 +523,64 @@ def test_vllm_engine_client_queries(allm):
 
     assert asyncio.run(main()) == SamplingParams()
     assert not allm.errored and not allm.is_stopped and allm.is_running
+
+
+def test_more_of_vllms_engine_client_surface(tiny_model_dir, tmp_path):
+    """model_config (and its coroutine), do_log_stats, tracing and tasks; generate's keywords
+    (trace_headers, prompt_text, data_parallel_rank 0, tokenization_kwargs' add_special_tokens,
+    here with a tokenizer that prepends a BOS); what ferrokv cannot do is a ValueError naming it."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    model = tmp_path / "bos"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok.save(str(model / "tokenizer.json"))
+    allm = make_async_llm(model)
+    prompt = "the cat"
+
+    async def main():
+        assert allm.model_config is allm.engine.model_config is await allm.get_model_config()
+        assert allm.model_config.max_model_len == allm.max_model_len
+        await allm.do_log_stats()
+        assert await allm.is_tracing_enabled() is False and await allm.get_supported_tasks() == ("generate",)
+        outs = {}
+        for add in (True, False):
+            async for o in allm.generate(prompt, greedy(2), f"tk-{add}", trace_headers={"traceparent": "x"},
+                                         prompt_text=prompt, data_parallel_rank=0,
+                                         tokenization_kwargs={"add_special_tokens": add}):
+                outs[add] = o.prompt_token_ids
+        for kw in ({"data_parallel_rank": 1}, {"tokenization_kwargs": {"truncation": True}}):
+            with pytest.raises(ValueError, match=next(iter(kw)) if "rank" in str(kw) else "truncation"):
+                async for _ in allm.generate(prompt, greedy(2), "bad", **kw):
+                    pass
+        with pytest.raises(ValueError, match="reset_running_requests"):
+            await allm.reset_prefix_cache(reset_running_requests=True)
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+        plain = allm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert outs == {True: [1, *plain], False: plain}
+        assert_engine_idle(allm)
+    finally:
+        allm.shutdown()
+
+
+def test_async_engine_args_and_vllms_from_engine_args_keywords(llama_path):
+    from ferrokv import AsyncEngineArgs
+
+    args = AsyncEngineArgs(**engine_kwargs(str(llama_path)), enable_log_requests=True)
+    llm = AsyncLLM.from_engine_args(args, start_engine_loop=True, usage_context=None, stat_loggers=None)
+    try:
+        async def main():
+            return [o async for o in llm.generate("a dog", greedy(3), "x")][-1]
+
+        assert asyncio.run(main()).finished
+    finally:
+        llm.shutdown()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -589,3 +589,25 @@ def test_lora_request_none_is_accepted_everywhere_and_an_adapter_refused(llama_l
     finally:
         allm.shutdown()
     assert_no_leak(llama_llm)
+
+
+def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(llama_path):
+    """Scripts written for vLLM pass compilation, parallelism, LoRA... arguments: at values that
+    mean what ferrokv does they are accepted (enable_prefix_caching=None is vLLM's default);
+    any other is a ValueError naming it."""
+    llm = tiny_llm(llama_path, compilation_config={"cudagraph_mode": "NONE"}, max_seq_len_to_capture=8192,
+                   cpu_offload_gb=0, disable_custom_all_reduce=True, pipeline_parallel_size=1, data_parallel_size=1,
+                   enable_lora=False, skip_tokenizer_init=False, hf_token=None, task="generate", runner="auto",
+                   disable_async_output_proc=True, async_scheduling=False, served_model_name="x",
+                   distributed_executor_backend=None, enable_sleep_mode=False, mm_processor_kwargs=None,
+                   enable_prefix_caching=None)
+    assert llm.llm_engine.args.enable_prefix_caching is True
+    assert llm.model_config is llm.llm_engine.model_config
+    assert llm.generate([], use_tqdm=False) == []  # vLLM's: nothing to do
+    with pytest.raises(ValueError, match="priority must be a list with one int per prompt"):
+        llm.generate(["a"], priority=1, use_tqdm=False)
+    with pytest.raises(ValueError, match="reset_running_requests"):
+        llm.reset_prefix_cache(reset_running_requests=True)
+    for kw in ({"pipeline_parallel_size": 2}, {"enable_lora": True}, {"cpu_offload_gb": 4}, {"task": "embed"}):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* is not supported"):
+            tiny_llm(llama_path, **kw)

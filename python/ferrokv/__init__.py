@@ -35,10 +35,11 @@ configure_logging()
 if TYPE_CHECKING:
     from ferrokv.async_llm import AsyncLLM
     from ferrokv.engine import EngineArgs, LLMEngine
+    from ferrokv.engine_args import AsyncEngineArgs
     from ferrokv.llm import LLM
 
 _LAZY = {"LLM": "ferrokv.llm", "AsyncLLM": "ferrokv.async_llm", "LLMEngine": "ferrokv.engine",
-         "EngineArgs": "ferrokv.engine_args"}
+         "EngineArgs": "ferrokv.engine_args", "AsyncEngineArgs": "ferrokv.engine_args"}
 
 
 def __getattr__(name: str) -> Any:
@@ -51,6 +52,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AsyncEngineArgs",
     "AsyncLLM",
     "BeamSearchParams",
     "CacheCapacityError",

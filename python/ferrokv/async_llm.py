@@ -18,9 +18,10 @@ Invariants:
   control and drain read it); it returns to 0 once every request has ended.
 * Text prompts and chat templates are tokenized on a small thread pool, never on the event loop
   or the engine loop (HF fast tokenizers release the GIL while they encode).
-* vLLM's ``EngineClient`` surface: ``get_tokenizer``, ``check_health`` and ``reset_prefix_cache``
-  are coroutines, ``errored``/``is_stopped``/``dead_error`` properties, and ``abort`` acts at once
-  and returns an awaitable, so both ``llm.abort(rid)`` and vLLM's ``await llm.abort(rid)`` work.
+* vLLM's ``EngineClient`` surface: ``get_tokenizer``, ``get_model_config``, ``check_health``,
+  ``reset_prefix_cache``, ``do_log_stats``, ``is_tracing_enabled`` and ``get_supported_tasks`` are
+  coroutines; ``model_config``, ``errored``/``is_stopped``/``dead_error`` properties; ``abort``
+  queues the abort at once and returns a coroutine (vLLM's is one).
 
 Costs: per engine step at most one ``call_soon_threadsafe`` per event loop (the engine loop
 flushes each ``_LoopDispatcher`` once per step), O(1) per output on either side.
@@ -32,16 +33,17 @@ import asyncio
 import collections
 import concurrent.futures
 import functools
+import logging
 import os
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from ferrokv.checks import check_text
 from ferrokv.engine import LLMEngine
-from ferrokv.engine_args import EngineArgs
+from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
 from ferrokv.inputs import check_no_lora, prompt_ids, request_id_str
 from ferrokv.llm import chat_token_ids
@@ -49,6 +51,8 @@ from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
+
+logger = logging.getLogger("ferrokv")
 
 
 class _LoopDispatcher:
@@ -142,16 +146,8 @@ class _RequestStream:
         return self._queue.popleft()
 
 
-class _Done:
-    """An awaitable that is already complete (``AsyncLLM.abort``'s result)."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Any:
-        return iter(())
-
-
-_DONE = _Done()
+async def _done() -> None:
+    """``AsyncLLM.abort``'s coroutine: the abort was queued when it was called."""
 
 
 class AsyncLLM:
@@ -159,11 +155,11 @@ class AsyncLLM:
     takes ``LLM``'s arguments; ``from_engine_args(EngineArgs)`` an ``EngineArgs``."""
 
     def __init__(self, model: str | None = None, *, tokenizer_threads: int | None = None,
-                 disable_log_requests: bool = False, **engine_kwargs: Any) -> None:
-        """``disable_log_requests``: vLLM's, accepted (AsyncLLM logs no requests; ``serve`` logs
-        prompts only with ``--log-prompts``)."""
-        if not isinstance(disable_log_requests, bool):
-            raise ValueError(f"disable_log_requests must be True or False, got {disable_log_requests!r}")
+                 **engine_kwargs: Any) -> None:
+        """``LLM``'s keywords: ``EngineArgs`` fields, or vLLM's that ferrokv has no use for at a
+        value that means what ferrokv does (``VLLM_ONLY_ARGS``: e.g. ``enable_log_requests``;
+        AsyncLLM logs no requests, ``serve`` logs prompts with ``--log-prompts``)."""
+        engine_kwargs = without_vllm_only_args(engine_kwargs)
         unknown = sorted(set(engine_kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise TypeError(
@@ -172,7 +168,11 @@ class AsyncLLM:
         self._init(EngineArgs(model=model, **engine_kwargs), tokenizer_threads)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, *, tokenizer_threads: int | None = None) -> AsyncLLM:
+    def from_engine_args(cls, engine_args: EngineArgs, *, tokenizer_threads: int | None = None,
+                         start_engine_loop: bool = True, usage_context: Any = None,
+                         stat_loggers: Any = None) -> AsyncLLM:
+        """vLLM's constructor (``AsyncEngineArgs`` or ``EngineArgs``); its ``start_engine_loop``,
+        ``usage_context`` and ``stat_loggers`` are accepted (the loop starts with the first request)."""
         self = cls.__new__(cls)
         self._init(engine_args, tokenizer_threads)
         return self
@@ -195,8 +195,29 @@ class AsyncLLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    async def get_tokenizer(self) -> Any:
+    async def get_tokenizer(self, lora_request: Any = None) -> Any:
+        check_no_lora(lora_request)
         return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    async def get_model_config(self) -> Any:
+        return self.engine.model_config
+
+    async def do_log_stats(self) -> None:
+        """Logs the engine's gauges and counters (vLLM's server calls it periodically)."""
+        st = self.stats()
+        logger.info("engine: %d running, %d waiting, KV cache %.1f%% used, %d prompt and %d generated tokens",
+                    st["num_running"], st["num_waiting"], 100 * st["kv_cache_usage"], st["prompt_tokens"],
+                    st["generated_tokens"])
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.get_default_sampling_params()
@@ -220,7 +241,12 @@ class AsyncLLM:
         if self.engine_loop._dead is not None:
             raise EngineDeadError(str(self.engine_loop._dead))
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: False, changing nothing, while requests run (``reset_running_requests=True``,
+        which would preempt them, is not supported)."""
+        if reset_running_requests is not False:
+            raise ValueError(f"reset_running_requests={reset_running_requests!r} is not supported: the prefix cache "
+                             "is reset only while no request runs")
         return self.engine.reset_prefix_cache()
 
     @property
@@ -314,15 +340,23 @@ class AsyncLLM:
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, lora_request: Any = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, prompt_text: str | None = None,
+                       tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
+                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
         """Submits one request and yields its outputs (module docs); raises its error. Closing
-        or cancelling the generator before the last output aborts the request."""
+        or cancelling the generator before the last output aborts the request. vLLM's
+        ``prompt_text`` and ``trace_headers`` are accepted (no tracing), ``data_parallel_rank``
+        as None or 0 (one engine), ``tokenization_kwargs`` as ``{"add_special_tokens": bool}``
+        (a text prompt's tokenization)."""
         check_no_lora(lora_request)
+        if data_parallel_rank not in (None, 0):
+            raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: ferrokv runs one engine (give None or 0)")
+        add_special_tokens = _add_special_tokens(tokenization_kwargs)
         params = sampling_params if sampling_params is not None else self.engine.get_default_sampling_params()
         # An id of our own never matches one a caller chose (vLLM makes callers give one).
         rid = f"ferrokv-{uuid.uuid4().hex}" if request_id is None else request_id_str(request_id)
         kind = params.output_kind if isinstance(params, SamplingParams) else None
-        prompt = await self.tokenize_prompt(prompt)
+        prompt = await self.tokenize_prompt(prompt, add_special_tokens)
         if getattr(params, "structured_outputs", None) is not None:
             await self._in_pool(self.engine_loop.warm_grammar, params)  # never on the event loop
         stream = _RequestStream(rid, self._dispatcher(), kind)
@@ -347,12 +381,13 @@ class AsyncLLM:
             if not ended:  # closed or cancelled early: the client is gone, and the id is free again
                 self.engine_loop.abandon(rid, stream)
 
-    def abort(self, request_id: str | list[str]) -> _Done:
+    def abort(self, request_id: str | list[str]) -> Coroutine[Any, Any, None]:
         """Ends the requests (unknown or finished ids are ignored); each one's generator then
-        yields its final output, ``finish_reason`` "abort". The abort is queued at once; the
-        result may be awaited, as vLLM's coroutine is (``await llm.abort(rid)``), or ignored."""
+        yields its final output, ``finish_reason`` "abort". The abort is queued at once, from
+        any thread; the result is a coroutine, as vLLM's abort is one (``await llm.abort(rid)``,
+        ``create_task``, ``run_coroutine_threadsafe``)."""
         self.engine_loop.abort(request_id)
-        return _DONE
+        return _done()
 
     def abort_all(self) -> None:
         """Aborts every request in flight (the server's drain deadline)."""
@@ -364,6 +399,16 @@ class AsyncLLM:
         """Ends the engine loop (requests still in it end with ``EngineDeadError``) and the
         tokenizer pool; idempotent."""
         _close(self.engine_loop, self._pool)
+
+
+def _add_special_tokens(tokenization_kwargs: dict[str, Any] | None) -> bool:
+    """vLLM's ``tokenization_kwargs`` as far as ferrokv tokenizes: ``add_special_tokens``."""
+    kw = dict(tokenization_kwargs or {})
+    add = kw.pop("add_special_tokens", True)
+    if not isinstance(add, bool) or kw:
+        bad = "add_special_tokens" if not isinstance(add, bool) else next(iter(kw))
+        raise ValueError(f"tokenization_kwargs[{bad!r}] is not supported (only add_special_tokens, a bool)")
+    return add
 
 
 def _close(loop: EngineLoop, pool: concurrent.futures.ThreadPoolExecutor) -> None:

@@ -28,7 +28,8 @@ from ferrokv._core import SCHEDULER_CHOICES, SCHEDULER_DEFAULTS, InvalidArgument
 from ferrokv.checks import check_int, rename_field
 from ferrokv.generation_defaults import check_generation_args
 
-__all__ = ["ALIASES", "DTYPE_ALIASES", "EngineArgs", "engine_arg_help", "help_with_default"]
+__all__ = ["ALIASES", "DTYPE_ALIASES", "AsyncEngineArgs", "EngineArgs", "VLLM_ONLY_ARGS", "engine_arg_help",
+           "help_with_default", "without_vllm_only_args"]
 
 # Accepted dtype names -> canonical torch dtype names ("half"/"float" as in vLLM and torch).
 DTYPE_ALIASES: dict[str, str] = {
@@ -249,3 +250,58 @@ def help_with_default(doc: str, default: Any) -> str:
 def engine_arg_help(f: Field[Any]) -> str:
     """The help text of one field, ending with its documented default."""
     return help_with_default(f.metadata["doc"], f.metadata["default_doc"] or f.default)
+
+
+@dataclass(slots=True)
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's ``AsyncEngineArgs`` (for ``AsyncLLM.from_engine_args``): ``EngineArgs`` and its
+    request-logging flags, accepted (``AsyncLLM`` logs no requests; ``serve --log-prompts`` does)."""
+
+    enable_log_requests: bool = _arg(False, "vLLM's: log each request (accepted; AsyncLLM logs none)")
+    disable_log_requests: bool = _arg(True, "vLLM's former flag (accepted)")
+
+
+def _any(value: Any) -> bool:
+    return True
+
+
+# vLLM's LLM/AsyncLLM keyword arguments that configure what ferrokv does not have (compilation,
+# parallelism, LoRA, tracing, ...): name -> (whether a value means what ferrokv does anyway, what
+# ferrokv does). Such a value is accepted and dropped, so scripts written for vLLM run unchanged;
+# any other is a ValueError naming it.
+VLLM_ONLY_ARGS: dict[str, tuple[Any, str]] = {
+    "compilation_config": (_any, "ferrokv compiles no CUDA graphs"),
+    "max_seq_len_to_capture": (_any, "ferrokv captures no CUDA graphs"),
+    "disable_custom_all_reduce": (_any, "ferrokv runs on one device"),
+    "disable_async_output_proc": (_any, "outputs are made as ferrokv's overlap decides"),
+    "served_model_name": (_any, "the offline engine serves no name (ferrokv serve --served-model-name does)"),
+    "enable_log_requests": (lambda v: isinstance(v, bool), "AsyncLLM logs no requests"),
+    "disable_log_requests": (lambda v: isinstance(v, bool), "AsyncLLM logs no requests"),
+    "pipeline_parallel_size": (lambda v: v == 1, "ferrokv runs on one device"),
+    "data_parallel_size": (lambda v: v == 1, "ferrokv runs on one device"),
+    "distributed_executor_backend": (lambda v: v in (None, "uni", "mp"), "ferrokv runs on one device"),
+    "cpu_offload_gb": (lambda v: v == 0, "ferrokv offloads no weights"),
+    "enable_lora": (lambda v: v is False, "ferrokv has no LoRA"),
+    "enable_sleep_mode": (lambda v: v is False, "ferrokv has no sleep mode"),
+    "skip_tokenizer_init": (lambda v: v is False, "ferrokv needs its tokenizer"),
+    "async_scheduling": (lambda v: v in (None, False), "ferrokv overlaps steps its own way (overlap)"),
+    "task": (lambda v: v in ("auto", "generate"), "ferrokv generates text"),
+    "runner": (lambda v: v in ("auto", "generate"), "ferrokv generates text"),
+    "hf_token": (lambda v: v is None, "give the Hub token as $HF_TOKEN"),
+    "mm_processor_kwargs": (lambda v: not v, "ferrokv takes text only"),
+    "limit_mm_per_prompt": (lambda v: not v, "ferrokv takes text only"),
+}
+
+
+def without_vllm_only_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` less vLLM's arguments ferrokv does not have (``VLLM_ONLY_ARGS``), each checked
+    to mean what ferrokv does; ``enable_prefix_caching=None`` (vLLM's "the default") is dropped."""
+    out = {}
+    for name, value in kwargs.items():
+        if name in VLLM_ONLY_ARGS:
+            fits, what = VLLM_ONLY_ARGS[name]
+            if not fits(value):
+                raise ValueError(f"{name}={value!r} is not supported: {what}")
+        elif not (name == "enable_prefix_caching" and value is None):
+            out[name] = value
+    return out

@@ -30,7 +30,7 @@ from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.chat_content_format import with_content_format
 from ferrokv.checks import check_int, check_text, shown
 from ferrokv.engine import LLMEngine
-from ferrokv.engine_args import EngineArgs
+from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineLoop, StreamItem
 from ferrokv.inputs import batch_prompts, check_no_lora, check_tools, message_text, message_tool_fields
 from ferrokv.outputs import Logprob, RequestOutput, RequestOutputKind
@@ -198,7 +198,10 @@ def _abandon(loop: EngineLoop, ids: list[str], done: dict[str, StreamItem], sink
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         """``model``: a Hub id, a local folder or a ``.gguf`` file (None: the embedded default).
-        Every other keyword is an ``EngineArgs`` field, with that field's default when left out."""
+        Every other keyword is an ``EngineArgs`` field, with that field's default when left out,
+        or one of vLLM's that ferrokv has no use for, at a value that means what ferrokv does
+        (``VLLM_ONLY_ARGS``)."""
+        engine_kwargs = without_vllm_only_args(engine_kwargs)
         unknown = sorted(set(engine_kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise TypeError(
@@ -221,9 +224,17 @@ class LLM:
         recommendations (``EngineArgs.generation_config``), else ``SamplingParams()``."""
         return self.llm_engine.get_default_sampling_params()
 
-    def reset_prefix_cache(self) -> bool:
+    @property
+    def model_config(self) -> Any:
+        return self.llm_engine.model_config
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Empties the prefix cache (``LLMEngine.reset_prefix_cache``): True when done, False while
-        another thread's requests are running. Safe between and during calls (it takes the engine lock)."""
+        another thread's requests are running. Safe between and during calls (it takes the engine
+        lock). vLLM's ``reset_running_requests=True`` (preempting them) is not supported."""
+        if reset_running_requests is not False:
+            raise ValueError(f"reset_running_requests={reset_running_requests!r} is not supported: the prefix cache "
+                             "is reset only while no request runs")
         return self.llm_engine.reset_prefix_cache()
 
     def _next_id(self) -> str:
@@ -278,8 +289,10 @@ class LLM:
         ``TokensPrompt`` dict, a list of ints, or a list of these); returns one finished
         ``RequestOutput`` per prompt, in order. A dict's ``cache_salt`` isolates its prefix cache.
         ``priority``: one per prompt (lower runs first), under ``scheduling_policy="priority"``
-        only, as in vLLM."""
+        only, as in vLLM. An empty list of prompts gives an empty list (vLLM's)."""
         check_no_lora(lora_request)
+        if isinstance(prompts, (list, tuple)) and not prompts:
+            return []
         prompts = batch_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -298,6 +311,8 @@ class LLM:
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {shown(p)}")
         if priority is not None:
+            if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+                raise ValueError(f"priority must be a list with one int per prompt, got {shown(priority)}")
             priority = list(priority)
             if len(priority) != len(prompts):
                 raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts (give one per prompt)")
