@@ -709,3 +709,24 @@ def test_response_role_default_template_kwargs_and_max_log_len_as_vllms_flags(ti
                                                 prompt_ids("A dog runs in the park. sweet")]
     logged = [m for m in logged if ": messages " in m]
     assert len(logged) == 3 and all("... (" in m and "park" not in m for m in logged), logged
+
+
+def test_request_id_and_tokens_as_ids_as_vllm(http):
+    """vLLM's request_id (an X-Request-Id header wins) is the response id's base, and
+    return_tokens_as_token_ids names logprobs' tokens "token_id:N"."""
+    chat_body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    r = http.post("/v1/chat/completions", json={**chat_body, "request_id": "my-req-1"})
+    assert r.json()["id"] == "chatcmpl-my-req-1"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "request_id": "body"},
+                  headers={"X-Request-Id": "hdr-7"})
+    assert r.json()["id"] == "cmpl-hdr-7"
+    r = http.post("/v1/chat/completions", json={**chat_body, "logprobs": True, "top_logprobs": 2,
+                                                "return_tokens_as_token_ids": True}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    assert all(t["token"].startswith("token_id:") for c in content for t in [c, *c["top_logprobs"]])
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "logprobs": 2,
+                                           "return_tokens_as_token_ids": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)

@@ -138,6 +138,8 @@ BAD_PARAMS = [
     (_C, "allowed_token_ids", [10 ** 9], str(10 ** 9)),
     (_CH, "structured_outputs", {"regex": "(ab"}, "(ab"),  # does not compile (the engine's check)
     (_C, "guided_regex", "[a-", "[a-"),
+    (_C, "logits_processors", ["my.module.Processor"], None),  # vLLM refuses them unless allowed at startup
+    (_CH, "use_beam_search", True, None),
     (_TOK, "prompt", 42, "42"),
     (_TOK, "prompt", "bad \ud800 surrogate", None),
     (_DETOK, "tokens", [-1], None),

@@ -331,6 +331,8 @@ class _Common:
     priority: int
     cache_salt: str | None
     structured: StructuredSource | None
+    request_id: str | None = None  # vLLM's: the response id's base (an X-Request-Id header wins)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
     def engine_error(self, e: ValueError) -> Exception:
         """The engine's ``ValueError`` about this request's constraint (a grammar that does not
@@ -355,10 +357,16 @@ def _common(body: Mapping[str, Any], params: SamplingParams, structured: Structu
     salt = _str(body, "cache_salt")
     if salt is not None and not salt:
         raise bad("cache_salt", "cache_salt must be a non-empty string")
+    # vLLM's fields this server cannot honour are refused rather than silently ignored.
+    if _opt(body, "logits_processors"):
+        raise bad("logits_processors", "logits_processors is not supported by this server")
+    if _bool(body, "use_beam_search", False):
+        raise bad("use_beam_search", "use_beam_search is not supported by this server (LLM.beam_search is)")
     return dict(model=_str(body, "model"), stream=stream, include_usage=include_usage,
                 continuous_usage=include_usage and bool(opts.get("continuous_usage_stats")), params=params,
                 user=_str(body, "user"), priority=_int(body, "priority", 0, -_I32 - 1, _I32), cache_salt=salt,
-                structured=structured)
+                structured=structured, request_id=_str(body, "request_id") or None,
+                tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False))
 
 
 @dataclass(slots=True)

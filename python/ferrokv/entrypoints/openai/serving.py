@@ -27,6 +27,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +154,12 @@ class SSEResponse(StreamingResponse):
         finally:
             await self.body_iterator.aclose()  # type: ignore[union-attr]
             await self.gen.close()
+
+
+def response_id(prefix: str, request: Request, request_id: str | None) -> str:
+    """vLLM's response id: ``prefix`` and the ``X-Request-Id`` header, else the body's
+    ``request_id``, else a random one (the engine's request id too: one in use is a 400)."""
+    return f"{prefix}-{request.headers.get('x-request-id') or request_id or uuid.uuid4().hex}"
 
 
 def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, field: str) -> None:

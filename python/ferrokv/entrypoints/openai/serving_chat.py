@@ -18,15 +18,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from typing import Any
 
 from fastapi import Request
 from starlette.responses import JSONResponse
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
-from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, run_generation,
-                                               stream_events, watched)
+from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, response_id,
+                                               run_generation, stream_events, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, usage
 from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
 from ferrokv.outputs import CompletionOutput, RequestOutput
@@ -36,30 +35,30 @@ logger = logging.getLogger("ferrokv.serve")
 __all__ = ["create_chat_completion"]
 
 
-def _top(tid: int, lp: Any) -> dict[str, Any]:
-    token = lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+def _top(tid: int, lp: Any, as_ids: bool) -> dict[str, Any]:
+    token = lp.decoded_token if lp.decoded_token is not None and not as_ids else f"token_id:{tid}"
     return {"token": token, "logprob": finite_logprob(lp.logprob), "bytes": list(token.encode("utf-8"))}
 
 
-def _logprobs(c: CompletionOutput, top_n: int) -> dict[str, Any] | None:
+def _logprobs(c: CompletionOutput, top_n: int, as_ids: bool) -> dict[str, Any] | None:
     if c.logprobs is None:
         return None
     content = []
     for tid, entry in zip(c.token_ids, c.logprobs):
-        item = _top(tid, entry[tid])
+        item = _top(tid, entry[tid], as_ids)
         ranked = sorted(((lp.rank or 0, t, lp) for t, lp in entry.items() if lp.rank and lp.rank <= top_n))
-        item["top_logprobs"] = [_top(t, lp) for _, t, lp in ranked]
+        item["top_logprobs"] = [_top(t, lp, as_ids) for _, t, lp in ranked]
         content.append(item)
     return {"content": content}
 
 
 class _Chat:
-    def __init__(self, req: ChatRequest, model: str, created: int, response_role: str) -> None:
+    def __init__(self, req: ChatRequest, model: str, created: int, response_role: str, rid: str) -> None:
         self.req = req
         # vLLM's: the answer's role is --response-role, or the last message's when the request
         # continues it (add_generation_prompt false).
         self.role = response_role if req.add_generation_prompt else req.messages[-1]["role"]
-        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": created,
+        self.head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                      "model": model}
         self.prompt_tokens = 0
         self.cached = 0
@@ -76,7 +75,7 @@ class _Chat:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached)
 
     def logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
-        return _logprobs(c, self.req.top_logprobs) if self.req.logprobs else None
+        return _logprobs(c, self.req.top_logprobs, self.req.tokens_as_ids) if self.req.logprobs else None
 
     def message(self, c: CompletionOutput) -> dict[str, Any]:
         """A whole choice's message: its text, and the tool calls it made (``tool_calls``)."""
@@ -121,7 +120,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     model = state.check_model(req.model)
     template = state.template_for(req.template)
     state.admit(1)
-    call = _Chat(req, model, int(time.time()), state.response_role)  # created: when this completion was made
+    call = _Chat(req, model, int(time.time()), state.response_role,  # created: when this completion was made
+                 response_id("chatcmpl", request, req.request_id))
     rid = call.head["id"]
     if state.log_prompts:
         logger.info("%s: messages %s, params %r", rid, state.loggable(req.messages), req.params)

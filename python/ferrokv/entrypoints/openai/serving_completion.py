@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 from fastapi import Request
 from starlette.responses import JSONResponse
 
 from ferrokv.entrypoints.openai.protocol import CompletionRequest, parse_completion_request
-from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, run_generation,
-                                               stream_events, watched)
+from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, response_id,
+                                               run_generation, stream_events, watched)
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
@@ -56,19 +55,20 @@ def prompt_logprobs_json(plp: list[Any] | None) -> list[Any] | None:
             for entry in plp]
 
 
-def _token_text(entry: dict[int, Any], tid: int) -> str:
+def _token_text(entry: dict[int, Any], tid: int, as_ids: bool) -> str:
     lp = entry.get(tid)
-    return lp.decoded_token if lp is not None and lp.decoded_token is not None else f"token_id:{tid}"
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None and not as_ids else f"token_id:{tid}"
 
 
 class _Logprobs:
     """One choice's completion logprobs, accumulated across streamed pieces (``text_offset``
     runs on from the previous piece)."""
 
-    __slots__ = ("offset",)
+    __slots__ = ("offset", "as_ids")
 
-    def __init__(self) -> None:
+    def __init__(self, as_ids: bool) -> None:
         self.offset = 0
+        self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids
 
     def piece(self, token_ids: list[int], entries: list[Any], first_text: str = "") -> dict[str, Any]:
         """OpenAI's logprobs of ``token_ids``; an entry may be None (a prompt's first token,
@@ -80,11 +80,11 @@ class _Logprobs:
                 lps.append(None)
                 tops.append(None)
             else:
-                tokens.append(_token_text(entry, tid))
+                tokens.append(_token_text(entry, tid, self.as_ids))
                 lps.append(finite_logprob(entry[tid].logprob) if tid in entry else None)
                 top: dict[str, float] = {}
                 for t, lp in entry.items():  # the sampled token first: it keeps its text's key
-                    top.setdefault(_token_text(entry, t), finite_logprob(lp.logprob))
+                    top.setdefault(_token_text(entry, t, self.as_ids), finite_logprob(lp.logprob))
                 tops.append(top)
             offsets.append(self.offset)
             self.offset += len(tokens[-1])
@@ -94,12 +94,12 @@ class _Logprobs:
 class _Completion:
     """One call's ids and running totals."""
 
-    def __init__(self, req: CompletionRequest, model: str, tokenizer: Any) -> None:
+    def __init__(self, req: CompletionRequest, model: str, tokenizer: Any, rid: str) -> None:
         self.req = req
         self.model = model
         self.tokenizer = tokenizer  # echo: the text of a prompt given as token ids
         self.echoed: set[int] = set()
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = rid
         self.n = req.params.n
         self.logprobs: dict[int, _Logprobs] = {}
         self.prompt_tokens: dict[int, int] = {}
@@ -108,7 +108,7 @@ class _Completion:
 
     def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         index = i * self.n + c.index
-        lp = self.logprobs.setdefault(index, _Logprobs()) if c.logprobs is not None else None
+        lp = self.logprobs.setdefault(index, _Logprobs(self.req.tokens_as_ids)) if c.logprobs is not None else None
         text, ids, entries = (c.text, c.token_ids, c.logprobs) if self.req.generate else ("", [], [])
         logprobs = None
         if self.req.echo and index not in self.echoed:  # the first piece of this choice
@@ -142,7 +142,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
                              max_logprobs=state.llm.engine.args.max_logprobs)
     model = state.check_model(req.model)
     state.admit(len(req.prompts))
-    call = _Completion(req, model, state.llm.tokenizer)
+    call = _Completion(req, model, state.llm.tokenizer, response_id("cmpl", request, req.request_id))
     created = int(time.time())  # OpenAI's created: when this completion was made
     if state.log_prompts:
         logger.info("%s: prompts %s, params %r", call.id, state.loggable(req.prompts), req.params)
