@@ -102,6 +102,20 @@ def test_named_function_streams_its_arguments_and_equals_the_whole(client):
     assert all(d.id is None and d.function.name is None and d.index == 0 for d in rest)
 
 
+def test_a_forced_call_keeps_the_requests_whitespace_pattern(client):
+    """vLLM passes guided_whitespace_pattern on to a forced call's schema: here none at all."""
+    r = create(client, False, tool_choice=NAMED, extra_body={"guided_whitespace_pattern": ""})
+    args = r.choices[0].message.tool_calls[0].function.arguments
+    jsonschema.validate(json.loads(args), WEATHER)
+    assert not any(ch.isspace() for ch in args), args
+
+
+def test_required_with_no_tools_is_none_as_openai(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[], tool_choice="required",
+                                       temperature=0.0, max_tokens=4)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("parallel", [None, False])
 def test_required_gives_calls_of_the_tools_each_valid(client, parallel):
     kw = {} if parallel is None else {"parallel_tool_calls": parallel}

@@ -178,7 +178,7 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
         prompt_logprobs = None
     structured, source = _structured(body)  # checked whatever the tools say, as vLLM checks it
     if tool_choice is not None and tool_choice.forced:
-        structured, source = _tool_structured(tool_choice)
+        structured, source = _tool_structured(tool_choice, _str(body, "guided_whitespace_pattern"))
     if tool_choice is not None and not tool_choice.forced:
         kw["skip_special_tokens"] = False  # vLLM's hermes parser: call tags may be special tokens
     try:
@@ -264,10 +264,12 @@ def _structured(body: Mapping[str, Any]) -> tuple[StructuredOutputsParams | None
         raise source.error(str(e)) from None
 
 
-def _tool_structured(choice: ToolChoice) -> tuple[StructuredOutputsParams, StructuredSource]:
-    source = StructuredSource("tools", (("json", "tools"),))
+def _tool_structured(choice: ToolChoice, whitespace: str | None) -> tuple[StructuredOutputsParams, StructuredSource]:
+    """A forced call's constraint: the tools' schema, with the request's
+    ``guided_whitespace_pattern`` (vLLM passes it on)."""
+    source = StructuredSource("tools", (("json", "tools"), ("whitespace_pattern", "guided_whitespace_pattern")))
     try:
-        return StructuredOutputsParams(json=choice.schema()), source
+        return StructuredOutputsParams(json=choice.schema(), whitespace_pattern=whitespace), source
     except ToolError as e:
         raise bad(e.param, str(e)) from None
     except ValueError as e:

@@ -126,7 +126,7 @@ def parse_tools(body: Mapping[str, Any],
         if auto_parser is None:
             raise ToolError("tool_choice", _AUTO)
         return list(tools), ToolChoice(functions, parallel=parallel is not False, parser=auto_parser)
-    if choice in (None, "none"):
+    if choice in (None, "none") or (choice == "required" and tools == []):  # no tools to call: OpenAI's "none"
         return (list(tools) if functions else None), None
     if choice in ("required", "auto"):  # "auto" only without tools: refused below
         name = None
