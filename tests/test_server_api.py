@@ -730,3 +730,26 @@ def test_request_id_and_tokens_as_ids_as_vllm(http):
     lp = r["choices"][0]["logprobs"]
     assert all(t.startswith("token_id:") for t in lp["tokens"])
     assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_return_token_ids_as_vllm(http, endpoint):
+    """vLLM's return_token_ids: the prompt's token ids (chat: at the top; completions: in each
+    choice) and each choice's; streamed, the prompt's come once, first, and the choices' as deltas
+    that add up to the whole."""
+    if endpoint == "chat":
+        path, body, prompt = "/v1/chat/completions", {"messages": MESSAGES}, chat_ids(MESSAGES)
+    else:
+        path, body, prompt = "/v1/completions", {"prompt": PROMPT}, prompt_ids(PROMPT)
+    body = {**body, "model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = http.post(path, json=body).json()
+    (choice,) = whole["choices"]
+    assert (whole if endpoint == "chat" else choice)["prompt_token_ids"] == prompt
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"] == 6
+    events = [json.loads(line[len("data: "):]) for line in http.post(path, json={**body, "stream": True}).text.split("\n")
+              if line.startswith("data: {")]
+    where = (lambda e: [e]) if endpoint == "chat" else (lambda e: e["choices"])
+    prompts = [x["prompt_token_ids"] for e in events for x in where(e) if x.get("prompt_token_ids") is not None]
+    assert prompts == [prompt]
+    assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == choice["token_ids"]
+    assert "token_ids" not in http.post(path, json={**body, "return_token_ids": False}).json()["choices"][0]

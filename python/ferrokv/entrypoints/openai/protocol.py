@@ -335,6 +335,7 @@ class _Common:
     structured: StructuredSource | None
     request_id: str | None = None  # vLLM's: the response id's base (an X-Request-Id header wins)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the choices' token ids too
 
     def engine_error(self, e: ValueError) -> Exception:
         """The engine's ``ValueError`` about this request's constraint (a grammar that does not
@@ -368,7 +369,8 @@ def _common(body: Mapping[str, Any], params: SamplingParams, structured: Structu
                 continuous_usage=include_usage and bool(opts.get("continuous_usage_stats")), params=params,
                 user=_str(body, "user"), priority=_int(body, "priority", 0, -_I32 - 1, _I32), cache_salt=salt,
                 structured=structured, request_id=_str(body, "request_id") or None,
-                tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False))
+                tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
+                token_ids=_bool(body, "return_token_ids", False))
 
 
 @dataclass(slots=True)

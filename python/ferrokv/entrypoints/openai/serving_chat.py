@@ -141,10 +141,12 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
         (out,) = await watched(request, gen.finals())
         call.count(out)
         choices = [{"index": c.index, "message": call.message(c),
-                    "logprobs": call.logprobs(c), "finish_reason": call.finish_reason(c), "stop_reason": c.stop_reason}
+                    "logprobs": call.logprobs(c), "finish_reason": call.finish_reason(c), "stop_reason": c.stop_reason,
+                    **({"token_ids": list(c.token_ids)} if req.token_ids else {})}
                    for c in sorted(out.outputs, key=lambda c: c.index)]
+        ids = {"prompt_token_ids": list(out.prompt_token_ids)} if req.token_ids else {}
         return JSONResponse({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
-                             "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)})
+                             "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs), **ids})
 
     return await run_generation(request, state, [prompt_then_generate()], respond, req.engine_error)
 
@@ -162,17 +164,22 @@ def _stream(gen: Generation, call: _Chat) -> Any:
     def chunks(i: int, out: RequestOutput) -> list[Any]:
         call.count(out)
         events = []
+        with_ids = call.req.token_ids  # vLLM's return_token_ids: the prompt's first, then each delta's
         for c in out.outputs:
             if c.index not in call.started:
+                first = not call.started
                 call.started.add(c.index)
                 events.append(chunk([{"index": c.index, "delta": {"role": call.role, "content": ""},
                                       "logprobs": None, "finish_reason": None}]))
+                if with_ids and first:
+                    events[-1]["prompt_token_ids"] = list(out.prompt_token_ids)
             delta = call.delta(c)
             if not delta.get("content") and "tool_calls" not in delta and c.finish_reason is None \
-                    and c.logprobs is None:
+                    and c.logprobs is None and not (with_ids and c.token_ids):
                 continue  # a token that completes no character (or call) yet: nothing to send
             events.append(chunk([{"index": c.index, "delta": delta, "logprobs": call.logprobs(c),
-                                  "finish_reason": call.finish_reason(c), "stop_reason": c.stop_reason}]))
+                                  "finish_reason": call.finish_reason(c), "stop_reason": c.stop_reason,
+                                  **({"token_ids": list(c.token_ids)} if with_ids else {})}]))
         return events
 
     def tail() -> list[Any]:

@@ -99,6 +99,7 @@ class _Completion:
         self.model = model
         self.tokenizer = tokenizer  # echo: the text of a prompt given as token ids
         self.echoed: set[int] = set()
+        self.ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
         self.id = rid
         self.n = req.params.n
         self.logprobs: dict[int, _Logprobs] = {}
@@ -121,8 +122,13 @@ class _Completion:
         if lp is not None:
             rest = lp.piece(ids, entries)
             logprobs = rest if logprobs is None else {k: logprobs[k] + rest[k] for k in logprobs}
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.req.token_ids:  # vLLM's return_token_ids: the prompt's with a choice's first piece
+            choice["prompt_token_ids"] = None if index in self.ids_sent else list(out.prompt_token_ids)
+            choice["token_ids"] = list(ids)
+            self.ids_sent.add(index)
+        return choice
 
     def count(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)
@@ -175,7 +181,8 @@ def _stream(gen: Generation, call: _Completion, created: int) -> Any:
         # A token that completes no character yet has nothing to send (unless it has logprobs).
         choices = [call.choice(i, out, c) for c in out.outputs
                    if c.text or c.finish_reason is not None or c.logprobs is not None
-                   or (call.req.echo and i * call.n + c.index not in call.echoed)]
+                   or (call.req.echo and i * call.n + c.index not in call.echoed)
+                   or (call.req.token_ids and c.token_ids)]
         if not choices:
             return []
         chunk = {**head, "choices": choices}
