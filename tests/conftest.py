@@ -57,6 +57,22 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def bos_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama with a tokenizer whose post-processor prepends a BOS (id 1) to a text, so
+    that ``add_special_tokens`` shows."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    model = tmp_path_factory.mktemp("bos") / "llama"
+    shutil.copytree(tiny_model_dir("llama", "llama"), model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok.save(str(model / "tokenizer.json"))
+    return model
+
+
+@pytest.fixture(scope="session")
 def llama_path(tiny_model_dir):
     """The tiny Llama checkpoint most engine tests run on."""
     return tiny_model_dir("llama", "llama")

@@ -525,20 +525,11 @@ def test_vllm_engine_client_queries(allm):
     assert not allm.errored and not allm.is_stopped and allm.is_running
 
 
-def test_more_of_vllms_engine_client_surface(tiny_model_dir, tmp_path):
+def test_more_of_vllms_engine_client_surface(bos_model_dir):
     """model_config (and its coroutine), do_log_stats, tracing and tasks; generate's keywords
     (trace_headers, prompt_text, data_parallel_rank 0, tokenization_kwargs' add_special_tokens,
     here with a tokenizer that prepends a BOS); what ferrokv cannot do is a ValueError naming it."""
-    import shutil
-
-    from tokenizers import Tokenizer, processors
-
-    model = tmp_path / "bos"
-    shutil.copytree(tiny_model_dir("llama"), model)
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    tok.save(str(model / "tokenizer.json"))
-    allm = make_async_llm(model)
+    allm = make_async_llm(bos_model_dir)
     prompt = "the cat"
 
     async def main():

@@ -611,3 +611,20 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
     for kw in ({"pipeline_parallel_size": 2}, {"enable_lora": True}, {"cpu_offload_gb": 4}, {"task": "embed"}):
         with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* is not supported"):
             tiny_llm(llama_path, **kw)
+
+
+def test_generate_takes_vllms_tokenization_kwargs(bos_model_dir):
+    """``tokenization_kwargs={"add_special_tokens": False}`` tokenizes text prompts without the
+    tokenizer's own BOS; other keys are refused naming them; chat checks them too."""
+    llm = tiny_llm(bos_model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    plain = llm.get_tokenizer()("the cat", add_special_tokens=False)["input_ids"]
+    with_bos, without = (llm.generate(["the cat"], params, use_tqdm=False, tokenization_kwargs=kw)[0]
+                         for kw in (None, {"add_special_tokens": False}))
+    assert (with_bos.prompt_token_ids, without.prompt_token_ids) == ([1, *plain], plain)
+    assert without.prompt == "the cat"
+    with pytest.raises(ValueError, match="tokenization_kwargs\\['truncation'\\] is not supported"):
+        llm.generate(["a"], params, use_tqdm=False, tokenization_kwargs={"truncation": True})
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, mm_processor_kwargs={"x": 1})
+    assert_no_leak(llm)

@@ -679,24 +679,16 @@ def test_cors_answers_preflights_before_the_api_key_as_vllm(llama_path):
         llm.shutdown()
 
 
-def test_completions_honour_add_special_tokens(tiny_model_dir, tmp_path):
+def test_completions_honour_add_special_tokens(bos_model_dir):
     """vLLM's completion field: a text prompt gets the tokenizer's own special tokens (here a
     BOS its post-processor prepends) unless ``add_special_tokens: false`` (a prompt that is
     already templated would otherwise get a second BOS)."""
     import asyncio
-    import shutil
-
-    from tokenizers import Tokenizer, processors
 
     from ferrokv import AsyncLLM
     from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
 
-    model = tmp_path / "bos"
-    shutil.copytree(tiny_model_dir("llama"), model)
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    tok.save(str(model / "tokenizer.json"))
-    llm = AsyncLLM(str(model), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    llm = AsyncLLM(str(bos_model_dir), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
     try:
         async def main():
             transport = httpx.ASGITransport(app=build_app(llm, ServerConfig(served_model_name=MODEL)))

@@ -45,7 +45,7 @@ from ferrokv.checks import check_text
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
-from ferrokv.inputs import check_no_lora, prompt_ids, request_id_str
+from ferrokv.inputs import add_special_tokens_of, check_no_lora, request_id_str, tokenized_prompt
 from ferrokv.llm import chat_token_ids
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
@@ -317,16 +317,11 @@ class AsyncLLM:
         return await self._in_pool(self.engine.tokenizer.decode, token_ids)
 
     async def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True) -> Any:
-        """A text prompt as ``{"prompt", "prompt_token_ids"}`` (its ``cache_salt`` kept), tokenized
-        on the pool (``inputs.prompt_ids``); other forms are passed on (the engine checks them)."""
-        text_only = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
-        if not text_only:
+        """A text prompt as ``{"prompt", "prompt_token_ids"}`` (``inputs.tokenized_prompt``),
+        tokenized on the pool; other forms are passed on (the engine checks them)."""
+        if not (isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
             return prompt
-        text, ids = await self._in_pool(prompt_ids, self.engine.tokenizer, prompt, add_special_tokens)
-        out = {"prompt": text, "prompt_token_ids": ids}
-        if isinstance(prompt, dict) and "cache_salt" in prompt:
-            out["cache_salt"] = prompt["cache_salt"]  # the engine combines it with the keyword's
-        return out
+        return await self._in_pool(tokenized_prompt, self.engine.tokenizer, prompt, add_special_tokens)
 
     # ------------------------------------------------------------------------------------------
     # Requests
@@ -351,7 +346,7 @@ class AsyncLLM:
         check_no_lora(lora_request)
         if data_parallel_rank not in (None, 0):
             raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: ferrokv runs one engine (give None or 0)")
-        add_special_tokens = _add_special_tokens(tokenization_kwargs)
+        add_special_tokens = add_special_tokens_of(tokenization_kwargs)
         params = sampling_params if sampling_params is not None else self.engine.get_default_sampling_params()
         # An id of our own never matches one a caller chose (vLLM makes callers give one).
         rid = f"ferrokv-{uuid.uuid4().hex}" if request_id is None else request_id_str(request_id)
@@ -399,16 +394,6 @@ class AsyncLLM:
         """Ends the engine loop (requests still in it end with ``EngineDeadError``) and the
         tokenizer pool; idempotent."""
         _close(self.engine_loop, self._pool)
-
-
-def _add_special_tokens(tokenization_kwargs: dict[str, Any] | None) -> bool:
-    """vLLM's ``tokenization_kwargs`` as far as ferrokv tokenizes: ``add_special_tokens``."""
-    kw = dict(tokenization_kwargs or {})
-    add = kw.pop("add_special_tokens", True)
-    if not isinstance(add, bool) or kw:
-        bad = "add_special_tokens" if not isinstance(add, bool) else next(iter(kw))
-        raise ValueError(f"tokenization_kwargs[{bad!r}] is not supported (only add_special_tokens, a bool)")
-    return add
 
 
 def _close(loop: EngineLoop, pool: concurrent.futures.ThreadPoolExecutor) -> None:

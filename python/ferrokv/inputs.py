@@ -22,8 +22,8 @@ import numpy as np
 
 from ferrokv.checks import check_int, check_text, shown
 
-__all__ = ["batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority", "check_tools", "message_text",
-           "message_tool_fields", "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "truncated_prompt", "validate_prompt_ids"]
+__all__ = ["add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority", "check_tools", "message_text",
+           "message_tool_fields", "prompt_cache_salt", "tokenized_prompt", "prompt_ids", "request_id_str", "request_ids", "truncated_prompt", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -67,6 +67,29 @@ def prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool = True) -> 
     raise ValueError(
         f"prompt must be a str or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}"
     )
+
+
+def add_special_tokens_of(tokenization_kwargs: Mapping[str, Any] | None) -> bool:
+    """vLLM's ``tokenization_kwargs`` as far as ferrokv tokenizes a text prompt:
+    ``add_special_tokens`` (True when left out); any other key is a ``ValueError`` naming it."""
+    kw = dict(tokenization_kwargs or {})
+    add = kw.pop("add_special_tokens", True)
+    if not isinstance(add, bool) or kw:
+        bad = "add_special_tokens" if not isinstance(add, bool) else next(iter(kw))
+        raise ValueError(f"tokenization_kwargs[{bad!r}] is not supported (only add_special_tokens, a bool)")
+    return add
+
+
+def tokenized_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = True) -> Any:
+    """A text prompt (a str, or a dict without ids) as ``{"prompt", "prompt_token_ids"}``, its
+    ``cache_salt`` kept; other forms as they are (the engine checks them)."""
+    if not (isinstance(prompt, str) or (isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt)):
+        return prompt
+    text, ids = prompt_ids(tokenizer, prompt, add_special_tokens)
+    out = {"prompt": text, "prompt_token_ids": ids}
+    if isinstance(prompt, Mapping) and "cache_salt" in prompt:
+        out["cache_salt"] = prompt["cache_salt"]  # the engine combines it with the keyword's
+    return out
 
 
 def prompt_cache_salt(prompt: Any, cache_salt: str | None) -> str | None:

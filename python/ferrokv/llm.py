@@ -32,7 +32,8 @@ from ferrokv.checks import check_int, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineLoop, StreamItem
-from ferrokv.inputs import batch_prompts, check_no_lora, check_tools, message_text, message_tool_fields
+from ferrokv.inputs import (add_special_tokens_of, batch_prompts, check_no_lora, check_tools, message_text,
+                            message_tool_fields, tokenized_prompt)
 from ferrokv.outputs import Logprob, RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
@@ -284,16 +285,21 @@ class LLM:
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None, *,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generates for every prompt (vLLM's forms, ``ferrokv.inputs``: a str, a ``TextPrompt`` or
         ``TokensPrompt`` dict, a list of ints, or a list of these); returns one finished
         ``RequestOutput`` per prompt, in order. A dict's ``cache_salt`` isolates its prefix cache.
         ``priority``: one per prompt (lower runs first), under ``scheduling_policy="priority"``
-        only, as in vLLM. An empty list of prompts gives an empty list (vLLM's)."""
+        only, as in vLLM. An empty list of prompts gives an empty list (vLLM's).
+        ``tokenization_kwargs``: vLLM's, ``{"add_special_tokens": False}`` (text prompts are then
+        tokenized without the tokenizer's own special tokens)."""
         check_no_lora(lora_request)
         if isinstance(prompts, (list, tuple)) and not prompts:
             return []
         prompts = batch_prompts(prompts)
+        if not add_special_tokens_of(tokenization_kwargs):
+            prompts = [tokenized_prompt(self.get_tokenizer(), p, False) for p in prompts]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -324,14 +330,20 @@ class LLM:
              lora_request: Any = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, mm_processor_kwargs: Any = None,
+             tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Applies the chat template (the tokenizer's, or ``chat_template``, a Jinja string) to one
         conversation (or a list of them); the arguments are vLLM's, in its order.
         ``continue_final_message`` leaves the last message open for the model to continue (vLLM's
         semantics: then ``add_generation_prompt`` must be False); ``tools`` (OpenAI's tool
         definitions) and ``chat_template_kwargs`` (extra variables) are given to the template.
         ``chat_template_content_format``: "string" (a message's text), "openai" (a list of text
-        parts) or "auto" (what the template reads, ``ferrokv.chat_content_format``)."""
+        parts) or "auto" (what the template reads, ``ferrokv.chat_content_format``).
+        vLLM's ``tokenization_kwargs`` are checked (the template writes the special tokens) and
+        ``mm_processor_kwargs`` must be empty (text only)."""
+        add_special_tokens_of(tokenization_kwargs)
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs={shown(mm_processor_kwargs)} is not supported: ferrokv takes text only")
         if isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
             named = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
         else:
