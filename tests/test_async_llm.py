@@ -525,6 +525,27 @@ def test_vllm_engine_client_queries(allm):
     assert not allm.errored and not allm.is_stopped and allm.is_running
 
 
+def test_an_abort_left_unawaited_is_applied_and_warns_nothing(allm):
+    """The abort is queued when abort() is called; its coroutine is already done, so a caller
+    that leaves it alone (ferrokv's earlier form) loses nothing and gets no 'never awaited'."""
+    import gc
+    import warnings
+
+    async def main():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = []
+            async for o in allm.generate(rand_prompts(44, [7])[0], greedy(100, output_kind=Kind.DELTA), "quiet"):
+                outs.append(o)
+                if len(outs) == 1:
+                    allm.abort("quiet")
+            gc.collect()
+        return outs, [str(w.message) for w in caught]
+
+    outs, warned = asyncio.run(main())
+    assert outs[-1].outputs[0].finish_reason == "abort" and warned == []
+
+
 def test_more_of_vllms_engine_client_surface(bos_model_dir):
     """model_config (and its coroutine), do_log_stats, tracing and tasks; generate's keywords
     (trace_headers, prompt_text, data_parallel_rank 0, tokenization_kwargs' add_special_tokens,

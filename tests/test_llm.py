@@ -597,10 +597,10 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
     any other is a ValueError naming it."""
     llm = tiny_llm(llama_path, compilation_config={"cudagraph_mode": "NONE"}, max_seq_len_to_capture=8192,
                    cpu_offload_gb=0, disable_custom_all_reduce=True, pipeline_parallel_size=1, data_parallel_size=1,
-                   enable_lora=False, skip_tokenizer_init=False, hf_token=None, task="generate", runner="auto",
+                   enable_lora=False, skip_tokenizer_init=False, task="generate", runner="auto",
                    disable_async_output_proc=True, async_scheduling=False, served_model_name="x",
                    distributed_executor_backend=None, enable_sleep_mode=False, mm_processor_kwargs=None,
-                   enable_prefix_caching=None)
+                   enable_prefix_caching=None, limit_mm_per_prompt={"image": 0}, hf_token=True)
     assert llm.llm_engine.args.enable_prefix_caching is True
     assert llm.model_config is llm.llm_engine.model_config
     assert llm.generate([], use_tqdm=False) == []  # vLLM's: nothing to do

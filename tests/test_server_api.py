@@ -273,7 +273,8 @@ def test_stream_include_usage(client, endpoint):
     # Without stream_options no chunk carries usage; given, include_usage defaults to true (vLLM's),
     # unless it is false.
     assert all(c.usage is None for c in call(client, max_tokens=3, stream=True))
-    for opts, usage in (({}, True), ({"continuous_usage_stats": False}, True), ({"include_usage": False}, False)):
+    for opts, usage in (({}, True), ({"continuous_usage_stats": False}, True), ({"include_usage": False}, False),
+                        ({"include_usage": None}, False)):
         *_, last = list(call(client, max_tokens=3, stream=True, stream_options=opts))
         assert (last.usage is not None) == usage, opts
     # vLLM's continuous_usage_stats: the usage so far in every chunk, growing to the total.
@@ -720,6 +721,14 @@ def test_request_id_and_tokens_as_ids_as_vllm(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "request_id": "body"},
                   headers={"X-Request-Id": "hdr-7"})
     assert r.json()["id"] == "cmpl-hdr-7"
+    # Clients may reuse an id (retries, a gateway's header): requests in flight at once are both
+    # served, under the one response id (vLLM adds a suffix inside).
+    with http.stream("POST", "/v1/chat/completions", json={**chat_body, "max_tokens": 50, "stream": True},
+                     headers={"X-Request-Id": "same"}) as first:
+        assert first.status_code == 200
+        next(first.iter_lines())  # in flight
+        second = http.post("/v1/chat/completions", json=chat_body, headers={"X-Request-Id": "same"})
+        assert second.status_code == 200 and second.json()["id"] == "chatcmpl-same", second.text
     r = http.post("/v1/chat/completions", json={**chat_body, "logprobs": True, "top_logprobs": 2,
                                                 "return_tokens_as_token_ids": True}).json()
     content = r["choices"][0]["logprobs"]["content"]

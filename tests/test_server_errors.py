@@ -516,6 +516,8 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--max-log-len", "-1"], ["--max-log-len", "-1"]),
     (["--response-role", ""], ["--response-role"]),
     (["--default-chat-template-kwargs", "[1]"], ["--default-chat-template-kwargs", "a JSON object"]),
+    (["--default-chat-template-kwargs", '{"add_generation_prompt": false}'],
+     ["--default-chat-template-kwargs", "add_generation_prompt"]),
     (["--uvicorn-log-level", "loud"], ["--uvicorn-log-level", "'loud'"]),
     (["--uvicorn-access-log=1"], ["--uvicorn-access-log"]),
     (["--disable-uvicorn-access-log=1"], ["--disable-uvicorn-access-log"]),

@@ -219,6 +219,17 @@ def test_json_options(compiler, tok):
     nested = {"type": "array", "items": {"anyOf": [s, {"type": "object", "properties": {"c": {"type": "null"}}}]}}
     assert accepts(compiler, SOP(json=nested), '[{"a":1},{"c":null}]', tok)
     assert not accepts(compiler, SOP(json=nested), '[{"c":null,"d":1}]', tok)
+    # Never where a valid object would be lost: allOf branches each list part of the keys (also
+    # through $ref), and a required key that properties does not list.
+    inherit = {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+               "allOf": [{"$ref": "#/$defs/Base"},
+                         {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}]}
+    assert accepts(compiler, SOP(json=inherit), '{"id":1,"name":"x"}', tok)
+    halves = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    assert accepts(compiler, SOP(json=halves), '{"a":1,"b":2}', tok)
+    loose = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
+    assert accepts(compiler, SOP(json=loose), '{"a":1,"b":2}', tok)
     assert accepts(compiler, SOP(json_object=True), '{"x": [1, {"y": "z"}]}', tok)
     assert not accepts(compiler, SOP(json_object=True), '[1]', tok)
 

@@ -146,8 +146,24 @@ class _RequestStream:
         return self._queue.popleft()
 
 
-async def _done() -> None:
-    """``AsyncLLM.abort``'s coroutine: the abort was queued when it was called."""
+class _Done(Coroutine[Any, Any, None]):
+    """``AsyncLLM.abort``'s result: a coroutine (``await``, ``create_task`` and
+    ``run_coroutine_threadsafe`` take it, as vLLM's abort is one) that is already done, since
+    the abort was queued when it was called; left alone, nothing is lost and nothing warns."""
+
+    __slots__ = ()
+
+    def send(self, value: Any) -> Any:
+        raise StopIteration(None)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        raise typ if val is None else val
+
+    def close(self) -> None:
+        pass
+
+    def __await__(self) -> Any:
+        return iter(())
 
 
 class AsyncLLM:
@@ -382,7 +398,7 @@ class AsyncLLM:
         any thread; the result is a coroutine, as vLLM's abort is one (``await llm.abort(rid)``,
         ``create_task``, ``run_coroutine_threadsafe``)."""
         self.engine_loop.abort(request_id)
-        return _done()
+        return _Done()
 
     def abort_all(self) -> None:
         """Aborts every request in flight (the server's drain deadline)."""

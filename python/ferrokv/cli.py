@@ -30,6 +30,7 @@ from ferrokv import __version__
 from ferrokv.chat_content_format import CONTENT_FORMATS
 from ferrokv.checks import check_text
 from ferrokv.engine_args import EngineArgs, engine_arg_help, help_with_default
+from ferrokv.inputs import template_kwargs
 from ferrokv.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
 from ferrokv.sampling_params import SamplingParams
@@ -396,6 +397,7 @@ def _serve(args: argparse.Namespace) -> int:
             # be served silently, the model's name taken as a name or a key.
             raise ValueError(f"{flag} took {len(values)} values and no model was given: write the model first "
                              f"(ferrokv serve MODEL {flag} ...)")
+    template_kwargs(args.default_chat_template_kwargs, "--default-chat-template-kwargs")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if not args.response_role or not args.response_role.isprintable():

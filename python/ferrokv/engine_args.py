@@ -287,9 +287,11 @@ VLLM_ONLY_ARGS: dict[str, tuple[Any, str]] = {
     "async_scheduling": (lambda v: v in (None, False), "ferrokv overlaps steps its own way (overlap)"),
     "task": (lambda v: v in ("auto", "generate"), "ferrokv generates text"),
     "runner": (lambda v: v in ("auto", "generate"), "ferrokv generates text"),
-    "hf_token": (lambda v: v is None, "give the Hub token as $HF_TOKEN"),
+    # True: the token of `hf auth login`, which the Hub client reads anyway.
+    "hf_token": (lambda v: v is None or v is True, "give another Hub token as $HF_TOKEN"),
     "mm_processor_kwargs": (lambda v: not v, "ferrokv takes text only"),
-    "limit_mm_per_prompt": (lambda v: not v, "ferrokv takes text only"),
+    "limit_mm_per_prompt": (lambda v: not v or (isinstance(v, dict) and not any(v.values())),
+                            "ferrokv takes text only"),
 }
 
 

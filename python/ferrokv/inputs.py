@@ -23,7 +23,7 @@ import numpy as np
 from ferrokv.checks import check_int, check_text, shown
 
 __all__ = ["add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority", "check_tools", "message_text",
-           "message_tool_fields", "prompt_cache_salt", "tokenized_prompt", "prompt_ids", "request_id_str", "request_ids", "truncated_prompt", "validate_prompt_ids"]
+           "message_tool_fields", "prompt_cache_salt", "template_kwargs", "tokenized_prompt", "prompt_ids", "request_id_str", "request_ids", "truncated_prompt", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -273,3 +273,25 @@ def check_logprobs_cap(logprobs: int | None, prompt_logprobs: int | None, max_lo
         if wanted is not None and wanted > max_logprobs:
             raise ValueError(f"{name}={value} asks for {wanted} logprobs, more than max_logprobs={max_logprobs} "
                              "(raise the engine's max_logprobs, -1 for no limit)")
+
+
+# apply_chat_template's own arguments and the template's messages: chat_template_kwargs may not set them.
+_TEMPLATE_RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def template_kwargs(kwargs: Any, name: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Extra variables of a chat template (vLLM's ``chat_template_kwargs``): a dict whose keys
+    are names, none of them one of ``apply_chat_template``'s own arguments; ``name`` is what
+    errors call it (``--default-chat-template-kwargs``, checked at startup)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"{name} must be a dict of template variables, got {shown(kwargs)}")
+    reserved = sorted(_TEMPLATE_RESERVED.intersection(kwargs))
+    if reserved:
+        raise ValueError(f"{name} may not set {', '.join(reserved)} (arguments of their own)")
+    return dict(kwargs)

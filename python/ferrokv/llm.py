@@ -33,7 +33,7 @@ from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineLoop, StreamItem
 from ferrokv.inputs import (add_special_tokens_of, batch_prompts, check_no_lora, check_tools, message_text,
-                            message_tool_fields, tokenized_prompt)
+                            message_tool_fields, template_kwargs, tokenized_prompt)
 from ferrokv.outputs import Logprob, RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
@@ -90,12 +90,6 @@ def checked_messages(conversation: Any, name: str = "messages") -> list[dict[str
     return out
 
 
-# apply_chat_template's own arguments and the template's messages: chat_template_kwargs may not set them.
-_TEMPLATE_RESERVED = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
 
 
 def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
@@ -129,7 +123,7 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
             raise ValueError("chat_template must be a non-empty Jinja template string")
     elif not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}: the tokenizer has no chat template")
-    extra = _template_kwargs(chat_template_kwargs)
+    extra = template_kwargs(chat_template_kwargs)
     check_tools(tools)
     conversation = with_content_format(conversation, content_format,
                                        chat_template if chat_template is not None else tokenizer.chat_template)
@@ -156,15 +150,6 @@ def _escaped(e: BaseException) -> str:
     return str(e).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _template_kwargs(kwargs: Any) -> dict[str, Any]:
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got {shown(kwargs)}")
-    reserved = sorted(_TEMPLATE_RESERVED.intersection(kwargs))
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (arguments of their own)")
-    return dict(kwargs)
 
 
 def _final_only(params: Any) -> Any:

@@ -203,14 +203,31 @@ class CompiledGrammar:
         return self.template.deep_copy()
 
 
+def _strict_objects(schema: Any) -> None:
+    """vLLM's default (xgrammar's strict mode), where it cannot forbid a valid object: every
+    object schema with ``properties`` and no ``additionalProperties`` takes no other keys, except
+    one that requires a key it does not list, and none at all in a schema with ``allOf`` (its
+    branches, and what they refer to, each list only part of the object's keys)."""
+    if not _mentions(schema, "allOf"):
+        _additional_properties_off(schema)
+
+
+def _mentions(schema: Any, key: str) -> bool:
+    if isinstance(schema, list):
+        return any(_mentions(s, key) for s in schema)
+    return isinstance(schema, dict) and (key in schema or any(_mentions(v, key) for v in schema.values()))
+
+
 def _additional_properties_off(schema: Any) -> None:
-    """In place: every (sub)schema with ``properties`` and no ``additionalProperties`` gets
-    ``additionalProperties: false``."""
+    """In place: every (sub)schema with ``properties``, no ``additionalProperties`` and no
+    required key outside ``properties`` gets ``additionalProperties: false``."""
     if isinstance(schema, list):
         for item in schema:
             _additional_properties_off(item)
     elif isinstance(schema, dict):
-        if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        props, required = schema.get("properties"), schema.get("required")
+        if isinstance(props, dict) and "additionalProperties" not in schema and \
+                (not isinstance(required, list) or all(r in props for r in required)):
             schema["additionalProperties"] = False
         for key, value in schema.items():
             if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
@@ -316,7 +333,9 @@ class GrammarCompiler:
             # Always: vLLM's default backend (xgrammar) compiles schemas in strict mode, so an
             # object takes only the properties it lists unless its schema says otherwise.
             schema = _json.loads(schema)
-            _additional_properties_off(schema)
+            # The guidance backend's flag asks for every object strict; vLLM's default only where
+            # no valid object is lost.
+            (_additional_properties_off if params.disable_additional_properties else _strict_objects)(schema)
             options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
             if params.whitespace_pattern is not None:
                 options["whitespace_pattern"] = params.whitespace_pattern

@@ -353,8 +353,8 @@ def _common(body: Mapping[str, Any], params: SamplingParams, structured: Structu
     for key in ("include_usage", "continuous_usage_stats"):
         if opts.get(key) is not None and not isinstance(opts[key], bool):
             raise bad(f"stream_options.{key}", f"stream_options.{key} must be a boolean, got {shown(opts[key])}")
-    # vLLM's: given stream_options (even {}), include_usage defaults to true.
-    include_usage = body.get("stream_options") is not None and opts.get("include_usage") is not False
+    # vLLM's: given stream_options (even {}), include_usage defaults to true (null: false).
+    include_usage = body.get("stream_options") is not None and bool(opts.get("include_usage", True))
     if opts and not stream:
         raise bad("stream_options", "stream_options is only allowed with stream: true")
     salt = _str(body, "cache_salt")

@@ -158,8 +158,14 @@ class SSEResponse(StreamingResponse):
 
 def response_id(prefix: str, request: Request, request_id: str | None) -> str:
     """vLLM's response id: ``prefix`` and the ``X-Request-Id`` header, else the body's
-    ``request_id``, else a random one (the engine's request id too: one in use is a 400)."""
+    ``request_id``, else a random one."""
     return f"{prefix}-{request.headers.get('x-request-id') or request_id or uuid.uuid4().hex}"
+
+
+def engine_request_id(response_id: str) -> str:
+    """The engine's id of a response's request: the response id and a random suffix, as vLLM
+    adds one, so that clients reusing an id (retries, a gateway's header) never collide."""
+    return f"{response_id}-{uuid.uuid4().hex[:8]}"
 
 
 def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, field: str) -> None:

@@ -24,7 +24,8 @@ from fastapi import Request
 from starlette.responses import JSONResponse
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
-from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, response_id,
+from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id, generate_checked,
+                                               response_id,
                                                run_generation, stream_events, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, usage
 from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
@@ -122,7 +123,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     state.admit(1)
     call = _Chat(req, model, int(time.time()), state.response_role,  # created: when this completion was made
                  response_id("chatcmpl", request, req.request_id))
-    rid = call.head["id"]
+    rid = engine_request_id(call.head["id"])
     if state.log_prompts:
         logger.info("%s: messages %s, params %r", rid, state.loggable(req.messages), req.params)
 

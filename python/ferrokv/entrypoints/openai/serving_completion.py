@@ -24,7 +24,8 @@ from fastapi import Request
 from starlette.responses import JSONResponse
 
 from ferrokv.entrypoints.openai.protocol import CompletionRequest, parse_completion_request
-from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, generate_checked, response_id,
+from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id, generate_checked,
+                                               response_id,
                                                run_generation, stream_events, watched)
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
@@ -153,7 +154,8 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
     if state.log_prompts:
         logger.info("%s: prompts %s, params %r", call.id, state.loggable(req.prompts), req.params)
     field = "prompt" if len(req.prompts) == 1 else "prompt[{}]"
-    gens = [generate_checked(state.llm, p, req.params, f"{call.id}-{i}", field.format(i), req.add_special_tokens,
+    rid = engine_request_id(call.id)
+    gens = [generate_checked(state.llm, p, req.params, f"{rid}-{i}", field.format(i), req.add_special_tokens,
                              priority=req.priority, cache_salt=req.cache_salt)
             for i, p in enumerate(req.prompts)]
 
