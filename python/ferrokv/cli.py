@@ -282,10 +282,10 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                         "checks and /metrics (default: none, else $FERROKV_API_KEY, else $VLLM_API_KEY)")
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model name(s) clients may send; responses show the first (default: the model argument)")
-    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+    g.add_argument("--max-body-bytes", type=human_readable_int, default=d.max_body_bytes,
                    help=help_with_default("largest request body accepted; larger ones get 413",
                                           d.max_body_bytes))
-    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+    g.add_argument("--max-waiting-requests", type=human_readable_int, default=d.max_waiting_requests,
                    help=help_with_default("requests accepted beyond the max_num_seqs running ones; more get 503",
                                           d.max_waiting_requests))
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
@@ -293,7 +293,7 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                                           "they are aborted", d.drain_timeout))
     g.add_argument("--log-prompts", "--enable-log-requests", action="store_true",
                    help="log each request's prompt and sampling parameters (default: off)")
-    g.add_argument("--max-log-len", type=int, default=d.max_log_len, metavar="N",
+    g.add_argument("--max-log-len", type=human_readable_int, default=d.max_log_len, metavar="N",
                    help="characters of a prompt --log-prompts logs (default: all)")
     g.add_argument("--response-role", default=d.response_role, metavar="ROLE",
                    help=help_with_default("the role of chat answers (a chat that continues its last message: that "

@@ -182,6 +182,9 @@ def _abandon(loop: EngineLoop, ids: list[str], done: dict[str, StreamItem], sink
 
 
 class LLM:
+    """vLLM's offline engine: ``generate``, ``chat`` and ``beam_search`` over one engine, from
+    any number of threads (module docs)."""
+
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         """``model``: a Hub id, a local folder or a ``.gguf`` file (None: the embedded default).
         Every other keyword is an ``EngineArgs`` field, with that field's default when left out,

@@ -99,9 +99,10 @@ class StructuredOutputsParams:
     text), ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark as llguidance takes it,
     or GBNF when it has ``::=``), ``json_object=True`` (any JSON object). The other three options
     shape JSON output only: ``disable_any_whitespace`` (no whitespace between tokens),
-    ``disable_additional_properties`` (accepted for vLLM's guidance backend; always so here, as
-    vLLM's default backend compiles schemas strictly: objects with ``properties`` take no others
-    unless they say so), ``whitespace_pattern`` (the regex of whitespace between tokens; it wins over
+    ``disable_additional_properties`` (every object with ``properties`` takes no others unless it
+    says so; left False, objects are still strict as vLLM's default backend compiles them, except
+    where that would forbid a valid object: in a schema with ``allOf``, or an object that requires
+    a key it does not list), ``whitespace_pattern`` (the regex of whitespace between tokens; it wins over
     ``disable_any_whitespace``)."""
 
     json: str | dict | None = None

@@ -235,7 +235,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     # vLLM's root: the model as given to the server (its path or Hub id), whatever it is served as.
-    root = llm.engine.args.model or config.served_model_name
+    root = llm.engine.args.model or state.model_names[0]  # the default model: its served name
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
