@@ -81,7 +81,8 @@ class EngineArgs:
         None, "token budget of one scheduler step (raised to max_num_seqs if smaller)",
         default_doc="8192 on a GPU, 2048 on a CPU")
     max_model_len: int | None = _arg(
-        None, "longest prompt + output, in tokens", default_doc="the model's max_position_embeddings, times its linear, dynamic or yarn rope factor")
+        None, "longest prompt + output, in tokens",
+        default_doc="the model's max_position_embeddings, times its linear, dynamic or yarn rope factor")
     num_gpu_blocks_override: int | None = _arg(
         None, "KV-cache blocks (block 0 is reserved); overrides kv_cache_memory_bytes and gpu_memory_utilization",
         default_doc="derived from kv_cache_memory_bytes or gpu_memory_utilization")

@@ -22,8 +22,9 @@ import numpy as np
 
 from ferrokv.checks import check_int, check_text, shown
 
-__all__ = ["add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority", "check_tools", "message_text",
-           "message_tool_fields", "prompt_cache_salt", "template_kwargs", "tokenized_prompt", "prompt_ids", "request_id_str", "request_ids", "truncated_prompt", "validate_prompt_ids"]
+__all__ = ["add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority",
+           "check_tools", "message_text", "message_tool_fields", "prompt_cache_salt", "prompt_ids", "request_id_str",
+           "request_ids", "template_kwargs", "tokenized_prompt", "truncated_prompt", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""

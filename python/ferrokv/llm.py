@@ -331,7 +331,8 @@ class LLM:
         ``mm_processor_kwargs`` must be empty (text only)."""
         add_special_tokens_of(tokenization_kwargs)
         if mm_processor_kwargs:
-            raise ValueError(f"mm_processor_kwargs={shown(mm_processor_kwargs)} is not supported: ferrokv takes text only")
+            raise ValueError(f"mm_processor_kwargs={shown(mm_processor_kwargs)} is not supported: "
+                             "ferrokv takes text only")
         if isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
             named = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
         else:

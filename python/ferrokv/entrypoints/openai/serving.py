@@ -94,7 +94,8 @@ class ServerState:
         if out.get("chat_template") is None:
             out["chat_template"] = self.chat_template
         if self.default_chat_template_kwargs:
-            out["chat_template_kwargs"] = {**self.default_chat_template_kwargs, **(out.get("chat_template_kwargs") or {})}
+            own = out.get("chat_template_kwargs") or {}
+            out["chat_template_kwargs"] = {**self.default_chat_template_kwargs, **own}
         return out
 
     def loggable(self, prompt: Any) -> str:

@@ -24,9 +24,8 @@ from fastapi import Request
 from starlette.responses import JSONResponse
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
-from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id, generate_checked,
-                                               response_id,
-                                               run_generation, stream_events, watched)
+from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id,
+                                               generate_checked, response_id, run_generation, stream_events, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, usage
 from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
 from ferrokv.outputs import CompletionOutput, RequestOutput

@@ -24,9 +24,8 @@ from fastapi import Request
 from starlette.responses import JSONResponse
 
 from ferrokv.entrypoints.openai.protocol import CompletionRequest, parse_completion_request
-from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id, generate_checked,
-                                               response_id,
-                                               run_generation, stream_events, watched)
+from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id,
+                                               generate_checked, response_id, run_generation, stream_events, watched)
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
