@@ -762,3 +762,16 @@ def test_return_token_ids_as_vllm(http, endpoint):
     assert prompts == [prompt]
     assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == choice["token_ids"]
     assert "token_ids" not in http.post(path, json={**body, "return_token_ids": False}).json()["choices"][0]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_numbers_are_read_as_vllms_pydantic_reads_them(http, path):
+    """An integral float or a numeric string for an int field, a numeric string for a float one
+    (vLLM's models are lax); a fraction for an int is still a 400 naming the field."""
+    body = {"model": MODEL, "max_tokens": 4.0, "n": "2", "temperature": "0", "seed": " 7 ", "ignore_eos": True,
+            **({"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES})}
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] == 8
+    bad = http.post(path, json={**body, "max_tokens": 4.5})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"

@@ -127,6 +127,35 @@ def _object(body: Any, what: str = "the request body") -> Mapping[str, Any]:
     return body
 
 
+# Numeric fields, which vLLM's pydantic models read leniently: an integral float or a numeric
+# string for an int ("n": "2", "max_tokens": 4.0), a numeric string for a float.
+_INT_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "top_k", "seed", "min_tokens", "top_logprobs",
+               "prompt_logprobs", "priority", "truncate_prompt_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "length_penalty")
+_INT_TEXT = re.compile(r"\s*[-+]?\d+\s*")
+
+
+def _lax_numbers(body: Mapping[str, Any], ints: tuple[str, ...] = _INT_FIELDS) -> dict[str, Any]:
+    """``body`` with its numeric fields read as vLLM's pydantic reads them (lax mode); anything
+    else is left for the field's own check, which names it."""
+    out = dict(body)
+    for name in ints:
+        v = out.get(name)
+        if isinstance(v, float) and v.is_integer():
+            out[name] = int(v)
+        elif isinstance(v, str) and _INT_TEXT.fullmatch(v):
+            out[name] = int(v)
+    for name in _FLOAT_FIELDS:
+        v = out.get(name)
+        if isinstance(v, str):
+            try:
+                out[name] = float(v)
+            except ValueError:
+                pass
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling parameters
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
@@ -400,7 +429,7 @@ def _prompts(value: Any) -> list[Any]:
 def parse_completion_request(body: Any, stream_kind: RequestOutputKind = RequestOutputKind.DELTA,
                              defaults: Mapping[str, Any] = _NO_DEFAULTS,
                              max_logprobs: int = _DEFAULT_MAX_LOGPROBS) -> CompletionRequest:
-    body = _object(body)
+    body = _lax_numbers(_object(body), (*_INT_FIELDS, "logprobs"))
     if body.get("prompt") is None:
         raise bad("prompt", "prompt is required")
     prompts = _prompts(body["prompt"])
@@ -487,7 +516,7 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
                        tool_call_parser: str | None = None) -> ChatRequest:
     """``tool_call_parser``: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice``
     is on (None: ``tool_choice: "auto"`` is refused)."""
-    body = _object(body)
+    body = _lax_numbers(_object(body))
     if _bool(body, "echo", False):
         raise bad("echo", "echo is not supported for chat by this server, got true")
     messages = _messages(body.get("messages"))
