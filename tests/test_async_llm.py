@@ -388,7 +388,10 @@ def test_a_request_retried_under_its_id_right_after_the_caller_gave_up_runs(allm
 
     outs = asyncio.run(main())
     assert outs[-1].finished and all(not o.finished for o in outs[:-1])
-    assert [o.outputs[0].finish_reason for o in outs][-1] == "length" and len(outs) == 6  # no abort output
+    # No abort output reaches the retry. (How many outputs it gets depends on load: a lagging
+    # consumer of CUMULATIVE outputs receives only the latest.)
+    assert [o.outputs[0].finish_reason for o in outs] == [None] * (len(outs) - 1) + ["length"]
+    assert len(outs[-1].outputs[0].token_ids) == 6
     assert token_ids([outs[-1]]) == token_ids(sequential([prompt], 6))
     # (the timed-out one may have ended in the engine already; its consumer just never read it)
     aborted = allm.stats()["requests_aborted"] - aborted_before
