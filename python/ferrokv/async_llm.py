@@ -45,7 +45,7 @@ from ferrokv.checks import check_text
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
-from ferrokv.inputs import add_special_tokens_of, check_no_lora, request_id_str, tokenized_prompt
+from ferrokv.inputs import add_special_tokens_of, check_no_lora, is_text_prompt, request_id_str, tokenized_prompt
 from ferrokv.llm import chat_token_ids
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
@@ -335,7 +335,7 @@ class AsyncLLM:
     async def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True) -> Any:
         """A text prompt as ``{"prompt", "prompt_token_ids"}`` (``inputs.tokenized_prompt``),
         tokenized on the pool; other forms are passed on (the engine checks them)."""
-        if not (isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
+        if not is_text_prompt(prompt):  # nothing to tokenize: not worth a trip to the pool
             return prompt
         return await self._in_pool(tokenized_prompt, self.engine.tokenizer, prompt, add_special_tokens)
 

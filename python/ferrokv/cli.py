@@ -343,8 +343,8 @@ _UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 def _api_keys(given: list[str] | None) -> tuple[str, ...]:
     """``--api-key``'s keys, else ``$FERROKV_API_KEY``'s, else ``$VLLM_API_KEY``'s (vLLM's), so a
     deployment that sets vLLM's variable is never left open."""
-    keys = given if given is not None else [k for k in (os.environ.get("FERROKV_API_KEY") or
-                                                        os.environ.get("VLLM_API_KEY"),) if k]
+    env = os.environ.get("FERROKV_API_KEY") or os.environ.get("VLLM_API_KEY")
+    keys = given if given is not None else [env] if env else []
     for key in keys:
         if not key or not key.isprintable():
             raise ValueError("--api-key must be a non-empty printable string")

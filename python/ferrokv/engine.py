@@ -161,6 +161,7 @@ class LLMEngine:
         # Threads (module docs): the lock guards the scheduler; aborts from any thread queue in
         # its inbox; the snapshot serves getters while another thread holds the lock.
         self._guard = EngineLock(self._before_release, self._report_abort)
+        self.report_aborts = self._guard.report_queued  # on report_aborts_here's thread: hands out reports
         self.on_abort: Callable[[RequestOutput], None] | None = None
         """Called with the final output of each request ``abort_request`` or a failed step ended, once
         the engine lock is released, on the thread that applied it or ``report_aborts_here``'s."""
@@ -304,9 +305,6 @@ class LLMEngine:
         """Only this thread calls ``on_abort`` now (one no Ctrl-C reaches), in ``report_aborts()``,
         which ``wake`` asks for; None: any thread again (``ferrokv.engine_lock``)."""
         self._guard.report_here(wake)
-
-    def report_aborts(self) -> None:
-        self._guard.report_queued()
 
     @_exclusive
     def reset_prefix_cache(self) -> bool:

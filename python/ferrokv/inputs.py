@@ -23,8 +23,9 @@ import numpy as np
 from ferrokv.checks import check_int, check_text, shown
 
 __all__ = ["add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority",
-           "check_tools", "message_text", "message_tool_fields", "prompt_cache_salt", "prompt_ids", "request_id_str",
-           "request_ids", "template_kwargs", "tokenized_prompt", "truncated_prompt", "validate_prompt_ids"]
+           "check_tools", "is_text_prompt", "message_text", "message_tool_fields", "prompt_cache_salt", "prompt_ids",
+           "request_id_str", "request_ids", "template_kwargs", "tokenized_prompt", "truncated_prompt",
+           "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
@@ -81,10 +82,15 @@ def add_special_tokens_of(tokenization_kwargs: Mapping[str, Any] | None) -> bool
     return add
 
 
+def is_text_prompt(prompt: Any) -> bool:
+    """A prompt still to tokenize: a str, or a dict without ids."""
+    return isinstance(prompt, str) or (isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt)
+
+
 def tokenized_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = True) -> Any:
-    """A text prompt (a str, or a dict without ids) as ``{"prompt", "prompt_token_ids"}``, its
+    """A text prompt (``is_text_prompt``) as ``{"prompt", "prompt_token_ids"}``, its
     ``cache_salt`` kept; other forms as they are (the engine checks them)."""
-    if not (isinstance(prompt, str) or (isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt)):
+    if not is_text_prompt(prompt):
         return prompt
     text, ids = prompt_ids(tokenizer, prompt, add_special_tokens)
     out = {"prompt": text, "prompt_token_ids": ids}

@@ -376,11 +376,11 @@ class LLM:
         chunk = concurrency_limit or max(len(prompts), 1)
         outs = [o for i in range(0, len(prompts), chunk) for o in self._run(prompts[i:i + chunk], None, use_tqdm,
                                                                             beam=beam)]
-        decode = self.llm_engine.tokenizer.decode
-        return [
-            BeamSearchOutput([BeamSearchSequence(
-                tokens, c.logprobs or [], cum_logprob=c.cumulative_logprob or 0.0, text=decode(tokens),
-                finish_reason=c.finish_reason) for c in o.outputs for tokens in [o.prompt_token_ids + c.token_ids]],
-                o.prompt, o.prompt_token_ids)
-            for o in outs
-        ]
+        return [BeamSearchOutput([self._beam_sequence(o.prompt_token_ids, c) for c in o.outputs], o.prompt,
+                                 o.prompt_token_ids) for o in outs]
+
+    def _beam_sequence(self, prompt_token_ids: list[int], c: Any) -> BeamSearchSequence:
+        """One hypothesis as vLLM's: the prompt's tokens first, the text their whole decode."""
+        tokens = prompt_token_ids + c.token_ids
+        return BeamSearchSequence(tokens, c.logprobs or [], cum_logprob=c.cumulative_logprob or 0.0,
+                                  text=self.llm_engine.tokenizer.decode(tokens), finish_reason=c.finish_reason)

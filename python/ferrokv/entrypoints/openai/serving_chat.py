@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse
 from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
 from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id,
                                                generate_checked, response_id, run_generation, stream_events, watched)
-from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, usage
+from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, token_text, usage
 from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
@@ -36,7 +36,7 @@ __all__ = ["create_chat_completion"]
 
 
 def _top(tid: int, lp: Any, as_ids: bool) -> dict[str, Any]:
-    token = lp.decoded_token if lp.decoded_token is not None and not as_ids else f"token_id:{tid}"
+    token = token_text(tid, lp, as_ids)
     return {"token": token, "logprob": finite_logprob(lp.logprob), "bytes": list(token.encode("utf-8"))}
 
 

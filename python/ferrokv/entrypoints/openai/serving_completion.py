@@ -30,7 +30,7 @@ from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
 
-__all__ = ["create_completion", "finite_logprob", "prompt_logprobs_json", "usage"]
+__all__ = ["create_completion", "finite_logprob", "prompt_logprobs_json", "token_text", "usage"]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
@@ -55,8 +55,9 @@ def prompt_logprobs_json(plp: list[Any] | None) -> list[Any] | None:
             for entry in plp]
 
 
-def _token_text(entry: dict[int, Any], tid: int, as_ids: bool) -> str:
-    lp = entry.get(tid)
+def token_text(tid: int, lp: Any, as_ids: bool) -> str:
+    """How logprobs name a token: its text, or ``token_id:N`` (no text, or vLLM's
+    ``return_tokens_as_token_ids``)."""
     return lp.decoded_token if lp is not None and lp.decoded_token is not None and not as_ids else f"token_id:{tid}"
 
 
@@ -80,11 +81,11 @@ class _Logprobs:
                 lps.append(None)
                 tops.append(None)
             else:
-                tokens.append(_token_text(entry, tid, self.as_ids))
+                tokens.append(token_text(tid, entry.get(tid), self.as_ids))
                 lps.append(finite_logprob(entry[tid].logprob) if tid in entry else None)
                 top: dict[str, float] = {}
                 for t, lp in entry.items():  # the sampled token first: it keeps its text's key
-                    top.setdefault(_token_text(entry, t, self.as_ids), finite_logprob(lp.logprob))
+                    top.setdefault(token_text(t, lp, self.as_ids), finite_logprob(lp.logprob))
                 tops.append(top)
             offsets.append(self.offset)
             self.offset += len(tokens[-1])
