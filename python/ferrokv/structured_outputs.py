@@ -331,11 +331,10 @@ class GrammarCompiler:
         kind = params.kind
         if kind in ("json", "json_object"):
             schema: Any = params._schema if kind == "json" else '{"type": "object"}'
-            # Always: vLLM's default backend (xgrammar) compiles schemas in strict mode, so an
-            # object takes only the properties it lists unless its schema says otherwise.
+            # vLLM's default backend (xgrammar) compiles schemas strictly: an object takes only the
+            # properties it lists, where that loses no valid object; the guidance backend's flag
+            # asks for every object strict.
             schema = _json.loads(schema)
-            # The guidance backend's flag asks for every object strict; vLLM's default only where
-            # no valid object is lost.
             (_additional_properties_off if params.disable_additional_properties else _strict_objects)(schema)
             options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
             if params.whitespace_pattern is not None:
