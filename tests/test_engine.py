@@ -347,6 +347,8 @@ def bad_requests(engine: LLMEngine):
     good = {"prompt_token_ids": [5, 6, 7]}
     return [
         ({"prompt_token_ids": list(range(3, 3 + MAX_MODEL_LEN + 1))}, None, "max_model_len"),
+        # Exactly max_model_len leaves no position for an output token (vLLM refuses it too).
+        ({"prompt_token_ids": list(range(3, 3 + MAX_MODEL_LEN))}, None, "as many as max_model_len"),
         ({"prompt_token_ids": []}, None, "prompt"),
         ("", None, "prompt"),
         ({"prompt_token_ids": [5, TINY_VOCAB]}, None, "prompt_token_ids"),

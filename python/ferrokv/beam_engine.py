@@ -37,7 +37,7 @@ def beam_request(p: BeamSearchParams, prompt_len: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...]) -> tuple[BeamSearchState, SamplingParams]:
     """A search's state and the greedy, EOS-blind parameters its sequences run with in the core
     (the search decides the tokens and the ends), ``max_tokens`` capped at the context left."""
-    max_tokens = min(p.max_tokens, max_model_len - prompt_len) if prompt_len < max_model_len else 1
+    max_tokens = min(p.max_tokens, max_model_len - prompt_len)  # the prompt is shorter (validate_prompt_ids)
     eos = () if p.ignore_eos else eos_token_ids
     state = BeamSearchState(p.beam_width, max_tokens, p.length_penalty, tuple(eos))
     return state, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

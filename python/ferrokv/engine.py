@@ -230,7 +230,7 @@ class LLMEngine:
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
         # Capped at max_model_len (the core's int range); none given: what n samples' worst case fits.
-        room = max(self.max_model_len - len(ids), 1)
+        room = self.max_model_len - len(ids)  # at least 1: validate_prompt_ids
         if params.max_tokens is None:  # 0 fits: the core refuses the request
             max_tokens = min(room, self.scheduler.max_fitting_tokens(len(ids), params.n) or room)
         else:

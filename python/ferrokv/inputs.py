@@ -149,10 +149,11 @@ def validate_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> 
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
             raise ValueError(f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})")
-    if len(ids) > max_model_len:
-        raise ValueError(
-            f"prompt_token_ids: the prompt has {len(ids)} tokens, more than max_model_len={max_model_len}"
-        )
+    # Equal is refused too, as vLLM does: the first output token would need position max_model_len.
+    if len(ids) >= max_model_len:
+        more = "more than" if len(ids) > max_model_len else "as many as"
+        raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens, {more} max_model_len={max_model_len}, "
+                         "which leaves no room for the at least one output token")
 
 
 def request_id_str(request_id: Any) -> str:
