@@ -43,6 +43,7 @@ from ferrokv.entrypoints.openai.protocol import (OpenAIError, error_body, parse_
 from ferrokv.entrypoints.openai.serving import ServerState, error_response, to_openai_error
 from ferrokv.entrypoints.openai.serving_chat import create_chat_completion
 from ferrokv.entrypoints.openai.serving_completion import create_completion
+from ferrokv.entrypoints.openai.serving_responses import create_response, not_found
 from ferrokv.entrypoints.openai.server_config import ServerConfig
 
 logger = logging.getLogger("ferrokv.serve")
@@ -250,6 +251,16 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         return await create_chat_completion(request, state, await _json(request))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        return await create_response(request, state, await _json(request))
+
+    async def stored_response(response_id: str) -> Any:
+        return not_found(response_id)  # nothing is stored, as vLLM by default
+
+    app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"])
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Any:

@@ -32,7 +32,7 @@ from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
 
-__all__ = ["create_chat_completion"]
+__all__ = ["ChatAnswer", "create_chat_completion"]
 
 
 def _top(tid: int, lp: Any, as_ids: bool) -> dict[str, Any]:
@@ -52,7 +52,10 @@ def _logprobs(c: CompletionOutput, top_n: int, as_ids: bool) -> dict[str, Any] |
     return {"content": content}
 
 
-class _Chat:
+class ChatAnswer:
+    """One chat call's answer as it is made: its message or stream deltas per choice (tool calls
+    read out of the text), logprobs, finish reasons and usage (also the Responses API's)."""
+
     def __init__(self, req: ChatRequest, model: str, created: int, response_role: str, rid: str) -> None:
         self.req = req
         # vLLM's: the answer's role is --response-role, or the last message's when the request
@@ -120,7 +123,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     model = state.check_model(req.model)
     template = state.template_for(req.template)
     state.admit(1)
-    call = _Chat(req, model, int(time.time()), state.response_role,  # created: when this completion was made
+    call = ChatAnswer(req, model, int(time.time()), state.response_role,  # created: when this completion was made
                  response_id("chatcmpl", request, req.request_id))
     rid = engine_request_id(call.head["id"])
     if state.log_prompts:
@@ -151,7 +154,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     return await run_generation(request, state, [prompt_then_generate()], respond, req.engine_error)
 
 
-def _stream(gen: Generation, call: _Chat) -> Any:
+def _stream(gen: Generation, call: ChatAnswer) -> Any:
     include_usage = call.req.include_usage
     head = call.head
 

@@ -1,0 +1,362 @@
+"""``POST /v1/responses``: OpenAI's Responses API, served as vLLM serves it for models without a
+Harmony format. The ``instructions`` (a system message) and the ``input`` (a string, or a list of
+``message``, ``function_call`` and ``function_call_output`` items) become a chat conversation,
+which takes the chat path (``serving_chat``: the template, tools, ``text.format`` as a structured
+output); one sample is generated. Its answer is the response's ``output``: a ``message`` item with
+one ``output_text`` part (when there is text, or nothing else), then one ``function_call`` item
+per tool call. A finish by length makes the response ``incomplete`` (reason
+``max_output_tokens``).
+
+As vLLM without ``VLLM_ENABLE_RESPONSES_API_STORE``, nothing is stored: ``store`` is ignored,
+``background`` (which needs the store) is a 400, a ``previous_response_id`` and a
+``GET /v1/responses/{id}`` are 404s.
+Streaming sends named events (``event: <type>``, each with its ``sequence_number``):
+``response.created``, ``response.in_progress``; the message's ``output_item.added``,
+``content_part.added``, ``output_text.delta``s, ``output_text.done``, ``content_part.done`` and
+``output_item.done``; each call's ``output_item.added``, ``function_call_arguments.delta`` and
+``.done``, ``output_item.done``; then ``response.completed`` (or ``response.incomplete``). An
+error on the way is an ``error`` event, which ends the stream. There is no ``[DONE]``.
+Costs: as a chat completion.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import JSONResponse
+
+from ferrokv.checks import shown
+from ferrokv.entrypoints.openai.protocol import (ChatRequest, OpenAIError, _bool, _lax_numbers, _logprobs, _object,
+                                                 bad, error_body, parse_chat_request)
+from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id,
+                                               generate_checked, run_generation, to_openai_error, watched)
+from ferrokv.entrypoints.openai.serving_chat import ChatAnswer
+from ferrokv.outputs import CompletionOutput, RequestOutput
+
+__all__ = ["create_response", "parse_responses_request"]
+
+# The request's fields that mean the same on the chat path (vLLM's extras among them).
+_PASSED_ON = ("model", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+              "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+              "logit_bias", "skip_special_tokens", "priority", "cache_salt", "request_id", "chat_template",
+              "chat_template_kwargs", "parallel_tool_calls", "user")
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    chat: ChatRequest
+    origins: list[str]  # the request field each chat message came from ("instructions", "input[2]")
+    echoed: dict[str, Any]  # the request's own fields the response repeats
+
+    def renamed(self, e: Exception) -> Exception:
+        return _renamed(e, self.origins) if isinstance(e, OpenAIError) else e
+
+
+def _renamed(e: OpenAIError, origins: list[str]) -> OpenAIError:
+    """An error of the chat path, told in the Responses API's names."""
+    def fix(s: str | None) -> str | None:
+        if s is None:
+            return None
+        s = re.sub(r"messages\[(\d+)\]", lambda m: origins[int(m[1])] if int(m[1]) < len(origins) else m[0], s)
+        s = re.sub(r"\bmax_tokens\b", "max_output_tokens", s)
+        s = re.sub(r"response_format(\.json_schema)?", "text.format", s)
+        return re.sub(r"(tools\[\d+\]|tool_choice)\.function\b", r"\1", s)
+    return OpenAIError(e.status, fix(e.message) or e.message, fix(e.param), e.type)
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise bad(where, f"{where} must be a string, got {shown(value)}")
+    return value
+
+
+def _input_item(item: Any, where: str) -> dict[str, Any] | None:
+    """One ``input`` item as a chat message (None: one the conversation leaves out)."""
+    if not isinstance(item, Mapping):
+        raise bad(where, f"{where} must be an object (a message or a function call item), got {shown(item)}")
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise bad(f"{where}.role", f"{where}.role must be one of {sorted(_ROLES)}, got {shown(role)}")
+        return {"role": _ROLES[role], "content": item.get("content")}
+    if kind == "function_call":
+        call = {"id": _string(item.get("call_id"), f"{where}.call_id"), "type": "function",
+                "function": {"name": _string(item.get("name"), f"{where}.name"),
+                             "arguments": _string(item.get("arguments"), f"{where}.arguments")}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if kind == "function_call_output":
+        return {"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{where}.call_id"),
+                "content": _string(item.get("output"), f"{where}.output")}
+    if kind == "reasoning":
+        return None  # as vLLM: earlier reasoning does not reach the template
+    raise bad(f"{where}.type", f"{where}.type must be 'message', 'function_call', 'function_call_output' or "
+                               f"'reasoning', got {shown(kind)}")
+
+
+def _conversation(instructions: Any, value: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    messages, origins = [], []
+    if instructions is not None:
+        messages.append({"role": "system", "content": _string(instructions, "instructions")})
+        origins.append("instructions")
+    if isinstance(value, str):
+        messages.append({"role": "user", "content": value})
+        origins.append("input")
+    elif isinstance(value, list) and value:
+        for i, item in enumerate(value):
+            m = _input_item(item, f"input[{i}]")
+            if m is not None:
+                messages.append(m)
+                origins.append(f"input[{i}]")
+    else:
+        raise bad("input", f"input must be a string or a non-empty list of items, got {shown(value)}")
+    return messages, origins
+
+
+def _text_format(text: Any) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format``."""
+    if text is None:
+        return None
+    if not isinstance(text, Mapping):
+        raise bad("text", f"text must be an object such as {{'format': {{'type': 'text'}}}}, got {shown(text)}")
+    fmt = text.get("format")
+    if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
+        return fmt  # type: ignore[return-value]  # checked as response_format
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+
+
+def _chat_tools(tools: Any) -> list[Any] | None:
+    """Responses' flat function tools (``{"type": "function", "name", "parameters"}``) in chat's shape."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("tools", f"tools must be a list of function tools, got {shown(tools)}")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, Mapping) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, Mapping) else t
+            raise bad(f"tools[{i}]", f"tools[{i}] must be a function tool ({{'type': 'function', 'name': ...}}): "
+                                     f"this server runs no built-in tools, got {shown(kind)}")
+        out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, Mapping) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def parse_responses_request(body: Any, defaults: Mapping[str, Any], max_logprobs: int,
+                            tool_call_parser: str | None) -> ResponsesRequest:
+    body = _lax_numbers(_object(body), ("max_output_tokens", "top_logprobs", "top_k", "seed", "min_tokens",
+                                        "priority"))
+    if _bool(body, "background", False):
+        raise bad("background", "background is not supported: this server stores no responses (as vLLM without "
+                                "VLLM_ENABLE_RESPONSES_API_STORE)")
+    if body.get("previous_response_id") is not None:
+        raise OpenAIError(404, f"previous_response_id: no response {shown(body['previous_response_id'])}: this "
+                               "server stores no responses", "previous_response_id")
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise bad("include", f"include must be a list of strings, got {shown(include)}")
+    top = _logprobs(body, "top_logprobs", max_logprobs)
+    messages, origins = _conversation(body.get("instructions"), body.get("input"))
+    chat: dict[str, Any] = {k: body[k] for k in _PASSED_ON if k in body}
+    chat["messages"] = messages
+    extra = {"max_tokens": body.get("max_output_tokens"), "response_format": _text_format(body.get("text")),
+             "tools": _chat_tools(body.get("tools")), "tool_choice": _chat_tool_choice(body.get("tool_choice"))}
+    chat.update({k: v for k, v in extra.items() if v is not None})
+    if _LOGPROBS_INCLUDE in include:  # vLLM's: logprobs only when included, top_logprobs alternatives each
+        chat.update(logprobs=True, top_logprobs=top or 0)
+    try:
+        req = parse_chat_request(chat, defaults=defaults, max_logprobs=max_logprobs, tool_call_parser=tool_call_parser)
+    except OpenAIError as e:
+        raise _renamed(e, origins) from None
+    echoed = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+              "metadata": body.get("metadata"), "parallel_tool_calls": body.get("parallel_tool_calls", True),
+              "previous_response_id": None, "reasoning": body.get("reasoning"), "store": False,
+              "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
+              "tools": body.get("tools") or [], "top_logprobs": top, "truncation": body.get("truncation", "disabled"),
+              "user": body.get("user"), "background": False,
+              "temperature": req.params.temperature, "top_p": req.params.top_p}
+    return ResponsesRequest(req, origins, echoed)
+
+
+class _Response:
+    """One response's ids and items, as the chat path's answer (``ChatAnswer``) fills them."""
+
+    def __init__(self, req: ResponsesRequest, call: ChatAnswer, rid: str) -> None:
+        self.req = req
+        self.call = call
+        self.id = rid
+        self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.seq = -1
+
+    def body(self, status: str, output: list[Any], finish_reason: str | None = None) -> dict[str, Any]:
+        incomplete = status == "incomplete"
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "model": self.call.head["model"],
+                "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "output": output, **self.req.echoed,
+                "usage": self._usage() if status in ("completed", "incomplete") else None}
+
+    def _usage(self) -> dict[str, Any]:
+        u = self.call.usage()
+        return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+                "total_tokens": u["total_tokens"],
+                "input_tokens_details": {"cached_tokens": self.call.cached},
+                "output_tokens_details": {"reasoning_tokens": 0}}
+
+    def text_part(self, text: str, c: CompletionOutput | None) -> dict[str, Any]:
+        lp = self.call.logprobs(c) if c is not None else None
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        if self.call.req.logprobs:
+            part["logprobs"] = lp["content"] if lp else []
+        return part
+
+    def message(self, status: str, parts: list[Any]) -> dict[str, Any]:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": parts}
+
+    @staticmethod
+    def function_call(call: Mapping[str, Any], status: str = "completed") -> dict[str, Any]:
+        f = call["function"]
+        args = f["arguments"] if isinstance(f["arguments"], str) else json.dumps(f["arguments"], ensure_ascii=False)
+        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"], "name": f["name"],
+                "arguments": args, "status": status}
+
+    def output(self, c: CompletionOutput) -> list[Any]:
+        m = self.call.message(c)
+        calls = [self.function_call(tc) for tc in m.get("tool_calls") or ()]
+        text = m["content"] or ""
+        items = [self.message("completed", [self.text_part(text, c)])] if text or not calls else []
+        return items + calls
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self.seq += 1
+        data = json.dumps({"type": kind, "sequence_number": self.seq, **fields}, ensure_ascii=False,
+                          separators=(",", ":"))
+        return f"event: {kind}\ndata: {data}\n\n"
+
+
+def _status(c: CompletionOutput) -> str:
+    return "incomplete" if c.finish_reason == "length" else "completed"
+
+
+async def create_response(request: Request, state: ServerState, body: Any) -> Any:
+    req = parse_responses_request(body, state.llm.default_sampling_params, state.llm.engine.args.max_logprobs,
+                                  state.tool_call_parser)
+    chat = req.chat
+    model = state.check_model(chat.model)
+    template = state.template_for(chat.template)
+    state.admit(1)
+    rid = f"resp_{request.headers.get('x-request-id') or chat.request_id or uuid.uuid4().hex}"
+    call = ChatAnswer(chat, model, int(time.time()), "assistant", rid)
+    resp = _Response(req, call, rid)
+    engine_id = engine_request_id(rid)
+
+    async def prompt_then_generate() -> Any:
+        ids = await state.llm.encode_chat(chat.messages, chat.add_generation_prompt, **template)
+        async for out in generate_checked(state.llm, {"prompt_token_ids": ids}, chat.params, engine_id, "input",
+                                          priority=chat.priority, cache_salt=chat.cache_salt):
+            yield out
+
+    async def respond(gen: Generation) -> Any:
+        if chat.stream:
+            return SSEResponse(_stream(gen, resp), gen)
+        (out,) = await watched(request, gen.finals())
+        call.count(out)
+        c = out.outputs[0]
+        output = resp.output(c)
+        return JSONResponse(resp.body(_status(c), output))
+
+    def engine_error(e: ValueError) -> Exception:
+        return req.renamed(chat.engine_error(e))
+
+    return await run_generation(request, state, [prompt_then_generate()], respond, engine_error)
+
+
+async def _stream(gen: Generation, resp: _Response) -> Any:
+    call = resp.call
+    text: list[str] = []
+    lps: list[Any] = []
+    opened = False
+    try:
+        yield resp.event("response.created", response=resp.body("in_progress", []))
+        yield resp.event("response.in_progress", response=resp.body("in_progress", []))
+        last: CompletionOutput | None = None
+        async for _, out in gen.outputs():
+            call.count(out)
+            c = last = out.outputs[0]
+            delta = call.delta(c).get("content") or ""
+            lp = (call.logprobs(c) or {}).get("content") or []
+            lps += lp
+            if not delta:
+                continue
+            if not opened:
+                opened = True
+                yield _open_message(resp)
+            text.append(delta)
+            yield resp.event("response.output_text.delta", item_id=resp.msg_id, output_index=0, content_index=0,
+                             delta=delta, logprobs=lp)
+        assert last is not None
+        yield "".join(_close(resp, last, "".join(text), lps, opened))
+    except Exception as e:
+        err = to_openai_error(e)
+        yield resp.event("error", code=str(err.status), message=err.message, param=err.param)
+    finally:
+        await gen.close()
+
+
+def _open_message(resp: _Response) -> str:
+    return (resp.event("response.output_item.added", output_index=0, item=resp.message("in_progress", []))
+            + resp.event("response.content_part.added", item_id=resp.msg_id, output_index=0, content_index=0,
+                         part={"type": "output_text", "text": "", "annotations": []}))
+
+
+def _close(resp: _Response, c: CompletionOutput, text: str, lps: list[Any], opened: bool) -> list[str]:
+    """The events after the last token: the message's ends, the calls, the response's end."""
+    calls = [resp.function_call(tc) for tc in resp.call.parsers[0].calls] if 0 in resp.call.parsers else []
+    events, output = [], []
+    if opened or not calls:
+        if not opened:
+            events.append(_open_message(resp))
+        part = {"type": "output_text", "text": text, "annotations": []}
+        if resp.call.req.logprobs:
+            part["logprobs"] = lps
+        item = resp.message("completed", [part])
+        events += [resp.event("response.output_text.done", item_id=resp.msg_id, output_index=0, content_index=0,
+                              text=text, logprobs=lps),
+                   resp.event("response.content_part.done", item_id=resp.msg_id, output_index=0, content_index=0,
+                              part=part),
+                   resp.event("response.output_item.done", output_index=0, item=item)]
+        output.append(item)
+    for fc in calls:
+        i = len(output)
+        events += [resp.event("response.output_item.added", output_index=i, item={**fc, "arguments": "",
+                                                                                 "status": "in_progress"}),
+                   resp.event("response.function_call_arguments.delta", item_id=fc["id"], output_index=i,
+                              delta=fc["arguments"]),
+                   resp.event("response.function_call_arguments.done", item_id=fc["id"], output_index=i,
+                              arguments=fc["arguments"]),
+                   resp.event("response.output_item.done", output_index=i, item=fc)]
+        output.append(fc)
+    status = _status(c)
+    events.append(resp.event(f"response.{status}", response=resp.body(status, output)))
+    return events
+
+
+def not_found(response_id: str) -> JSONResponse:
+    """``GET``/``DELETE /v1/responses/{id}`` and its ``cancel``: nothing is stored (vLLM's 404)."""
+    err = OpenAIError(404, f"response {response_id!r} not found: this server stores no responses", "response_id")
+    return JSONResponse(error_body(err), status_code=404)

@@ -1,0 +1,192 @@
+"""`ferrokv serve`'s ``/v1/responses`` (``ferrokv.entrypoints.openai.serving_responses``) through
+the official ``openai`` client and raw HTTP: the answer equals the chat completion of the same
+conversation at temperature 0; the stream's events come in the Responses API's order with rising
+sequence numbers and add up to the non-streamed answer; input items, ``text.format``, function
+tools, logprobs and a length finish take their OpenAI shapes; what this server cannot do (stored
+responses, background mode, built-in tools) and bad fields are errors naming the field.
+
+One server per module; requests are greedy and sequential, so the chat reference holds exactly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from helpers.server import assert_openai_error, serve
+
+MODEL = "tiny-responses"
+SYSTEM = "You are terse."
+USER = "A dog sees the blue sky."
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with serve(tiny_model_dir("llama-serve"), "--served-model-name", MODEL, "--max-model-len", "512") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(120.0, connect=30.0)) as c:
+        yield c
+
+
+def chat_text(client, max_tokens: int) -> tuple[str, str, object]:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": SYSTEM},
+                                                              {"role": "user", "content": USER}],
+                                       temperature=0.0, max_tokens=max_tokens)
+    return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+
+
+def respond(client, **kw):
+    return client.responses.create(model=MODEL, temperature=0.0, **kw)
+
+
+@pytest.mark.parametrize("max_tokens", [5, 40])
+def test_answer_equals_the_chat_completion_of_the_conversation(client, max_tokens):
+    text, finish, usage = chat_text(client, max_tokens)
+    r = respond(client, instructions=SYSTEM, input=USER, max_output_tokens=max_tokens)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == text
+    (item,) = r.output
+    assert (item.type, item.role, item.status, item.content[0].type) == ("message", "assistant", "completed",
+                                                                          "output_text")
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+    assert r.usage.total_tokens == usage.total_tokens
+    # A finish by length is OpenAI's incomplete response.
+    if finish == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+    assert (r.instructions, r.max_output_tokens, r.temperature, r.store) == (SYSTEM, max_tokens, 0.0, False)
+
+
+def test_input_items_are_the_same_conversation(client):
+    text, _, _ = chat_text(client, 12)
+    items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": SYSTEM}]},
+             {"role": "user", "content": USER}]
+    assert respond(client, input=items, max_output_tokens=12).output_text == text
+
+
+def test_stream_events_in_order_and_adding_up(client):
+    whole = respond(client, instructions=SYSTEM, input=USER, max_output_tokens=30)
+    events = list(respond(client, instructions=SYSTEM, input=USER, max_output_tokens=30, stream=True))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+            f"response.{whole.status}"]
+    assert kinds[-4:] == tail and set(kinds[4:-4]) == {"response.output_text.delta"}
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-4].text == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+
+
+def test_text_format_json_schema_constrains_the_answer(client):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    r = respond(client, input=USER, max_output_tokens=60,
+                text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_function_call_is_a_function_call_item(client, stream):
+    kw = dict(input="Weather in Paris?", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"},
+              max_output_tokens=200)
+    if stream:
+        events = list(respond(client, stream=True, **kw))
+        kinds = [e.type for e in events]
+        assert "response.output_text.delta" not in kinds
+        assert kinds[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                              "response.function_call_arguments.done", "response.output_item.done",
+                              "response.completed"]
+        assert events[-3].arguments == events[-4].delta
+        output = events[-1].response.output
+    else:
+        output = respond(client, **kw).output
+    (call,) = output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert call.call_id and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
+def test_a_replayed_call_and_its_output_reach_the_conversation(client):
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris", "days": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    with_output = respond(client, input=items, tools=[TOOL], tool_choice="none", max_output_tokens=8)
+    without = respond(client, input=items[:1], tools=[TOOL], tool_choice="none", max_output_tokens=8)
+    assert with_output.usage.input_tokens > without.usage.input_tokens
+
+
+def test_logprobs_when_included(client):
+    r = respond(client, input=USER, max_output_tokens=6, top_logprobs=2, include=["message.output_text.logprobs"])
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob for lp in lps)
+    assert all(lp.logprob <= 0.0 for lp in lps)
+    plain = respond(client, input=USER, max_output_tokens=6, top_logprobs=2)
+    assert plain.output[0].content[0].logprobs is None  # vLLM's: only when included
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": USER, "background": True}, 400, "background"),
+    ({"input": USER, "previous_response_id": "resp_123"}, 404, "previous_response_id"),
+    ({}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input[0].role"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input[0].call_id"),
+    ({"input": [{"type": "input_image"}]}, 400, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input[0].content[0]"),
+    ({"input": USER, "instructions": 5}, 400, "instructions"),
+    ({"input": USER, "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"input": USER, "temperature": -1}, 400, "temperature"),
+    ({"input": USER, "tools": [{"type": "web_search_preview"}]}, 400, "tools[0]"),
+    ({"input": USER, "text": {"format": {"type": "yaml"}}}, 400, "text.format"),
+    ({"input": USER, "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
+    ({"input": USER, "top_logprobs": 99, "include": ["message.output_text.logprobs"]}, 400, "top_logprobs"),
+    ({"input": USER, "include": "logprobs"}, 400, "include"),
+    ({"input": USER, "model": "other"}, 404, "model"),
+])
+def test_bad_requests_name_the_field(http, body, status, param):
+    r = http.post("/v1/responses", json={"model": MODEL, **body} if "model" not in body else body)
+    assert assert_openai_error(r, status, param)["param"] == param
+    ok = http.post("/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["status"] in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+                                          ("POST", "/v1/responses/resp_1/cancel")])
+def test_nothing_is_stored(http, method, path):
+    assert assert_openai_error(http.request(method, path), 404, "resp_1")["param"] == "response_id"
+
+
+def test_raw_stream_is_named_events_without_done(http):
+    with http.stream("POST", "/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 3,
+                                                     "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in r.read().decode().split("\n\n") if b]
+    for b in blocks:
+        event, data = b.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: ")
+        assert json.loads(data[len("data: "):])["type"] == event[len("event: "):]
+    assert "[DONE]" not in blocks[-1]
