@@ -626,7 +626,8 @@ def test_eos_ends_sequence_and_min_tokens_suppresses_it(eos_model_dir, hf_greedy
 
 def test_extra_eos_ids_from_generation_config(llama_path, hf_greedy, tmp_path):
     """generation_config.json may list several EOS ids: each ends a sequence like EOS, is masked
-    during min_tokens, and none of them ends a request that sets ignore_eos."""
+    during min_tokens (also under ignore_eos, as vLLM bans every EOS id there), and none of them
+    ends a request that sets ignore_eos."""
     import json
     import shutil
 
@@ -643,6 +644,9 @@ def test_extra_eos_ids_from_generation_config(llama_path, hf_greedy, tmp_path):
     engine.add_request("ign", {"prompt_token_ids": prompt}, greedy())
     engine.add_request("min", {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=first + 1, ignore_eos=False))
+    # Pushed towards the extra EOS id: under min_tokens it is banned all the same, then it is sampled.
+    engine.add_request("min-ign", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=6, min_tokens=3, ignore_eos=True, logit_bias={extra: 100}))
     outs = run_engine(engine)
     c = outs["eos"].outputs[0]
     assert c.token_ids == full[:first + 1] and c.finish_reason == "stop"
@@ -651,6 +655,8 @@ def test_extra_eos_ids_from_generation_config(llama_path, hf_greedy, tmp_path):
     assert c.token_ids == full and c.finish_reason == "length"
     c = outs["min"].outputs[0]
     assert c.token_ids[:first] == full[:first] and extra not in c.token_ids[:first + 1]
+    c = outs["min-ign"].outputs[0]
+    assert extra not in c.token_ids[:3] and c.token_ids[3:] == [extra] * 3 and c.finish_reason == "length"
     assert_no_leak(engine)
 
 

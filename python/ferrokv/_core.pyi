@@ -210,6 +210,7 @@ class Scheduler:
         stop_token_ids: TokenIds | None = None,
         min_tokens: int = 0,
         ignore_eos: bool = False,
+        min_tokens_bans: TokenIds | None = None,  # banned under min_tokens too; stop nothing
         cache_salt: str | None = None,
         reserve_seqs: int = 0,  # batch slots held for life, e.g. a beam width (0 = n)
         # Text (only with a text layer attached): stop strings end sequences in update.

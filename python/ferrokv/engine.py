@@ -251,10 +251,11 @@ class LLMEngine:
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         # An id outside the vocabulary is never sampled: it cannot stop anything.
         stop_ids = [t for t in params.stop_token_ids or [] if t < self.vocab_size]
-        if not params.ignore_eos:
-            stop_ids += [e for e in self.eos_token_ids[1:] if e not in stop_ids]
+        # The model's other EOS ids are stop ids (vLLM's); under ignore_eos, banned under min_tokens.
+        others = [e for e in self.eos_token_ids[1:] if e not in stop_ids and e < self.vocab_size]
+        stop_ids, bans = (stop_ids, others) if params.ignore_eos else (stop_ids + others, [])
         try:
-            self._add_to_scheduler(core_id, ids, params, max_tokens, priority, cache_salt, beam, eos, stop_ids)
+            self._add_to_scheduler(core_id, ids, params, max_tokens, priority, cache_salt, beam, eos, stop_ids, bans)
         except ValueError as e:
             # The core names its own integer id; name the caller's instead.
             rename_field(e, "request_id", "request_id", str(core_id), repr(request_id))
@@ -278,13 +279,14 @@ class LLMEngine:
 
     def _add_to_scheduler(self, core_id: int, ids: list[int], params: SamplingParams, max_tokens: int,
                           priority: int, cache_salt: str | None, beam: BeamSearchState | None,
-                          eos: int | None, stop_ids: list[int]) -> None:
+                          eos: int | None, stop_ids: list[int], bans: list[int]) -> None:
         text = {} if beam is not None else self.text.request_kwargs(
             params, params.output_kind != RequestOutputKind.FINAL_ONLY)
         self.scheduler.add_request(
             core_id, np.asarray(ids, dtype=np.int64), max_tokens,
             n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
             min_tokens=min(params.min_tokens, max_tokens), ignore_eos=params.ignore_eos or beam is not None,
+            min_tokens_bans=bans,
             cache_salt=cache_salt, reserve_seqs=beam_seq_slots(beam.beam_width) if beam is not None else 0,
             bad_words=bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else None,
             **text, **core_sampling_kwargs(params, self.vocab_size),

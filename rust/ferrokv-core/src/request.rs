@@ -40,6 +40,9 @@ pub struct StopParams {
     pub eos_token_id: Option<u32>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Banned under `min_tokens` besides EOS and the stop ids; they stop nothing (the model's
+    /// other EOS ids under `ignore_eos`: vLLM bans all of them).
+    pub min_tokens_bans: Vec<u32>,
 }
 
 /// `StopParams` flattened for a running sequence, in terms of its total length, so that a decode
@@ -187,7 +190,7 @@ mod tests {
 
     #[test]
     fn stop_conditions_follow_vllm_order_and_min_tokens() {
-        let p = StopParams { max_tokens: 5, min_tokens: 2, eos_token_id: Some(0), stop_token_ids: vec![7], ignore_eos: false };
+        let p = StopParams { max_tokens: 5, min_tokens: 2, eos_token_id: Some(0), stop_token_ids: vec![7], ignore_eos: false, ..Default::default() };
         // Prompt of 8 tokens, max_model_len 100; total = 8 + output length.
         let row = RowStop::new(&p, 8, 100);
         let check = |tok: u32, out: u32| row.check(tok, 8 + out, || p.stop_token_ids.contains(&tok));
@@ -208,7 +211,7 @@ mod tests {
             for (max_tokens, min_tokens) in [(1, 0), (3, 2), (7, 7), (100, 0)] {
                 for (eos, ignore_eos) in [(None, false), (Some(0), false), (Some(0), true), (Some(u32::MAX), false)] {
                     for stops in [vec![], vec![2, 7]] {
-                        let p = StopParams { max_tokens, min_tokens, eos_token_id: eos, stop_token_ids: stops, ignore_eos };
+                        let p = StopParams { max_tokens, min_tokens, eos_token_id: eos, stop_token_ids: stops, ignore_eos, ..Default::default() };
                         let row = RowStop::new(&p, prompt_len, max_model_len);
                         for out_len in 1..=max_tokens.min(50) {
                             let total = prompt_len + out_len;

@@ -133,7 +133,7 @@ impl PyScheduler {
     }
 
     #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, *, n=1, priority=0, eos_token_id=None,
-                        stop_token_ids=None, min_tokens=0, ignore_eos=false, cache_salt=None, reserve_seqs=0,
+                        stop_token_ids=None, min_tokens=0, ignore_eos=false, min_tokens_bans=None, cache_salt=None, reserve_seqs=0,
                         stop=None, include_stop_str_in_output=false, skip_special_tokens=true, stream_text=false,
                         temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
                         frequency_penalty=0.0, repetition_penalty=1.0, seed=None, logprobs=None, bad_words=None,
@@ -151,6 +151,7 @@ impl PyScheduler {
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         min_tokens: i64,
         ignore_eos: bool,
+        min_tokens_bans: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         reserve_seqs: i64,
         stop: Option<&Bound<'_, PyAny>>,
@@ -181,13 +182,12 @@ impl PyScheduler {
             .into_iter()
             .map(|t| token_id("prompt_token_ids", t))
             .collect::<PyResult<Vec<u32>>>()?;
-        let stops = match stop_token_ids {
-            Some(s) => token_ids("stop_token_ids", s)?
-                .into_iter()
-                .map(|t| token_id("stop_token_ids", t))
-                .collect::<PyResult<Vec<u32>>>()?,
-            None => Vec::new(),
+        let id_list = |name: &'static str, ids: Option<&Bound<'_, PyAny>>| match ids {
+            Some(s) => token_ids(name, s)?.into_iter().map(|t| token_id(name, t)).collect::<PyResult<Vec<u32>>>(),
+            None => Ok(Vec::new()),
         };
+        let stops = id_list("stop_token_ids", stop_token_ids)?;
+        let min_tokens_bans = id_list("min_tokens_bans", min_tokens_bans)?;
         if max_tokens < 1 {
             return Err(invalid("max_tokens", max_tokens, "must be >= 1"));
         }
@@ -208,6 +208,7 @@ impl PyScheduler {
             stop_token_ids: stops,
             min_tokens: non_negative("min_tokens", min_tokens)? as usize,
             ignore_eos,
+            min_tokens_bans,
             cache_salt,
             reserve_seqs: u32::try_from(reserve_seqs).map_err(|_| invalid("reserve_seqs", reserve_seqs, "must be >= 0"))?,
             sampling,

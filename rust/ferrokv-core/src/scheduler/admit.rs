@@ -168,6 +168,7 @@ impl Scheduler {
                 eos_token_id: r.eos_token_id,
                 stop_token_ids: r.stop_token_ids,
                 ignore_eos: r.ignore_eos,
+                min_tokens_bans: r.min_tokens_bans,
             },
             sampling: SamplingSpec {
                 rng_key: rng_key(r.seed, r.request_id, self.cfg.sampling_seed),

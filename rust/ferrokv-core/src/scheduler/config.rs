@@ -168,6 +168,8 @@ pub struct NewRequest {
     pub stop_token_ids: Vec<u32>,
     pub min_tokens: usize,
     pub ignore_eos: bool,
+    /// Banned under `min_tokens` besides EOS and the stop ids (`StopParams::min_tokens_bans`).
+    pub min_tokens_bans: Vec<u32>,
     pub cache_salt: Option<String>,
     /// Sequence slots to hold for the request's whole life (e.g. a beam width), 0 = `n`.
     pub reserve_seqs: u32,

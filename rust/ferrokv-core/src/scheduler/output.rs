@@ -92,14 +92,15 @@ impl Scheduler {
         let num_output = h.num_tokens.saturating_sub(h.prompt_len);
         c.push(&b.sampling[r], sample_index, h.num_tokens, batch_row, num_output);
         if h.num_tokens < h.stop.min_len {
-            // Under min_tokens: EOS and the stop tokens are banned (vLLM's MinTokens bans EOS
-            // even under ignore_eos).
+            // Under min_tokens: EOS and the stop tokens are banned (vLLM's MinTokens bans every
+            // EOS id even under ignore_eos), and the request's other bans.
             let req = requests[b.owner[r].slot as usize].as_ref().expect("a live row's request is live");
             let eos = req.stop.eos_token_id;
             c.ban(eos);
             if h.stop.has_stop_ids {
                 c.ban(req.stop.stop_token_ids.iter().copied().filter(|&t| Some(t) != eos));
             }
+            c.ban(req.stop.min_tokens_bans.iter().copied());
         }
         if b.sampling[r].has_bad_words {
             let owner = b.owner[r];
@@ -411,7 +412,7 @@ mod tests {
             let mut want: Vec<i64> = Vec::new();
             if out < r.min_tokens {
                 want.extend(r.eos_token_id.map(i64::from));
-                for &t in &r.stop_token_ids {
+                for &t in r.stop_token_ids.iter().chain(&r.min_tokens_bans) {
                     if !want.contains(&(t as i64)) {
                         want.push(t as i64);
                     }
@@ -617,7 +618,8 @@ mod tests {
             NewRequest { min_tokens: 2, eos_token_id: Some(2), ignore_eos: true, stop_token_ids: vec![2, 5], sampling: hot, ..req(2, 4, 6) },
             NewRequest { min_tokens: 2, eos_token_id: Some(2), ..req(3, 5, 6) },
             NewRequest { eos_token_id: Some(2), stop_token_ids: vec![5], ..req(4, 2, 6) }, // no min_tokens
-            NewRequest { min_tokens: 3, eos_token_id: Some(3), ignore_eos: true, ..req(5, 2, 6) }, // EOS only
+            // EOS only; and the model's other EOS id (9), which stops nothing.
+            NewRequest { min_tokens: 3, eos_token_id: Some(3), ignore_eos: true, min_tokens_bans: vec![9], ..req(5, 2, 6) },
         ];
         let mut s = with_requests(cfg(64, 4, 64), reqs.clone());
         let pairs = |o: &SchedulerOutput| {
@@ -626,11 +628,11 @@ mod tests {
             p
         };
         let (o, _) = checked_step(&mut s, 9, &reqs); // prompts: 0 out
-        assert_eq!(pairs(&o), vec![(0, 2), (0, 5), (0, 7), (1, 2), (1, 5), (2, 2), (4, 3)]);
+        assert_eq!(pairs(&o), vec![(0, 2), (0, 5), (0, 7), (1, 2), (1, 5), (2, 2), (4, 3), (4, 9)]);
         let (o, _) = checked_step(&mut s, 9, &reqs); // decodes: 1 out
-        assert_eq!(pairs(&o), vec![(0, 2), (0, 5), (0, 7), (1, 2), (1, 5), (2, 2), (4, 3)]);
+        assert_eq!(pairs(&o), vec![(0, 2), (0, 5), (0, 7), (1, 2), (1, 5), (2, 2), (4, 3), (4, 9)]);
         let (o, _) = checked_step(&mut s, 9, &reqs); // 2 out
-        assert_eq!(pairs(&o), vec![(0, 2), (0, 5), (0, 7), (4, 3)]);
+        assert_eq!(pairs(&o), vec![(0, 2), (0, 5), (0, 7), (4, 3), (4, 9)]);
         let (o, _) = checked_step(&mut s, 9, &reqs); // 3 out: min_tokens are out everywhere
         assert_eq!(pairs(&o), vec![]);
         while s.has_unfinished() {
