@@ -83,6 +83,8 @@ BAD = [
     ("repetition_penalty", math.inf),
     ("seed", 1.5),
     ("seed", "7"),
+    ("seed", 1 << 64),  # beyond torch's seed range: would wrap onto another seed
+    ("seed", -(1 << 63) - 1),
     ("max_tokens", 0),
     ("max_tokens", -5),
     ("max_tokens", 3.0),
@@ -270,3 +272,8 @@ def test_vllm_spellings_logprobs_true_extra_args_and_from_optional():
     assert (q.n, q.temperature, q.top_p, q.max_tokens, q.seed, q.stop) == (1, 1.0, 0.5, None, None, [])
     with pytest.raises(TypeError):
         SamplingParams.from_optional(not_a_field=None)
+    # vLLM's from_optional reads logit_bias as OpenAI's: string keys, biases clamped to [-100, 100].
+    assert SamplingParams.from_optional(logit_bias={"5": 1000.0, 6: -1e9, "7": 0.5}).logit_bias == {
+        5: 100.0, 6: -100.0, 7: 0.5}
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.from_optional(logit_bias={"x": 1.0})

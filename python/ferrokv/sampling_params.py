@@ -5,7 +5,7 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
 
 * ``n >= 1``; ``temperature >= 0`` and finite; ``0 < top_p <= 1``; ``0 <= min_p <= 1``;
   ``-2 <= presence_penalty, frequency_penalty <= 2``; ``repetition_penalty > 0`` and finite.
-* ``seed`` is ``None`` (unseeded) or an int; ``-1`` is vLLM's spelling of ``None`` and becomes it.
+* ``seed`` is ``None`` (unseeded) or an int in [-2**63, 2**64) (torch's seed range); ``-1`` is vLLM's spelling of ``None`` and becomes it.
 * ``top_k`` is ``0`` when disabled: ``-1`` (vLLM's older spelling) is accepted and normalised to 0;
   any other value must be ``>= 1``.
 * ``max_tokens`` is ``None`` ("up to max_model_len", resolved by the engine) or ``>= 1``;
@@ -134,8 +134,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
             )
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        # torch's manual_seed range (vLLM seeds a torch.Generator): a larger one would wrap.
+        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 64):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if self.seed == -1:
             self.seed = None  # vLLM's spelling of "no seed"
         for name in ("logprobs", "prompt_logprobs"):
@@ -299,7 +300,14 @@ class SamplingParams:
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
         """vLLM's ``from_optional``: a None stands for the field's default where None is not
-        one of the field's own values (``max_tokens=None`` stays None: no limit)."""
+        one of the field's own values (``max_tokens=None`` stays None: no limit); ``logit_bias``
+        keys become ints and biases are clamped to OpenAI's [-100, 100], as vLLM's does."""
+        bias = kwargs.get("logit_bias")
+        if isinstance(bias, dict):
+            try:
+                kwargs["logit_bias"] = {int(t): min(100.0, max(-100.0, float(b))) for t, b in bias.items()}
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {shown(bias)}") from None
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         return cls(**{k: v for k, v in kwargs.items() if v is not None or k not in fields or "None" in str(fields[k].type)})
 
