@@ -222,6 +222,13 @@ def test_window_config_resolution():
     mistral = MODEL_REGISTRY["MistralForCausalLM"]
     assert mistral.parse_config({**base, "sliding_window": None}).sliding_windows == (None,) * 3
     assert mistral.parse_config({**base, "sliding_window": 5}).sliding_windows == (5,) * 3
+    assert mistral.parse_config(base).sliding_windows == (4096,) * 3  # MistralConfig's default when absent
+    cfg = mistral.parse_config({**base, "sliding_window": 5,
+                                "layer_types": ["full_attention", "sliding_attention", "full_attention"]})
+    assert cfg.sliding_windows == (None, 5, None)  # Ministral's alternating layers
+    for bad in (["full_attention"], ["full_attention", "chunked_attention", "full_attention"]):
+        with pytest.raises(ValueError, match="layer_types"):
+            mistral.parse_config({**base, "sliding_window": 5, "layer_types": bad})
     llama = MODEL_REGISTRY["LlamaForCausalLM"]
     # transformers 4.x layout: rope_theta at the top level, rope_scaling with "type"
     cfg = llama.parse_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
@@ -234,6 +241,31 @@ def test_window_config_resolution():
                        ({"rope_type": "yarn", "original_max_position_embeddings": 8}, 16), (LLAMA3, 16), ({}, 16)):
         cfg = llama.parse_config({**base, "max_position_embeddings": 16, "rope_scaling": rope})
         assert cfg.rope.default_max_model_len == want, rope
+    # llama3 and yarn: a top-level original_max_position_embeddings wins (transformers'
+    # standardize_rope_params); none anywhere: the model's positions.
+    for rope in (LLAMA3, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}):
+        cfg = llama.parse_config({**base, "rope_scaling": rope, "original_max_position_embeddings": 4})
+        assert cfg.rope.original_max_position_embeddings == 4, rope
+    no_orig = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
+    cfg = llama.parse_config({**base, "max_position_embeddings": 16, "rope_scaling": no_orig})
+    assert cfg.rope.original_max_position_embeddings == 16
+
+
+def test_mistral_layer_types_matches_transformers(tmp_path):
+    """A Mistral config.json with Ministral's layer_types: the window on the marked layers only,
+    as transformers computes it (it loads such a checkpoint as Ministral)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_hf_model("mistral", num_key_value_heads=2, sliding_window=4).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_types": ["full_attention", "sliding_attention"]}))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    ours = load_model(tmp_path, attn_backend="torch")
+    assert [layer.self_attn.sliding_window for layer in ours.model.layers] == [None, 4]
+    (p,) = _prompts([21], seed=3)
+    torch.testing.assert_close(PagedEngine(ours).step([(0, p)])[0], hf_chunk_logits(hf, [p])[0], atol=ATOL, rtol=0)
 
 
 def test_triton_backend_end_to_end(models, tmp_path):

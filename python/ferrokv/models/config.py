@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ferrokv.checks import shown
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -109,13 +111,13 @@ def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
     if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
         raise ValueError(f"config.json: rope_type {rope_type!r} needs a 'factor'")
     orig = params.get("original_max_position_embeddings")
-    if rope_type == "yarn":  # transformers: a top-level value wins; default: the model's positions
+    if rope_type in ("llama3", "yarn"):  # transformers: a top-level value wins; default: the model's positions
         orig = d.get("original_max_position_embeddings") or orig or max_pos
-        if params.get("factor") is None:
+        if rope_type == "yarn" and params.get("factor") is None:
             params = {**params, "factor": max_pos / orig}
     factor = float(params.get("factor", 1.0))
     if rope_type == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        for key in ("low_freq_factor", "high_freq_factor"):
             if key not in params:
                 raise ValueError(f"config.json: rope_type 'llama3' needs {key!r}")
     return RopeConfig(
@@ -196,10 +198,31 @@ def qwen_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
     if window is None:
         return (None,) * layers
+    first = int(d.get("max_window_layers", 28))
+    return _windows_by_layer_type(d, int(window), ["sliding_attention" if i >= first else "full_attention"
+                                                   for i in range(layers)])
+
+
+def mistral_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
+    """Mistral: ``sliding_window`` (transformers' default 4096 when the key is absent; null: none)
+    on every layer, or only on those ``layer_types`` marks ``sliding_attention`` (Ministral's
+    alternating layers, as transformers and vLLM read them)."""
+    layers = _count(d, "num_hidden_layers")
+    window = d.get("sliding_window", 4096)
+    if window is None:
+        return (None,) * layers
+    return _windows_by_layer_type(d, int(window), ["sliding_attention"] * layers)
+
+
+def _windows_by_layer_type(d: dict[str, Any], window: int, default: list[str]) -> tuple[int | None, ...]:
     layer_types = d.get("layer_types")
     if layer_types is None:
-        first = int(d.get("max_window_layers", 28))
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if len(layer_types) != layers:
-        raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for {layers} layers")
-    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+        layer_types = default
+    if not isinstance(layer_types, list) or len(layer_types) != len(default):
+        raise ValueError(f"config.json: layer_types must list one entry per layer ({len(default)}), "
+                         f"got {shown(layer_types)}")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"config.json: layer_types entries must be 'full_attention' or 'sliding_attention', "
+                         f"got {sorted(map(str, unknown))}")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
