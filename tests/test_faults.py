@@ -140,7 +140,8 @@ def test_a_failure_after_a_beam_step_aborts_that_beam_search(llama_path, clean, 
 
     monkeypatch.setattr(ferrokv.engine, "advance", failing_beam_step)
     last = drive(engine, fails=RuntimeError)
-    assert "beam" not in last  # aborted: no output, as for any aborted request
+    # Aborted: its final output says so (an abort the caller did not ask for is reported).
+    assert last["beam"].finished and last["beam"].outputs == []
     assert outputs_of(last, 1) == clean([prompt], greedy(8))
     assert engine.stats()["requests_aborted"] == 1
     assert_idle(engine)
@@ -209,6 +210,23 @@ def test_an_interrupt_as_the_engine_lock_is_taken_leaves_it_free(llama_path, cle
         if str(i) not in engine._by_name:
             engine.add_request(str(i), p, greedy(MAX_NEW))
     assert outputs_of(drive(engine), len(prompts)) == clean(prompts, greedy(MAX_NEW))
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_requests_a_failed_step_aborts_are_reported_by_the_next_step(llama_path, overlap):
+    """An interrupt while a step's text is made (after its ``update()``) loses the step's results,
+    so its requests are aborted: a caller that keeps stepping gets each one's final output, with
+    finish_reason "abort", rather than silence (it never asked for the abort)."""
+    engine = tiny_engine(llama_path, overlap=overlap)
+    prompts = rand_prompts(7, LENGTHS)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(MAX_NEW))
+    engine.text = _InterruptAfter(engine.text, "step_results", 2)
+    last = drive(engine, fails=KeyboardInterrupt)
+    assert sorted(last) == [str(i) for i in range(len(prompts))]
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in last.values())
+    assert engine.stats()["requests_aborted"] == len(prompts)
     assert_idle(engine)
 
 

@@ -26,8 +26,8 @@ Failures: any exception (``KeyboardInterrupt`` included) between ``schedule()`` 
 waits for the step job to end, then cancels the step (``Scheduler.cancel_step``): no token is
 appended, the requests go on at the next ``step()`` as if the step had never been planned (a beam
 search that moved in Python during the step is aborted). One while a step's text and outputs are
-made (after its ``update()``) aborts that step's requests, whose Python state is then half-applied.
-The exception is re-raised.
+made (after its ``update()``) aborts that step's requests, whose Python state is then half-applied;
+the next ``step()`` reports them (finish_reason "abort"). The exception is re-raised.
 Threads: one thread drives the engine (``add_request``/``step``; ``EngineLoop`` is that thread
 for ``LLM``); an engine lock serializes every scheduler call, since the scheduler's methods
 release the GIL while they hold it borrowed; the step job touches no scheduler state.
@@ -160,7 +160,7 @@ class LLMEngine:
         self.peak_used_blocks = 0
         # Threads (module docs): the lock guards the scheduler; aborts from any thread queue in
         # its inbox; the snapshot serves getters while another thread holds the lock.
-        self._guard = EngineLock(self._before_release, self._report_abort)
+        self._guard = EngineLock(self._before_release, lambda out: self.on_abort and self.on_abort(out))
         self.report_aborts = self._guard.report_queued  # on report_aborts_here's thread: hands out reports
         self.on_abort: Callable[[RequestOutput], None] | None = None
         """Called with the final output of each request ``abort_request`` or a failed step ended, once
@@ -354,10 +354,6 @@ class LLMEngine:
             self._stats_wanted = False
             self._stats = self.scheduler.stats()
 
-    def _report_abort(self, output: RequestOutput) -> None:
-        if self.on_abort is not None:
-            self.on_abort(output)
-
     def _apply_aborts(self) -> None:
         inbox = self._guard.abort_inbox
         if inbox and self._pending is not None:
@@ -375,8 +371,9 @@ class LLMEngine:
         if aborted and self._unreturned:  # as in vLLM, an aborted request reports nothing more
             self._unreturned = [o for o in self._unreturned if o.request_id not in aborted]
 
-    def _abort_now(self, req: RequestState) -> None:
-        """Ends a request in Python and in the scheduler (lock held)."""
+    def _abort_now(self, req: RequestState, asked: bool = True) -> None:
+        """Ends a request in Python and in the scheduler (lock held). Its final output goes to
+        ``on_abort``; without one, only to the next ``step()``'s, and only if not ``asked`` (a failed step's)."""
         try:
             ended = self.text.after_abort(self.scheduler.abort(req.core_id))
         except UnknownRequestError:
@@ -384,6 +381,8 @@ class LLMEngine:
         self._finish(req)
         if self.on_abort is not None:
             self._guard.aborted.append(aborted_output(req, ended, self._times_of))
+        elif not asked:
+            self._unreturned.append(aborted_output(req, ended, self._times_of))
 
     # ------------------------------------------------------------------------------------------
     @_exclusive
@@ -493,7 +492,7 @@ class LLMEngine:
             return
         for req in undo.beams:
             if not req.finished:
-                self._abort_now(req)
+                self._abort_now(req, asked=False)
         # No reset_prefix_cache(): cancel_step unregisters the prefix blocks the step registered
         # (their KV was never written); the text layer saw nothing of the step.
 
@@ -504,7 +503,7 @@ class LLMEngine:
         for cid in set(out.req_ids.tolist()) | set(out.row_req_ids.tolist()):
             req = self._requests.get(cid)
             if req is not None:
-                self._abort_now(req)
+                self._abort_now(req, asked=False)
 
     def _tokens(self, out: Any, logits: torch.Tensor | None, tokens: Any,
                 undo: _StepUndo) -> tuple[np.ndarray, Any]:
