@@ -765,6 +765,19 @@ def test_return_token_ids_as_vllm(http, endpoint):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_booleans_are_read_as_vllms_pydantic_reads_them(http, path):
+    """pydantic's lax booleans: 0/1 and strings such as "yes", "off", "true"."""
+    body = {"model": MODEL, "max_tokens": 3, "stream": "false", "ignore_eos": "yes", "skip_special_tokens": 1,
+            **({"prompt": PROMPT, "echo": "off"} if path == "/v1/completions" else {"messages": MESSAGES, "logprobs": 1})}
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert r.json()["usage"]["completion_tokens"] == 3
+    if path != "/v1/completions":
+        assert len(choice["logprobs"]["content"]) == 3
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_numbers_are_read_as_vllms_pydantic_reads_them(http, path):
     """An integral float or a numeric string for an int field, a numeric string for a float one
     (vLLM's models are lax); a fraction for an int is still a 400 naming the field."""

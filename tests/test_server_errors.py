@@ -113,6 +113,13 @@ BAD_PARAMS = [
     (_C, "prompt", [], None),
     (_C, "prompt", [10 ** 9], None),  # a token id outside the vocabulary
     (_C, "prompt", "bad \ud800 surrogate", None),
+    # Fields a response repeats: UTF-8 could not carry them back.
+    (_C, "request_id", "bad \ud800 surrogate", None),
+    (_CH, "user", "bad \ud800 surrogate", None),
+    (_CH, "tools", [{"type": "function", "function": {"name": "f\ud800"}}], None),
+    (_C, "max_tokens", "9" * 5000, None),  # more digits than Python reads as an int
+    (_CH, "seed", "-" + "1" * 5000, None),
+    (_C, "stream", 2, "2"),
     (_CH, "messages", _MISSING, None),
     (_CH, "messages", [], None),
     (_CH, "messages", "hello", "hello"),

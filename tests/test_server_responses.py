@@ -63,7 +63,7 @@ def test_answer_equals_the_chat_completion_of_the_conversation(client, max_token
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
     assert r.output_text == text
     (item,) = r.output
-    assert (item.type, item.role, item.status, item.content[0].type) == ("message", "assistant", "completed",
+    assert (item.type, item.role, item.status, item.content[0].type) == ("message", "assistant", r.status,
                                                                           "output_text")
     assert (r.usage.input_tokens, r.usage.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
     assert r.usage.total_tokens == usage.total_tokens
@@ -89,13 +89,16 @@ def test_stream_events_in_order_and_adding_up(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
+    # vLLM's: the last event is response.completed, an incomplete response's too (the openai
+    # client's stream helper waits for it).
     tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-            f"response.{whole.status}"]
+            "response.completed"]
     assert kinds[-4:] == tail and set(kinds[4:-4]) == {"response.output_text.delta"}
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == events[-4].text == whole.output_text
     final = events[-1].response
     assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
+    assert final.status == whole.status and final.output[0].status == whole.output[0].status
     assert events[0].response.status == "in_progress" and events[0].response.output == []
 
 
@@ -138,6 +141,23 @@ def test_a_replayed_call_and_its_output_reach_the_conversation(client):
     assert with_output.usage.input_tokens > without.usage.input_tokens
 
 
+def test_a_cut_response_and_its_items_are_incomplete(client):
+    r = respond(client, input="Weather in Paris?", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"},
+                max_output_tokens=3)
+    assert r.status == "incomplete" and [item.status for item in r.output] == ["incomplete"]
+    r = respond(client, input=USER, max_output_tokens=1)
+    assert r.status == "incomplete" and r.output[0].status == "incomplete"
+
+
+def test_streamed_logprobs_are_every_tokens(client):
+    kw = dict(input=USER, max_output_tokens=12, top_logprobs=1, include=["message.output_text.logprobs"])
+    events = list(respond(client, stream=True, **kw))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    final = events[-1].response
+    assert len(streamed) == final.usage.output_tokens == len(final.output[0].content[0].logprobs)
+    assert [lp.token for lp in streamed] == [lp.token for lp in final.output[0].content[0].logprobs]
+
+
 def test_logprobs_when_included(client):
     r = respond(client, input=USER, max_output_tokens=6, top_logprobs=2, include=["message.output_text.logprobs"])
     lps = r.output[0].content[0].logprobs
@@ -154,6 +174,21 @@ def test_logprobs_when_included(client):
     ({}, 400, "input"),
     ({"input": []}, 400, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input[0].role"),
+    ({"input": [{"role": ["user"], "content": "hi"}]}, 400, "input[0].role"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, 400, "input[0].arguments"),
+    ({"input": USER, "metadata": 5}, 400, "metadata"),
+    ({"input": USER, "metadata": {"k": "\ud800"}}, 400, "metadata"),
+    ({"input": USER, "reasoning": "junk"}, 400, "reasoning"),
+    ({"input": USER, "truncation": "junk"}, 400, "truncation"),
+    ({"input": USER, "store": "maybe"}, 400, "store"),
+    ({"input": USER, "include": ["bogus.thing"]}, 400, "include"),
+    ({"input": USER, "text": {"verbosity": 5}}, 400, "verbosity"),
+    ({"input": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     400, "tool_choice"),
+    ({"input": USER, "tools": [TOOL], "tool_choice": {"type": "function"}}, 400, "tool_choice.name"),
+    ({"input": USER, "request_id": "\ud800"}, 400, "request_id"),
+    ({"input": USER, "user": "\ud800"}, 400, "user"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input[0].call_id"),
     ({"input": [{"type": "input_image"}]}, 400, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input[0].content[0]"),
@@ -168,7 +203,9 @@ def test_logprobs_when_included(client):
     ({"input": USER, "model": "other"}, 404, "model"),
 ])
 def test_bad_requests_name_the_field(http, body, status, param):
-    r = http.post("/v1/responses", json={"model": MODEL, **body} if "model" not in body else body)
+    body = {"model": MODEL, **body} if "model" not in body else body
+    # JSON text with \u escapes: a lone surrogate is valid JSON, but not encodable as UTF-8 text.
+    r = http.post("/v1/responses", content=json.dumps(body), headers={"content-type": "application/json"})
     assert assert_openai_error(r, status, param)["param"] == param
     ok = http.post("/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 2})
     assert ok.status_code == 200 and ok.json()["status"] in ("completed", "incomplete")

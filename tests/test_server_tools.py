@@ -270,7 +270,7 @@ BAD = [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}], tool_choice="required"),
      "tools[0].function.parameters", ["'x'"]),
     (dict(tools="f", tool_choice="none"), "tools", ["'f'"]),
-    (dict(tool_choice="required", parallel_tool_calls="no"), "parallel_tool_calls", ["'no'"]),
+    (dict(tool_choice="required", parallel_tool_calls="maybe"), "parallel_tool_calls", ["'maybe'"]),
     (dict(tool_choice="none", messages=[{"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
      "messages[0].tool_calls[0].function.arguments", ["'{oops'"]),

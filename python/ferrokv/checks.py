@@ -16,8 +16,8 @@ import re
 from typing import Any
 
 __all__ = [
-    "DeviceMismatchError", "as_float", "check_finite", "check_int", "check_same_device", "check_text", "rename_field",
-    "shown",
+    "DeviceMismatchError", "as_float", "check_finite", "check_int", "check_same_device", "check_text", "is_text",
+    "rename_field", "shown",
 ]
 
 _SHOWN = 60  # characters of a bad value quoted in a message
@@ -42,6 +42,15 @@ def check_text(name: str, value: Any) -> str:
             f"{value[e.start]!r} at index {e.start}"
         ) from None
     return value
+
+
+def is_text(value: Any) -> bool:
+    """``check_text``'s test without the error: a str UTF-8 can encode."""
+    try:
+        check_text("", value)
+    except ValueError:
+        return False
+    return True
 
 
 def check_int(name: str, value: Any, lo: int, hi: int) -> int:

@@ -19,6 +19,7 @@ Costs: O(size of the body) per request; nothing here touches torch or the engine
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
-from ferrokv.checks import shown
+from ferrokv.checks import check_text, shown
 from ferrokv.engine_args import EngineArgs
 from ferrokv.entrypoints.openai.tool_calls import ToolChoice, ToolError, parse_tools
 from ferrokv.inputs import message_text, message_tool_fields
@@ -115,9 +116,14 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
 
 
 def _str(body: Mapping[str, Any], name: str) -> str | None:
+    """A string field; one UTF-8 cannot carry (a lone surrogate) is refused too, since responses
+    repeat some (``request_id``, ``user``)."""
     v = _opt(body, name)
-    if v is not None and not isinstance(v, str):
-        raise bad(name, f"{name} must be a string, got {shown(v)}")
+    if v is not None:
+        try:
+            check_text(name, v)
+        except ValueError as e:
+            raise bad(name, str(e).replace(" a str,", " a string,")) from None
     return v
 
 
@@ -133,26 +139,38 @@ _INT_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "top_k", "
                "prompt_logprobs", "priority", "truncate_prompt_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                  "length_penalty")
+_BOOL_FIELDS = ("stream", "echo", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                "spaces_between_special_tokens", "add_generation_prompt", "continue_final_message",
+                "add_special_tokens", "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
+                "parallel_tool_calls", "background", "store")
+_BOOL_TEXT = {t: True for t in ("1", "on", "t", "true", "y", "yes")} | {f: False for f in ("0", "off", "f", "false",
+                                                                                         "n", "no")}
 _INT_TEXT = re.compile(r"\s*[-+]?\d+\s*")
 
 
-def _lax_numbers(body: Mapping[str, Any], ints: tuple[str, ...] = _INT_FIELDS) -> dict[str, Any]:
-    """``body`` with its numeric fields read as vLLM's pydantic reads them (lax mode); anything
-    else is left for the field's own check, which names it."""
+def _lax_numbers(body: Mapping[str, Any], ints: tuple[str, ...] = _INT_FIELDS,
+                 bools: tuple[str, ...] = _BOOL_FIELDS) -> dict[str, Any]:
+    """``body`` with its numeric and boolean fields read as vLLM's pydantic reads them (lax
+    mode); anything else is left for the field's own check, which names it."""
     out = dict(body)
     for name in ints:
         v = out.get(name)
-        if isinstance(v, float) and v.is_integer():
+        if isinstance(v, bool) or (isinstance(v, float) and v.is_integer()):
             out[name] = int(v)
         elif isinstance(v, str) and _INT_TEXT.fullmatch(v):
-            out[name] = int(v)
+            with contextlib.suppress(ValueError):  # more digits than Python converts
+                out[name] = int(v)
     for name in _FLOAT_FIELDS:
         v = out.get(name)
-        if isinstance(v, str):
-            try:
+        if isinstance(v, (str, bool)):
+            with contextlib.suppress(ValueError):
                 out[name] = float(v)
-            except ValueError:
-                pass
+    for name in bools:
+        v = out.get(name)
+        if isinstance(v, str) and v.lower() in _BOOL_TEXT:
+            out[name] = _BOOL_TEXT[v.lower()]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v in (0, 1):
+            out[name] = bool(v)
     return out
 
 
@@ -516,7 +534,7 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
                        tool_call_parser: str | None = None) -> ChatRequest:
     """``tool_call_parser``: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice``
     is on (None: ``tool_choice: "auto"`` is refused)."""
-    body = _lax_numbers(_object(body))
+    body = _lax_numbers(_object(body), bools=(*_BOOL_FIELDS, "logprobs"))
     if _bool(body, "echo", False):
         raise bad("echo", "echo is not supported for chat by this server, got true")
     messages = _messages(body.get("messages"))

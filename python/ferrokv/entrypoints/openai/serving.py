@@ -136,8 +136,27 @@ def error_response(e: BaseException) -> JSONResponse:
     return JSONResponse(error_body(err), status_code=err.status)
 
 
+def dumps(obj: Any, allow_nan: bool = True) -> str:
+    """Compact JSON, non-ASCII text as it is, unless UTF-8 cannot carry the text (a lone surrogate
+    echoed from a request): then all of it escaped, so that no response fails to encode."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=allow_nan, separators=(",", ":"))
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(obj, allow_nan=allow_nan, separators=(",", ":"))
+    return text
+
+
+class JSONBody(JSONResponse):
+    """A JSON response rendered by ``dumps``."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content, allow_nan=False).encode("utf-8")
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 class SSEResponse(StreamingResponse):

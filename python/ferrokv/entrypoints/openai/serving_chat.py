@@ -21,10 +21,9 @@ import time
 from typing import Any
 
 from fastapi import Request
-from starlette.responses import JSONResponse
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
-from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id,
+from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
                                                generate_checked, response_id, run_generation, stream_events, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, token_text, usage
 from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
@@ -148,7 +147,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
                     **({"token_ids": list(c.token_ids)} if req.token_ids else {})}
                    for c in sorted(out.outputs, key=lambda c: c.index)]
         ids = {"prompt_token_ids": list(out.prompt_token_ids)} if req.token_ids else {}
-        return JSONResponse({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
+        return JSONBody({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
                              "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs), **ids})
 
     return await run_generation(request, state, [prompt_then_generate()], respond, req.engine_error)

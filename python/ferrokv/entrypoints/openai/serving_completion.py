@@ -21,10 +21,9 @@ import time
 from typing import Any
 
 from fastapi import Request
-from starlette.responses import JSONResponse
 
 from ferrokv.entrypoints.openai.protocol import CompletionRequest, parse_completion_request
-from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id,
+from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
                                                generate_checked, response_id, run_generation, stream_events, watched)
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
@@ -169,7 +168,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
             plp = prompt_logprobs_json(out.prompt_logprobs)
             choices += [{**call.choice(i, out, c), "prompt_logprobs": plp} for c in out.outputs]
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({**call.head(created), "choices": choices, "usage": call.usage()})
+        return JSONBody({**call.head(created), "choices": choices, "usage": call.usage()})
 
     return await run_generation(request, state, gens, respond, req.engine_error)
 

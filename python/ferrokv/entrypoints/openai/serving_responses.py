@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from starlette.responses import JSONResponse
 
-from ferrokv.checks import shown
+from ferrokv.checks import is_text, shown
 from ferrokv.entrypoints.openai.protocol import (ChatRequest, OpenAIError, _bool, _lax_numbers, _logprobs, _object,
                                                  bad, error_body, parse_chat_request)
-from ferrokv.entrypoints.openai.serving import (Generation, ServerState, SSEResponse, engine_request_id,
-                                               generate_checked, run_generation, to_openai_error, watched)
+from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
+                                               dumps, generate_checked, run_generation, to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_chat import ChatAnswer
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
@@ -49,6 +48,9 @@ _PASSED_ON = ("model", "stream", "temperature", "top_p", "top_k", "min_p", "seed
               "chat_template_kwargs", "parallel_tool_calls", "user")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+               "message.input_image.image_url", _LOGPROBS_INCLUDE, "reasoning.encrypted_content")  # vLLM's
+_EFFORTS = (None, "minimal", "low", "medium", "high")
 
 
 @dataclass(slots=True)
@@ -58,7 +60,8 @@ class ResponsesRequest:
     echoed: dict[str, Any]  # the request's own fields the response repeats
 
     def renamed(self, e: Exception) -> Exception:
-        return _renamed(e, self.origins) if isinstance(e, OpenAIError) else e
+        """An error of the chat path (a 400 or the template's ``ValueError``) in this API's names."""
+        return _renamed(to_openai_error(e), self.origins) if isinstance(e, (OpenAIError, ValueError)) else e
 
 
 def _renamed(e: OpenAIError, origins: list[str]) -> OpenAIError:
@@ -67,6 +70,10 @@ def _renamed(e: OpenAIError, origins: list[str]) -> OpenAIError:
         if s is None:
             return None
         s = re.sub(r"messages\[(\d+)\]", lambda m: origins[int(m[1])] if int(m[1]) < len(origins) else m[0], s)
+        s = re.sub(r"\bmessages\b", "input", s)
+        # A replayed call is one message of one call; its output a tool message.
+        s = re.sub(r"(input\[\d+\])\.tool_calls\[0\]\.function\.", r"\1.", s)
+        s = re.sub(r"(input\[\d+\])\.tool_call_id", r"\1.call_id", s)
         s = re.sub(r"\bmax_tokens\b", "max_output_tokens", s)
         s = re.sub(r"response_format(\.json_schema)?", "text.format", s)
         return re.sub(r"(tools\[\d+\]|tool_choice)\.function\b", r"\1", s)
@@ -86,7 +93,7 @@ def _input_item(item: Any, where: str) -> dict[str, Any] | None:
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise bad(f"{where}.role", f"{where}.role must be one of {sorted(_ROLES)}, got {shown(role)}")
         return {"role": _ROLES[role], "content": item.get("content")}
     if kind == "function_call":
@@ -119,6 +126,8 @@ def _conversation(instructions: Any, value: Any) -> tuple[list[dict[str, Any]], 
                 origins.append(f"input[{i}]")
     else:
         raise bad("input", f"input must be a string or a non-empty list of items, got {shown(value)}")
+    if origins[-1:] in ([], ["instructions"]):
+        raise bad("input", "input must hold at least one message (reasoning items are left out)")
     return messages, origins
 
 
@@ -151,9 +160,43 @@ def _chat_tools(tools: Any) -> list[Any] | None:
 
 
 def _chat_tool_choice(choice: Any) -> Any:
+    """Responses' ``tool_choice`` in chat's shape (a string is checked there)."""
+    if choice is None or isinstance(choice, str):
+        return choice
     if isinstance(choice, Mapping) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad("tool_choice.name", f"tool_choice.name must name the function to call, got {shown(name)}")
+        return {"type": "function", "function": {"name": name}}
+    raise bad("tool_choice", "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}, "
+                             f"got {shown(choice)}")
+
+
+def _one_of(body: Mapping[str, Any], name: str, allowed: tuple[Any, ...], default: Any) -> Any:
+    v = body.get(name, default)
+    if v not in allowed:
+        raise bad(name, f"{name} must be one of {list(allowed)}, got {shown(v)}")
+    return default if v is None else v
+
+
+def _echoed(body: Mapping[str, Any], top: int | None, params: Any) -> dict[str, Any]:
+    """The request's fields a response repeats, checked as vLLM's pydantic model checks them."""
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, Mapping) and all(
+            isinstance(k, str) and isinstance(v, str) and is_text(k + v) for k, v in metadata.items())):
+        raise bad("metadata", f"metadata must map strings to strings, got {shown(metadata)}")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not (isinstance(reasoning, Mapping) and reasoning.get("effort") in _EFFORTS):
+        raise bad("reasoning", f"reasoning must be an object such as {{'effort': 'low'}}, got {shown(reasoning)}")
+    text = body.get("text") or {"format": {"type": "text"}}
+    _one_of(text, "verbosity", (None, "low", "medium", "high"), None)
+    _bool(body, "store", True)  # checked, then ignored: nothing is stored (vLLM's default)
+    return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": metadata, "parallel_tool_calls": _bool(body, "parallel_tool_calls", True),
+            "previous_response_id": None, "reasoning": reasoning, "store": False,
+            "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+            "top_logprobs": top, "truncation": _one_of(body, "truncation", ("auto", "disabled", None), "disabled"),
+            "user": body.get("user"), "background": False, "temperature": params.temperature, "top_p": params.top_p}
 
 
 def parse_responses_request(body: Any, defaults: Mapping[str, Any], max_logprobs: int,
@@ -167,8 +210,8 @@ def parse_responses_request(body: Any, defaults: Mapping[str, Any], max_logprobs
         raise OpenAIError(404, f"previous_response_id: no response {shown(body['previous_response_id'])}: this "
                                "server stores no responses", "previous_response_id")
     include = body.get("include") or []
-    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
-        raise bad("include", f"include must be a list of strings, got {shown(include)}")
+    if not isinstance(include, list) or not all(isinstance(x, str) and x in _INCLUDABLE for x in include):
+        raise bad("include", f"include must be a list of {list(_INCLUDABLE)}, got {shown(include)}")
     top = _logprobs(body, "top_logprobs", max_logprobs)
     messages, origins = _conversation(body.get("instructions"), body.get("input"))
     chat: dict[str, Any] = {k: body[k] for k in _PASSED_ON if k in body}
@@ -182,14 +225,7 @@ def parse_responses_request(body: Any, defaults: Mapping[str, Any], max_logprobs
         req = parse_chat_request(chat, defaults=defaults, max_logprobs=max_logprobs, tool_call_parser=tool_call_parser)
     except OpenAIError as e:
         raise _renamed(e, origins) from None
-    echoed = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-              "metadata": body.get("metadata"), "parallel_tool_calls": body.get("parallel_tool_calls", True),
-              "previous_response_id": None, "reasoning": body.get("reasoning"), "store": False,
-              "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
-              "tools": body.get("tools") or [], "top_logprobs": top, "truncation": body.get("truncation", "disabled"),
-              "user": body.get("user"), "background": False,
-              "temperature": req.params.temperature, "top_p": req.params.top_p}
-    return ResponsesRequest(req, origins, echoed)
+    return ResponsesRequest(req, origins, _echoed(body, top, req.params))
 
 
 class _Response:
@@ -203,7 +239,7 @@ class _Response:
         self.created_at = int(time.time())
         self.seq = -1
 
-    def body(self, status: str, output: list[Any], finish_reason: str | None = None) -> dict[str, Any]:
+    def body(self, status: str, output: list[Any]) -> dict[str, Any]:
         incomplete = status == "incomplete"
         return {"id": self.id, "object": "response", "created_at": self.created_at, "model": self.call.head["model"],
                 "status": status, "error": None,
@@ -229,7 +265,7 @@ class _Response:
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": parts}
 
     @staticmethod
-    def function_call(call: Mapping[str, Any], status: str = "completed") -> dict[str, Any]:
+    def function_call(call: Mapping[str, Any], status: str) -> dict[str, Any]:
         f = call["function"]
         args = f["arguments"] if isinstance(f["arguments"], str) else json.dumps(f["arguments"], ensure_ascii=False)
         return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"], "name": f["name"],
@@ -237,19 +273,19 @@ class _Response:
 
     def output(self, c: CompletionOutput) -> list[Any]:
         m = self.call.message(c)
-        calls = [self.function_call(tc) for tc in m.get("tool_calls") or ()]
+        status = _status(c)
+        calls = [self.function_call(tc, status) for tc in m.get("tool_calls") or ()]
         text = m["content"] or ""
-        items = [self.message("completed", [self.text_part(text, c)])] if text or not calls else []
+        items = [self.message(status, [self.text_part(text, c)])] if text or not calls else []
         return items + calls
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
-        data = json.dumps({"type": kind, "sequence_number": self.seq, **fields}, ensure_ascii=False,
-                          separators=(",", ":"))
-        return f"event: {kind}\ndata: {data}\n\n"
+        return f"event: {kind}\ndata: {dumps({'type': kind, 'sequence_number': self.seq, **fields})}\n\n"
 
 
 def _status(c: CompletionOutput) -> str:
+    """The response's, and its items' (a cut one's text or call ends early)."""
     return "incomplete" if c.finish_reason == "length" else "completed"
 
 
@@ -278,7 +314,7 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
         call.count(out)
         c = out.outputs[0]
         output = resp.output(c)
-        return JSONResponse(resp.body(_status(c), output))
+        return JSONBody(resp.body(_status(c), output))
 
     def engine_error(e: ValueError) -> Exception:
         return req.renamed(chat.engine_error(e))
@@ -290,7 +326,7 @@ async def _stream(gen: Generation, resp: _Response) -> Any:
     call = resp.call
     text: list[str] = []
     lps: list[Any] = []
-    opened = False
+    sent = 0  # logprobs sent so far: a token that completes no character yet goes with the next delta
     try:
         yield resp.event("response.created", response=resp.body("in_progress", []))
         yield resp.event("response.in_progress", response=resp.body("in_progress", []))
@@ -299,18 +335,15 @@ async def _stream(gen: Generation, resp: _Response) -> Any:
             call.count(out)
             c = last = out.outputs[0]
             delta = call.delta(c).get("content") or ""
-            lp = (call.logprobs(c) or {}).get("content") or []
-            lps += lp
-            if not delta:
-                continue
-            if not opened:
-                opened = True
-                yield _open_message(resp)
-            text.append(delta)
-            yield resp.event("response.output_text.delta", item_id=resp.msg_id, output_index=0, content_index=0,
-                             delta=delta, logprobs=lp)
+            lps += (call.logprobs(c) or {}).get("content") or []
+            if delta:
+                if not text:
+                    yield _open_message(resp)
+                text.append(delta)
+                yield _delta(resp, delta, lps[sent:])
+                sent = len(lps)
         assert last is not None
-        yield "".join(_close(resp, last, "".join(text), lps, opened))
+        yield "".join(_close(resp, last, "".join(text), lps, sent))
     except Exception as e:
         err = to_openai_error(e)
         yield resp.event("error", code=str(err.status), message=err.message, param=err.param)
@@ -324,17 +357,27 @@ def _open_message(resp: _Response) -> str:
                          part={"type": "output_text", "text": "", "annotations": []}))
 
 
-def _close(resp: _Response, c: CompletionOutput, text: str, lps: list[Any], opened: bool) -> list[str]:
-    """The events after the last token: the message's ends, the calls, the response's end."""
-    calls = [resp.function_call(tc) for tc in resp.call.parsers[0].calls] if 0 in resp.call.parsers else []
+def _delta(resp: _Response, delta: str, logprobs: list[Any]) -> str:
+    return resp.event("response.output_text.delta", item_id=resp.msg_id, output_index=0, content_index=0,
+                      delta=delta, logprobs=logprobs)
+
+
+def _close(resp: _Response, c: CompletionOutput, text: str, lps: list[Any], sent: int) -> list[str]:
+    """The events after the last token: the message's ends, the calls, then ``response.completed``
+    (also for an incomplete response, as vLLM ends every stream and the openai client expects)."""
+    status = _status(c)
+    calls = resp.call.parsers[0].calls if 0 in resp.call.parsers else []
+    calls = [resp.function_call(tc, status) for tc in calls]
     events, output = [], []
-    if opened or not calls:
-        if not opened:
+    if text or not calls:
+        if not text:
             events.append(_open_message(resp))
+        if sent < len(lps):
+            events.append(_delta(resp, "", lps[sent:]))
         part = {"type": "output_text", "text": text, "annotations": []}
         if resp.call.req.logprobs:
             part["logprobs"] = lps
-        item = resp.message("completed", [part])
+        item = resp.message(status, [part])
         events += [resp.event("response.output_text.done", item_id=resp.msg_id, output_index=0, content_index=0,
                               text=text, logprobs=lps),
                    resp.event("response.content_part.done", item_id=resp.msg_id, output_index=0, content_index=0,
@@ -351,12 +394,11 @@ def _close(resp: _Response, c: CompletionOutput, text: str, lps: list[Any], open
                               arguments=fc["arguments"]),
                    resp.event("response.output_item.done", output_index=i, item=fc)]
         output.append(fc)
-    status = _status(c)
-    events.append(resp.event(f"response.{status}", response=resp.body(status, output)))
+    events.append(resp.event("response.completed", response=resp.body(status, output)))
     return events
 
 
-def not_found(response_id: str) -> JSONResponse:
+def not_found(response_id: str) -> JSONBody:
     """``GET``/``DELETE /v1/responses/{id}`` and its ``cancel``: nothing is stored (vLLM's 404)."""
     err = OpenAIError(404, f"response {response_id!r} not found: this server stores no responses", "response_id")
-    return JSONResponse(error_body(err), status_code=404)
+    return JSONBody(error_body(err), status_code=404)

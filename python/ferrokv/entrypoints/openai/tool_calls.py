@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ferrokv.checks import shown
+from ferrokv.checks import is_text, shown
 
 __all__ = ["TOOL_CALL_PARSERS", "ToolChoice", "ToolError", "parse_tools"]
 
@@ -101,9 +101,9 @@ def _functions(tools: Any) -> tuple[Mapping[str, Any], ...]:
         f = t.get("function")
         if not isinstance(f, Mapping):
             raise ToolError(f"{where}.function", f"{where}.function must be an object with a name, got {shown(f)}")
-        if not isinstance(f.get("name"), str) or not f["name"]:
-            raise ToolError(f"{where}.function.name",
-                            f"{where}.function.name must be a non-empty string, got {shown(f.get('name'))}")
+        if not isinstance(f.get("name"), str) or not f["name"] or not is_text(f["name"]):
+            raise ToolError(f"{where}.function.name", f"{where}.function.name must be a non-empty string of "
+                                                      f"valid Unicode, got {shown(f.get('name'))}")
         if f.get("parameters") is not None and not isinstance(f["parameters"], Mapping):
             raise ToolError(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema "
                                                             f"object, got {shown(f['parameters'])}")
