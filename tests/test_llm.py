@@ -538,7 +538,8 @@ def test_priority_without_the_priority_policy_is_refused(llama_llm):
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_llm, llama_path, hf_greedy):
     """vLLM's left truncation: the request runs on the last k prompt tokens (its output's
-    ``prompt_token_ids``), exactly as if those had been the prompt; -1 means max_model_len."""
+    ``prompt_token_ids``), exactly as if those had been the prompt; -1 means as many as leave
+    max_tokens to generate (vLLM's renderer)."""
     prompt = [17, 99, 250, 3, 8, 77, 140, 200, 31, 64, 12]
     out = llama_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, truncate_prompt_tokens=4),
                              use_tqdm=False)[0]
@@ -547,8 +548,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_llm, llama_p
     long_prompt = [5 + i % 300 for i in range(llama_llm.llm_engine.max_model_len + 10)]
     with pytest.raises(ValueError, match="max_model_len"):
         llama_llm.generate([long_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
-    out = llama_llm.generate([long_prompt], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
-    assert out.prompt_token_ids == long_prompt[-llama_llm.llm_engine.max_model_len:]
+    max_len = llama_llm.llm_engine.max_model_len
+    for max_tokens, keep in ((1, max_len - 1), (7, max_len - 7), (None, max_len - 1), (10 * max_len, 1)):
+        params = SamplingParams(max_tokens=max_tokens, truncate_prompt_tokens=-1, ignore_eos=True)
+        out = llama_llm.generate([long_prompt], params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == long_prompt[-keep:]
+        assert len(out.outputs[0].token_ids) == min(max_tokens or 1, max_len - keep)
     too_many = llama_llm.llm_engine.max_model_len + 1  # vLLM refuses a truncation longer than the context
     with pytest.raises(ValueError, match=rf"truncate_prompt_tokens={too_many} is greater than max_model_len"):
         llama_llm.generate([prompt], SamplingParams(max_tokens=1, truncate_prompt_tokens=too_many), use_tqdm=False)

@@ -153,6 +153,9 @@ def test_truncate_prompt_tokens_runs_on_the_prompts_last_tokens(client, referenc
     long_ids = [5 + i % 300 for i in range(MAX_MODEL_LEN + 20)]
     r = complete(client, prompt=long_ids, max_tokens=4, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 8})
     assert r.usage.prompt_tokens == 8 and r.usage.completion_tokens == 4
+    # -1: as many as leave max_tokens to generate (vLLM's renderer).
+    r = complete(client, prompt=long_ids, max_tokens=4, extra_body={"ignore_eos": True, "truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == MAX_MODEL_LEN - 4 and r.usage.completion_tokens == 4
     with pytest.raises(openai.BadRequestError, match=rf"truncate_prompt_tokens={MAX_MODEL_LEN + 1} is greater"):
         complete(client, max_tokens=4, extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN + 1})
 

@@ -183,7 +183,7 @@ def test_logprobs_when_included(client):
     ({"input": USER, "truncation": "junk"}, 400, "truncation"),
     ({"input": USER, "store": "maybe"}, 400, "store"),
     ({"input": USER, "include": ["bogus.thing"]}, 400, "include"),
-    ({"input": USER, "text": {"verbosity": 5}}, 400, "verbosity"),
+    ({"input": USER, "text": {"verbosity": 5}}, 400, "text.verbosity"),
     ({"input": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      400, "tool_choice"),
     ({"input": USER, "tools": [TOOL], "tool_choice": {"type": "function"}}, 400, "tool_choice.name"),

@@ -187,16 +187,16 @@ class LLMEngine:
         return SamplingParams(**self.default_sampling_params)
 
     def _checked_prompt(self, request_id: Any, prompt: Any, cache_salt: str | None,
-                        truncate: int | None = None) -> tuple[str, str | None, list[int], str | None]:
+                        params: SamplingParams | None = None) -> tuple[str, str | None, list[int], str | None]:
         """The request id as a string (checked not to be in use), the prompt's text and
-        validated token ids (its last ``truncate`` only, -1 meaning ``max_model_len``, as vLLM's
-        ``truncate_prompt_tokens``), and its cache salt (the dict's and the keyword's,
-        ``ferrokv.inputs``)."""
+        validated token ids (truncated as ``params.truncate_prompt_tokens`` asks), and its cache
+        salt (the dict's and the keyword's, ``ferrokv.inputs``)."""
         request_id = request_id_str(request_id)
         if request_id in self._by_name:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = prompt_ids(self.tokenizer, prompt)
-        ids = truncated_prompt(ids, truncate, self.max_model_len)
+        if params is not None:
+            ids = truncated_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         validate_prompt_ids(ids, self.vocab_size, self.max_model_len)
         return request_id, text, ids, prompt_cache_salt(prompt, cache_salt)
 
@@ -225,8 +225,7 @@ class LLMEngine:
         check_token_rules(params, self.vocab_size)
         check_logprobs_cap(params.logprobs, params.prompt_logprobs, self.args.max_logprobs, self.vocab_size)
         grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
-        request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt,
-                                                                 params.truncate_prompt_tokens)
+        request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt, params)
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
         # Capped at max_model_len (the core's int range); none given: what n samples' worst case fits.

@@ -24,7 +24,7 @@ from ferrokv.checks import check_int, check_text, shown
 
 __all__ = ["add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority",
            "check_tools", "is_text_prompt", "message_text", "message_tool_fields", "prompt_cache_salt", "prompt_ids",
-           "request_id_str", "request_ids", "template_kwargs", "tokenized_prompt", "truncated_prompt",
+           "request_id_str", "request_ids", "template_kwargs", "tokenized_prompt", "truncated_prompt", "truncation_length",
            "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
@@ -173,15 +173,23 @@ def request_ids(value: Any) -> list[str]:
     return [request_id_str(r) for r in value] if many else [request_id_str(value)]
 
 
-def truncated_prompt(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
-    """The prompt's last ``truncate`` ids (vLLM's ``truncate_prompt_tokens``: -1 means
-    ``max_model_len``; more than ``max_model_len`` is a ValueError naming both, as vLLM's)."""
+def truncated_prompt(ids: list[int], truncate: int | None, max_model_len: int,
+                     max_tokens: int | None = None) -> list[int]:
+    """The prompt's last ``truncation_length`` ids (all of them without a truncation)."""
+    keep = truncation_length(truncate, max_model_len, max_tokens)
+    return ids if keep is None else ids[-keep:]
+
+
+def truncation_length(truncate: int | None, max_model_len: int, max_tokens: int | None) -> int | None:
+    """How many of the prompt's last tokens vLLM's ``truncate_prompt_tokens`` keeps: -1 means as
+    many as leave ``max_tokens`` (at least one) of ``max_model_len`` to generate, as vLLM's
+    renderer; more than ``max_model_len`` is a ValueError naming both, as vLLM's."""
     if truncate is None:
-        return ids
+        return None
     if truncate > max_model_len:
         raise ValueError(f"truncate_prompt_tokens={truncate} is greater than max_model_len={max_model_len}: "
                          "ask for a smaller truncation")
-    return ids[-(max_model_len if truncate == -1 else truncate):]
+    return max(max_model_len - (max_tokens or 1), 1) if truncate == -1 else truncate
 
 
 def check_no_lora(lora_request: Any) -> None:

@@ -39,6 +39,7 @@ from ferrokv._core import CacheCapacityError
 from ferrokv.engine_loop import EngineDeadError
 from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
+from ferrokv.inputs import truncation_length
 from ferrokv.outputs import RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
@@ -209,10 +210,10 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
     except ValueError as e:
         raise _prompt_error(e, field)
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
-        n = len(prompt["prompt_token_ids"])
-        keep = params.truncate_prompt_tokens  # the engine keeps only the prompt's last `keep` tokens
+        n = len(prompt["prompt_token_ids"])  # of which the engine keeps the last `keep`
+        keep = truncation_length(params.truncate_prompt_tokens, llm.max_model_len, params.max_tokens)
         if keep is not None:
-            n = min(n, llm.max_model_len if keep == -1 else keep)
+            n = min(n, keep)
         check_room(n, params.max_tokens, llm.max_model_len, field)
     stream = llm.generate(prompt, params, request_id, **kw)
     async with contextlib.aclosing(stream):

@@ -172,10 +172,10 @@ def _chat_tool_choice(choice: Any) -> Any:
                              f"got {shown(choice)}")
 
 
-def _one_of(body: Mapping[str, Any], name: str, allowed: tuple[Any, ...], default: Any) -> Any:
+def _one_of(body: Mapping[str, Any], name: str, allowed: tuple[Any, ...], default: Any, where: str = "") -> Any:
     v = body.get(name, default)
     if v not in allowed:
-        raise bad(name, f"{name} must be one of {list(allowed)}, got {shown(v)}")
+        raise bad(where + name, f"{where + name} must be one of {list(allowed)}, got {shown(v)}")
     return default if v is None else v
 
 
@@ -189,7 +189,7 @@ def _echoed(body: Mapping[str, Any], top: int | None, params: Any) -> dict[str, 
     if reasoning is not None and not (isinstance(reasoning, Mapping) and reasoning.get("effort") in _EFFORTS):
         raise bad("reasoning", f"reasoning must be an object such as {{'effort': 'low'}}, got {shown(reasoning)}")
     text = body.get("text") or {"format": {"type": "text"}}
-    _one_of(text, "verbosity", (None, "low", "medium", "high"), None)
+    _one_of(text, "verbosity", (None, "low", "medium", "high"), None, where="text.")
     _bool(body, "store", True)  # checked, then ignored: nothing is stored (vLLM's default)
     return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "metadata": metadata, "parallel_tool_calls": _bool(body, "parallel_tool_calls", True),
