@@ -24,8 +24,8 @@ from ferrokv.checks import check_int, check_text, shown
 
 __all__ = ["add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority",
            "check_tools", "is_text_prompt", "message_text", "message_tool_fields", "prompt_cache_salt", "prompt_ids",
-           "request_id_str", "request_ids", "template_kwargs", "tokenized_prompt", "truncated_prompt", "truncation_length",
-           "validate_prompt_ids"]
+           "request_id_str", "request_ids", "template_kwargs", "tokenized_prompt", "truncated_prompt",
+           "truncation_length", "validate_prompt_ids"]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
