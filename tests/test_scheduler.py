@@ -673,6 +673,21 @@ def test_token_id_inputs_of_every_kind(make_ids):
 
 
 
+def test_prefix_cache_counters_count_each_requests_first_admission():
+    """What the server's prefix_cache_queries/hits report: prompt tokens and the hits among them
+    at each request's first admission (hits never exceed queries, whatever preemption re-admits),
+    and nothing for a request aborted before it ran (vLLM counts prompt tokens once prefilled)."""
+    s = make(num_blocks=9, block_size=4, budget=64, enable_prefix_caching=True, max_num_seqs=4)
+    for rid in range(4):  # 4 x 12 tokens, nothing shared: decodes outgrow the cache and preempt
+        s.add_request(rid, toks(rid, 12), 8)
+    s.add_request(9, toks(9, 5), 4)
+    s.abort(9)
+    drain(s)
+    st = s.stats()
+    assert st["preemptions"] > 0 and st["cached_prompt_tokens"] > 0  # re-admissions hit their own blocks
+    assert (st["prompt_tokens"], st["first_admission_cached_tokens"]) == (48, 0)
+
+
 def test_stats_and_properties():
     s = Scheduler(64, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=100)
     assert set(s.stats()) == STATS_KEYS

@@ -215,7 +215,6 @@ impl Scheduler {
         self.seq_owner.insert(seq_id, slot);
         self.waiting.insert((key.0, key.1, slot));
         self.stats.requests_added += 1;
-        self.stats.prompt_tokens += p as u64;
         Ok(())
     }
 
@@ -295,6 +294,7 @@ impl Scheduler {
             }
             if i == 0 && req.num_cached_tokens.is_none() {
                 req.num_cached_tokens = Some(self.hits[0].len() * bs);
+                self.stats.prompt_tokens += req.prompt_len as u64;
             }
             batch.rows[row].computed = (start + chunk) as u32;
         }
@@ -536,7 +536,10 @@ mod tests {
         s.add_request(NewRequest { reserve_seqs: 4, ..req(3, 2, 1) }).unwrap();
         s.add_request(NewRequest { min_tokens: 3, ..req(4, 2, 3) }).unwrap();
         s.add_request(req(5, 12, 8)).unwrap(); // 12 + 8 > max_model_len: 4 blocks
-        assert_eq!((s.stats().requests_added, s.stats().prompt_tokens), (5, 16 + 2 + 2 + 2 + 12));
+        // Prompt tokens count at each request's first admission.
+        assert_eq!((s.stats().requests_added, s.stats().prompt_tokens), (5, 0));
+        drain(&mut s, 5);
+        assert_eq!(s.stats().prompt_tokens, 16 + 2 + 2 + 2 + 12);
         // A worst case of exactly the 7 usable blocks.
         let mut s = Scheduler::new(cfg(8, 4, 16)).unwrap();
         s.add_request(req(1, 20, 8)).unwrap();

@@ -22,7 +22,8 @@ pub struct SchedulerStats {
     pub preemptions: u64,
     pub swap_preemptions: u64,
     pub recompute_preemptions: u64,
-    /// Sum of prompt lengths of added requests.
+    /// Sum of prompt lengths of the requests admitted, counted at their first admission (a
+    /// request aborted while it waited counts none, as in vLLM's prompt-token counter).
     pub prompt_tokens: u64,
     /// Prompt positions computed, recomputation included.
     pub prompt_tokens_computed: u64,
