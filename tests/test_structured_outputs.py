@@ -230,6 +230,21 @@ def test_json_options(compiler, tok):
     assert accepts(compiler, SOP(json=halves), '{"a":1,"b":2}', tok)
     loose = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
     assert accepts(compiler, SOP(json=loose), '{"a":1,"b":2}', tok)
+    # Nor where properties sit beside an anyOf/oneOf/$ref that lists the rest of the keys (the
+    # merged object's keys come in llguidance's order: either is fine).
+    def accepts_keys(schema, *pairs):
+        text = lambda ps: "{" + ",".join(f'"{k}":{v}' for k, v in ps) + "}"  # noqa: E731
+        return accepts(compiler, SOP(json=schema), text(pairs), tok) or \
+            accepts(compiler, SOP(json=schema), text(reversed(pairs)), tok)
+
+    kind = {"properties": {"kind": {"type": "string"}}, "required": ["kind"]}
+    branches = [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]
+    for split in ({**kind, "anyOf": branches}, {**kind, "oneOf": branches}):
+        assert accepts_keys(split, ("kind", '"a"'), ("x", 1)) and accepts_keys(split, ("kind", '"a"'), ("y", 2))
+    based = {"$defs": {"base": {"properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+             "$ref": "#/$defs/base", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    assert accepts_keys(based, ("a", 1), ("b", 2))
     assert accepts(compiler, SOP(json_object=True), '{"x": [1, {"y": "z"}]}', tok)
     assert not accepts(compiler, SOP(json_object=True), '[1]', tok)
 

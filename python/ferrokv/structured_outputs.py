@@ -207,16 +207,21 @@ class CompiledGrammar:
 def _strict_objects(schema: Any) -> None:
     """vLLM's default (xgrammar's strict mode), where it cannot forbid a valid object: every
     object schema with ``properties`` and no ``additionalProperties`` takes no other keys, except
-    one that requires a key it does not list, and none at all in a schema with ``allOf`` (its
-    branches, and what they refer to, each list only part of the object's keys)."""
-    if not _mentions(schema, "allOf"):
+    one that requires a key it does not list, and none at all in a schema with ``allOf`` or with
+    ``properties`` beside an ``anyOf``, ``oneOf`` or ``$ref`` (the parts, and what they refer to,
+    each list only some of the object's keys)."""
+    if not _mentions(schema, lambda d: "allOf" in d or ("properties" in d and bool(_COMPOSED & d.keys()))):
         _additional_properties_off(schema)
 
 
-def _mentions(schema: Any, key: str) -> bool:
+_COMPOSED = frozenset(("anyOf", "oneOf", "$ref"))
+
+
+def _mentions(schema: Any, test: Callable[[dict[str, Any]], bool]) -> bool:
+    """Whether ``test`` holds for the schema or any dict inside it."""
     if isinstance(schema, list):
-        return any(_mentions(s, key) for s in schema)
-    return isinstance(schema, dict) and (key in schema or any(_mentions(v, key) for v in schema.values()))
+        return any(_mentions(s, test) for s in schema)
+    return isinstance(schema, dict) and (test(schema) or any(_mentions(v, test) for v in schema.values()))
 
 
 def _additional_properties_off(schema: Any) -> None:
@@ -336,7 +341,9 @@ class GrammarCompiler:
             # asks for every object strict.
             schema = _json.loads(schema)
             (_additional_properties_off if params.disable_additional_properties else _strict_objects)(schema)
-            options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+            # oneOf as anyOf where llguidance cannot prove the branches exclusive, as xgrammar reads it.
+            options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace,
+                                       "coerce_one_of": True}
             if params.whitespace_pattern is not None:
                 options["whitespace_pattern"] = params.whitespace_pattern
             elif not params.disable_any_whitespace:
