@@ -25,6 +25,24 @@ def test_generate_prints_answers_and_stats(model, capsys):
     assert "KV cache: peak" in out and "prefix cache: 0 of" in out
 
 
+def test_unset_sampling_flags_take_the_models_generation_config(model, capsys, tmp_path):
+    """vLLM applies the model's recommendations to every field the caller leaves unset: here a
+    max_new_tokens of 3; a flag given wins; --generation-config vllm ignores the model's (the CLI's
+    128 tokens, here cut at max_model_len by the 3-token prompt)."""
+    import json
+    import shutil
+
+    recommending = tmp_path / "recommending"
+    shutil.copytree(model, recommending)
+    (recommending / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "eos_token_id": None}))
+    common = ["generate", "--model", str(recommending), "--raw", "--quiet", "--num-kv-blocks", "64",
+              "--max-model-len", "128", "--ignore-eos", "hello"]
+    for extra, tokens in (([], 3), (["--max-tokens", "5"], 5), (["--generation-config", "vllm"], 128 - 3)):
+        assert main(common + extra) == 0
+        out = capsys.readouterr().out
+        assert f"1 requests, {tokens} tokens generated" in out, (extra, out)
+
+
 def test_generate_reports_bad_flags_as_errors(model, capsys):
     rc = main(["generate", "--model", model, "--raw", "--quiet", "--temperature", "-1", "hi"])
     assert rc == 2

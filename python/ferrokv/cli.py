@@ -4,7 +4,8 @@ and ``ferrokv serve [MODEL]`` (the OpenAI-compatible server, ``ferrokv.entrypoin
 Both use the embedded SmolLM2-135M-Instruct unless ``--model`` names a Hub id, a folder or a
 ``.gguf`` file. The engine flags are generated from the ``EngineArgs`` fields (name, type,
 default, help) and the sampling flags from ``SamplingParams``' fields, so the CLI repeats no
-default of theirs; its own sampling defaults (greedy, 128 tokens) are in ``_SAMPLING_FLAGS``.
+default of theirs. A sampling flag not given takes the model's recommendation (its generation
+config, as vLLM applies it), else the CLI's own default (greedy, 128 tokens: ``_SAMPLING_FLAGS``).
 Every flag's help ends with its default. A bad value exits with status 2 and a message naming
 the flag or field. ``chat`` never exits on a message: one that is refused (too long, bad) is
 reported on stderr and the conversation goes on, trimmed of its oldest turns when it outgrows
@@ -139,7 +140,9 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     by_name = {f.name: f for f in fields(SamplingParams)}
     for name, (flag, doc, cli_default) in _SAMPLING_FLAGS.items():
         default = by_name[name].default if cli_default is MISSING else cli_default
-        _add_flag(g, flag, "sampling_" + name, hints[name], default, help_with_default(doc, default))
+        # None: not given (the model's recommendation, else the default shown, applies).
+        _add_flag(g, flag, "sampling_" + name, hints[name], None,
+                  help_with_default(doc + "; unset: the model's generation config's value, if any", default))
 
 
 def _llm(args: argparse.Namespace) -> Any:
@@ -150,8 +153,11 @@ def _llm(args: argparse.Namespace) -> Any:
     return LLM(**engine_args)
 
 
-def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**{name: getattr(args, "sampling_" + name) for name in _SAMPLING_FLAGS})
+def _params(args: argparse.Namespace, recommended: dict[str, Any] | None = None) -> SamplingParams:
+    """The flags given, over the model's ``recommended`` parameters, over the CLI's defaults."""
+    own = {name: d for name, (_, _, d) in _SAMPLING_FLAGS.items() if d is not MISSING}
+    given = {name: v for name in _SAMPLING_FLAGS if (v := getattr(args, "sampling_" + name)) is not None}
+    return SamplingParams(**{**own, **(recommended or {}), **given})
 
 
 def _inputs(llm: Any, prompts: list[str], raw: bool) -> list[Any]:
@@ -169,8 +175,9 @@ def _inputs(llm: Any, prompts: list[str], raw: bool) -> list[Any]:
 
 def _generate(args: argparse.Namespace) -> int:
     prompts = [check_text("prompt", p) for p in args.prompts or DEFAULT_PROMPTS]  # before the model loads
-    params = _params(args)
+    _params(args)  # a bad flag fails before the model loads
     llm = _llm(args)
+    params = _params(args, llm.llm_engine.default_sampling_params)
     inputs = _inputs(llm, prompts, args.raw)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=not args.quiet)
@@ -221,8 +228,9 @@ def _chat(args: argparse.Namespace) -> int:
     """Reads user messages from stdin, one per line, and answers each in the conversation so far.
     A conversation that outgrows max_model_len loses its oldest turns (never the system prompt),
     and a message that cannot fit at all is refused: either way stderr says so, and the chat goes on."""
+    _params(args)
     llm = _llm(args)
-    params = _params(args)
+    params = _params(args, llm.llm_engine.default_sampling_params)
     tok = llm.get_tokenizer()
     if not getattr(tok, "chat_template", None):
         raise ValueError("model: its tokenizer has no chat template, which ferrokv chat needs")
