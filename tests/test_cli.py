@@ -293,3 +293,16 @@ def test_the_servers_own_integer_flags_take_the_suffixes_too():
     args = _parser().parse_args(["serve", "m", "--max-body-bytes", "2M", "--max-waiting-requests", "1k",
                                  "--max-log-len", "4K"])
     assert (args.max_body_bytes, args.max_waiting_requests, args.max_log_len) == (2 << 20, 1000, 4096)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--blocks", "1"], "num_blocks"), (["--block-size", "3"], "block_size"), (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--requests", "-5"], "--requests"), (["--blocks", "4"], "KV blocks"),
+])
+def test_the_demo_reports_bad_flags_as_usage_errors(argv, needle, capsys):
+    """``python -m ferrokv.demo``: exit status 2 and the problem named, never a traceback."""
+    from ferrokv.demo import main as demo
+
+    with pytest.raises(SystemExit) as e:
+        demo(argv + ["--requests", "3"] if "--requests" not in argv else argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err

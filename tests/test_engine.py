@@ -428,6 +428,8 @@ def test_invalid_sampling_params(kwargs, field):
         (dict(num_cpu_blocks=-1), "num_cpu_blocks"),
         (dict(dtype="int8"), "dtype"),
         (dict(device="tpu"), "device"),
+        (dict(device="cuda:x"), "device must be"),  # torch's own error was a RuntimeError
+        (dict(device="cuda:-1"), "device must be"),
     ],
 )
 def test_invalid_engine_args(llama_path, kwargs, field):

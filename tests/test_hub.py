@@ -218,3 +218,24 @@ def test_tokenizer_revision_picks_the_tokenizers_branch(cache, model, tmp_path):
     assert main.get_tokenizer().model_max_length == 1111
     with pytest.raises(ValueError, match="tokenizer_revision must be a non-empty string"):
         LLM(str(model), tokenizer_revision="", **LLM_ARGS)
+    # No tokenizer= : the model's own Hub id at tokenizer_revision (vLLM's tokenizer defaults to model).
+    bare = _copy(model, tmp_path / "bare")
+    for p in tok_files:
+        (bare / p.name).unlink()
+    add_to_hub_cache(cache, "org/split", bare, ref="weights")
+    add_to_hub_cache(cache, "org/split", tmp_path / "v2", ref="main")
+    with pytest.raises(ValueError, match="model: .* has no tokenizer"):
+        LLM("org/split", revision="weights", download_dir=str(cache), **LLM_ARGS)
+    split = LLM("org/split", revision="weights", tokenizer_revision="main", download_dir=str(cache), **LLM_ARGS)
+    assert split.get_tokenizer().model_max_length == 2222
+
+
+def test_a_tokenizer_that_does_not_load_names_the_argument_and_the_path(model, tmp_path):
+    from ferrokv import LLM
+
+    broken = _copy(model, tmp_path / "broken")
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"model: the tokenizer in '{broken}' cannot be loaded"):
+        LLM(str(broken), **LLM_ARGS)
+    with pytest.raises(ValueError, match=rf"tokenizer: the tokenizer in '{broken}' cannot be loaded"):
+        LLM(str(model), tokenizer=str(broken), **LLM_ARGS)

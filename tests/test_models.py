@@ -246,6 +246,11 @@ def test_window_config_resolution():
     for rope in (LLAMA3, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}):
         cfg = llama.parse_config({**base, "rope_scaling": rope, "original_max_position_embeddings": 4})
         assert cfg.rope.original_max_position_embeddings == 4, rope
+    for bad, name in (({"rope_type": "yarn", "factor": 0}, "rope factor"), ({**LLAMA3, "factor": -1}, "rope factor"),
+                      ({"rope_type": "linear", "factor": "x"}, "rope factor"),
+                      ({"rope_type": "default", "rope_theta": -5}, "rope_theta")):
+        with pytest.raises(ValueError, match=f"config.json: {name} must be a number > 0"):
+            llama.parse_config({**base, "rope_scaling": bad})
     no_orig = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
     cfg = llama.parse_config({**base, "max_position_embeddings": 16, "rope_scaling": no_orig})
     assert cfg.rope.original_max_position_embeddings == 16

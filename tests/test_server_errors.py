@@ -522,6 +522,7 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--disable-log-requests=1"], ["--disable-log-requests"]),
     (["--max-log-len", "-1"], ["--max-log-len", "-1"]),
     (["--response-role", ""], ["--response-role"]),
+    (["--served-model-name", ""], ["--served-model-name"]),  # no client could name it
     (["--default-chat-template-kwargs", "[1]"], ["--default-chat-template-kwargs", "a JSON object"]),
     (["--default-chat-template-kwargs", '{"add_generation_prompt": false}'],
      ["--default-chat-template-kwargs", "add_generation_prompt"]),
@@ -549,7 +550,7 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--max-num-seqs", "0"], ["max_num_seqs", "0"]),
 ]
 # Flags that take any value (a name) or none: nothing to refuse.
-_NO_BAD_VALUE = {"--served-model-name", "--host"}  # --host is checked by binding: its own test
+_NO_BAD_VALUE = {"--host"}  # --host is checked by binding: its own test
 
 
 def _serve_parser():

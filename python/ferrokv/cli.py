@@ -399,6 +399,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
         raise ValueError(f"model: given twice, as {args.model_pos!r} and --model {args.model!r}")
     args.model = args.model_pos if args.model_pos is not None else args.model
+    if args.served_model_name is not None and not all(n and n.isprintable() for n in args.served_model_name):
+        raise ValueError(f"--served-model-name: each name must be a non-empty printable string, "
+                         f"got {args.served_model_name!r}")
     for flag, values in (("--served-model-name", args.served_model_name), ("--api-key", args.api_key)):
         if values is not None and len(values) > 1 and args.model is None:
             # nargs="+" takes a model written after it as one more value: the default model would

@@ -22,7 +22,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.requests < 0:
+        ap.error(f"--requests must be >= 0, got {args.requests}")
+    try:  # a bad flag, or a cache too small for the load, is a usage error (exit status 2)
+        _run(args)
+    except ValueError as e:
+        ap.error(str(e))
 
+
+def _run(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(args.seed)
     s = Scheduler(
         args.blocks,
@@ -60,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     st = s.stats()
     print(
         f"\n{step} steps, {tokens_total} tokens scheduled, {st['generated_tokens']} generated, "
-        f"{st['preemptions']} preemptions, prefix-cache hits {st['cached_prompt_tokens']} of "
+        f"{st['preemptions']} preemptions, prefix-cache hits {st['first_admission_cached_tokens']} of "
         f"{st['prompt_tokens']} prompt tokens, max running {st['max_running_seqs']}"
     )
 

@@ -21,6 +21,7 @@ ferrokv implements (so scripts written for vLLM run unchanged).
 
 from __future__ import annotations
 
+import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
@@ -168,7 +169,7 @@ class EngineArgs:
         for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
             self._check_positive(name)
         self._check_vllm_compat()
-        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+        if not (isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for f in fields(self):  # every plain flag (annotated `bool`) is a bool, not a truthy string
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):

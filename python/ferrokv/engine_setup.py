@@ -194,22 +194,44 @@ def checked_max_model_len(wanted: int | None, derived: int) -> int:
     return wanted
 
 
+def _load_tokenizer(args: EngineArgs, model_path: Path) -> Any:
+    """``tokenizer`` (a folder or Hub id), else the model's; ``tokenizer_revision`` (default: the
+    model's ``revision``) applies to a Hub id, also the model's own, as in vLLM. A folder without
+    a tokenizer, or one that does not load, is a ValueError naming the argument and the path."""
+    from transformers import AutoTokenizer
+
+    from ferrokv.hub import looks_like_hub_id
+    from ferrokv.model_loader import resolve_tokenizer_path
+
+    tok_revision = args.tokenizer_revision if args.tokenizer_revision is not None else args.revision
+    source = args.tokenizer
+    if not source and tok_revision != args.revision and args.model and not Path(args.model).expanduser().exists() \
+            and looks_like_hub_id(args.model):
+        source = args.model  # the model's Hub id at another revision
+    path = resolve_tokenizer_path(source, revision=tok_revision, download_dir=args.download_dir) if source \
+        else model_path
+    where = "tokenizer" if args.tokenizer else "model"
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ValueError(f"{where}: {str(path)!r} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
+                         f"give tokenizer= a folder or Hub id that has one")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types (OSError, ValueError, JSONDecodeError...)
+        raise ValueError(f"{where}: the tokenizer in {str(path)!r} cannot be loaded "
+                         f"({type(e).__name__}: {e})") from e
+
+
 def load_engine(args: EngineArgs) -> EngineParts:
     """Validates ``args``, resolves the model (a folder or a Hub id) and the tokenizer, loads the
     weights, sizes and allocates the KV cache and builds the scheduler; logs what it made."""
-    from transformers import AutoTokenizer
-
-    from ferrokv.model_loader import load_config, load_model, resolve_model_path, resolve_tokenizer_path
+    from ferrokv.model_loader import load_config, load_model, resolve_model_path
     from ferrokv.models.rope import dynamic_rope_rescales
 
     args.validate()
     t0 = time.perf_counter()
     hub = dict(revision=args.revision, download_dir=args.download_dir)
     model_path = resolve_model_path(args.model, **hub)
-    # Resolved before the weights load, so a bad tokenizer fails fast.
-    tok_revision = args.tokenizer_revision if args.tokenizer_revision is not None else args.revision
-    tokenizer_path = (resolve_tokenizer_path(args.tokenizer, revision=tok_revision, download_dir=args.download_dir)
-                      if args.tokenizer else model_path)
+    tokenizer = _load_tokenizer(args, model_path)  # before the weights, so a bad tokenizer fails fast
     config = load_config(model_path, args.hf_overrides)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, config, device)
@@ -219,11 +241,6 @@ def load_engine(args: EngineArgs) -> EngineParts:
     model = load_model(model_path, dtype=dtype, device=device, attn_backend=backend, load_format=args.load_format,
                        config_overrides=args.hf_overrides)
     mc = model.config
-    if not any((tokenizer_path / f).is_file() for f in _TOKENIZER_FILES):
-        where = "tokenizer" if args.tokenizer else "model"
-        raise ValueError(f"{where}: {str(tokenizer_path)!r} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
-                         f"give tokenizer= a folder or Hub id that has one")
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     vocab_size = int(mc.vocab_size)
     eos = eos_token_ids(tokenizer, config, model_path, vocab_size)
     defaults = load_generation_defaults(args.generation_config, args.override_generation_config, model_path)

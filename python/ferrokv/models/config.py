@@ -8,6 +8,7 @@ computing something else.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,14 +116,15 @@ def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
         orig = d.get("original_max_position_embeddings") or orig or max_pos
         if rope_type == "yarn" and params.get("factor") is None:
             params = {**params, "factor": max_pos / orig}
-    factor = float(params.get("factor", 1.0))
+    factor = _positive(params.get("factor", 1.0), "rope factor")
+    theta = _positive(theta, "rope_theta")
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor"):
             if key not in params:
                 raise ValueError(f"config.json: rope_type 'llama3' needs {key!r}")
     return RopeConfig(
         rope_type=rope_type,
-        theta=float(theta),
+        theta=theta,
         head_dim=head_dim,
         max_position_embeddings=max_pos,
         factor=factor,
@@ -131,6 +133,17 @@ def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
         original_max_position_embeddings=int(orig) if orig is not None else None,
         **(_yarn(params) if rope_type == "yarn" else {}),
     )
+
+
+def _positive(value: Any, name: str) -> float:
+    """A RoPE number of config.json: finite and > 0 (a numeric string is read as its number)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"config.json: {name} must be a number > 0, got {value!r}")
+    return v
 
 
 def _yarn(params: dict[str, Any]) -> dict[str, Any]:
