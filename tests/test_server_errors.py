@@ -741,7 +741,8 @@ def test_a_server_chat_template_replaces_the_tokenizers(tiny_model_dir, tmp_path
 
 
 def test_served_model_aliases_are_accepted_and_listed_as_vllms(llama_path):
-    """vLLM's --served-model-name a b: clients may send either name; responses show the first."""
+    """vLLM's --served-model-name a b: clients may send either name; a response shows the one sent
+    (the first when the request names none)."""
     import asyncio
 
     from ferrokv import AsyncLLM
@@ -756,12 +757,14 @@ def test_served_model_aliases_are_accepted_and_listed_as_vllms(llama_path):
                 listed = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
                 body = {"prompt": "The cat", "max_tokens": 1}
                 ok = await c.post("/v1/completions", json={**body, "model": "alias"})
+                unnamed = await c.post("/v1/completions", json=body)
                 unknown = await c.post("/v1/completions", json={**body, "model": "other"})
-            return listed, ok, unknown
+            return listed, ok, unnamed, unknown
 
-        listed, ok, unknown = asyncio.run(main())
+        listed, ok, unnamed, unknown = asyncio.run(main())
         assert listed == ["main", "alias"]
-        assert ok.status_code == 200 and ok.json()["model"] == "main", ok.text
+        assert ok.status_code == 200 and ok.json()["model"] == "alias", ok.text
+        assert unnamed.status_code == 200 and unnamed.json()["model"] == "main", unnamed.text
         assert_openai_error(unknown, 404, "'main', 'alias'")
     finally:
         llm.shutdown()

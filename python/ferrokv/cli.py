@@ -289,7 +289,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' (any of the keys given) on every path but the health "
                         "checks and /metrics (default: none, else $FERROKV_API_KEY, else $VLLM_API_KEY)")
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
-                   help="the model name(s) clients may send; responses show the first (default: the model argument)")
+                   help="the model name(s) clients may send; a response shows the one sent (default: the model "
+                        "argument)")
     g.add_argument("--max-body-bytes", type=human_readable_int, default=d.max_body_bytes,
                    help=help_with_default("largest request body accepted; larger ones get 413",
                                           d.max_body_bytes))

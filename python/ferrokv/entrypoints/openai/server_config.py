@@ -18,7 +18,7 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded 
 @dataclass(slots=True)
 class ServerConfig:
     """``served_model_name``: the name clients send and see (``served_model_aliases``: other names
-    they may send, listed by ``/v1/models`` too). ``max_waiting_requests``: engine
+    they may send, listed by ``/v1/models`` too; a response shows the name its request sent). ``max_waiting_requests``: engine
     requests accepted beyond the ``max_num_seqs`` running ones. ``drain_timeout``: seconds
     requests in flight may run on after SIGTERM/SIGINT. ``allowed_*`` and ``allow_credentials``:
     the CORS policy browsers are told (vLLM's flags and defaults: any origin, method and header).
