@@ -398,6 +398,14 @@ def test_chat_template_and_continue_final_message(llama_llm):
     assert tok.decode(out.prompt_token_ids).startswith("Hello there. [user]")
     with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
         llm.chat(conv, params, use_tqdm=False, chat_template_kwargs={"tokenize": False})
+    # vLLM applies chat_template_kwargs last: they override the arguments of their names.
+    over = llm.chat(conv, params, use_tqdm=False,
+                    chat_template_kwargs={"add_generation_prompt": False, "continue_final_message": True})[0]
+    assert over.prompt_token_ids == want
+    # Content parts as vLLM reads them: a bare string is text, a text part without text is skipped.
+    parts = [{"role": "user", "content": ["Name a", {"type": "text", "text": None}, {"type": "text", "text": "colour."}]}]
+    joined = llm.chat([{"role": "user", "content": "Name a\ncolour."}], params, use_tqdm=False)[0]
+    assert llm.chat(parts, params, use_tqdm=False)[0].prompt_token_ids == joined.prompt_token_ids
     with pytest.raises(ValueError, match="chat_template_kwargs must be a dict"):
         llm.chat(conv, params, use_tqdm=False, chat_template_kwargs=["x"])
     assert_no_leak(llm)

@@ -691,9 +691,11 @@ def test_response_role_default_template_kwargs_and_max_log_len_as_vllms_flags(ti
             answer = (await c.post("/v1/chat/completions", json=chat)).json()
             streamed = (await c.post("/v1/chat/completions", json={**chat, "stream": True})).text
             continued = (await c.post("/v1/chat/completions", json={**chat, "add_generation_prompt": False})).json()
+            kwargs = {"chat_template_kwargs": {"add_generation_prompt": False}}  # vLLM's: they override the flag
+            continued_too = (await c.post("/v1/chat/completions", json={**chat, **kwargs})).json()
             tokenized = [(await c.post("/tokenize", json={"model": MODEL, "messages": chat["messages"], **extra})).json()
                          for extra in ({}, {"chat_template_kwargs": {"flavour": " sweet"}})]
-        return answer, streamed, continued, tokenized
+        return answer, streamed, continued, continued_too, tokenized
 
     logged: list[str] = []
     handler = logging.Handler(logging.INFO)
@@ -701,18 +703,18 @@ def test_response_role_default_template_kwargs_and_max_log_len_as_vllms_flags(ti
     serve_log = logging.getLogger("ferrokv.serve")  # the package's loggers do not propagate
     serve_log.addHandler(handler)
     try:
-        answer, streamed, continued, tokenized = asyncio.run(ask())
+        answer, streamed, continued, continued_too, tokenized = asyncio.run(ask())
     finally:
         serve_log.removeHandler(handler)
         llm.shutdown()
     assert answer["choices"][0]["message"]["role"] == "bot"
     first = json.loads(next(e for e in streamed.split("\n") if e.startswith("data: {"))[len("data: "):])
     assert first["choices"][0]["delta"]["role"] == "bot"
-    assert continued["choices"][0]["message"]["role"] == "user"
+    assert continued["choices"][0]["message"]["role"] == continued_too["choices"][0]["message"]["role"] == "user"
     assert [t["tokens"] for t in tokenized] == [prompt_ids("A dog runs in the park. salty"),
                                                 prompt_ids("A dog runs in the park. sweet")]
     logged = [m for m in logged if ": messages " in m]
-    assert len(logged) == 3 and all("... (" in m and "park" not in m for m in logged), logged
+    assert len(logged) == 4 and all("... (" in m and "park" not in m for m in logged), logged
 
 
 def test_request_id_and_tokens_as_ids_as_vllm(http):

@@ -409,7 +409,7 @@ def _serve(args: argparse.Namespace) -> int:
             # be served silently, the model's name taken as a name or a key.
             raise ValueError(f"{flag} took {len(values)} values and no model was given: write the model first "
                              f"(ferrokv serve MODEL {flag} ...)")
-    template_kwargs(args.default_chat_template_kwargs, "--default-chat-template-kwargs")
+    template_kwargs(args.default_chat_template_kwargs, "--default-chat-template-kwargs", overriding=False)
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if not args.response_role or not args.response_role.isprintable():

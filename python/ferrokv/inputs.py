@@ -15,12 +15,15 @@ most ``max_model_len`` long. Costs: O(prompt length).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ferrokv.checks import check_int, check_text, shown
+
+logger = logging.getLogger("ferrokv")
 
 __all__ = ["add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority",
            "check_tools", "is_text_prompt", "message_text", "message_tool_fields", "prompt_cache_salt", "prompt_ids",
@@ -208,8 +211,9 @@ def message_text(content: Any, name: str, role: Any = None) -> str | tuple[str, 
     """A chat message's content: a string as it is; OpenAI's list of text parts (``{"type":
     "text", "text": ...}``, and ``input_text``, ``output_text``, ``refusal``, ``thinking``) as the
     tuple of their texts, which ``ferrokv.chat_content_format`` joins with newlines or hands on
-    as parts, as vLLM does; null as "" (vLLM's; e.g. a replayed turn that only called tools).
-    Only text is supported; ``name`` is what errors call it."""
+    as parts, as vLLM does; null as "" (vLLM's; e.g. a replayed turn that only called tools); a
+    bare string in the list is a text part and a text part whose text is null is skipped (both
+    vLLM's). Only text is supported; ``name`` is what errors call it."""
     if content is None:
         return ""
     if isinstance(content, tuple) and all(isinstance(t, str) for t in content):  # checked already
@@ -217,7 +221,13 @@ def message_text(content: Any, name: str, role: Any = None) -> str | tuple[str, 
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
+            if isinstance(part, str):  # vLLM's: a bare string is a text part
+                parts.append(check_text(f"{name}[{j}]", part))
+                continue
             key = _TEXT_PARTS.get(part.get("type")) if isinstance(part, Mapping) else None
+            if key is not None and part.get(key) is None:
+                logger.warning("%s[%d]: a %r part without text is skipped (as vLLM does)", name, j, part.get("type"))
+                continue
             if key is None or not isinstance(part.get(key), str):
                 raise ValueError(f"{name}[{j}] must be a {{'type': 'text', 'text': ...}} part (only text is "
                                  f"supported), got {shown(part)}")
@@ -293,21 +303,23 @@ def check_logprobs_cap(logprobs: int | None, prompt_logprobs: int | None, max_lo
 
 # apply_chat_template's own arguments and the template's messages: chat_template_kwargs may not set them.
 _TEMPLATE_RESERVED = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "messages", "conversation", "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
+# Arguments a request's chat_template_kwargs may override (vLLM applies them last), a default may not.
+TEMPLATE_ARGS = frozenset({"add_generation_prompt", "continue_final_message", "tools", "documents"})
 
 
-def template_kwargs(kwargs: Any, name: str = "chat_template_kwargs") -> dict[str, Any]:
+def template_kwargs(kwargs: Any, name: str = "chat_template_kwargs", overriding: bool = True) -> dict[str, Any]:
     """Extra variables of a chat template (vLLM's ``chat_template_kwargs``): a dict whose keys
-    are names, none of them one of ``apply_chat_template``'s own arguments; ``name`` is what
-    errors call it (``--default-chat-template-kwargs``, checked at startup)."""
+    are names, none of them one of ``apply_chat_template``'s own arguments but the
+    ``TEMPLATE_ARGS`` (when ``overriding``); ``name`` is what errors call it
+    (``--default-chat-template-kwargs``, checked at startup, may not override)."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise ValueError(f"{name} must be a dict of template variables, got {shown(kwargs)}")
-    reserved = sorted(_TEMPLATE_RESERVED.intersection(kwargs))
+    reserved = sorted((_TEMPLATE_RESERVED if overriding else _TEMPLATE_RESERVED | TEMPLATE_ARGS).intersection(kwargs))
     if reserved:
         raise ValueError(f"{name} may not set {', '.join(reserved)} (arguments of their own)")
     return dict(kwargs)

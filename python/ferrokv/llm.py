@@ -112,6 +112,11 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
     from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
 
     conversation = checked_messages(conversation, name)
+    extra = template_kwargs(chat_template_kwargs)
+    # vLLM's: the kwargs come last, so they override the arguments of these names.
+    add_generation_prompt = extra.pop("add_generation_prompt", add_generation_prompt)
+    continue_final_message = extra.pop("continue_final_message", continue_final_message)
+    tools = extra.pop("tools", tools)
     for flag, v in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final_message)):
         if not isinstance(v, bool):
             raise ValueError(f"{flag} must be a bool, got {shown(v)}")
@@ -123,7 +128,6 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
             raise ValueError("chat_template must be a non-empty Jinja template string")
     elif not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}: the tokenizer has no chat template")
-    extra = template_kwargs(chat_template_kwargs)
     check_tools(tools)
     conversation = with_content_format(conversation, content_format,
                                        chat_template if chat_template is not None else tokenizer.chat_template)

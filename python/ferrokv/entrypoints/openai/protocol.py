@@ -546,9 +546,12 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     tools, tool_choice = _tools(body, tool_call_parser)
     params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind,
                                      defaults, max_logprobs, tool_choice)
+    template = _template(body, tools)
+    # chat_template_kwargs override add_generation_prompt (vLLM's order): the answer's role follows it.
+    generation_prompt = _bool({**body, **(template["chat_template_kwargs"] or {})}, "add_generation_prompt", True)
     return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
-                       top_logprobs=top or 0, add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                       template=_template(body, tools), tool_choice=tool_choice)
+                       top_logprobs=top or 0, add_generation_prompt=generation_prompt, template=template,
+                       tool_choice=tool_choice)
 
 
 @dataclass(slots=True)
