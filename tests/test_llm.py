@@ -641,3 +641,21 @@ def test_generate_takes_vllms_tokenization_kwargs(bos_model_dir):
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, mm_processor_kwargs={"x": 1})
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_a_beam_wider_than_the_vocabulary_returns_real_sequences_only(tiny_model_dir, max_tokens):
+    """With fewer candidate tokens than beams, the padded beams (scored -1e9, as transformers
+    starts) never become hypotheses: every sequence returned is distinct and really scored."""
+    from ferrokv import BeamSearchParams
+
+    llm = LLM(str(tiny_model_dir("llama-vocab6", vocab_size=6, seed=3)), device="cpu", dtype="float32",
+              max_model_len=64, block_size=4, num_kv_blocks=256, max_num_seqs=64)
+    out = llm.beam_search([{"prompt_token_ids": [1, 2, 3]}],
+                          BeamSearchParams(beam_width=8, max_tokens=max_tokens, ignore_eos=True))[0]
+    tokens = [tuple(s.tokens) for s in out.sequences]
+    assert len(tokens) == len(set(tokens)) and 0 < len(tokens) <= 8
+    assert all(s.cum_logprob > -1e8 for s in out.sequences), [s.cum_logprob for s in out.sequences]
+    if max_tokens == 1:
+        assert len(tokens) == 6  # one per token of the vocabulary
+    assert_no_leak(llm)

@@ -81,14 +81,16 @@ class BeamSearchState:
         running = top_vals + hits.to(torch.float32) * _NEG
         sel = torch.topk(running, min(k, keep)).indices.tolist()
         n_live = len(seq_ids)
-        # A padded beam is a copy of beam 0: its continuations belong to row 0.
+        # A padded beam is a copy of beam 0: its continuations belong to row 0. Only real candidates
+        # (not a padded row's, scored -1e9: fewer real ones than k when the vocabulary is tiny) go on.
         parent_row = [b if b < n_live else 0 for b in beam_idx]
-        next_beams = [(parent_row[j], tokens[j], float(top_vals[j])) for j in sel]
+        real = top_vals > _NEG / 2
+        next_beams = [(parent_row[j], tokens[j], float(top_vals[j])) for j in sel if real[j]]
 
         # Finished set: the top k of the old finished and this step's stopped top-k candidates.
         norm = top_vals / (float(t) ** self.length_penalty)
         in_top = torch.arange(keep) < k
-        just_finished = hits & in_top
+        just_finished = hits & in_top & real
         norm = norm + (~just_finished).to(torch.float32) * _NEG
         merged = torch.cat([torch.tensor(self.finished_scores, dtype=torch.float32), norm])
         order = torch.topk(merged, k).indices.tolist()
