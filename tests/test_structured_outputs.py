@@ -272,6 +272,13 @@ def test_choice_and_grammars(compiler, tok):
     assert not accepts(compiler, SOP(choice=odd), "caf", tok)
     gbnf = 'root ::= "yes" | "no" digit\ndigit ::= [0-9]'
     assert accepts(compiler, SOP(grammar=gbnf), "no7", tok) and not accepts(compiler, SOP(grammar=gbnf), "no", tok)
+    # llama.cpp's unicode escapes, in strings and classes (llguidance's converter mangled them).
+    for gbnf, good, bad in (('root ::= "caf\\u00e9!"', "café!", "cafe!"), ('root ::= "\\U0001F600"', "😀", "x"),
+                            ('root ::= [\\u00e0-\\u00ff]+', "éà", "e"),
+                            ('root ::= "\\u0022" [\\u0041-\\u005a]', '"Q', "Q"),
+                            ('root ::= "\\\\u00e9"', "\\u00e9", "é")):  # an escaped backslash stays one
+        assert accepts(compiler, SOP(grammar=gbnf), good, tok), gbnf
+        assert not accepts(compiler, SOP(grammar=gbnf), bad, tok), gbnf
     lark = 'start: "a"+ B\nB: "b"'
     assert accepts(compiler, SOP(grammar=lark), "aaab", tok) and not accepts(compiler, SOP(grammar=lark), "b", tok)
 

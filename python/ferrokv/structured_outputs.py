@@ -1,7 +1,8 @@
 """Structured outputs: decoding under a JSON schema, regex, choice list or grammar (llguidance).
 
 ``StructuredOutputsParams`` (vLLM's names) says what a request's output must match;
-``GrammarCompiler`` turns it into an llguidance grammar once per distinct params (LRU cache);
+``GrammarCompiler`` turns it into an llguidance grammar (its text: ``ferrokv.grammar_text``) once per
+distinct params (LRU cache);
 ``GrammarRows`` is the engine's per-step state: one matcher per generation, the bitmask of each
 grammar row's allowed next tokens, the masking of logits, and the advance by the sampled token.
 
@@ -50,6 +51,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ferrokv.grammar_text import grammar_text
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -62,18 +65,8 @@ __all__ = ["KEY_STRIDE", "CompiledGrammar", "GrammarCompiler", "GrammarRows", "G
 
 KEY_STRIDE = 65536  # key = request_core_id * KEY_STRIDE + sample_index
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
-# JSON's whitespace between tokens by default: any JSON whitespace, as in vLLM, but at most 20
-# characters in a run (pretty-printing with room to spare), so a model cannot loop on whitespace
-# and a bounded schema bounds the output. ``whitespace_pattern`` overrides it.
-JSON_WHITESPACE = r"[ \t\n\r]{0,20}"
 logger = logging.getLogger("ferrokv")
 _MAX_ERROR = 2000  # characters of an llguidance error message kept in ours
-
-
-def _regex_literal(text: str) -> str:
-    """``text`` as a regex (llguidance's: Rust's syntax) matching exactly it, inside a Lark
-    ``/.../``: letters, digits and non-ASCII as they are, every other character as a hex escape."""
-    return "".join(c if c.isalnum() or ord(c) > 127 else f"\\x{{{ord(c):x}}}" for c in text)
 
 
 def _show(value: Any) -> str:
@@ -145,6 +138,11 @@ class StructuredOutputsParams:
             got = ", ".join(chosen) if chosen else "none"
             raise ValueError(f"exactly one of {names} (=True) must be set, got {got}")
 
+    @property
+    def schema_json(self) -> str | None:
+        """``json`` as canonical JSON text (keyword order normalized, ``properties`` order kept)."""
+        return self._schema
+
     @staticmethod
     def _canonical_schema(schema: Any) -> str:
         if isinstance(schema, str):
@@ -202,46 +200,6 @@ class CompiledGrammar:
     def new_matcher(self) -> llguidance.LLMatcher:
         """A fresh matcher at the grammar's start (a deep copy of the template: no rebuild)."""
         return self.template.deep_copy()
-
-
-def _strict_objects(schema: Any) -> None:
-    """vLLM's default (xgrammar's strict mode), where it cannot forbid a valid object: every
-    object schema with ``properties`` and no ``additionalProperties`` takes no other keys, except
-    one that requires a key it does not list, and none at all in a schema with ``allOf`` or with
-    ``properties`` beside an ``anyOf``, ``oneOf`` or ``$ref`` (the parts, and what they refer to,
-    each list only some of the object's keys)."""
-    if not _mentions(schema, lambda d: "allOf" in d or ("properties" in d and bool(_COMPOSED & d.keys()))):
-        _additional_properties_off(schema)
-
-
-_COMPOSED = frozenset(("anyOf", "oneOf", "$ref"))
-
-
-def _mentions(schema: Any, test: Callable[[dict[str, Any]], bool]) -> bool:
-    """Whether ``test`` holds for the schema or any dict inside it."""
-    if isinstance(schema, list):
-        return any(_mentions(s, test) for s in schema)
-    return isinstance(schema, dict) and (test(schema) or any(_mentions(v, test) for v in schema.values()))
-
-
-def _additional_properties_off(schema: Any) -> None:
-    """In place: every (sub)schema with ``properties``, no ``additionalProperties`` and no
-    required key outside ``properties`` gets ``additionalProperties: false``."""
-    if isinstance(schema, list):
-        for item in schema:
-            _additional_properties_off(item)
-    elif isinstance(schema, dict):
-        props, required = schema.get("properties"), schema.get("required")
-        if isinstance(props, dict) and "additionalProperties" not in schema and \
-                (not isinstance(required, list) or all(r in props for r in required)):
-            schema["additionalProperties"] = False
-        for key, value in schema.items():
-            if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-                if isinstance(value, dict):
-                    for sub in value.values():
-                        _additional_properties_off(sub)
-            elif key not in ("enum", "const", "default", "examples", "required"):
-                _additional_properties_off(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +272,7 @@ class GrammarCompiler:
 
         kind = params.kind
         try:
-            grammar = self.grammar_text(params)
+            grammar = grammar_text(params)
             error = LLMatcher.validate_grammar(grammar, self.tokenizer)
             template = None
             if not error:
@@ -326,40 +284,6 @@ class GrammarCompiler:
             error = error if len(error) <= _MAX_ERROR else error[:_MAX_ERROR] + "..."
             raise ValueError(f"structured_outputs.{kind} is not a valid grammar: {error.rstrip()}")
         return CompiledGrammar(kind, grammar, self.vocab_size, template)
-
-    @staticmethod
-    def grammar_text(params: StructuredOutputsParams) -> str:
-        """The llguidance grammar (serialized) of ``params``; not yet validated."""
-        from llguidance import LLMatcher
-        from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
-
-        kind = params.kind
-        if kind in ("json", "json_object"):
-            schema: Any = params._schema if kind == "json" else '{"type": "object"}'
-            # vLLM's default backend (xgrammar) compiles schemas strictly: an object takes only the
-            # properties it lists, where that loses no valid object; the guidance backend's flag
-            # asks for every object strict.
-            schema = _json.loads(schema)
-            (_additional_properties_off if params.disable_additional_properties else _strict_objects)(schema)
-            # oneOf as anyOf where llguidance cannot prove the branches exclusive, as xgrammar reads it.
-            options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace,
-                                       "coerce_one_of": True}
-            if params.whitespace_pattern is not None:
-                options["whitespace_pattern"] = params.whitespace_pattern
-            elif not params.disable_any_whitespace:
-                options["whitespace_pattern"] = JSON_WHITESPACE
-            return LLMatcher.grammar_from_json_schema(schema, defaults=options)
-        if kind == "regex":
-            return LLMatcher.grammar_from_regex(params.regex)
-        if kind == "choice":
-            # One lexeme, a regex alternation: as Lark alternatives ("a" | "b" | ...) every choice
-            # is an item of the parser's row, and past llguidance's 2000 items decoding fails.
-            return LLMatcher.grammar_from_lark(
-                "start: /(?:" + "|".join(_regex_literal(c) for c in params.choice) + ")/")
-        text = params.grammar
-        if "::=" in text and not is_lark_syntax(text):
-            text = gbnf_to_lark(text)
-        return LLMatcher.grammar_from_lark(text)
 
 
 class LazyGrammarCompiler:
