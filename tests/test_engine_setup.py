@@ -188,6 +188,25 @@ def test_a_model_folder_without_a_tokenizer_says_so_and_names_tokenizer(tiny_mod
     llm.engine_loop.shutdown()
 
 
+def test_max_model_len_auto_is_the_models_capped_at_what_the_kv_cache_holds(tiny_model_dir):
+    """vLLM's max_model_len=-1 ("auto" on the command line): the model's context, or the longest
+    sequence the KV cache can hold when that is less."""
+    from ferrokv import LLM, SamplingParams
+    from ferrokv.cli import _parser
+
+    path = tiny_model_dir("llama")  # 512 positions
+    roomy = LLM(str(path), max_model_len=-1, num_kv_blocks=64, block_size=16)
+    assert roomy.llm_engine.max_model_len == 512
+    tight = LLM(str(path), max_model_len=-1, num_kv_blocks=9, block_size=16)
+    assert tight.llm_engine.max_model_len == 8 * 16
+    out = tight.generate({"prompt_token_ids": list(range(5, 5 + 120))}, SamplingParams(max_tokens=50,
+                                                                                       ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8 * 16 - 120 and out[0].outputs[0].finish_reason == "length"
+    assert _parser().parse_args(["generate", "--max-model-len", "auto"]).max_model_len == -1
+    for llm in (roomy, tight):
+        llm.engine_loop.shutdown()
+
+
 def test_default_max_model_len_counts_the_rope_scaling_factor(tiny_model_dir):
     """vLLM's default context: max_position_embeddings times a linear/dynamic factor (yarn: the
     original positions times it), so a scaled model takes the prompts it was scaled for."""

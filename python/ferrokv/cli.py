@@ -30,7 +30,7 @@ from typing import Any
 from ferrokv import __version__
 from ferrokv.chat_content_format import CONTENT_FORMATS
 from ferrokv.checks import check_text
-from ferrokv.engine_args import EngineArgs, engine_arg_help, help_with_default
+from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, EngineArgs, engine_arg_help, help_with_default
 from ferrokv.inputs import template_kwargs
 from ferrokv.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
@@ -81,8 +81,8 @@ def _add_flag(group: Any, flag: str, dest: str, hint: Any, default: Any, help_te
         action = group.add_argument(flag, dest=dest, default=default, action="append", type=str, metavar="TEXT")
     else:
         metavar = None if choices else flag.lstrip("-").replace("-", "_").upper()
-        action = group.add_argument(flag, dest=dest, default=default, choices=choices, metavar=metavar,
-                                    type=human_readable_int if kind is int else kind)
+        kind = (_max_model_len if dest == "max_model_len" else human_readable_int) if kind is int else kind
+        action = group.add_argument(flag, dest=dest, default=default, choices=choices, metavar=metavar, type=kind)
     # Set after creation: BooleanOptionalAction would append a second "(default: ...)" to a given help.
     action.help = help_text.replace("%", "%%")
 
@@ -107,6 +107,11 @@ def human_readable_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; "
                                          f"did you mean {number}{suffix.lower()}?")
     return int(number) * 1024 ** power
+
+
+def _max_model_len(text: str) -> int:
+    """``--max-model-len``: an integer as ``human_readable_int`` reads it, or vLLM's ``auto``."""
+    return AUTO_MAX_MODEL_LEN if text.strip().lower() == "auto" else human_readable_int(text)
 
 
 def _json_flag(what: str, fits: Callable[[Any], bool]) -> Callable[[str], Any]:

@@ -50,6 +50,9 @@ def _arg(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, defa
     return field(default=default, metadata={"doc": doc, "choices": choices, "default_doc": default_doc})
 
 
+AUTO_MAX_MODEL_LEN = -1  # max_model_len: the model's, capped at what the KV cache holds (vLLM's -1/"auto")
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """Every engine setting; the names match the CLI flags (``--max-num-seqs`` ...)."""
@@ -82,7 +85,8 @@ class EngineArgs:
         None, "token budget of one scheduler step (raised to max_num_seqs if smaller)",
         default_doc="8192 on a GPU, 2048 on a CPU")
     max_model_len: int | None = _arg(
-        None, "longest prompt + output, in tokens",
+        None, "longest prompt + output, in tokens; -1 (auto on the command line): the model's, or less if the "
+              "KV cache holds less (vLLM's)",
         default_doc="the model's max_position_embeddings, times its linear, dynamic or yarn rope factor")
     num_gpu_blocks_override: int | None = _arg(
         None, "KV-cache blocks (block 0 is reserved); overrides kv_cache_memory_bytes and gpu_memory_utilization",
@@ -167,7 +171,8 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs"):
             self._check_positive(name, allow_none=False)
         for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
-            self._check_positive(name)
+            if not (name == "max_model_len" and self.max_model_len == AUTO_MAX_MODEL_LEN):
+                self._check_positive(name)
         self._check_vllm_compat()
         if not (isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
@@ -223,7 +228,8 @@ class EngineArgs:
         try:
             validate_scheduler_config(
                 block_size=self.block_size, max_num_seqs=self.max_num_seqs, num_blocks=self.num_gpu_blocks_override,
-                max_model_len=self.max_model_len, num_cpu_blocks=self.num_cpu_blocks,
+                max_model_len=None if self.max_model_len == AUTO_MAX_MODEL_LEN else self.max_model_len,
+                num_cpu_blocks=self.num_cpu_blocks,
                 preemption_mode=self.preemption_mode, policy=self.scheduling_policy,
             )
         except InvalidArgumentError as e:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrokv._core import Scheduler
-from ferrokv.engine_args import DTYPE_ALIASES, EngineArgs
+from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, DTYPE_ALIASES, EngineArgs
 from ferrokv.generation_defaults import load_generation_defaults
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 
@@ -247,10 +247,14 @@ def load_engine(args: EngineArgs) -> EngineParts:
     if defaults:
         logger.info("default sampling parameters from the model's generation config: %s (generation_config='vllm' "
                     "turns them off)", defaults)
-    max_len = checked_max_model_len(args.max_model_len, mc.rope.default_max_model_len)
+    auto = args.max_model_len == AUTO_MAX_MODEL_LEN
+    max_len = checked_max_model_len(None if auto else args.max_model_len, mc.rope.default_max_model_len)
     spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                        head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
     num_blocks = num_kv_blocks(args, spec, device, max_len)
+    if auto and (num_blocks - 1) * args.block_size < max_len:
+        max_len = (num_blocks - 1) * args.block_size  # the longest one sequence can be
+        logger.info("max_model_len=auto: %d tokens, what the KV cache holds", max_len)
     kv_cache = allocate_kv_cache(args, spec, num_blocks, device)
     prefix_caching = args.enable_prefix_caching
     if prefix_caching and dynamic_rope_rescales(mc.rope, max_len):
