@@ -772,6 +772,10 @@ def test_return_token_ids_as_vllm(http, endpoint):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_booleans_are_read_as_vllms_pydantic_reads_them(http, path):
     """pydantic's lax booleans: 0/1 and strings such as "yes", "off", "true"."""
+    stream = {"stream": "true", "stream_options": {"include_usage": "yes", "continuous_usage_stats": 0}}
+    events = sse_events(http.post(path, json={"model": MODEL, "max_tokens": 2, "prompt": PROMPT, "messages": MESSAGES,
+                                              **stream}).text.splitlines())
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 2
     body = {"model": MODEL, "max_tokens": 3, "stream": "false", "ignore_eos": "yes", "skip_special_tokens": 1,
             **({"prompt": PROMPT, "echo": "off"} if path == "/v1/completions" else {"messages": MESSAGES, "logprobs": 1})}
     r = http.post(path, json=body)

@@ -188,6 +188,15 @@ def test_logprobs_when_included(client):
      400, "tool_choice"),
     ({"input": USER, "tools": [TOOL], "tool_choice": {"type": "function"}}, 400, "tool_choice.name"),
     ({"input": USER, "request_id": "\ud800"}, 400, "request_id"),
+    # Fields the response repeats must render as strict JSON: no NaN/Infinity, no lone surrogate.
+    ({"input": USER, "reasoning": {"effort": "low", "summary": float("nan")}}, 400, "reasoning"),
+    ({"input": USER, "tools": [{**TOOL, "parameters": {"type": "object", "maximum": float("inf")}}],
+      "tool_choice": "none"}, 400, "tools"),
+    ({"input": USER, "tools": [{**TOOL, "description": "\ud800"}], "tool_choice": "none"}, 400, "tools"),
+    ({"input": USER, "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, 400,
+     "text.format.name"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c", "output": "\ud800"}]},
+     400, "input[1].output"),
     ({"input": USER, "user": "\ud800"}, 400, "user"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input[0].call_id"),
     ({"input": [{"type": "input_image"}]}, 400, "input[0].type"),
@@ -209,6 +218,18 @@ def test_bad_requests_name_the_field(http, body, status, param):
     assert assert_openai_error(r, status, param)["param"] == param
     ok = http.post("/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 2})
     assert ok.status_code == 200 and ok.json()["status"] in ("completed", "incomplete")
+
+
+def test_a_named_function_that_is_not_a_tool_is_told_in_this_apis_shape(http):
+    r = http.post("/v1/responses", json={"model": MODEL, "input": USER, "tools": [TOOL],
+                                         "tool_choice": {"type": "function", "name": "nope"}})
+    err = assert_openai_error(r, 400, "nope")
+    assert err["param"].startswith("tool_choice") and "'function': {" not in err["message"], err
+
+
+def test_an_empty_model_name_is_the_served_one(http):
+    r = http.post("/v1/responses", json={"model": "", "input": USER, "max_output_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),

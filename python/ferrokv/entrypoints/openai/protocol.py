@@ -108,10 +108,22 @@ def _logprobs(body: Mapping[str, Any], name: str, max_logprobs: int) -> int | No
     return v
 
 
-def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    v = _opt(body, name, default)
+def _bool(body: Mapping[str, Any], name: str, default: bool | None, where: str = "") -> bool:
+    """A boolean field, read as pydantic's lax mode reads one (``_lax_bool``); ``where``: the path
+    of ``body`` in the request (``stream_options.``), for the error."""
+    v = _lax_bool(_opt(body, name, default))
     if not isinstance(v, bool):
-        raise bad(name, f"{name} must be a boolean, got {shown(v)}")
+        raise bad(where + name, f"{where + name} must be a boolean, got {shown(v)}")
+    return v
+
+
+def _lax_bool(v: Any) -> Any:
+    """pydantic's lax booleans: 0/1 and strings such as "yes", "off", "true" as bools; anything
+    else as it is (the field's check then names it)."""
+    if isinstance(v, str) and v.lower() in _BOOL_TEXT:
+        return _BOOL_TEXT[v.lower()]
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v in (0, 1):
+        return bool(v)
     return v
 
 
@@ -166,11 +178,8 @@ def _lax_numbers(body: Mapping[str, Any], ints: tuple[str, ...] = _INT_FIELDS,
             with contextlib.suppress(ValueError):
                 out[name] = float(v)
     for name in bools:
-        v = out.get(name)
-        if isinstance(v, str) and v.lower() in _BOOL_TEXT:
-            out[name] = _BOOL_TEXT[v.lower()]
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v in (0, 1):
-            out[name] = bool(v)
+        if name in out:
+            out[name] = _lax_bool(out[name])
     return out
 
 
@@ -344,10 +353,10 @@ def _response_format(value: Any) -> dict[str, Any] | None:
         if not isinstance(schema, Mapping):
             raise bad("response_format.json_schema", "response_format.json_schema.schema must be a JSON schema "
                                                      f"object, got {shown(schema)}")
-        for key, types, what in (("name", (str,), "a string"), ("description", (str,), "a string"),
-                                 ("strict", (bool,), "a boolean")):
-            if js.get(key) is not None and not isinstance(js[key], types):
-                raise bad("response_format.json_schema", f"response_format.json_schema.{key} must be {what}, "
+        _bool(js, "strict", False, "response_format.json_schema.")
+        for key in ("name", "description"):
+            if js.get(key) is not None and not isinstance(js[key], str):
+                raise bad("response_format.json_schema", f"response_format.json_schema.{key} must be a string, "
                                                          f"got {shown(js[key])}")
         return {"json": dict(schema)}
     if kind == "structural_tag":
@@ -397,11 +406,10 @@ def _common(body: Mapping[str, Any], params: SamplingParams, structured: Structu
     opts = _opt(body, "stream_options", {})
     if not isinstance(opts, Mapping):
         raise bad("stream_options", f"stream_options must be a JSON object, got {shown(opts)}")
-    for key in ("include_usage", "continuous_usage_stats"):
-        if opts.get(key) is not None and not isinstance(opts[key], bool):
-            raise bad(f"stream_options.{key}", f"stream_options.{key} must be a boolean, got {shown(opts[key])}")
     # vLLM's: given stream_options (even {}), include_usage defaults to true (null: false).
-    include_usage = body.get("stream_options") is not None and bool(opts.get("include_usage", True))
+    usage = opts.get("include_usage", True) is not None and _bool(opts, "include_usage", True, "stream_options.")
+    continuous = _bool(opts, "continuous_usage_stats", False, "stream_options.")
+    include_usage = body.get("stream_options") is not None and usage
     if opts and not stream:
         raise bad("stream_options", "stream_options is only allowed with stream: true")
     salt = _str(body, "cache_salt")
@@ -413,7 +421,7 @@ def _common(body: Mapping[str, Any], params: SamplingParams, structured: Structu
     if _bool(body, "use_beam_search", False):
         raise bad("use_beam_search", "use_beam_search is not supported by this server (LLM.beam_search is)")
     return dict(model=_str(body, "model"), stream=stream, include_usage=include_usage,
-                continuous_usage=include_usage and bool(opts.get("continuous_usage_stats")), params=params,
+                continuous_usage=include_usage and continuous, params=params,
                 user=_str(body, "user"), priority=_int(body, "priority", 0, -_I32 - 1, _I32), cache_salt=salt,
                 structured=structured, request_id=_str(body, "request_id") or None,
                 tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),

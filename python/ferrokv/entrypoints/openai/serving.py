@@ -69,8 +69,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: str | None) -> str:
-        """The name a response shows: the one the request sent (vLLM's), else the first served."""
-        if model is not None and model not in self.model_names:
+        """The name a response shows: the one the request sent (vLLM's), else (none, or "") the
+        first served."""
+        if model and model not in self.model_names:
             raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
                                    f"{', '.join(map(repr, self.model_names))}", "model", "NotFoundError")
         return model or self.model_names[0]

@@ -22,6 +22,7 @@ Costs: as a chat completion.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -74,6 +75,8 @@ def _renamed(e: OpenAIError, origins: list[str]) -> OpenAIError:
         # A replayed call is one message of one call; its output a tool message.
         s = re.sub(r"(input\[\d+\])\.tool_calls\[0\]\.function\.", r"\1.", s)
         s = re.sub(r"(input\[\d+\])\.tool_call_id", r"\1.call_id", s)
+        s = s.replace("{'type': 'function', 'function': {'name': ...}}", "{'type': 'function', 'name': ...}")
+        s = s.replace('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
         s = re.sub(r"\bmax_tokens\b", "max_output_tokens", s)
         s = re.sub(r"response_format(\.json_schema)?", "text.format", s)
         return re.sub(r"(tools\[\d+\]|tool_choice)\.function\b", r"\1", s)
@@ -81,8 +84,23 @@ def _renamed(e: OpenAIError, origins: list[str]) -> OpenAIError:
 
 
 def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise bad(where, f"{where} must be a string, got {shown(value)}")
+    if not is_text(value):
+        raise bad(where, f"{where} must be a string of valid Unicode, got {shown(value)}")
+    return value
+
+
+def _repeatable(value: Any, where: str) -> Any:
+    """``value`` (a field the response repeats), checked to render as strict JSON text: no
+    NaN/Infinity, no lone surrogate (a 400 naming the field, before anything runs)."""
+    if isinstance(value, float) and not math.isfinite(value) or isinstance(value, str) and not is_text(value):
+        raise bad(where, f"{where} must hold only finite numbers and valid Unicode, got {shown(value)}")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _repeatable(k, where)
+            _repeatable(v, where)
+    elif isinstance(value, list):
+        for v in value:
+            _repeatable(v, where)
     return value
 
 
@@ -140,6 +158,8 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     fmt = text.get("format")
     if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
         return fmt  # type: ignore[return-value]  # checked as response_format
+    if not isinstance(fmt.get("name"), str) or not fmt["name"]:  # OpenAI's and vLLM's: required
+        raise bad("text.format.name", f"text.format.name must name the schema, got {shown(fmt.get('name'))}")
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
@@ -181,6 +201,8 @@ def _one_of(body: Mapping[str, Any], name: str, allowed: tuple[Any, ...], defaul
 
 def _echoed(body: Mapping[str, Any], top: int | None, params: Any) -> dict[str, Any]:
     """The request's fields a response repeats, checked as vLLM's pydantic model checks them."""
+    for name in ("metadata", "reasoning", "text", "tools", "tool_choice", "instructions"):
+        _repeatable(body.get(name), name)
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, Mapping) and all(
             isinstance(k, str) and isinstance(v, str) and is_text(k + v) for k, v in metadata.items())):
