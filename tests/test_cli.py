@@ -37,7 +37,9 @@ def test_unset_sampling_flags_take_the_models_generation_config(model, capsys, t
     (recommending / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "eos_token_id": None}))
     common = ["generate", "--model", str(recommending), "--raw", "--quiet", "--num-kv-blocks", "64",
               "--max-model-len", "128", "--ignore-eos", "hello"]
-    for extra, tokens in (([], 3), (["--max-tokens", "5"], 5), (["--generation-config", "vllm"], 128 - 3)):
+    raised = ["--override-generation-config", '{"max_new_tokens": 300}', "--min-tokens", "200"]  # > the CLI's 128
+    for extra, tokens in (([], 3), (["--max-tokens", "5"], 5), (["--generation-config", "vllm"], 128 - 3),
+                          (raised, 128 - 3)):
         assert main(common + extra) == 0
         out = capsys.readouterr().out
         assert f"1 requests, {tokens} tokens generated" in out, (extra, out)

@@ -414,6 +414,11 @@ def test_invalid_sampling_params(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_a_torch_device_is_a_device(llama_path):
+    """vLLM's device may be a torch.device as well as its name."""
+    assert make_engine(llama_path, device=torch.device("cpu")).device == torch.device("cpu")
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [

@@ -29,7 +29,26 @@ def test_eos_ids_merge_tokenizer_config_and_generation_config(tmp_path):
     class Tok:
         eos_token_id = 2
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2, 999]}))
-    assert eos_token_ids(Tok(), {"eos_token_id": [3, 2]}, tmp_path, vocab_size=100) == (2, 3, 7)
+    assert eos_token_ids(Tok(), {"eos_token_id": [3, 2]}, tmp_path / "generation_config.json", 100) == (2, 3, 7)
+    assert eos_token_ids(Tok(), {"eos_token_id": [3, 2]}, None, vocab_size=100) == (2, 3)
+
+
+def test_eos_ids_come_from_the_generation_config_engine_args_name(tiny_model_dir, tmp_path):
+    """vLLM reads the extra EOS ids where it reads the sampling defaults: a generation_config
+    folder given instead of the model's, none with generation_config='vllm'."""
+    from ferrokv import LLM
+
+    model = tiny_model_dir("llama")
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2], "temperature": 0.5}))
+    kw = dict(device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+    llm = LLM(str(model), generation_config=str(folder), **kw)
+    assert 2 in llm.llm_engine.eos_token_ids and llm.llm_engine.default_sampling_params == {"temperature": 0.5}
+    plain = LLM(str(model), generation_config="vllm", **kw)
+    assert 2 not in plain.llm_engine.eos_token_ids
+    for x in (llm, plain):
+        x.engine_loop.shutdown()
 
 
 def test_kv_blocks_from_a_count_a_budget_or_the_cpu_default():

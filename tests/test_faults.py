@@ -230,6 +230,33 @@ def test_requests_a_failed_step_aborts_are_reported_by_the_next_step(llama_path,
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_request_that_finished_in_a_failed_step_is_still_reported(llama_path, overlap, monkeypatch):
+    """An interrupt while the outputs of the step in which one request ends are built: that
+    request, already ended in the scheduler, still gets its final output at the next ``step()``
+    (its real one: it had ended in the scheduler), and the one that goes on is aborted, and reported."""
+    import ferrokv.engine
+
+    engine = tiny_engine(llama_path, overlap=overlap)
+    short, long = rand_prompts(8, [5, 9])
+    engine.add_request("short", short, greedy(3))
+    engine.add_request("long", long, greedy(MAX_NEW))
+    build, armed = ferrokv.engine.build_outputs, [True]
+
+    def failing_build(reqs, ended_now, *args):
+        if armed[0] and ended_now:  # the step in which "short" ends
+            armed[0] = False
+            raise KeyboardInterrupt
+        return build(reqs, ended_now, *args)
+
+    monkeypatch.setattr(ferrokv.engine, "build_outputs", failing_build)
+    last = drive(engine, fails=KeyboardInterrupt)
+    assert last["short"].finished and last["short"].outputs[0].finish_reason == "length"
+    assert len(last["short"].outputs[0].token_ids) == 3
+    assert last["long"].finished and last["long"].outputs[0].finish_reason == "abort"
+    assert_idle(engine)
+
+
 def test_aborted_requests_are_all_reported_though_one_report_is_interrupted(llama_path):
     """An interrupt in ``on_abort`` (the loop's routing) leaves the other aborted requests'
     reports queued: the next release of the engine lock hands them over, each once."""

@@ -159,10 +159,13 @@ def _llm(args: argparse.Namespace) -> Any:
 
 
 def _params(args: argparse.Namespace, recommended: dict[str, Any] | None = None) -> SamplingParams:
-    """The flags given, over the model's ``recommended`` parameters, over the CLI's defaults."""
-    own = {name: d for name, (_, _, d) in _SAMPLING_FLAGS.items() if d is not MISSING}
+    """The flags given, over the model's ``recommended`` parameters, over the CLI's defaults.
+    ``recommended`` None (before the model loads): the flags given alone, to check them."""
     given = {name: v for name in _SAMPLING_FLAGS if (v := getattr(args, "sampling_" + name)) is not None}
-    return SamplingParams(**{**own, **(recommended or {}), **given})
+    if recommended is None:
+        return SamplingParams(**{"max_tokens": None, **given})  # a limit the model may raise is not checked
+    own = {name: d for name, (_, _, d) in _SAMPLING_FLAGS.items() if d is not MISSING}
+    return SamplingParams(**{**own, **recommended, **given})
 
 
 def _inputs(llm: Any, prompts: list[str], raw: bool) -> list[Any]:

@@ -130,6 +130,7 @@ class LLMEngine:
         self.model = parts.model
         self.model_config, self.cache_config = ModelConfigView(self), CacheConfigView(self)  # vLLM's llm_engine.*
         self.tokenizer = parts.tokenizer
+        self.decode_token_text = functools.partial(decode_token, self.tokenizer)  # a logprob's decoded_token
         self.vocab_size = parts.vocab_size
         self.eos_token_ids = parts.eos_token_ids
         self.default_sampling_params: dict[str, Any] = parts.sampling_defaults  # ferrokv.generation_defaults
@@ -423,7 +424,7 @@ class LLMEngine:
             if grammar is not None:
                 grammar.accept(sampled)
             if plp is not None and plp_result is not None:
-                plp.apply(plp_result, self._decode_token)
+                plp.apply(plp_result, self.decode_token_text)
                 self._plp_wanted.drop_complete()
         except BaseException:
             self._fail_step(out, job, undo, prev if finishing_prev else None, outputs)
@@ -544,21 +545,18 @@ class LLMEngine:
             self.profile.detokenize += time.perf_counter() - t0
         return self._apply_step(p, finished, rows, deltas)
 
-    def _decode_token(self, token_id: int) -> str:
-        return decode_token(self.tokenizer, token_id)
-
     def _apply_step(self, p: _Pending, finished: list[Any], rows: np.ndarray, deltas: list[str]) -> list[RequestOutput]:
         """Hands the step's logprobs and streaming rows to the requests' output states, ends what
         the scheduler ended, and builds the outputs."""
-        out, sampled, row_lp = p.out, p.sampled, p.row_lp
-        t0 = time.perf_counter()
+        (out, sampled, row_lp), t0 = (p.out, p.sampled, p.row_lp), time.perf_counter()
         touched: dict[int, RequestState] = {}
         if row_lp is not None:
-            append_logprobs(seq_of_row(self._requests, out), row_lp, sampled, self._decode_token)
+            append_logprobs(seq_of_row(self._requests, out), row_lp, sampled, self.decode_token_text)
         if len(rows):
             stream_rows(self._requests, out.row_req_ids[rows].tolist(), out.row_seq_ids[rows].tolist(),
                         out.row_sample_index[rows].tolist(), sampled[rows].tolist(), deltas, touched)
         ended_now: dict[int, list[CompletionOutput]] = {}
+        done = []  # released once their outputs are made: a failure before aborts them, and reports them
         for f in finished:
             req = self._requests.get(f.request_id)
             if req is None or req.beam is not None:
@@ -566,8 +564,11 @@ class LLMEngine:
             end_completion(req, f, ended_now)
             touched[f.request_id] = req
             if f.request_finished:
-                self._finish(req)
+                req.finished = True  # (its output says so)
+                done.append(req)
         outputs = build_outputs(touched.values(), ended_now, self._times_of)
+        for req in done:
+            self._finish(req)
         outputs += [beam_output(req, self.text.decode) for req in self._beams_done]
         self._beams_done = []
         if self.profile is not None:

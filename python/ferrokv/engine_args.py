@@ -174,7 +174,10 @@ class EngineArgs:
             if not (name == "max_model_len" and self.max_model_len == AUTO_MAX_MODEL_LEN):
                 self._check_positive(name)
         self._check_vllm_compat()
-        if not (isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)):
+        # A str, or a torch.device (vLLM takes one too; this module does not import torch).
+        name = self.device if isinstance(self.device, str) else \
+            str(self.device) if type(self.device).__module__ == "torch" else None
+        if not (name is not None and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name)):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for f in fields(self):  # every plain flag (annotated `bool`) is a bool, not a truthy string
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):

@@ -24,7 +24,7 @@ import torch
 
 from ferrokv._core import Scheduler
 from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, DTYPE_ALIASES, EngineArgs
-from ferrokv.generation_defaults import load_generation_defaults
+from ferrokv.generation_defaults import generation_config_file, load_generation_defaults
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 
 logger = logging.getLogger("ferrokv")
@@ -54,9 +54,11 @@ def resolve_dtype(name: str, config: Mapping[str, Any], device: torch.device) ->
     return _DTYPES.get(cfg, torch.bfloat16) if cfg in ("float16", "bfloat16") else torch.bfloat16
 
 
-def eos_token_ids(tokenizer: Any, config: Mapping[str, Any], model_path: Path, vocab_size: int) -> tuple[int, ...]:
-    """The tokenizer's EOS, then the config's, then generation_config.json's (in the vocabulary,
-    each once); the first is the core's EOS, the others stop tokens unless ``ignore_eos``."""
+def eos_token_ids(tokenizer: Any, config: Mapping[str, Any], generation_config: Path | None,
+                  vocab_size: int) -> tuple[int, ...]:
+    """The tokenizer's EOS, then the config's, then the ``generation_config`` file's (vLLM's: the
+    one ``EngineArgs.generation_config`` names; in the vocabulary, each once); the first is the
+    core's EOS, the others stop tokens unless ``ignore_eos``."""
     ids: list[int] = []
 
     def add(v: Any) -> None:
@@ -66,11 +68,10 @@ def eos_token_ids(tokenizer: Any, config: Mapping[str, Any], model_path: Path, v
 
     add(tokenizer.eos_token_id)
     add(config.get("eos_token_id"))
-    gen = model_path / "generation_config.json"
-    if gen.is_file():
+    if generation_config is not None:
         from ferrokv.model_loader import read_json
 
-        add(read_json(gen).get("eos_token_id"))
+        add(read_json(generation_config).get("eos_token_id"))
     return tuple(ids)
 
 
@@ -231,7 +232,6 @@ def load_engine(args: EngineArgs) -> EngineParts:
     t0 = time.perf_counter()
     hub = dict(revision=args.revision, download_dir=args.download_dir)
     model_path = resolve_model_path(args.model, **hub)
-    tokenizer = _load_tokenizer(args, model_path)  # before the weights, so a bad tokenizer fails fast
     config = load_config(model_path, args.hf_overrides)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, config, device)
@@ -241,8 +241,9 @@ def load_engine(args: EngineArgs) -> EngineParts:
     model = load_model(model_path, dtype=dtype, device=device, attn_backend=backend, load_format=args.load_format,
                        config_overrides=args.hf_overrides)
     mc = model.config
+    tokenizer = _load_tokenizer(args, model_path)  # after the model: an unsupported one is told first
     vocab_size = int(mc.vocab_size)
-    eos = eos_token_ids(tokenizer, config, model_path, vocab_size)
+    eos = eos_token_ids(tokenizer, config, generation_config_file(args.generation_config, model_path), vocab_size)
     defaults = load_generation_defaults(args.generation_config, args.override_generation_config, model_path)
     if defaults:
         logger.info("default sampling parameters from the model's generation config: %s (generation_config='vllm' "

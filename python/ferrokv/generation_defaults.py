@@ -45,14 +45,22 @@ def check_generation_args(source: Any, overrides: Any) -> None:
             raise ValueError(f"override_generation_config must be a dict of generation_config keys, got {overrides!r}")
 
 
+def generation_config_file(source: str, model_path: Path) -> Path | None:
+    """The generation_config.json ``source`` names (``"auto"``: the model's; ``"vllm"``: none, as
+    vLLM then reads none), if it exists."""
+    if source == "vllm":
+        return None
+    path = (model_path if source == "auto" else Path(source)) / _FILE
+    return path if path.is_file() else None
+
+
 def load_generation_defaults(source: str, overrides: Mapping[str, Any] | None, model_path: Path) -> dict[str, Any]:
-    """The ``SamplingParams`` fields the model recommends (empty: none), from ``source``
-    (``"auto"``: the model's folder) with ``overrides`` on top."""
+    """The ``SamplingParams`` fields the model recommends (empty: none), from ``source``'s file
+    (``generation_config_file``) with ``overrides`` on top."""
     config: dict[str, Any] = {}
-    if source != "vllm":
-        path = (model_path if source == "auto" else Path(source)) / _FILE
-        if path.is_file():
-            config = _read(path)
+    path = generation_config_file(source, model_path)
+    if path is not None:
+        config = _read(path)
     config.update(overrides or {})
     out = {name: config[key] for key, name in _KEYS.items() if config.get(key) is not None}
     what = f"{source if source != 'auto' else model_path}/{_FILE}"
