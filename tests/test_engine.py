@@ -653,7 +653,8 @@ def test_extra_eos_ids_from_generation_config(llama_path, hf_greedy, tmp_path):
                        SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=first + 1, ignore_eos=False))
     # Pushed towards the extra EOS id: under min_tokens it is banned all the same, then it is sampled.
     engine.add_request("min-ign", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=6, min_tokens=3, ignore_eos=True, logit_bias={extra: 100}))
+                       SamplingParams(temperature=0, max_tokens=6, min_tokens=3, ignore_eos=True,
+                                      logit_bias={extra: 100}))
     outs = run_engine(engine)
     c = outs["eos"].outputs[0]
     assert c.token_ids == full[:first + 1] and c.finish_reason == "stop"
