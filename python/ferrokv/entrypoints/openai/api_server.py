@@ -38,8 +38,8 @@ from starlette.responses import JSONResponse, Response
 from ferrokv import __version__
 from ferrokv.checks import shown
 from ferrokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from ferrokv.entrypoints.openai.protocol import (OpenAIError, error_body, parse_detokenize_request,
-                                                 parse_tokenize_request)
+from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
+from ferrokv.entrypoints.openai.protocol_tokenize import parse_detokenize_request, parse_tokenize_request
 from ferrokv.entrypoints.openai.serving import ServerState, error_response, to_openai_error
 from ferrokv.entrypoints.openai.serving_chat import create_chat_completion
 from ferrokv.entrypoints.openai.serving_completion import create_completion

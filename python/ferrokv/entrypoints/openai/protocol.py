@@ -37,7 +37,7 @@ from ferrokv.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "ChatRequest", "CompletionRequest", "OpenAIError", "error_body", "parse_chat_request",
-    "StructuredSource", "parse_completion_request", "parse_detokenize_request", "parse_tokenize_request",
+    "StructuredSource", "parse_completion_request",
 ]
 
 # The engine's cap when a caller gives none (EngineArgs' default).
@@ -560,48 +560,3 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
                        top_logprobs=top or 0, add_generation_prompt=generation_prompt, template=template,
                        tool_choice=tool_choice)
-
-
-@dataclass(slots=True)
-class TokenizeRequest:
-    model: str | None
-    prompt: str | None
-    messages: list[dict[str, Any]] | None
-    add_special_tokens: bool
-    add_generation_prompt: bool
-    template: dict[str, Any]  # with messages: chat_token_ids' template keywords
-    return_token_strs: bool = False  # vLLM's: the tokens' strings too (the tokenizer's own spelling)
-
-
-def parse_tokenize_request(body: Any) -> TokenizeRequest:
-    """vLLM's ``/tokenize``: ``{model?, prompt | messages, add_special_tokens?, return_token_strs?}``."""
-    body = _object(body)
-    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
-    if has_prompt == has_messages:
-        raise bad("prompt", "give exactly one of prompt and messages")
-    prompt = _str(body, "prompt")
-    messages = _messages(body["messages"]) if has_messages else None
-    # vLLM's /tokenize takes tools for the template, and no tool_choice.
-    template = _template(body, _tools({"tools": body.get("tools"), "tool_choice": "none"})[0]) if has_messages else {}
-    return TokenizeRequest(_str(body, "model"), prompt, messages,
-                           _bool(body, "add_special_tokens", not has_messages),
-                           _bool(body, "add_generation_prompt", True), template,
-                           _bool(body, "return_token_strs", False))
-
-
-@dataclass(slots=True)
-class DetokenizeRequest:
-    model: str | None
-    tokens: list[int]
-
-
-def parse_detokenize_request(body: Any, vocab_size: int) -> DetokenizeRequest:
-    """vLLM's ``/detokenize``: ``{model?, tokens}``; every id inside the vocabulary."""
-    body = _object(body)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise bad("tokens", f"tokens must be a list of integers, got {shown(tokens)}")
-    for i, t in enumerate(tokens):
-        if not _is_int(t) or not 0 <= t < vocab_size:
-            raise bad("tokens", f"tokens[{i}] must be an integer in [0, {vocab_size}), got {shown(t)}")
-    return DetokenizeRequest(_str(body, "model"), tokens)

@@ -276,8 +276,8 @@ class _Response:
                 "input_tokens_details": {"cached_tokens": self.call.cached},
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
-    def text_part(self, text: str, c: CompletionOutput | None) -> dict[str, Any]:
-        lp = self.call.logprobs(c) if c is not None else None
+    def text_part(self, text: str, c: CompletionOutput) -> dict[str, Any]:
+        lp = self.call.logprobs(c)
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
         if self.call.req.logprobs:
             part["logprobs"] = lp["content"] if lp else []
