@@ -199,6 +199,43 @@ def test_text_state_is_freed_by_every_ending(llama_path):
     assert_idle(rust)
 
 
+def byte_level_char(b: int) -> str:
+    """The character a byte-level BPE (GPT-2's table) writes byte ``b`` as."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    return chr(b) if b in printable else chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
+def decode_stream_text(tok, prompt: list[int], out: list[int]) -> str:
+    """vLLM V1's output text: tokenizers' DecodeStream primed with the prompt (none of the
+    prompt's suffixes decodes clean when it ends mid-character, so vLLM primes with all of it)."""
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=True)
+    for t in prompt:
+        stream.step(tok._tokenizer, t)
+    return "".join(stream.step(tok._tokenizer, t) or "" for t in out)
+
+
+@pytest.mark.parametrize("given", [1, 2, 3])
+def test_a_character_the_prompt_ends_in_is_completed_by_the_output(llama_path, given):
+    """A token-id prompt that stops inside a UTF-8 character (a continuation of a cut output):
+    the output token that completes it emits the whole character, as vLLM's DecodeStream does."""
+    tok = tiny_tokenizer()
+    emoji = [tok.convert_tokens_to_ids(byte_level_char(b)) for b in "😀".encode()]
+    prompt = tok.encode("Say hi ", add_special_tokens=False) + emoji[:given]
+    reqs = [(f"r{i}", {"prompt_token_ids": prompt}, greedy(max_tokens=m, allowed_token_ids=[emoji[given]]))
+            for i, m in enumerate([1, 3])]
+    for engine in engines(llama_path):
+        final, _ = run(engine, reqs)
+        for rid, _, params in reqs:
+            c = final[rid].outputs[0]
+            assert c.token_ids == [emoji[given]] * params.max_tokens
+            want = decode_stream_text(tok, prompt, c.token_ids)
+            assert c.text == want, (type(engine.text).__name__, given, c.text, want)
+            if given == 3:
+                assert c.text.startswith("😀")
+
+
 # ---------------------------------------------------------------------------------------------
 # Deferred text at the scheduler level: update(defer_text=True), then take_step_results() while
 # the next step is in flight (as the overlapped engine runs it).

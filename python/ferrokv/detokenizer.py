@@ -14,6 +14,9 @@ Invariants:
   byte-level tokenizer and no stop strings this equals
   ``tokenizer.decode(ids, skip_special_tokens=...)`` of all appended ids, less a last character
   still incomplete when the sequence ends (vLLM drops it too: a cut never ends in U+FFFD).
+* A prompt that ends inside a character: its tokens of that character pend, and the output token
+  that completes it emits the whole character (as vLLM's DecodeStream, primed with the prompt,
+  does); an output that does not complete it is decoded alone (vLLM would show the stray bytes).
 * No U+FFFD is emitted for a character split across tokens; at most ``_MAX_PENDING`` tokens are
   held for that (beyond that the bytes are genuinely invalid and are emitted as U+FFFD, which keeps
   the window, and so the cost, bounded).
@@ -90,6 +93,7 @@ class IncrementalDetokenizer:
         "_window",
         "_prefix",
         "_read",
+        "_prompt_pending",
         "_prefix_text",
         "_tail",
         "_held",
@@ -122,6 +126,7 @@ class IncrementalDetokenizer:
         self._window: list[str] = []
         self._prefix = 0
         self._read = 0
+        self._prompt_pending = 0  # prompt tokens in window[read:] (a character the prompt ends in)
         self._prefix_text: str | None = ""
         # Search context for stop strings spanning deltas: the last max_stop - 1 decoded chars.
         self._tail = ""
@@ -152,14 +157,17 @@ class IncrementalDetokenizer:
     def _init_prompt_context(self, prompt_token_ids: Sequence[int]) -> None:
         # A few extra ids in case some are skipped specials.
         ctx = self._to_tokens(prompt_token_ids[-(_PROMPT_CONTEXT + 2):])[-_PROMPT_CONTEXT:]
-        text = self._tokenizer.convert_tokens_to_string(ctx) if ctx else ""
-        if text.endswith(_REPLACEMENT):
-            # The prompt ends mid-character: its completion would be misattributed, so decode
-            # the output without context instead.
-            return
-        self._window = ctx
-        self._prefix, self._read = 0, len(ctx)
-        self._prefix_text = text
+        # Context is the longest part of it that decodes clean. The tokens after that (a prompt
+        # that ends mid-character) pend: the output token that completes the character emits it
+        # whole, as vLLM's DecodeStream, primed with the prompt, does (_take_text).
+        for read in range(len(ctx), 0, -1):
+            text = self._tokenizer.convert_tokens_to_string(ctx[:read])
+            if not text.endswith(_REPLACEMENT):
+                self._window = ctx
+                self._prefix, self._read = 0, read
+                self._prefix_text = text
+                self._prompt_pending = len(ctx) - read
+                return
 
     def _to_tokens(self, ids: Iterable[int]) -> list[str]:
         out = []
@@ -191,6 +199,10 @@ class IncrementalDetokenizer:
         if not new:
             return ""
         self._window.extend(new)
+        return self._take_text()
+
+    def _take_text(self) -> str:
+        """The text the pending tokens complete, if any (then the window slides)."""
         convert = self._tokenizer.convert_tokens_to_string
         if self._prefix_text is None:
             self._prefix_text = convert(self._window[self._prefix : self._read])
@@ -202,6 +214,15 @@ class IncrementalDetokenizer:
         ):
             return ""  # incomplete character (or nothing visible yet): wait for more tokens
         delta = new_text[len(prefix_text) :]
+        if self._prompt_pending:
+            cut, self._prompt_pending = self._prompt_pending, 0
+            end = self._read + cut
+            unresolved = convert(self._window[self._read : end]) + convert(self._window[end:])
+            if delta.count(_REPLACEMENT) >= unresolved.count(_REPLACEMENT):
+                # The output does not complete the prompt's last character: the prompt's stray
+                # bytes are not output text (vLLM would show them), so decode the output alone.
+                del self._window[self._read : end]
+                return self._take_text()
         # Slide: emitted tokens become the context; drop older ones so the window stays small.
         del self._window[: self._read]
         self._prefix, self._read = 0, len(self._window)

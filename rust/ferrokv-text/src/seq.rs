@@ -3,7 +3,8 @@
 //!
 //! Invariants:
 //! * `window` holds kept ids only (known, and not a skipped special); `window[..read]` is context
-//!   already emitted (at first: up to 5 prompt ids), `window[read..]` is pending. A new token
+//!   already emitted (at first: up to 5 prompt ids), `window[read..]` is pending (at first: the
+//!   prompt ids of a character the prompt ends in, which the output completes). A new token
 //!   decodes `window[..read]` (cached as its character count) and `window`; the new text is the
 //!   characters past the prefix's count. It is held back while the decode ends in U+FFFD (an
 //!   incomplete character) and fewer than `MAX_PENDING` tokens pend, or while it adds no
@@ -51,6 +52,8 @@ pub struct SeqText {
     has_stop: bool,
     window: Vec<u32>,
     read: usize,
+    /// Prompt ids at `window[read..]` (a character the prompt ends in) until the first text.
+    prompt_pending: usize,
     /// Character count of decode(window[..read]); None until needed after a slide.
     prefix_chars: Option<usize>,
     /// Byte-level models only: the prefix's bytes end clean, so the next text is the pending
@@ -78,9 +81,20 @@ fn ends_clean(text: &Cow<'_, str>) -> bool {
     matches!(text, Cow::Borrowed(_)) || !text.ends_with(REPLACEMENT)
 }
 
+/// How much of the prompt context `ctx` is emitted context: the longest head that decodes clean,
+/// with its character count. The ids after it (a prompt ending mid-character) pend, so the output
+/// token that completes the character emits it whole, as vLLM's DecodeStream primed with the
+/// prompt does. None when no head decodes clean (then there is no context).
+fn clean_context(model: &TextModel, ctx: &[u32], scratch: &mut Vec<u8>) -> Option<(usize, usize)> {
+    (1..=ctx.len()).rev().find_map(|read| {
+        let text = model.decode_window(&ctx[..read], scratch);
+        (!text.ends_with(REPLACEMENT)).then(|| (read, text.chars().count()))
+    })
+}
+
 impl SeqText {
     /// A sequence whose prompt ends with `prompt_tail` (pass the last few ids, up to 7 are used:
-    /// the last 5 kept ones become decoding context, unless they end mid-character).
+    /// the last 5 kept ones are decoding context; those of a character they end in pend).
     pub fn new(model: &TextModel, params: Arc<StopStrings>, prompt_tail: &[u32]) -> SeqText {
         let mut seq = SeqText {
             skip_special_tokens: params.skip_special_tokens(),
@@ -88,6 +102,7 @@ impl SeqText {
             params,
             window: Vec::with_capacity(PROMPT_CONTEXT + 4),
             read: 0,
+            prompt_pending: 0,
             prefix_chars: Some(0),
             // Empty, or context whose decode does not end in U+FFFD: clean either way.
             prefix_clean: model.is_byte_level(),
@@ -102,14 +117,11 @@ impl SeqText {
         let from = prompt_tail.len().saturating_sub(PROMPT_LOOKBACK);
         let mut ctx: Vec<u32> = prompt_tail[from..].iter().copied().filter(|&id| model.keeps(id, skip)).collect();
         ctx.drain(..ctx.len().saturating_sub(PROMPT_CONTEXT));
-        if !ctx.is_empty() {
-            let text = model.decode_window(&ctx, &mut seq.scratch);
-            // A prompt ending mid-character would misattribute its completion: no context then.
-            if !text.ends_with(REPLACEMENT) {
-                seq.prefix_chars = Some(text.chars().count());
-                seq.read = ctx.len();
-                seq.window = ctx;
-            }
+        if let Some((read, chars)) = clean_context(model, &ctx, &mut seq.scratch) {
+            seq.prefix_chars = Some(chars);
+            seq.read = read;
+            seq.prompt_pending = ctx.len() - read;
+            seq.window = ctx;
         }
         seq
     }
@@ -126,6 +138,9 @@ impl SeqText {
             return None;
         }
         self.window.push(token);
+        if self.prompt_pending > 0 && !self.settle_prompt_tail(model) {
+            return None;
+        }
         if model.is_byte_level() && !self.prefix_clean {
             self.prefix_chars(model); // finds out whether the prefix ends clean after all
         }
@@ -151,6 +166,30 @@ impl SeqText {
             self.read = 0;
         }
         hit
+    }
+
+    /// While prompt ids pend: false if the pending tokens complete no text yet. Otherwise they
+    /// stop pending as prompt ids: kept if the output completes the prompt's last character (the
+    /// decode together has fewer U+FFFD than the two apart), else dropped, so the prompt's stray
+    /// bytes are not output text (vLLM would show them). The normal step then decodes.
+    fn settle_prompt_tail(&mut self, model: &TextModel) -> bool {
+        let prefix_chars = self.prefix_chars(model);
+        let (read, end) = (self.read, self.read + self.prompt_pending);
+        let together = {
+            let text = model.decode_window(&self.window, &mut self.scratch);
+            let new_text = text.char_indices().nth(prefix_chars).map_or("", |(i, _)| &text[i..]);
+            if !completes(new_text, self.window.len() - read) {
+                return false;
+            }
+            new_text.matches(REPLACEMENT).count()
+        };
+        let apart = model.decode_window(&self.window[read..end], &mut self.scratch).matches(REPLACEMENT).count()
+            + model.decode_window(&self.window[end..], &mut self.scratch).matches(REPLACEMENT).count();
+        if together >= apart {
+            self.window.drain(read..end);
+        }
+        self.prompt_pending = 0;
+        true
     }
 
     /// The pending tokens were emitted: they become the prefix (`clean`: their bytes end clean).

@@ -3,7 +3,8 @@
 //!
 //! * byte-level: text == decode(output, skip) on streams of encoded text with specials and
 //!   unknown ids mixed in; the fast path == the general (decoder) path on arbitrary ids, stop
-//!   strings and min_tokens included.
+//!   strings and min_tokens included; a prompt cut inside a character pends its bytes, which the
+//!   output completes.
 //! * SentencePiece-style: text == decode(ctx + output) - decode(ctx) (ctx: the last 5 kept
 //!   prompt ids).
 //! * Stop strings: spanning tokens, cut before / after, reported by the completing append,
@@ -174,7 +175,7 @@ fn byte_level_fast_path_equals_decoder_path() {
         if stops[case % 4].is_empty() {
             // Arbitrary bytes: the one-shot decode (lossy UTF-8 resynchronizes), less what still
             // pends at the end.
-            assert_eq!(fast.0, final_text(&bl, &ids, p.skip_special_tokens()), "{ids:?}");
+            assert_final_text(&bl, &fast.0, &prompt, &ids, p.skip_special_tokens());
         }
     }
 }
@@ -226,6 +227,27 @@ fn split_character_is_emitted_once_complete() {
 }
 
 #[test]
+fn a_character_the_prompt_ends_in_is_completed_by_the_output() {
+    // A prompt cut inside a character pends its bytes, so the output token that completes it emits
+    // the whole character (vLLM's DecodeStream, primed with the prompt, does the same).
+    let (bl, sp, tbl, tsp) = models();
+    let bytes = byte_ids(&tbl);
+    let emoji: Vec<u32> = "🦀".bytes().map(|b| bytes[usize::from(b)]).collect();
+    let mut prompt = encode(&tbl, "say ");
+    prompt.extend_from_slice(&emoji[..3]);
+    let general_bl = TextModel::from_json(BYTE_LEVEL).unwrap().without_byte_level_fast_path();
+    for model in [&bl, &general_bl] {
+        let (text, deltas, _, _) = run(model, &params(&[], false, 0, true), &prompt, &[emoji[3], bytes[usize::from(b'!')]]);
+        assert_eq!((text.as_str(), deltas.as_str()), ("🦀!", "🦀!"));
+    }
+    // SentencePiece byte fallback: the same.
+    let ids = encode(&tsp, "a🦀b");
+    let cut = (1..ids.len()).find(|&c| sp.decode(&ids[..c], true).ends_with('\u{FFFD}')).expect("a split character");
+    let (text, _, _, _) = run(&sp, &params(&[], false, 0, true), &ids[..cut], &ids[cut..]);
+    assert_eq!(sp.decode(&ids, true), format!("{}{text}", sp.decode(&ids[..cut], true).trim_end_matches('\u{FFFD}')));
+}
+
+#[test]
 fn incomplete_tail_is_dropped_at_flush() {
     // vLLM's detokenizer drops what still pends when a sequence ends: a cut never ends in U+FFFD.
     let (bl, sp, tbl, tsp) = models();
@@ -240,6 +262,31 @@ fn incomplete_tail_is_dropped_at_flush() {
         assert_eq!(seq.text(), "x");
         assert_eq!(seq.take_delta(), "x");
         assert!(model.decode(&ids[..ids.len() - 1], true).starts_with("x\u{FFFD}"));
+    }
+}
+
+/// The prompt ids a sequence starts with pending (`SeqText::new`'s rule): of the last 5 kept ids
+/// among the last 7, those after the longest head that decodes clean (none when no head does).
+fn pending_prompt_ids(model: &TextModel, prompt: &[u32], skip: bool) -> Vec<u32> {
+    let tail = &prompt[prompt.len().saturating_sub(7)..];
+    let kept: Vec<u32> =
+        tail.iter().copied().filter(|&id| model.token(id).is_some() && !(skip && model.is_special(id))).collect();
+    let ctx = &kept[kept.len().saturating_sub(5)..];
+    let head = (1..=ctx.len()).rev().find(|&k| !model.decode(&ctx[..k], skip).ends_with('\u{FFFD}'));
+    head.map_or_else(Vec::new, |k| ctx[k..].to_vec())
+}
+
+/// `text` is the output's own final text, or, when the prompt ends inside a character that the
+/// output completes (fewer U+FFFD together than apart), the final text of the prompt's pending
+/// ids and the output.
+fn assert_final_text(model: &TextModel, text: &str, prompt: &[u32], ids: &[u32], skip: bool) {
+    let alone = final_text(model, ids, skip);
+    if text != alone {
+        let pending = pending_prompt_ids(model, prompt, skip);
+        let together = final_text(model, &[&pending[..], ids].concat(), skip);
+        let fffd = |t: &str| t.matches('\u{FFFD}').count();
+        assert_eq!(text, together, "{ids:?} prompt {prompt:?}");
+        assert!(fffd(&together) < fffd(&alone) + fffd(&model.decode(&pending, skip)), "{ids:?} prompt {prompt:?}");
     }
 }
 
@@ -413,7 +460,7 @@ fn byte_level_fast_path_equals_decoder_path_on_split_and_invalid_bytes() {
         let fast = deltas_per_append(&bl, &p, &prompt, &ids);
         assert_eq!(fast, deltas_per_append(&general, &p, &prompt, &ids), "{ids:?} prompt {prompt:?}");
         if stops[case % 3].is_empty() {
-            assert_eq!(fast.concat(), final_text(&bl, &ids, true), "{ids:?}");
+            assert_final_text(&bl, &fast.concat(), &prompt, &ids, true);
         }
     }
 }
