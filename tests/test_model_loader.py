@@ -84,6 +84,17 @@ def test_unsupported_architecture_error(tmp_path):
         assert name in msg
 
 
+def test_the_first_supported_architecture_is_used():
+    """vLLM tries each ``architectures`` entry in turn; a bare string is refused by name."""
+    from ferrokv.models import resolve_model_class
+
+    assert resolve_model_class({"architectures": ["LlamaModel", "Qwen2ForCausalLM"]}) is MODEL_REGISTRY["Qwen2ForCausalLM"]
+    with pytest.raises(ValueError, match="'architectures' must be a list of class names, got 'LlamaForCausalLM'"):
+        resolve_model_class({"architectures": "LlamaForCausalLM"})
+    with pytest.raises(ValueError, match=r"\['LlamaModel', 7\]"):
+        resolve_model_class({"architectures": ["LlamaModel", 7]})
+
+
 def test_missing_weight_error(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -256,6 +256,21 @@ def test_window_config_resolution():
     assert cfg.rope.original_max_position_embeddings == 16
 
 
+def test_absent_max_position_embeddings_takes_the_transformers_class_default():
+    """vLLM's default context comes from the transformers config, whose class fills in what
+    config.json leaves out."""
+    import transformers
+
+    from ferrokv.models import MODEL_REGISTRY
+
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2)
+    for name, cls in MODEL_REGISTRY.items():
+        want = getattr(transformers, name.replace("ForCausalLM", "Config"))().max_position_embeddings
+        cfg = cls.parse_config(base)
+        assert cfg.max_position_embeddings == cfg.rope.max_position_embeddings == want, name
+        assert cls.parse_config({**base, "max_position_embeddings": 64}).max_position_embeddings == 64
+
+
 def test_mistral_layer_types_matches_transformers(tmp_path):
     """A Mistral config.json with Ministral's layer_types: the window on the marked layers only,
     as transformers computes it (it loads such a checkpoint as Ministral)."""

@@ -1,4 +1,4 @@
-"""Model registry: Hugging Face ``architectures[0]`` name -> our implementation class.
+"""Model registry: Hugging Face ``architectures`` name -> our implementation class.
 
 Invariant: every class here implements ``forward(input_ids, positions, kv_caches, meta)`` and
 ``compute_logits(hidden)`` on a paged KV cache, and loads Hugging Face weight names.
@@ -29,11 +29,13 @@ __all__ = [
 
 
 def resolve_model_class(config: dict[str, Any]) -> type[LlamaForCausalLM]:
-    """Class for a config.json dict, from ``architectures[0]``; ValueError lists the supported ones
-    and says that remote code (``auto_map``, ``trust_remote_code``) is never executed."""
+    """Class for a config.json dict: the first entry of ``architectures`` we implement (vLLM tries
+    each in turn); ValueError lists the supported ones and says that remote code (``auto_map``,
+    ``trust_remote_code``) is never executed."""
     archs = config.get("architectures") or []
-    name = archs[0] if archs else None
-    cls = MODEL_REGISTRY.get(name) if isinstance(name, str) else None
+    if not isinstance(archs, list):
+        raise ValueError(f"config.json: field 'architectures' must be a list of class names, got {archs!r}")
+    cls = next((MODEL_REGISTRY[a] for a in archs if isinstance(a, str) and a in MODEL_REGISTRY), None)
     if cls is None:
         remote = " (its config.json has auto_map: it needs the model's own remote code)" if "auto_map" in config else ""
         raise ValueError(

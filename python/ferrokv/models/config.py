@@ -87,10 +87,11 @@ def _count(d: dict[str, Any], key: str, default: int | None = None) -> int:
     return int(v)
 
 
-def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
+def parse_rope(d: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:
     """Read RoPE settings from either layout: 5.x ``rope_parameters`` (holds rope_theta too) or 4.x
     ``rope_theta`` + ``rope_scaling`` (``type`` or ``rope_type`` key). Both present (a 4.x-style
-    ``rope_scaling`` given as an override to a 5.x config): the scaling's keys win."""
+    ``rope_scaling`` given as an override to a 5.x config): the scaling's keys win. ``max_pos``: the
+    model's resolved ``max_position_embeddings``."""
     params, scaling = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
     for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(value, dict):
@@ -108,7 +109,6 @@ def parse_rope(d: dict[str, Any], head_dim: int) -> RopeConfig:
     if prf not in (None, 1, 1.0):
         raise ValueError(f"config.json: partial_rotary_factor={prf} is not supported")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    max_pos = _count(d, "max_position_embeddings", 2048)
     if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
         raise ValueError(f"config.json: rope_type {rope_type!r} needs a 'factor'")
     orig = params.get("original_max_position_embeddings")
@@ -164,12 +164,15 @@ def parse_common(
     qk_norm: bool,
     sliding_windows: tuple[int | None, ...] | None = None,
     default_head_dim: int | None = None,
+    default_max_positions: int = 2048,
 ) -> ModelConfig:
+    """The fields every architecture shares; ``default_max_positions`` is the transformers config
+    class's ``max_position_embeddings`` (vLLM's default context when config.json has none)."""
     hidden = _count(d, "hidden_size")
     heads = _count(d, "num_attention_heads")
     layers = _count(d, "num_hidden_layers")
     # Absent means multi-head attention here; some transformers classes default differently (Qwen2: 32,
-    # Mistral: 8), but every real checkpoint's config.json states it.
+    # Mistral: 8), which no smaller model's weights match, and every real checkpoint states it.
     kv_heads = int(d.get("num_key_value_heads") or heads)
     if heads % kv_heads:
         raise ValueError(f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
@@ -179,6 +182,7 @@ def parse_common(
         raise ValueError(f"config.json: hidden_act {act!r} is not supported")
     if sliding_windows is None:
         sliding_windows = (None,) * layers
+    max_pos = _count(d, "max_position_embeddings", default_max_positions)
     return ModelConfig(
         architecture=architecture,
         vocab_size=_count(d, "vocab_size"),
@@ -190,14 +194,14 @@ def parse_common(
         head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         hidden_act=act,
-        max_position_embeddings=_count(d, "max_position_embeddings", 2048),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
         qk_norm=qk_norm,
         sliding_windows=tuple(sliding_windows),
-        rope=parse_rope(d, head_dim),
+        rope=parse_rope(d, head_dim, max_pos),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
     )

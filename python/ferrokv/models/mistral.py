@@ -15,4 +15,4 @@ class MistralForCausalLM(LlamaForCausalLM):
     @classmethod
     def parse_config(cls, d: dict[str, Any]) -> ModelConfig:
         return parse_common(d, architecture=cls.architecture, qkv_bias=False, o_bias=False, qk_norm=False,
-                            sliding_windows=mistral_sliding_windows(d))
+                            sliding_windows=mistral_sliding_windows(d), default_max_positions=131072)

@@ -15,5 +15,5 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def parse_config(cls, d: dict[str, Any]) -> ModelConfig:
         return parse_common(
             d, architecture=cls.architecture, qkv_bias=True, o_bias=False, qk_norm=False,
-            sliding_windows=qwen_sliding_windows(d),
+            sliding_windows=qwen_sliding_windows(d), default_max_positions=32768,
         )

@@ -17,5 +17,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         bias = bool(d.get("attention_bias", False))
         return parse_common(
             d, architecture=cls.architecture, qkv_bias=bias, o_bias=bias, qk_norm=True,
-            sliding_windows=qwen_sliding_windows(d), default_head_dim=128,
+            sliding_windows=qwen_sliding_windows(d), default_head_dim=128, default_max_positions=32768,
         )
