@@ -11,6 +11,7 @@ abort finishes after it), never on a clock.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 import pytest
@@ -399,6 +400,27 @@ def test_a_request_retried_under_its_id_right_after_the_caller_gave_up_runs(allm
     assert_engine_idle(allm)
 
 
+def test_an_aborted_id_may_be_given_again_at_once(allm, sequential):
+    """vLLM frees an aborted request's id as its abort returns: a retry under it runs at once (it
+    waits in the loop for the aborted request's end), and the aborted stream still ends with
+    finish_reason "abort"."""
+    prompt = rand_prompts(49, [8])[0]
+
+    async def main():
+        first = allm.generate(prompt, greedy(10_000, output_kind=Kind.DELTA), "again")
+        await anext(first)
+        await allm.abort("again")
+        retry = asyncio.ensure_future(collect(allm, prompt, greedy(6), "again"))  # no "already in use"
+        rest = [o async for o in first]
+        return rest, await retry
+
+    rest, outs = asyncio.run(main())
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert [o.outputs[0].finish_reason for o in outs] == [None] * (len(outs) - 1) + ["length"]
+    assert token_ids([outs[-1]]) == token_ids(sequential([prompt], 6))
+    assert_engine_idle(allm)
+
+
 def test_retries_given_up_in_turn_each_end_and_the_last_runs(allm, sequential):
     """Give up, retry, give up on the retry while it still waits for the first, retry again: the
     waiting retry is added and aborted at once (nothing runs for it), the last one runs, and every
@@ -477,7 +499,7 @@ def test_shutdown_ends_requests_in_flight_and_refuses_new_ones(llama_path):
         gen = llm.generate(rand_prompts(47, [5])[0], greedy(100, output_kind=Kind.DELTA), "s")
         await anext(gen)
         assert llm.is_running
-        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        await asyncio.get_running_loop().run_in_executor(None, functools.partial(llm.shutdown, timeout=30.0))
         with pytest.raises(EngineDeadError, match="shut down"):
             async for _ in gen:
                 pass
@@ -522,6 +544,10 @@ def test_vllm_engine_client_queries(allm):
         assert await allm.get_tokenizer() is allm.tokenizer is allm.engine.tokenizer
         assert await allm.reset_prefix_cache() is True
         await allm.abort("no-such-request")
+        assert await allm.tokenize_text("the cat") == allm.tokenizer.encode("the cat")
+        # vLLM's encode runs pooling models: refused by name, whichever way it is called.
+        with pytest.raises(NotImplementedError, match="encode runs pooling models"):
+            allm.encode("the cat", None, "pool-1")
         return allm.get_default_sampling_params()
 
     assert asyncio.run(main()) == SamplingParams()

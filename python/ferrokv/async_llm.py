@@ -315,7 +315,12 @@ class AsyncLLM:
                 raise EngineDeadError("the engine loop was shut down") from None
             raise
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``encode`` runs a pooling model; ferrokv serves generative models only."""
+        raise NotImplementedError("AsyncLLM.encode runs pooling models, which ferrokv does not serve "
+                                  "(use generate; tokenize_text gives a text's token ids)")
+
+    async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (ValueError when it is not Unicode text: a lone surrogate)."""
         check_text("prompt", text)
         tok = self.engine.tokenizer
@@ -406,12 +411,13 @@ class AsyncLLM:
             ids = list(self._live)
         self.engine_loop.abort(ids)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Ends the engine loop (requests still in it end with ``EngineDeadError``) and the
-        tokenizer pool; idempotent."""
-        _close(self.engine_loop, self._pool)
+        tokenizer pool; idempotent. ``timeout`` (vLLM's): the most seconds to wait for the loop's
+        thread to end its step (None: as long as it takes)."""
+        _close(self.engine_loop, self._pool, timeout)
 
 
-def _close(loop: EngineLoop, pool: concurrent.futures.ThreadPoolExecutor) -> None:
-    loop.shutdown(wait=True)
+def _close(loop: EngineLoop, pool: concurrent.futures.ThreadPoolExecutor, timeout: float | None = None) -> None:
+    loop.shutdown(wait=True, timeout=timeout)
     pool.shutdown(wait=False, cancel_futures=True)

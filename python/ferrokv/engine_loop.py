@@ -11,7 +11,8 @@ Interface (every method is safe from any thread):
 
 * ``submit(request_id, prompt, params, *, sink, priority=0, cache_salt=None)``
   and ``submit_beam(request_id, prompt, *, sink, beam_width, max_tokens, ...)`` queue a request;
-* ``abort(request_ids)`` queues aborts (unknown or finished ids are ignored);
+* ``abort(request_ids)`` queues aborts (unknown or finished ids are ignored); an aborted id may
+  be submitted again at once, as after ``abandon``;
 * a request id (a str, or an int) is claimed from its submit to its terminal item: submitting
   an id in use raises ``ValueError`` at once, unless every holder of the id gave it up
   (``abandon(request_id, sink)``: a caller that stopped reading, e.g. a cancelled task): then the
@@ -218,7 +219,8 @@ class EngineLoop:
         self._queue(_Submit(request_id_str(request_id), add, sink), start=True)
 
     def abort(self, request_ids: str | list[str]) -> None:
-        """Queues aborts, applied between steps; each request's terminal item follows."""
+        """Queues aborts, applied between steps; each request's terminal item follows. The ids
+        may be submitted again at once (as after ``abandon``)."""
         ids = request_ids_of(request_ids)
         if ids:
             self._queue(_Abort(ids), start=False)
@@ -243,9 +245,10 @@ class EngineLoop:
         self.submit(request_id, prompt, params, sink=sink, **kwargs)
         return self._iterate(request_id_str(request_id), sink)
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, timeout: float | None = None) -> None:
         """Ends the loop after the step in progress; requests still in it end with
-        ``EngineDeadError``. ``wait``: join the thread (never from the thread itself)."""
+        ``EngineDeadError``. ``wait``: join the thread (never from the thread itself), for at
+        most ``timeout`` seconds (None: until it ends)."""
         with self._state:
             thread = self._thread
             if self._dead is None:
@@ -253,7 +256,7 @@ class EngineLoop:
                 if thread is not None:
                     self._inbox.put(_SHUTDOWN)
         if wait and thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout)
 
     def holding(self, request_ids: set[str]) -> set[str]:
         """Those of ``request_ids`` still claimed: submitted, their terminal item not yet delivered."""
@@ -293,6 +296,12 @@ class EngineLoop:
                     raise ValueError(f"request_id={command.request_id!r} is already in use")
                 claimed = _Claim(command.sink)
                 self._claims.setdefault(command.request_id, []).append(claimed)
+            elif isinstance(command, _Abort):
+                # An aborted id is free again at once, as in vLLM: a request submitted under it
+                # waits in the loop until the aborted one's terminal item was delivered.
+                for rid in command.request_ids:
+                    for claim in self._claims.get(rid, ()):
+                        claim.abandoned = True
             try:
                 if self._thread is None:
                     if not start:

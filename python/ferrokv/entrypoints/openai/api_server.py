@@ -283,7 +283,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             if req.messages is not None:
                 ids = await llm.encode_chat(req.messages, req.add_generation_prompt, **template)
             else:
-                ids = await llm.encode(req.prompt, req.add_special_tokens)
+                ids = await llm.tokenize_text(req.prompt, req.add_special_tokens)
         except ValueError as e:  # a chat error names its field first (messages, chat_template, ...)
             raise (to_openai_error(e) if req.messages is not None else OpenAIError(400, str(e), "prompt")) from None
         strs = llm.engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
