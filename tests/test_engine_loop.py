@@ -297,6 +297,35 @@ def test_shutdown_ends_requests_in_flight_and_refuses_new_ones(llama_path):
     assert_idle(llm.llm_engine)
 
 
+def test_steps_that_keep_failing_end_the_loop_and_a_success_between_resets_the_count(llama_path):
+    """One failed step ends its requests and the loop goes on; MAX_FAILED_STEPS in a row (a
+    poisoned device) end the loop, as vLLM's engine dies on a failed step, so health checks see it."""
+    from ferrokv.engine_loop import MAX_FAILED_STEPS
+
+    llm = tiny_llm(llama_path)
+    failing = [True]
+
+    def maybe_fail(n: int, out) -> None:
+        if failing[0]:
+            raise RuntimeError("device lost")
+
+    RunnerHook(llm.llm_engine, maybe_fail)
+    prompt = rand_prompts(36, [6])
+    for failures in (MAX_FAILED_STEPS - 1, MAX_FAILED_STEPS):
+        failing[0] = True
+        for _ in range(failures):
+            with pytest.raises(RuntimeError, match="device lost"):
+                llm.generate(prompt, greedy(3), use_tqdm=False)
+        if failures < MAX_FAILED_STEPS:
+            failing[0] = False
+            assert llm.generate(prompt, greedy(3), use_tqdm=False)[0].finished  # resets the count
+    llm.engine_loop.shutdown()  # joins the thread (its death already began)
+    with pytest.raises(EngineDeadError, match=f"failed {MAX_FAILED_STEPS} steps in a row.*device lost"):
+        llm.generate(prompt, greedy(3), use_tqdm=False)
+    assert not llm.engine_loop.is_running
+    assert_idle(llm.llm_engine)
+
+
 def test_an_llm_that_is_collected_ends_its_loop_thread(llama_path):
     llm = tiny_llm(llama_path)
     llm.generate(rand_prompts(36, [4]), greedy(2), use_tqdm=False)

@@ -45,7 +45,8 @@ Invariants:
   aborts reach their sinks through ``LLMEngine.on_abort``, called on the loop's thread only
   (``LLMEngine.report_aborts_here``: an interrupt in the aborting thread cannot lose one).
 * A step that raises (the engine has cancelled it) ends every request of the loop with that
-  exception, so nobody waits for a request the failure left behind, and the loop goes on. An error
+  exception, so nobody waits for a request the failure left behind, and the loop goes on; after
+  ``MAX_FAILED_STEPS`` such steps in a row it ends (``EngineDeadError``, the failure its cause). An error
   in the loop itself ends every request with ``EngineDeadError`` and the loop with it.
 * Requests added to the engine directly while a loop drives it are stepped but reported nowhere.
 
@@ -144,6 +145,9 @@ class _Deferred:
     aborted: bool = False
 
 
+# Steps that may fail in a row before the engine is taken for broken (a poisoned device, say): the
+# loop then ends, and with it every request, its health check and its server's /health.
+MAX_FAILED_STEPS = 3
 _SHUTDOWN = object()
 _WAKE = object()  # reports of aborts are queued in the engine (LLMEngine.report_aborts)
 _LOST_WAKE_S = 0.05
@@ -180,6 +184,7 @@ class EngineLoop:
         self._state = threading.Lock()  # orders starting/ending the thread against queuing
         self._thread: threading.Thread | None = None
         self._stepping = False  # the loop's thread is in engine.step()
+        self._failed_steps = 0  # in a row
         self._dead: EngineDeadError | None = None
         self._device: torch.device = next(engine.model.parameters()).device  # with its index on CUDA
         engine.on_abort = self._on_abort
@@ -379,7 +384,14 @@ class EngineLoop:
                 self._stepping = False
                 self._fail_all(e)
                 self._flush()
-                return True
+                self._failed_steps += 1
+                if self._failed_steps < MAX_FAILED_STEPS:
+                    return True
+                with self._state:
+                    self._dead = EngineDeadError(f"the engine failed {self._failed_steps} steps in a row "
+                                                 f"(the last with {type(e).__name__}: {e})")
+                raise
+            self._failed_steps = 0
             self._stepping = False
             self._route(outputs)
             self._flush()
