@@ -241,12 +241,21 @@ def test_a_top_p_below_float32s_range_samples_like_the_smallest_one(http):
 
 
 def test_a_request_whose_worst_case_never_fits_the_kv_cache_is_a_400_on_max_tokens():
+    """On max_tokens, unless the prompt alone overflows the cache (the core's errors)."""
+    import numpy as np
+
     from ferrokv import CacheCapacityError
+    from ferrokv._core import Scheduler
     from ferrokv.entrypoints.openai.serving import to_openai_error
 
-    msg = "request_id='x' needs up to 64 KV blocks but the cache can only ever give it 63; lower max_tokens/n"
-    err = to_openai_error(CacheCapacityError(msg))
-    assert (err.status, err.param, err.message) == (400, "max_tokens", msg)
+    s = Scheduler(8, block_size=4, max_model_len=1024)  # 7 usable blocks
+    for prompt_len, max_tokens, param, needle in ((20, 20, "max_tokens", "20-token prompt + max_tokens=20"),
+                                                  (40, 1, None, "prompt of 40 tokens alone")):
+        with pytest.raises(CacheCapacityError) as e:
+            s.add_request(1, np.arange(1, prompt_len + 1, dtype=np.int64), max_tokens)
+        err = to_openai_error(e.value)
+        assert (err.status, err.param, err.message) == (400, param, str(e.value))
+        assert needle in err.message
 
 
 def test_400_top_logprobs_without_logprobs(http):

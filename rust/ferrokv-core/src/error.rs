@@ -19,7 +19,16 @@ pub enum CoreError {
     /// The prompt does not fit in `max_model_len`.
     PromptTooLong { len: usize, max_model_len: usize },
     /// The request could never fit in the KV cache, even alone.
-    ExceedsCacheCapacity { request_id: u64, blocks_needed: usize, blocks_available: usize },
+    /// `seqs`: the sequences it may run at once (n, or a beam search's slots).
+    ExceedsCacheCapacity {
+        request_id: u64,
+        blocks_needed: usize,
+        blocks_available: usize,
+        prompt_len: usize,
+        max_tokens: usize,
+        seqs: usize,
+        block_size: usize,
+    },
     /// Calls made out of order (e.g. `schedule()` twice without `update()`).
     InvalidState { message: String },
 }
@@ -49,11 +58,31 @@ impl fmt::Display for CoreError {
                 f,
                 "prompt_token_ids has length {len}, which exceeds max_model_len={max_model_len}"
             ),
-            CoreError::ExceedsCacheCapacity { request_id, blocks_needed, blocks_available } => write!(
-                f,
-                "request_id={request_id} needs up to {blocks_needed} KV blocks but the cache can only \
-                 ever give it {blocks_available}; lower max_tokens/n or enlarge the KV cache"
-            ),
+            CoreError::ExceedsCacheCapacity {
+                request_id,
+                blocks_needed,
+                blocks_available,
+                prompt_len,
+                max_tokens,
+                seqs,
+                block_size,
+            } => {
+                let prompt_blocks = prompt_len.div_ceil(*block_size.max(&1));
+                if prompt_blocks > *blocks_available {
+                    return write!(
+                        f,
+                        "request_id={request_id}: its prompt of {prompt_len} tokens alone needs {prompt_blocks} KV \
+                         blocks of {block_size} tokens, but the cache holds {blocks_available}; shorten the prompt \
+                         or enlarge the KV cache"
+                    );
+                }
+                write!(
+                    f,
+                    "request_id={request_id} needs up to {blocks_needed} KV blocks of {block_size} tokens \
+                     ({seqs} sequence(s) of its {prompt_len}-token prompt + max_tokens={max_tokens}) but the \
+                     cache can only ever give it {blocks_available}; lower max_tokens or n, or enlarge the KV cache"
+                )
+            }
             CoreError::InvalidState { message } => write!(f, "{message}"),
         }
     }

@@ -125,8 +125,8 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         return e
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, "the server is shutting down")
-    if isinstance(e, CacheCapacityError):  # the request's worst case (prompt + max_tokens, times n) never fits
-        return OpenAIError(400, str(e), "max_tokens")
+    if isinstance(e, CacheCapacityError):  # its worst case (prompt + max_tokens, times n) never fits
+        return OpenAIError(400, str(e), None if "alone needs" in str(e) else "max_tokens")  # (or its prompt alone)
     if isinstance(e, ValueError):  # the engine's checks name the field first ("prompt_token_ids[3]=...")
         m = re.match(r"[A-Za-z_]+", str(e))
         return OpenAIError(400, str(e), m.group(0) if m else None)

@@ -141,9 +141,18 @@ impl Scheduler {
         }
         r.sampling.validate()?;
         let usable = self.kv.num_usable_blocks();
-        let needed = self.worst_case_blocks(p, r.max_tokens, r.n.max(r.reserve_seqs) as usize);
+        let seqs = r.n.max(r.reserve_seqs) as usize;
+        let needed = self.worst_case_blocks(p, r.max_tokens, seqs);
         if needed > usable {
-            return Err(CoreError::ExceedsCacheCapacity { request_id: r.request_id, blocks_needed: needed, blocks_available: usable });
+            return Err(CoreError::ExceedsCacheCapacity {
+                request_id: r.request_id,
+                blocks_needed: needed,
+                blocks_available: usable,
+                prompt_len: p,
+                max_tokens: r.max_tokens,
+                seqs,
+                block_size: self.cfg.block_size,
+            });
         }
         Ok(())
     }
@@ -451,6 +460,16 @@ mod tests {
         assert_eq!(e, CoreError::PromptTooLong { len: 2000, max_model_len: 1024 });
         let e = s.add_request(req(5, 20, 20)).unwrap_err();
         assert!(matches!(e, CoreError::ExceedsCacheCapacity { blocks_needed: 10, blocks_available: 7, .. }), "{e}");
+        // The message says what overflows, with the values: prompt + max_tokens times the
+        // sequences, or the prompt alone.
+        let msg = e.to_string();
+        let want = "needs up to 10 KV blocks of 4 tokens (1 sequence(s) of its 20-token prompt + max_tokens=20)";
+        assert!(msg.contains(want), "{msg}");
+        let e = s.add_request(NewRequest { n: 2, ..req(5, 8, 8) }).unwrap_err().to_string();
+        assert!(e.contains("8 KV blocks of 4 tokens (2 sequence(s) of its 8-token prompt + max_tokens=8)"), "{e}");
+        let e = s.add_request(req(5, 40, 1)).unwrap_err().to_string();
+        let want = "its prompt of 40 tokens alone needs 10 KV blocks of 4 tokens, but the cache holds 7";
+        assert!(e.contains(want), "{e}");
         assert_eq!((s.num_unfinished(), s.stats().requests_added), (1, 1), "a rejected request leaves no trace");
         s.check_invariants().unwrap();
     }
