@@ -10,6 +10,7 @@ All on CPU in fp32; each engine is a few hundred KiB, so building one per test i
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -288,18 +289,25 @@ def test_samples_that_could_outgrow_the_cache_unshared_are_refused_up_front_in_s
     assert_no_leak(engine)
 
 
-def test_no_max_tokens_means_as_many_as_the_samples_worst_case_fits(llama_path):
+def test_no_max_tokens_means_as_many_as_the_samples_worst_case_fits(llama_path, caplog):
     """``max_tokens=None`` (chat's default) with n samples: as many tokens as n whole contexts
-    fit in the cache, not a refusal (vLLM runs each sample alone); an explicit limit that cannot
-    fit is still refused."""
+    fit in the cache, not a refusal (vLLM runs each sample alone), and a warning says so; an
+    explicit limit that cannot fit is still refused."""
     engine = make_engine(llama_path, block_size=16, num_kv_blocks=13, max_model_len=128)  # 12 usable
     prompt = {"prompt_token_ids": list(range(5, 5 + 20))}
-    engine.add_request("n3", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=None, ignore_eos=True))
+    with caplog.at_level(logging.WARNING, logger="ferrokv"):
+        engine.add_request("n3", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=None, ignore_eos=True,
+                                                        min_tokens=50))
+        engine.add_request("n1", prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    warned = [r.getMessage() for r in caplog.records if "names no max_tokens" in r.getMessage()]
+    assert warned == ["request n3 names no max_tokens: each of its n=3 sample(s) may generate 44 tokens, what the KV "
+                      "cache holds for them at once (max_model_len leaves 108); min_tokens=50 is cut to it"]
     with pytest.raises(CacheCapacityError):
         engine.add_request("big", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=100, ignore_eos=True))
     outs = run_engine(engine)
     # 12 // 3 = 4 blocks of 16 per sample: 64 tokens of context, 44 after the 20-token prompt.
     assert [len(c.token_ids) for c in outs["n3"].outputs] == [44, 44, 44]
+    assert len(outs["n1"].outputs[0].token_ids) == 108  # one sample fits max_model_len: no warning
     assert all(c.finish_reason == "length" for c in outs["n3"].outputs)
     assert engine.stats()["capacity_aborts"] == 0
     assert_no_leak(engine)

@@ -71,7 +71,7 @@ from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_lock import EngineLock
 from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
 from ferrokv.inputs import (check_logprobs_cap, check_no_lora, check_priority, prompt_cache_salt, prompt_ids,
-                            request_id_str, request_ids, truncated_prompt, validate_prompt_ids)
+                            request_id_str, request_ids, request_max_tokens, truncated_prompt, validate_prompt_ids)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -229,12 +229,9 @@ class LLMEngine:
         request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt, params)
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
-        # Capped at max_model_len (the core's int range); none given: what n samples' worst case fits.
         room = self.max_model_len - len(ids)  # at least 1: validate_prompt_ids
-        if params.max_tokens is None:  # 0 fits: the core refuses the request
-            max_tokens = min(room, self.scheduler.max_fitting_tokens(len(ids), params.n) or room)
-        else:
-            max_tokens = min(params.max_tokens, room)
+        fitting = self.scheduler.max_fitting_tokens(len(ids), params.n) if params.max_tokens is None else 0
+        max_tokens = request_max_tokens(request_id, params.max_tokens, room, fitting, params.n, params.min_tokens)
         self._submit(request_id, text, ids, params, max_tokens, priority, cache_salt, beam=None, grammar=grammar)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:

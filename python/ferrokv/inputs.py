@@ -195,6 +195,22 @@ def truncation_length(truncate: int | None, max_model_len: int, max_tokens: int 
     return max(max_model_len - (max_tokens or 1), 1) if truncate == -1 else truncate
 
 
+def request_max_tokens(request_id: str, asked: int | None, room: int, fitting: int, n: int, min_tokens: int) -> int:
+    """The tokens a request may generate per sample: ``asked`` capped at ``room`` (what
+    ``max_model_len`` leaves after the prompt); none asked: ``room``, unless the cache holds less
+    for the request's n samples at once (``fitting``: the core's ``max_fitting_tokens``; 0: not
+    even one, and the core refuses the request), which is logged, since vLLM, whose samples run as
+    separate requests, would give each sample ``room``."""
+    if asked is not None:
+        return min(asked, room)
+    if not fitting or fitting >= room:
+        return room
+    logger.warning("request %s names no max_tokens: each of its n=%d sample(s) may generate %d tokens, what "
+                   "the KV cache holds for them at once (max_model_len leaves %d)%s", request_id, n, fitting, room,
+                   f"; min_tokens={min_tokens} is cut to it" if min_tokens > fitting else "")
+    return fitting
+
+
 def check_no_lora(lora_request: Any) -> None:
     """vLLM's ``lora_request``: None (the base model) is accepted everywhere; an adapter is not
     supported yet, a ValueError naming it."""
