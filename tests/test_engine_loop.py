@@ -253,6 +253,25 @@ def test_stats_polled_during_generation_never_raise(llama_path):
     assert_idle(engine)
 
 
+def test_stats_asked_for_the_first_time_mid_step_are_those_of_the_last_steps_end(llama_path):
+    """A getter never waits for a step; what it reads then is not arbitrarily old: the counters
+    are those of the previous step's end, with no earlier call needed."""
+    llm = tiny_llm(llama_path)
+    engine = llm.llm_engine
+    seen = []
+
+    def ask_mid_step(n: int, out) -> None:
+        if n == 4:  # steps 1-3 ended; the loop's thread holds the engine in step 4
+            in_another_thread(lambda: seen.append(engine.stats()))
+
+    RunnerHook(engine, ask_mid_step)
+    llm.generate(rand_prompts(37, [5, 7, 9]), greedy(6), use_tqdm=False)
+    (st,) = seen
+    assert (st["steps"], st["num_running"], st["generated_tokens"]) == (3, 3, 9), st
+    assert "num_used_token_slots" in st  # the O(blocks) counts as of the construction
+    assert_idle(engine)
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. the loop's own interface: per-request stream, shutdown
 # ------------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ Costs per step: the model forward, plus O(1) Python calls for scheduling, inputs
 metadata and ``update`` (array operations and the core: no Python per row), O(1) Python per
 streaming row, logprobs row and penalty row that joined or moved, and O(its output) once per
 ending sequence; nothing that grows with output length, or with the number of waiting or
-finished requests (the full ``stats()`` snapshot, O(blocks), is refreshed only after someone asked
-for it).
+finished requests (the ``stats()`` snapshot's counters are refreshed as each step ends; its
+O(blocks) usage counts only after someone asked for them).
 """
 
 from __future__ import annotations
@@ -324,8 +324,9 @@ class LLMEngine:
         return len(self._requests)
 
     def stats(self) -> dict[str, int]:
-        """The scheduler's counters: live when no other thread holds the engine, else the
-        snapshot taken when the lock was last released (refreshed at the end of the current step)."""
+        """The scheduler's counters: live when no other thread holds the engine, else those of
+        the last step's end (the O(blocks) KV usage counts, ``num_shared_blocks``,
+        ``num_block_refs`` and ``num_used_token_slots``, then as of the previous call)."""
         self._stats_wanted = True
         self._guard.sync(wait=False)
         return dict(self._stats)
@@ -347,9 +348,10 @@ class LLMEngine:
         """Applies queued aborts and refreshes the getters' snapshot (lock held)."""
         self._apply_aborts()
         self._num_free_blocks = self.scheduler.num_free_blocks
-        if self._stats_wanted:
-            self._stats_wanted = False
-            self._stats = self.scheduler.stats()
+        # The counters each time; the O(blocks) usage counts only once someone asked for them.
+        fresh = self.scheduler.stats(full=self._stats_wanted)
+        self._stats_wanted = False
+        self._stats = {**self._stats, **fresh}  # a new dict: a getter copies the old one meanwhile
 
     def _apply_aborts(self) -> None:
         inbox = self._guard.abort_inbox

@@ -462,49 +462,57 @@ impl PyScheduler {
         self.inner.config().max_num_seqs
     }
 
-    /// Counters and the current KV usage as a dict of ints.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    /// Counters and the current KV usage as a dict of ints. `full=False` leaves out the usage
+    /// counts that cost O(blocks): `num_shared_blocks`, `num_block_refs`, `num_used_token_slots`.
+    #[pyo3(signature = (full=true))]
+    fn stats<'py>(&self, py: Python<'py>, full: bool) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let k = self.inner.kv_stats();
-        let u = self.inner.kv_usage();
+        let free = self.inner.num_free_blocks();
         let d = PyDict::new(py);
-        let items: [(&str, u64); 33] = [
-            ("steps", s.steps),
-            ("requests_added", s.requests_added),
-            ("requests_finished", s.requests_finished),
-            ("requests_aborted", s.requests_aborted),
-            ("capacity_aborts", s.capacity_aborts),
-            ("preemptions", s.preemptions),
-            ("swap_preemptions", s.swap_preemptions),
-            ("recompute_preemptions", s.recompute_preemptions),
-            ("prompt_tokens", s.prompt_tokens),
-            ("prompt_tokens_computed", s.prompt_tokens_computed),
-            ("output_tokens_recomputed", s.output_tokens_recomputed),
-            ("cached_prompt_tokens", s.cached_prompt_tokens),
-            ("first_admission_cached_tokens", s.first_admission_cached_tokens),
-            ("decode_tokens", s.decode_tokens),
-            ("generated_tokens", s.generated_tokens),
-            ("max_running_seqs", s.max_running_seqs),
-            ("max_step_tokens", s.max_step_tokens),
-            ("cancelled_steps", s.cancelled_steps),
-            ("cow_copies", k.cow_copies),
-            ("blocks_swapped_out", k.blocks_swapped_out),
-            ("blocks_swapped_in", k.blocks_swapped_in),
-            ("prefix_evictions", k.prefix_evictions),
-            ("num_blocks", u.num_blocks as u64),
-            ("num_free_blocks", u.num_free_blocks as u64),
-            ("num_used_blocks", u.num_used_blocks as u64),
-            ("num_cached_blocks", u.num_cached_blocks as u64),
-            ("num_shared_blocks", u.num_shared_blocks as u64),
-            ("num_block_refs", u.num_block_refs as u64),
-            ("num_used_token_slots", u.num_used_token_slots as u64),
-            ("block_size", u.block_size as u64),
-            ("num_waiting", self.inner.num_waiting() as u64),
-            ("num_running", self.inner.num_running() as u64),
-            ("num_running_seqs", self.inner.num_running_seqs() as u64),
-        ];
-        for (key, v) in items {
-            d.set_item(key, v)?;
+        // Interned keys: the engine refreshes its snapshot from this after every step.
+        macro_rules! set {
+            ($($key:literal => $value:expr,)*) => { $(d.set_item(pyo3::intern!(py, $key), $value as u64)?;)* };
+        }
+        set! {
+            "steps" => s.steps,
+            "requests_added" => s.requests_added,
+            "requests_finished" => s.requests_finished,
+            "requests_aborted" => s.requests_aborted,
+            "capacity_aborts" => s.capacity_aborts,
+            "preemptions" => s.preemptions,
+            "swap_preemptions" => s.swap_preemptions,
+            "recompute_preemptions" => s.recompute_preemptions,
+            "prompt_tokens" => s.prompt_tokens,
+            "prompt_tokens_computed" => s.prompt_tokens_computed,
+            "output_tokens_recomputed" => s.output_tokens_recomputed,
+            "cached_prompt_tokens" => s.cached_prompt_tokens,
+            "first_admission_cached_tokens" => s.first_admission_cached_tokens,
+            "decode_tokens" => s.decode_tokens,
+            "generated_tokens" => s.generated_tokens,
+            "max_running_seqs" => s.max_running_seqs,
+            "max_step_tokens" => s.max_step_tokens,
+            "cancelled_steps" => s.cancelled_steps,
+            "cow_copies" => k.cow_copies,
+            "blocks_swapped_out" => k.blocks_swapped_out,
+            "blocks_swapped_in" => k.blocks_swapped_in,
+            "prefix_evictions" => k.prefix_evictions,
+            "num_blocks" => self.inner.config().num_blocks,
+            "num_free_blocks" => free,
+            "num_used_blocks" => self.inner.num_usable_blocks() - free,
+            "num_cached_blocks" => self.inner.num_cached_blocks(),
+            "block_size" => self.inner.config().block_size,
+            "num_waiting" => self.inner.num_waiting(),
+            "num_running" => self.inner.num_running(),
+            "num_running_seqs" => self.inner.num_running_seqs(),
+        }
+        if full {
+            let u = self.inner.kv_usage();
+            set! {
+                "num_shared_blocks" => u.num_shared_blocks,
+                "num_block_refs" => u.num_block_refs,
+                "num_used_token_slots" => u.num_used_token_slots,
+            }
         }
         Ok(d)
     }

@@ -207,6 +207,13 @@ impl Scheduler {
     pub fn num_free_blocks(&self) -> usize {
         self.kv.num_free_blocks()
     }
+    /// Blocks that can hold KV (all but the null block).
+    pub fn num_usable_blocks(&self) -> usize {
+        self.kv.num_usable_blocks()
+    }
+    pub fn num_cached_blocks(&self) -> usize {
+        self.kv.num_cached_blocks()
+    }
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }
