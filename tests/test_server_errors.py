@@ -621,10 +621,10 @@ def test_an_unexpected_error_is_a_json_500_that_keeps_the_connection(llama_path,
 
     llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
     try:
-        async def broken_encode(*args, **kwargs):
+        async def broken_tokenize_text(*args, **kwargs):
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(llm, "encode", broken_encode)
+        monkeypatch.setattr(llm, "tokenize_text", broken_tokenize_text)
         app = build_app(llm, ServerConfig(served_model_name=MODEL))
 
         async def main():
