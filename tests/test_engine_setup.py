@@ -34,19 +34,26 @@ def test_eos_ids_merge_tokenizer_config_and_generation_config(tmp_path):
 
 
 def test_eos_ids_come_from_the_generation_config_engine_args_name(tiny_model_dir, tmp_path):
-    """vLLM reads the extra EOS ids where it reads the sampling defaults: a generation_config
-    folder given instead of the model's, none with generation_config='vllm'."""
+    """vLLM reads the extra EOS ids from the generation config it reads: a folder given instead of
+    the model's; the model's own with generation_config='vllm' too (which only drops the sampling
+    defaults: a model's <|eot_id|> must still stop)."""
+    import shutil
+
     from ferrokv import LLM
 
-    model = tiny_model_dir("llama")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5], "temperature": 0.7}))
     folder = tmp_path / "gen"
     folder.mkdir()
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2], "temperature": 0.5}))
     kw = dict(device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
     llm = LLM(str(model), generation_config=str(folder), **kw)
-    assert 2 in llm.llm_engine.eos_token_ids and llm.llm_engine.default_sampling_params == {"temperature": 0.5}
+    assert 2 in llm.llm_engine.eos_token_ids and 5 not in llm.llm_engine.eos_token_ids
+    assert llm.llm_engine.default_sampling_params == {"temperature": 0.5}
     plain = LLM(str(model), generation_config="vllm", **kw)
-    assert 2 not in plain.llm_engine.eos_token_ids
+    assert 5 in plain.llm_engine.eos_token_ids and 2 not in plain.llm_engine.eos_token_ids
+    assert plain.llm_engine.default_sampling_params == {}
     for x in (llm, plain):
         x.engine_loop.shutdown()
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from ferrokv import LLM, SamplingParams
+from ferrokv import LLM, BeamSearchParams, SamplingParams
 from helpers.text_oracle import final_text
 from helpers.tiny_models import TINY_VOCAB
 
@@ -617,6 +617,7 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
     assert llm.llm_engine.args.enable_prefix_caching is True
     assert llm.model_config is llm.llm_engine.model_config
     assert llm.generate([], use_tqdm=False) == []  # vLLM's: nothing to do
+    assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=3)) == []
     with pytest.raises(ValueError, match="priority must be a list with one int per prompt"):
         llm.generate(["a"], priority=1, use_tqdm=False)
     with pytest.raises(ValueError, match="reset_running_requests"):

@@ -19,6 +19,14 @@ def test_defaults_match_vllm():
     assert not p.is_greedy and not p.has_penalties and p.max_stop_len == 0
 
 
+def test_positional_arguments_mean_what_they_mean_in_vllm():
+    """vLLM's SamplingParams takes its fields positionally too, in this order."""
+    p = SamplingParams(2, 0.1, 0.2, 1.3, 0.7, 0.9, 5, 0.05, 7, ["x"], [3], True, 9, 1, 2)
+    assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.temperature) == (2, 0.1, 0.2, 1.3, 0.7)
+    assert (p.top_p, p.top_k, p.min_p, p.seed, p.stop, p.stop_token_ids) == (0.9, 5, 0.05, 7, ["x"], [3])
+    assert (p.ignore_eos, p.max_tokens, p.min_tokens, p.logprobs) == (True, 9, 1, 2)
+
+
 def test_normalisation():
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="###").stop == ["###"]

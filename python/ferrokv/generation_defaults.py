@@ -5,8 +5,9 @@ A model's ``generation_config.json`` may recommend a temperature, top-k/top-p/mi
 penalty or a token limit (Qwen's instruct models do). vLLM uses them wherever a caller gives no
 sampling parameters: ``LLM.generate(prompts)``, ``LLM.chat``, ``LLM.get_default_sampling_params()``,
 and every server request field left out. ``EngineArgs.generation_config`` picks the source:
-``"auto"`` (the model's file), ``"vllm"`` (none: the neutral defaults) or a folder holding a
-``generation_config.json``; ``override_generation_config`` then sets keys on top.
+``"auto"`` (the model's file), ``"vllm"`` (none: the neutral defaults; the model's file still
+gives its extra EOS ids, as in vLLM) or a folder holding a ``generation_config.json``;
+``override_generation_config`` then sets keys on top.
 
 Invariants: only the six keys below are read; the file is read as vLLM reads it, through the
 installed transformers' ``GenerationConfig.to_diff_dict()`` (so a value equal to that version's
@@ -46,11 +47,10 @@ def check_generation_args(source: Any, overrides: Any) -> None:
 
 
 def generation_config_file(source: str, model_path: Path) -> Path | None:
-    """The generation_config.json ``source`` names (``"auto"``: the model's; ``"vllm"``: none, as
-    vLLM then reads none), if it exists."""
-    if source == "vllm":
-        return None
-    path = (model_path if source == "auto" else Path(source)) / _FILE
+    """The generation_config.json vLLM reads for ``source``, if it exists: the model's for
+    ``"auto"`` and ``"vllm"`` (whose sampling defaults are then ignored, but not its EOS ids),
+    else the named folder's."""
+    path = (model_path if source in SOURCES else Path(source)) / _FILE
     return path if path.is_file() else None
 
 
@@ -58,7 +58,7 @@ def load_generation_defaults(source: str, overrides: Mapping[str, Any] | None, m
     """The ``SamplingParams`` fields the model recommends (empty: none), from ``source``'s file
     (``generation_config_file``) with ``overrides`` on top."""
     config: dict[str, Any] = {}
-    path = generation_config_file(source, model_path)
+    path = None if source == "vllm" else generation_config_file(source, model_path)
     if path is not None:
         config = _read(path)
     config.update(overrides or {})

@@ -374,6 +374,8 @@ class LLM:
                 raise ValueError(f"beam_search: beam_width given twice ({params!r} and beam_width={beam_width!r})")
             p = BeamSearchParams(beam_width=beam_width if params is None else params, max_tokens=max_tokens,
                                  length_penalty=length_penalty, ignore_eos=ignore_eos)
+        if isinstance(prompts, (list, tuple)) and not prompts:
+            return []  # (vLLM's), once the parameters were checked
         prompts = batch_prompts(prompts)
         beam = dict(beam_width=p.beam_width, max_tokens=p.max_tokens, length_penalty=p.length_penalty,
                     ignore_eos=p.ignore_eos)

@@ -81,33 +81,34 @@ def _is_list_like(x: object) -> bool:
 class SamplingParams:
     """How to sample the completion(s) of one request (see the module docstring for invariants)."""
 
+    # vLLM's field order, so that a positional call means the same on both engines.
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
-    skip_special_tokens: bool = True
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     prompt_logprobs: int | None = None
     detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    structured_outputs: StructuredOutputsParams | None = None
-    truncate_prompt_tokens: int | None = None
-    spaces_between_special_tokens: bool = True
     extra_args: dict[str, Any] | None = None  # vLLM's: carried for plugins and callers, unused by the engine
+    bad_words: list[str] | None = None
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
     # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
