@@ -296,10 +296,14 @@ def test_400_prompt_fills_the_context(http):
     """A prompt of max_model_len tokens leaves no room for max_tokens=2 (prompt + output would
     exceed max_model_len): vLLM answers 400, naming the limit; so does a max_tokens too big to fit."""
     r = http.post(_C, json=completion_body(prompt=[5] * MAX_MODEL_LEN, max_tokens=2))
-    assert_openai_error(r, 400, str(MAX_MODEL_LEN))
-    # Likewise a short prompt whose max_tokens alone would overflow the context.
-    r = http.post(_CH, json=chat_body(max_tokens=MAX_MODEL_LEN))
-    assert_openai_error(r, 400, str(MAX_MODEL_LEN))
+    assert assert_openai_error(r, 400, str(MAX_MODEL_LEN))["param"] == "prompt"
+    # A short prompt whose max_tokens would overflow the context: the error is max_tokens'.
+    for path, body in ((_CH, chat_body(max_tokens=MAX_MODEL_LEN)),
+                       (_CH, chat_body(max_completion_tokens=MAX_MODEL_LEN + 1)),
+                       (_C, completion_body(prompt=[5] * 3, max_tokens=MAX_MODEL_LEN - 2))):
+        err = assert_openai_error(http.post(path, json=body), 400, str(MAX_MODEL_LEN), "is too large")
+        assert err["param"] == "max_tokens", err
+    assert "the prompt has 3, so at most" in err["message"], err
 
 
 # ------------------------------------------------------------------------------------------------

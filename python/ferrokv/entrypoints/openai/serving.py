@@ -193,12 +193,18 @@ def engine_request_id(response_id: str) -> str:
 
 def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, field: str) -> None:
     """The prompt and the tokens asked for fit in the context (vLLM's 400; the engine itself
-    would cut the output short instead)."""
+    would cut the output short instead): an error of the prompt's ``field`` when it leaves no
+    room at all, else of ``max_tokens`` (chat's ``max_completion_tokens`` too)."""
     wanted = max_tokens if max_tokens is not None else 1
-    if num_prompt_tokens + wanted > max_model_len:
-        raise OpenAIError(400, f"{field}: the context is max_model_len={max_model_len} tokens, but the request "
-                               f"needs {num_prompt_tokens + wanted} ({num_prompt_tokens} in the prompt, {wanted} "
-                               f"to generate)", field)
+    if num_prompt_tokens + wanted <= max_model_len:
+        return
+    if num_prompt_tokens < max_model_len:
+        raise OpenAIError(400, f"max_tokens={wanted} is too large: the context is max_model_len={max_model_len} "
+                               f"tokens and the prompt has {num_prompt_tokens}, so at most "
+                               f"{max_model_len - num_prompt_tokens} can be generated", "max_tokens")
+    raise OpenAIError(400, f"{field}: the context is max_model_len={max_model_len} tokens, but the request "
+                           f"needs {num_prompt_tokens + wanted} ({num_prompt_tokens} in the prompt, {wanted} "
+                           f"to generate)", field)
 
 
 async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, field: str,
