@@ -227,6 +227,20 @@ def test_a_named_function_that_is_not_a_tool_is_told_in_this_apis_shape(http):
     assert err["param"].startswith("tool_choice") and "'function': {" not in err["message"], err
 
 
+def test_usage_validates_as_the_sdks_response_and_counts_cache_writes(http):
+    """The installed SDK's Response model requires input_tokens_details.cache_write_tokens: the
+    prompt's full KV blocks (16 tokens) that the request computed, which the prefix cache keeps."""
+    from openai.types.responses import Response
+
+    body = {"model": MODEL, "input": "cache me " * 30 + USER, "max_output_tokens": 2, "temperature": 0.0}
+    first, again = (Response.model_validate(http.post("/v1/responses", json=body).json()) for _ in range(2))
+    full = first.usage.input_tokens // 16 * 16
+    assert full >= 32 and first.usage.input_tokens_details.cached_tokens == 0
+    assert first.usage.input_tokens_details.cache_write_tokens == full
+    cached = again.usage.input_tokens_details.cached_tokens
+    assert cached > 0 and again.usage.input_tokens_details.cache_write_tokens == full - cached
+
+
 def test_an_empty_model_name_is_the_served_one(http):
     r = http.post("/v1/responses", json={"model": "", "input": USER, "max_output_tokens": 2})
     assert r.status_code == 200 and r.json()["model"] == MODEL, r.text

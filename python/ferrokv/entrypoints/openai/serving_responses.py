@@ -253,9 +253,10 @@ def parse_responses_request(body: Any, defaults: Mapping[str, Any], max_logprobs
 class _Response:
     """One response's ids and items, as the chat path's answer (``ChatAnswer``) fills them."""
 
-    def __init__(self, req: ResponsesRequest, call: ChatAnswer, rid: str) -> None:
+    def __init__(self, req: ResponsesRequest, call: ChatAnswer, rid: str, cache_block: int | None) -> None:
         self.req = req
         self.call = call
+        self.cache_block = cache_block  # the KV block size with prefix caching on, else None
         self.id = rid
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -271,9 +272,12 @@ class _Response:
 
     def _usage(self) -> dict[str, Any]:
         u = self.call.usage()
+        # Written to the cache: the prompt's full blocks this request computed (the prefix cache keeps them).
+        block = self.cache_block
+        written = max(0, u["prompt_tokens"] // block * block - self.call.cached) if block else 0
         return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                 "total_tokens": u["total_tokens"],
-                "input_tokens_details": {"cached_tokens": self.call.cached},
+                "input_tokens_details": {"cached_tokens": self.call.cached, "cache_write_tokens": written},
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
     def text_part(self, text: str, c: CompletionOutput) -> dict[str, Any]:
@@ -320,7 +324,8 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     state.admit(1)
     rid = f"resp_{request.headers.get('x-request-id') or chat.request_id or uuid.uuid4().hex}"
     call = ChatAnswer(chat, model, int(time.time()), "assistant", rid)
-    resp = _Response(req, call, rid)
+    args = state.llm.engine.args
+    resp = _Response(req, call, rid, args.block_size if args.enable_prefix_caching else None)
     engine_id = engine_request_id(rid)
 
     async def prompt_then_generate() -> Any:
