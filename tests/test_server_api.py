@@ -173,6 +173,24 @@ def test_chat_matches_offline_llm(client, reference):
     assert r.usage.total_tokens == len(ids) + 10
 
 
+def test_chat_echo_leads_a_continued_message_with_its_content_as_vllm(client):
+    """vLLM's chat echo: the last message's content (text parts joined by newlines) leads each
+    choice when that message has the answer's role, streamed as its own first delta; a reply to a
+    user message is unchanged."""
+    assert chat(client, extra_body={"ignore_eos": True, "echo": True}).choices[0].message.content == \
+        chat(client).choices[0].message.content
+    cont = dict(messages=MESSAGES + [{"role": "assistant", "content": [{"type": "text", "text": "The sky"},
+                                                                      {"type": "text", "text": "is"}]}])
+    body = {"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True}
+    plain = chat(client, n=2, extra_body=body, **cont)
+    echoed = chat(client, n=2, extra_body={**body, "echo": True}, **cont)
+    assert [c.message.content for c in echoed.choices] == ["The sky\nis" + c.message.content for c in plain.choices]
+    assert echoed.usage == plain.usage
+    events = list(chat(client, extra_body={**body, "echo": True}, stream=True, **cont))
+    deltas = [e.choices[0].delta.content for e in events if e.choices and e.choices[0].delta.content]
+    assert deltas[0] == "The sky\nis" and "".join(deltas) == echoed.choices[0].message.content
+
+
 def test_chat_content_as_text_parts(client):
     """Text parts reach a template that reads strings joined with newlines, as vLLM joins them."""
     parts = [{"type": "text", "text": "A dog sees"}, {"type": "text", "text": "the blue sky."}]

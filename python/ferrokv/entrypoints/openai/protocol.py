@@ -484,6 +484,7 @@ class ChatRequest(_Common):
     add_generation_prompt: bool = True
     template: dict[str, Any] = field(default_factory=dict)  # chat_token_ids' template keywords
     tool_choice: ToolChoice | None = None  # its tool calling: forced (named, "required") or "auto"
+    echo: bool = False  # vLLM's: the last message's content leads each choice, when it has the answer's role
 
 
 def _template(body: Mapping[str, Any], tools: list[Any] | None) -> dict[str, Any]:
@@ -543,8 +544,6 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     """``tool_call_parser``: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice``
     is on (None: ``tool_choice: "auto"`` is refused)."""
     body = _lax_numbers(_object(body), bools=(*_BOOL_FIELDS, "logprobs"))
-    if _bool(body, "echo", False):
-        raise bad("echo", "echo is not supported for chat by this server, got true")
     messages = _messages(body.get("messages"))
     want_logprobs = _bool(body, "logprobs", False)
     top = _logprobs(body, "top_logprobs", max_logprobs)
@@ -559,4 +558,4 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     generation_prompt = _bool({**body, **(template["chat_template_kwargs"] or {})}, "add_generation_prompt", True)
     return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
                        top_logprobs=top or 0, add_generation_prompt=generation_prompt, template=template,
-                       tool_choice=tool_choice)
+                       tool_choice=tool_choice, echo=_bool(body, "echo", False))

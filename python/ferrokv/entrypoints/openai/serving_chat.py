@@ -60,6 +60,12 @@ class ChatAnswer:
         # vLLM's: the answer's role is --response-role, or the last message's when the request
         # continues it (add_generation_prompt false).
         self.role = response_role if req.add_generation_prompt else req.messages[-1]["role"]
+        # vLLM's echo: the last message's content (text parts joined by newlines) leads each
+        # choice, when that message has the answer's role (it is being continued).
+        last = req.messages[-1]
+        content = last.get("content") or ""
+        self.echo = (content if isinstance(content, str) else "\n".join(content)) \
+            if req.echo and last["role"] == self.role else ""
         self.head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                      "model": model}
         self.prompt_tokens = 0
@@ -82,11 +88,13 @@ class ChatAnswer:
     def message(self, c: CompletionOutput) -> dict[str, Any]:
         """A whole choice's message: its text, and the tool calls it made (``tool_calls``)."""
         if self.req.tool_choice is None:
-            return {"role": self.role, "content": c.text}
+            return {"role": self.role, "content": self.echo + c.text}
         parser = self._parser(c.index)
         content = parser.feed(c.text)[0] + parser.close()[0]
         if not parser.choice.forced and parser.calls and not content:
             content = None  # vLLM's: a reply that only called tools has no content
+        if self.echo:
+            content = self.echo + (content or "")
         return {"role": self.role, "content": content, "tool_calls": parser.calls}
 
     def delta(self, c: CompletionOutput) -> dict[str, Any]:
@@ -175,6 +183,9 @@ def _stream(gen: Generation, call: ChatAnswer) -> Any:
                                       "logprobs": None, "finish_reason": None}]))
                 if with_ids and first:
                     events[-1]["prompt_token_ids"] = list(out.prompt_token_ids)
+                if call.echo:
+                    events.append(chunk([{"index": c.index, "delta": {"content": call.echo}, "logprobs": None,
+                                          "finish_reason": None}]))
             delta = call.delta(c)
             if not delta.get("content") and "tool_calls" not in delta and c.finish_reason is None \
                     and c.logprobs is None and not (with_ids and c.token_ids):
