@@ -3,10 +3,10 @@
 
 Unit level: ``bad_words_token_ids`` against the real tiny tokenizer (vLLM's encoding: the word,
 and again after one space when that gives a different first token and the same length),
-``check_token_rules`` (ids out of the vocabulary name their field) and ``LogitBiasState`` driven by
-a real ``ferrokv._core.Scheduler`` whose sequences join, fork (batch row -1), finish and move rows:
-a bias row is rebuilt exactly when its batch row holds another sequence, and always holds the
-request's additive row.
+``check_token_rules`` (ids out of the vocabulary name their field, stop_token_ids' too) and
+``LogitBiasState`` driven by a real ``ferrokv._core.Scheduler`` whose sequences join, fork (batch
+row -1), finish and move rows: a bias row is rebuilt exactly when its batch row holds another
+sequence, and always holds the request's additive row.
 
 Engine level (tiny llama, CPU, fp32): every generated token is allowed; a +100 bias forces a
 token, -100 removes the greedy one, and the reported logprobs stay the raw model's; a banned word
@@ -429,6 +429,7 @@ BAD_RULES = [
     ("allowed_token_ids", 5),
     ("allowed_token_ids", "12"),
     ("allowed_token_ids", [0, V]),
+    ("stop_token_ids", [3, V]),  # vLLM's: refused, never sampled
     ("bad_words", [""]),
     ("bad_words", ["  "]),
     ("bad_words", ["ok", 3]),
@@ -441,7 +442,7 @@ def test_bad_values_name_the_field_and_leak_nothing(engine, plain, field, value)
     prompt, ref = plain[2]
     free = engine.num_free_blocks
     added = engine.stats()["requests_added"]
-    if field in ("logit_bias", "allowed_token_ids") and value in ({V: 1.0}, [0, V]):
+    if field in ("logit_bias", "allowed_token_ids", "stop_token_ids") and value in ({V: 1.0}, [0, V], [3, V]):
         params = SamplingParams(**{field: value})  # valid on its own: only the vocabulary refuses it
     else:
         with pytest.raises(ValueError, match=field):

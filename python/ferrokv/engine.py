@@ -246,8 +246,7 @@ class LLMEngine:
         check_priority(priority, self.args.scheduling_policy)
         core_id = next(self._next_core_id)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        # An id outside the vocabulary is never sampled: it cannot stop anything.
-        stop_ids = [t for t in params.stop_token_ids or [] if t < self.vocab_size]
+        stop_ids = list(params.stop_token_ids or [])  # in the vocabulary: check_token_rules
         # The model's other EOS ids are stop ids (vLLM's); under ignore_eos, banned under min_tokens.
         others = [e for e in self.eos_token_ids[1:] if e not in stop_ids and e < self.vocab_size]
         stop_ids, bans = (stop_ids, others) if params.ignore_eos else (stop_ids + others, [])

@@ -37,8 +37,10 @@ def has_logit_bias(params: SamplingParams) -> bool:
 
 
 def check_token_rules(params: SamplingParams, vocab_size: int) -> None:
-    """Token ids of ``logit_bias`` and ``allowed_token_ids`` must be in the vocabulary."""
-    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+    """Token ids of ``logit_bias``, ``allowed_token_ids`` and ``stop_token_ids`` must be in the
+    vocabulary (vLLM's; an id past it could never be sampled)."""
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids or ())):
         bad = sorted({t for t in ids if t >= vocab_size})
         if bad:
             raise ValueError(f"{name} has token ids out of the vocabulary (size {vocab_size}): {bad[:8]}")
