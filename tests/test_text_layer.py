@@ -236,6 +236,35 @@ def test_a_character_the_prompt_ends_in_is_completed_by_the_output(llama_path, g
                 assert c.text.startswith("😀")
 
 
+@pytest.mark.parametrize("spaces", [True, False])
+def test_special_tokens_kept_in_the_text_as_vllms_fast_detokenizer(llama_path, spaces):
+    """skip_special_tokens=False: each special token's content is in the text, with nothing
+    between them, whatever spaces_between_special_tokens says (vLLM V1's DecodeStream, and its
+    rule for False: an added token after another one is its content)."""
+    from tokenizers.decoders import DecodeStream
+
+    tok = tiny_tokenizer()
+    added = {tid: t.content for tid, t in tok._tokenizer.get_added_tokens_decoder().items()}
+    prompt = {"prompt_token_ids": tok.encode("Say hi", add_special_tokens=False)}
+    allowed = [*tok.all_special_ids[:2], *tok.encode(" there", add_special_tokens=False)]
+    params = greedy(max_tokens=12, temperature=1.0, seed=3, allowed_token_ids=allowed, skip_special_tokens=False,
+                    spaces_between_special_tokens=spaces)
+    for engine in engines(llama_path):
+        final, _ = run(engine, [("s", prompt, params)])
+        c = final["s"].outputs[0]
+        stream, last_added, want = DecodeStream(skip_special_tokens=False), False, ""
+        for t in prompt["prompt_token_ids"]:
+            stream.step(tok._tokenizer, t)
+        for t in c.token_ids:
+            piece = stream.step(tok._tokenizer, t) or ""
+            if not spaces and t in added and last_added:
+                piece = added[t]
+            last_added = t in added
+            want += piece
+        assert sum(a in added and b in added for a, b in zip(c.token_ids, c.token_ids[1:])) >= 1, c.token_ids
+        assert c.text == want == tok.decode(c.token_ids, skip_special_tokens=False), (type(engine.text).__name__, c)
+
+
 # ---------------------------------------------------------------------------------------------
 # Deferred text at the scheduler level: update(defer_text=True), then take_step_results() while
 # the next step is in flight (as the overlapped engine runs it).

@@ -18,9 +18,10 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
 * ``prompt_logprobs`` is ``None``, ``-1`` or ``>= 0``: the prompt's logprobs (each prompt token's own,
   plus that many top alternatives), computed from every prompt position, never a cache hit.
 * ``detokenize`` is a bool; without it no text is made, so ``stop`` must be empty.
-* ``spaces_between_special_tokens`` is a bool; False matters only with ``skip_special_tokens=False``
-  (vLLM then drops the space before an added token that follows another), which is not supported
-  yet: that pair is refused.
+* ``spaces_between_special_tokens`` is a bool. ferrokv's detokenizer (the tokenizer's own decoder)
+  never puts a space between special tokens, so False reads as True; so does vLLM V1's fast
+  detokenizer, whose rule for False (an added token after another is its content) the decoders
+  of tokenizers already follow.
 * ``logit_bias`` is ``None`` or a ``dict[int, float]`` of token ids ``>= 0`` to finite biases added
   to their logits; ``allowed_token_ids`` is ``None`` or a non-empty ``list[int]`` of ids ``>= 0``
   (every other token is masked); ``bad_words`` is ``None`` or a ``list[str]`` of non-empty words
@@ -183,9 +184,6 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not (self.spaces_between_special_tokens or self.skip_special_tokens):
-            raise ValueError("spaces_between_special_tokens=False with skip_special_tokens=False is not supported yet "
-                             "(use True, or skip the special tokens)")
 
         if not self.detokenize and self.stop:
             raise ValueError(f"stop strings need detokenize=True, got stop={self.stop!r} with detokenize=False")
