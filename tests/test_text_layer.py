@@ -236,6 +236,29 @@ def test_a_character_the_prompt_ends_in_is_completed_by_the_output(llama_path, g
                 assert c.text.startswith("😀")
 
 
+@pytest.mark.parametrize("shape", ["alone", "after-split-char", "after-stray-byte", "before-specials"])
+def test_a_cut_character_is_completed_whatever_precedes_it_in_the_prompt(llama_path, shape):
+    """The character is completed also when no prompt context decodes clean: the prompt is that
+    character's bytes alone, or they follow another character's byte tokens, or six special
+    tokens follow them; a stray byte before them is not output text (vLLM would show it)."""
+    tok = tiny_tokenizer()
+
+    def byte_ids(text: str, raw: bytes = b"") -> list[int]:
+        return [tok.convert_tokens_to_ids(byte_level_char(b)) for b in raw or text.encode()]
+
+    say, cut = tok.encode("Say hi ", add_special_tokens=False), byte_ids("𝄞")
+    prompt, last, want = {
+        "alone": (cut[:3], cut[3], "𝄞"),
+        "after-split-char": (say + byte_ids("😀") + cut[:3], cut[3], "𝄞"),
+        "after-stray-byte": (say + byte_ids("", b"\xff") + cut[:3], cut[3], "𝄞"),
+        "before-specials": (say + byte_ids("é")[:1] + [tok.all_special_ids[1]] * 6, byte_ids("é")[1], "é"),
+    }[shape]
+    reqs = [("r", {"prompt_token_ids": prompt}, greedy(max_tokens=1, allowed_token_ids=[last]))]
+    for engine in engines(llama_path):
+        c = run(engine, reqs)[0]["r"].outputs[0]
+        assert (c.token_ids, c.text) == ([last], want), (type(engine.text).__name__, c.text)
+
+
 @pytest.mark.parametrize("spaces", [True, False])
 def test_special_tokens_kept_in_the_text_as_vllms_fast_detokenizer(llama_path, spaces):
     """skip_special_tokens=False: each special token's content is in the text, with nothing

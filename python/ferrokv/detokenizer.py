@@ -14,9 +14,10 @@ Invariants:
   byte-level tokenizer and no stop strings this equals
   ``tokenizer.decode(ids, skip_special_tokens=...)`` of all appended ids, less a last character
   still incomplete when the sequence ends (vLLM drops it too: a cut never ends in U+FFFD).
-* A prompt that ends inside a character: its tokens of that character pend, and the output token
-  that completes it emits the whole character (as vLLM's DecodeStream, primed with the prompt,
-  does); an output that does not complete it is decoded alone (vLLM would show the stray bytes).
+* A prompt that ends inside a character: its last tokens pend, and the output token that
+  completes the character emits it whole (as vLLM's DecodeStream, primed with the prompt, does);
+  stray bytes before it, or all of them when the output does not complete a character with them,
+  are not output text (vLLM would show them).
 * No U+FFFD is emitted for a character split across tokens; at most ``_MAX_PENDING`` tokens are
   held for that (beyond that the bytes are genuinely invalid and are emitted as U+FFFD, which keeps
   the window, and so the cost, bounded).
@@ -160,14 +161,13 @@ class IncrementalDetokenizer:
         # Context is the longest part of it that decodes clean. The tokens after that (a prompt
         # that ends mid-character) pend: the output token that completes the character emits it
         # whole, as vLLM's DecodeStream, primed with the prompt, does (_take_text).
-        for read in range(len(ctx), 0, -1):
-            text = self._tokenizer.convert_tokens_to_string(ctx[:read])
-            if not text.endswith(_REPLACEMENT):
-                self._window = ctx
-                self._prefix, self._read = 0, read
-                self._prefix_text = text
-                self._prompt_pending = len(ctx) - read
-                return
+        read, text = next(((k, t) for k in range(len(ctx), 0, -1)
+                           if not (t := self._tokenizer.convert_tokens_to_string(ctx[:k])).endswith(_REPLACEMENT)),
+                          (0, ""))
+        self._window = ctx
+        self._prefix, self._read = 0, read
+        self._prefix_text = text
+        self._prompt_pending = len(ctx) - read
 
     def _to_tokens(self, ids: Iterable[int]) -> list[str]:
         out = []
@@ -199,7 +199,32 @@ class IncrementalDetokenizer:
         if not new:
             return ""
         self._window.extend(new)
+        if self._prompt_pending and not self._settle_prompt_tail():
+            return ""
         return self._take_text()
+
+    def _settle_prompt_tail(self) -> bool:
+        """While prompt tokens pend: the shortest tail of them that the output completes a
+        character with (their decode together completes text, with fewer U+FFFD than apart) stays,
+        the tokens before it are dropped; none does: all are dropped once the output completes
+        text alone (it broke the character), so the prompt's stray bytes are not output text (vLLM
+        would show them); else False (wait for more tokens)."""
+        convert, window = self._tokenizer.convert_tokens_to_string, self._window
+        start, end = self._read, self._read + self._prompt_pending
+
+        def decoded(toks: list[str]) -> tuple[bool, int]:
+            text = convert(toks)
+            return bool(text) and not (text.endswith(_REPLACEMENT) and len(toks) < _MAX_PENDING), \
+                text.count(_REPLACEMENT)
+
+        output_done, output_bad = decoded(window[end:])
+        keep = next((j for j in range(end - 1, start - 1, -1)
+                     if (d := decoded(window[j:]))[0] and d[1] < decoded(window[j:end])[1] + output_bad), None)
+        if keep is None and not output_done:
+            return False
+        del window[start : end if keep is None else keep]
+        self._prompt_pending = 0
+        return True
 
     def _take_text(self) -> str:
         """The text the pending tokens complete, if any (then the window slides)."""
@@ -214,15 +239,6 @@ class IncrementalDetokenizer:
         ):
             return ""  # incomplete character (or nothing visible yet): wait for more tokens
         delta = new_text[len(prefix_text) :]
-        if self._prompt_pending:
-            cut, self._prompt_pending = self._prompt_pending, 0
-            end = self._read + cut
-            unresolved = convert(self._window[self._read : end]) + convert(self._window[end:])
-            if delta.count(_REPLACEMENT) >= unresolved.count(_REPLACEMENT):
-                # The output does not complete the prompt's last character: the prompt's stray
-                # bytes are not output text (vLLM would show them), so decode the output alone.
-                del self._window[self._read : end]
-                return self._take_text()
         # Slide: emitted tokens become the context; drop older ones so the window stays small.
         del self._window[: self._read]
         self._prefix, self._read = 0, len(self._window)

@@ -29,23 +29,26 @@ def final_text(tok: Any, ids: list[int], skip_special_tokens: bool = True) -> st
 
 def pending_prompt_ids(tok: Any, prompt: list[int], skip_special_tokens: bool = True) -> list[int]:
     """The prompt ids a detokenizer starts with pending: of the last 5 kept ids among the last 7,
-    those after the longest head that decodes clean (none when no head does)."""
+    those after the longest head that decodes clean (all of them when no head does)."""
     special = set(tok.all_special_ids) if skip_special_tokens else set()
     ctx = [t for t in prompt[-7:] if t not in special and tok.convert_ids_to_tokens(t) is not None][-5:]
     for k in range(len(ctx), 0, -1):
         if not tok.decode(ctx[:k], skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT):
             return ctx[k:]
-    return []
+    return ctx
 
 
 def output_text_ok(tok: Any, text: str, prompt: list[int], ids: list[int], skip_special_tokens: bool = True) -> bool:
     """``text`` is the output's own final text, or, when the prompt ends inside a character that
-    the output completes (fewer U+FFFD together than apart), that of the prompt's pending ids and
-    the output."""
+    the output completes (fewer U+FFFD together than apart), that of a tail of the prompt's
+    pending ids and the output."""
     alone = final_text(tok, ids, skip_special_tokens)
     if text == alone:
         return True
     pending = pending_prompt_ids(tok, prompt, skip_special_tokens)
-    together = final_text(tok, pending + ids, skip_special_tokens)
-    apart = alone.count(REPLACEMENT) + tok.decode(pending, skip_special_tokens=skip_special_tokens).count(REPLACEMENT)
-    return text == together and together.count(REPLACEMENT) < apart
+    for j in range(len(pending)):
+        together = final_text(tok, pending[j:] + ids, skip_special_tokens)
+        tail = tok.decode(pending[j:], skip_special_tokens=skip_special_tokens)
+        if text == together and together.count(REPLACEMENT) < alone.count(REPLACEMENT) + tail.count(REPLACEMENT):
+            return True
+    return False

@@ -82,14 +82,17 @@ fn ends_clean(text: &Cow<'_, str>) -> bool {
 }
 
 /// How much of the prompt context `ctx` is emitted context: the longest head that decodes clean,
-/// with its character count. The ids after it (a prompt ending mid-character) pend, so the output
-/// token that completes the character emits it whole, as vLLM's DecodeStream primed with the
-/// prompt does. None when no head decodes clean (then there is no context).
-fn clean_context(model: &TextModel, ctx: &[u32], scratch: &mut Vec<u8>) -> Option<(usize, usize)> {
-    (1..=ctx.len()).rev().find_map(|read| {
-        let text = model.decode_window(&ctx[..read], scratch);
-        (!text.ends_with(REPLACEMENT)).then(|| (read, text.chars().count()))
-    })
+/// with its character count ((0, 0) when none does). The ids after it (a prompt ending
+/// mid-character) pend, so the output token that completes the character emits it whole, as
+/// vLLM's DecodeStream primed with the prompt does (`settle_prompt_tail`).
+fn clean_context(model: &TextModel, ctx: &[u32], scratch: &mut Vec<u8>) -> (usize, usize) {
+    (1..=ctx.len())
+        .rev()
+        .find_map(|read| {
+            let text = model.decode_window(&ctx[..read], scratch);
+            (!text.ends_with(REPLACEMENT)).then(|| (read, text.chars().count()))
+        })
+        .unwrap_or((0, 0))
 }
 
 impl SeqText {
@@ -117,12 +120,11 @@ impl SeqText {
         let from = prompt_tail.len().saturating_sub(PROMPT_LOOKBACK);
         let mut ctx: Vec<u32> = prompt_tail[from..].iter().copied().filter(|&id| model.keeps(id, skip)).collect();
         ctx.drain(..ctx.len().saturating_sub(PROMPT_CONTEXT));
-        if let Some((read, chars)) = clean_context(model, &ctx, &mut seq.scratch) {
-            seq.prefix_chars = Some(chars);
-            seq.read = read;
-            seq.prompt_pending = ctx.len() - read;
-            seq.window = ctx;
-        }
+        let (read, chars) = clean_context(model, &ctx, &mut seq.scratch);
+        seq.prefix_chars = Some(chars);
+        seq.read = read;
+        seq.prompt_pending = ctx.len() - read;
+        seq.window = ctx;
         seq
     }
 
@@ -168,26 +170,28 @@ impl SeqText {
         hit
     }
 
-    /// While prompt ids pend: false if the pending tokens complete no text yet. Otherwise they
-    /// stop pending as prompt ids: kept if the output completes the prompt's last character (the
-    /// decode together has fewer U+FFFD than the two apart), else dropped, so the prompt's stray
-    /// bytes are not output text (vLLM would show them). The normal step then decodes.
+    /// While prompt ids pend: the shortest tail of them that the output completes a character
+    /// with (their decode together completes text, with fewer U+FFFD than apart) stays, and the
+    /// ids before it are dropped; none does: all of them are dropped once the output completes
+    /// text alone (it broke the character), so the prompt's stray bytes are not output text (vLLM
+    /// would show them); else false (wait for more tokens). The normal step then decodes.
     fn settle_prompt_tail(&mut self, model: &TextModel) -> bool {
-        let prefix_chars = self.prefix_chars(model);
         let (read, end) = (self.read, self.read + self.prompt_pending);
-        let together = {
-            let text = model.decode_window(&self.window, &mut self.scratch);
-            let new_text = text.char_indices().nth(prefix_chars).map_or("", |(i, _)| &text[i..]);
-            if !completes(new_text, self.window.len() - read) {
-                return false;
-            }
-            new_text.matches(REPLACEMENT).count()
+        let mut decoded = |ids: &[u32]| {
+            let text = model.decode_window(ids, &mut self.scratch);
+            (completes(&text, ids.len()), text.matches(REPLACEMENT).count())
         };
-        let apart = model.decode_window(&self.window[read..end], &mut self.scratch).matches(REPLACEMENT).count()
-            + model.decode_window(&self.window[end..], &mut self.scratch).matches(REPLACEMENT).count();
-        if together >= apart {
-            self.window.drain(read..end);
-        }
+        let (output_done, output_fffd) = decoded(&self.window[end..]);
+        let tail = (read..end).rev().find(|&j| {
+            let (done, together) = decoded(&self.window[j..]);
+            done && together < decoded(&self.window[j..end]).1 + output_fffd
+        });
+        let keep = match tail {
+            Some(j) => j,
+            None if output_done => end,
+            None => return false,
+        };
+        self.window.drain(read..keep);
         self.prompt_pending = 0;
         true
     }
