@@ -347,6 +347,39 @@ def test_hermes_calls_and_content_at_any_cut(text, calls, content):
     assert all(parse_split(HERMES, text, cut) == (calls, content) for cut in range(len(text) + 1))
 
 
+def test_a_llama3_json_server_reads_its_calls(tiny_model_dir):
+    """``--tool-call-parser llama3_json`` end to end, streamed and not."""
+    text = '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}'
+    with serve(tiny_model_dir("llama-serve"), "--served-model-name", MODEL, "--max-model-len", "512",
+               "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json") as s:
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120.0) as c:
+            whole = create(c, False, extra_body=forced_text(text)).choices[0]
+            calls, content, reason, _ = streamed_calls(create(c, True, extra_body=forced_text(text)))
+    assert (whole.message.content, whole.finish_reason) == (None, "tool_calls")
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls] == \
+        [(x["name"], json.loads(x["arguments"])) for x in calls] == [("get_weather", {"city": "Rome", "days": 2})]
+    assert (content, reason) == ("", "tool_calls")
+
+
+LLAMA3 = ToolChoice(FUNCTIONS, parser="llama3_json")
+
+
+@pytest.mark.parametrize("text,calls,content", [
+    ('{"name": "get_time", "parameters": {"zone": "CET"}}', [("get_time", '{"zone": "CET"}')], ""),
+    ('<|python_tag|>{"name": "a", "arguments": {"k": "}{"}}; {"name": "b", "parameters": {}}',
+     [("a", '{"k": "}{"}'), ("b", "{}")], ""),
+    (' \n{"name": "a", "parameters": {}}\n', [("a", "{}")], ""),
+    ("It is sunny {today}.", [], "It is sunny {today}."),  # not a reply that starts with a call
+    ("<|python", [], "<|python"),
+    ('{"name": "a", "parameters": {}}; {"name": "b", "param', [("a", "{}")], '; {"name": "b", "param'),
+    ("{not json}", [], "{not json}"),
+])
+def test_llama3_json_calls_and_content_at_any_cut(text, calls, content):
+    """vLLM's llama3_json: a reply that starts with a JSON object (or <|python_tag|>) is calls,
+    separated by ";"; nothing that is not a complete call is lost."""
+    assert all(parse_split(LLAMA3, text, cut) == (calls, content) for cut in range(len(text) + 1))
+
+
 def test_required_schema_matches_vllms_shape():
     schema = ToolChoice(FUNCTIONS, parallel=False).schema()
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1

@@ -13,7 +13,10 @@ call's position in the choice), later ones ``{"index", "function": {"arguments"}
   its object closes;
 - ``"auto"`` with the hermes parser: ``<tool_call>{"name", "arguments"}</tool_call>`` blocks in
   free text; text outside them streams as content (holding back what could start a tag), each
-  block is sent whole once closed, and an unclosed block at the end is read as a call too (vLLM's).
+  block is sent whole once closed, and an unclosed block at the end is read as a call too (vLLM's);
+- ``"auto"`` with the llama3_json parser: a reply that starts with ``{`` (or ``<|python_tag|>``)
+  is ``{"name", "parameters"}`` objects separated by ``;``, each sent whole once it closes; any
+  other reply is content.
 
 Nothing generated is lost: text that is no complete call (an array cut by ``max_tokens``, a block
 whose JSON does not parse) comes back as content.
@@ -57,15 +60,17 @@ class ToolCallParser:
         return {"index": len(self.calls) - 1, "id": c["id"], "type": "function",
                 "function": {"name": name, "arguments": arguments}}
 
-    def _add_parsed(self, obj_text: str, arguments_key: str) -> dict[str, Any] | None:
-        """A call from one JSON object ``{"name": ..., <arguments_key>: {...}}`` (None: not one)."""
+    def _add_parsed(self, obj_text: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+        """A call from one JSON object ``{"name": ..., <the first of keys it has>: {...}}`` (None:
+        not one)."""
         try:
             obj = json.loads(obj_text)
         except (ValueError, RecursionError):
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        return self._add(obj["name"], json.dumps(obj.get(arguments_key, {}), ensure_ascii=False))
+        arguments = next((obj[k] for k in keys if k in obj), {})
+        return self._add(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 class _NamedCall(ToolCallParser):
@@ -82,8 +87,12 @@ class _NamedCall(ToolCallParser):
         return ("", []) if self.calls else ("", [self._add(self.choice.name or "", "")])
 
 
-class _RequiredCalls(ToolCallParser):
-    """Scans the JSON array for its element objects (depth 2), strings and escapes included."""
+class _JsonObjects(ToolCallParser):
+    """Scans JSON text for the objects at ``depth`` (strings and escapes included), each a call
+    ``{"name", <one of keys>}``."""
+
+    depth = 2  # "required": the elements of one array
+    keys = ("parameters",)
 
     def __init__(self, choice: ToolChoice) -> None:
         super().__init__(choice)
@@ -110,12 +119,12 @@ class _RequiredCalls(ToolCallParser):
                 self._in_string = True
             elif ch in "[{":
                 self._depth += 1
-                if self._depth == 2 and ch == "{":
+                if self._depth == self.depth and ch == "{":
                     self._start = i
             elif ch in "]}":
                 self._depth -= 1
-                if self._depth == 1 and ch == "}" and self._start >= 0:
-                    delta = self._add_parsed(self._text[self._start:i + 1], "parameters")
+                if self._depth == self.depth - 1 and ch == "}" and self._start >= 0:
+                    delta = self._add_parsed(self._text[self._start:i + 1], self.keys)
                     if delta is not None:
                         deltas.append(delta)
                         self._done = i + 1
@@ -127,6 +136,41 @@ class _RequiredCalls(ToolCallParser):
         rest = self._text[self._done:]
         closed = self._depth == 0 and rest.strip() in ("]", "")
         return ("" if self.calls and closed else rest), []
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+class _Llama3JsonCalls(_JsonObjects):
+    """vLLM's llama3_json: a reply that starts with ``{`` (or Llama 3's ``<|python_tag|>``) is
+    calls, ``{"name", "parameters"}`` objects (or ``"arguments"``) separated by ``;``, each sent
+    whole once it closes; any other reply is content, streamed as generated."""
+
+    depth = 1
+    keys = ("parameters", "arguments")
+
+    def __init__(self, choice: ToolChoice) -> None:
+        super().__init__(choice)
+        self._head = ""  # the reply's start while it could still be either
+        self._calls_mode: bool | None = None
+
+    def feed(self, text: str) -> tuple[str, Deltas]:
+        if self._calls_mode is None:
+            self._head += text
+            start = self._head.lstrip()
+            if not start or _PYTHON_TAG.startswith(start):
+                return "", []
+            self._calls_mode = start.startswith(("{", _PYTHON_TAG))
+            text, self._head = (start.removeprefix(_PYTHON_TAG) if self._calls_mode else self._head), ""
+        return super().feed(text) if self._calls_mode else (text, [])
+
+    def close(self) -> tuple[str, Deltas]:
+        if self._calls_mode is None:
+            return self._head, []
+        if not self._calls_mode:
+            return "", []
+        rest = self._text[self._done:]
+        return ("" if self.calls and self._depth == 0 and not rest.strip(" \t\n;") else rest), []
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -181,7 +225,7 @@ class _HermesCalls(ToolCallParser):
             out.append(text)
 
     def _block(self, body: str, closing: str, content: list[str], deltas: Deltas) -> None:
-        delta = self._add_parsed(body, "arguments")
+        delta = self._add_parsed(body, ("arguments",))
         if delta is None:
             self._content(_OPEN + body + closing, content)
         else:
@@ -190,6 +234,6 @@ class _HermesCalls(ToolCallParser):
 
 
 def tool_call_parser(choice: ToolChoice) -> ToolCallParser:
-    if choice.parser == "hermes":
-        return _HermesCalls(choice)
-    return _NamedCall(choice) if choice.name is not None else _RequiredCalls(choice)
+    if choice.parser is not None:
+        return {"hermes": _HermesCalls, "llama3_json": _Llama3JsonCalls}[choice.parser](choice)
+    return _NamedCall(choice) if choice.name is not None else _JsonObjects(choice)
