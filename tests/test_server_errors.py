@@ -646,6 +646,42 @@ def test_an_unexpected_error_is_a_json_500_that_keeps_the_connection(llama_path,
         llm.shutdown()
 
 
+def test_an_engine_whose_steps_keep_failing_is_unhealthy_and_says_so(llama_path):
+    """MAX_FAILED_STEPS failed steps in a row (a poisoned device) end the engine: each of those
+    requests is a 500 with the detail in the log, then /health and every request are 503s that
+    say the engine failed (not that the server shuts down)."""
+    import asyncio
+
+    from ferrokv import AsyncLLM
+    from ferrokv.engine_loop import MAX_FAILED_STEPS
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    try:
+        def lost(inputs):
+            raise RuntimeError("device lost")
+
+        llm.engine.runner.forward = lost
+        app = build_app(llm, ServerConfig(served_model_name=MODEL))
+
+        async def main():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+                failed = [await c.post(_C, json=completion_body()) for _ in range(MAX_FAILED_STEPS)]
+                for _ in range(100):  # the loop ends on its own thread
+                    if (await c.get("/health")).status_code == 503:
+                        break
+                    await asyncio.sleep(0.05)
+                return failed, await c.get("/health"), await c.post(_C, json=completion_body())
+
+        failed, health, after = asyncio.run(main())
+        for r in failed:
+            assert "device lost" not in assert_openai_error(r, 500, "RuntimeError")["message"]
+        assert health.status_code == 503
+        assert_openai_error(after, 503, "the engine failed and stopped")
+    finally:
+        llm.shutdown()
+
+
 def test_https_several_api_keys_and_a_root_path_as_vllms_flags(llama_path, tmp_path):
     """``--ssl-keyfile/--ssl-certfile`` serve HTTPS; ``--api-key k1 k2`` accepts either key; under
     ``--root-path`` (the prefix a proxy strips) the routes and the open health checks stay where

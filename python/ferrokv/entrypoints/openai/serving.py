@@ -12,7 +12,7 @@ Invariants:
 * A client that disconnects ends its generators (each aborts its request in the engine); so does
   any error, and every exit path closes them (``Generation.close``).
 * Errors map to HTTP: ``ValueError`` (bad input, found by the engine) -> 400,
-  ``EngineDeadError`` (shutting down) -> 503, anything else -> 500 with a generic message (the
+  ``EngineDeadError`` (shut down, or failed) -> 503, anything else -> 500 with a generic message (the
   detail goes to the log, never to the client).
 
 Costs: one task per request of the call while merging (a completion may carry several prompts);
@@ -108,8 +108,10 @@ class ServerState:
         return text if n is None or len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
 
     def admit(self, num_requests: int) -> None:
-        if self.draining or not self.llm.is_running:
+        if self.draining:
             raise OpenAIError(503, "the server is shutting down")
+        if not self.llm.is_running:
+            raise to_openai_error(self.llm.dead_error)
         slots = self.llm.engine.args.max_num_seqs
         if num_requests > slots + self.max_waiting_requests:  # not even an idle server takes it: no retry helps
             raise OpenAIError(400, f"prompt: {num_requests} prompts in one request are more than this server "
@@ -123,8 +125,10 @@ class ServerState:
 def to_openai_error(e: BaseException) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
-    if isinstance(e, EngineDeadError):
-        return OpenAIError(503, "the server is shutting down")
+    if isinstance(e, EngineDeadError):  # shut down, or failed (the loop's words; its detail is logged)
+        failed = "failed" in str(e)
+        return OpenAIError(503, "the engine failed and stopped; see the server log" if failed
+                           else "the server is shutting down")
     if isinstance(e, CacheCapacityError):  # its worst case (prompt + max_tokens, times n) never fits
         return OpenAIError(400, str(e), None if "alone needs" in str(e) else "max_tokens")  # (or its prompt alone)
     if isinstance(e, ValueError):  # the engine's checks name the field first ("prompt_token_ids[3]=...")
