@@ -18,8 +18,10 @@ Invariants:
   of the grammar's template matcher, made the first time the key is seen.
 * Masks are ``ceil(n_vocab / 32)`` int32 words per row, bit ``t % 32`` of word ``t // 32`` set
   when token ``t`` is allowed, ``n_vocab = max(vocab_size, len(tokenizer))``. Ids the tokenizer
-  lacks (logits padding) and special tokens other than EOS are never allowed; columns of the logits
-  beyond the mask are masked too.
+  lacks (logits padding) are never allowed, nor are special tokens other than EOS (llguidance
+  matches no text to them; its one exception, which vLLM shares: a literal whose text is a special
+  token's is forced as that token, which its matcher then rejects); columns of the logits beyond
+  the mask are masked too.
 * A stopped matcher (the grammar is complete and admits nothing more) allows only EOS, and so does
   a matcher in error: the sequence ends. Its output then need not match the grammar. An error
   comes from a token the matcher rejects (a bug upstream) or from a limit of llguidance's lexer
