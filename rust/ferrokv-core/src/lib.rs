@@ -24,4 +24,6 @@ pub use id_map::IdMap;
 pub use output::{BlockTables, FinishedSeq, RequestTimes, SchedulerOutput};
 pub use request::FinishReason;
 pub use sampling::{SamplingColumns, SamplingSpec};
-pub use scheduler::{KvUsage, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerStats};
+pub use scheduler::{
+    KvCounts, KvUsage, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerStats,
+};

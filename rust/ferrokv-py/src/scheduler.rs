@@ -468,7 +468,7 @@ impl PyScheduler {
     fn stats<'py>(&self, py: Python<'py>, full: bool) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let k = self.inner.kv_stats();
-        let free = self.inner.num_free_blocks();
+        let c = self.inner.kv_counts();
         let d = PyDict::new(py);
         // Interned keys: the engine refreshes its snapshot from this after every step.
         macro_rules! set {
@@ -497,11 +497,11 @@ impl PyScheduler {
             "blocks_swapped_out" => k.blocks_swapped_out,
             "blocks_swapped_in" => k.blocks_swapped_in,
             "prefix_evictions" => k.prefix_evictions,
-            "num_blocks" => self.inner.config().num_blocks,
-            "num_free_blocks" => free,
-            "num_used_blocks" => self.inner.num_usable_blocks() - free,
-            "num_cached_blocks" => self.inner.num_cached_blocks(),
-            "block_size" => self.inner.config().block_size,
+            "num_blocks" => c.num_blocks,
+            "num_free_blocks" => c.num_free_blocks,
+            "num_used_blocks" => c.num_used_blocks,
+            "num_cached_blocks" => c.num_cached_blocks,
+            "block_size" => c.block_size,
             "num_waiting" => self.inner.num_waiting(),
             "num_running" => self.inner.num_running(),
             "num_running_seqs" => self.inner.num_running_seqs(),

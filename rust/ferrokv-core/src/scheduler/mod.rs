@@ -51,7 +51,7 @@ mod update;
 mod test_util;
 
 pub use config::{Named, NewRequest, Policy, PreemptionMode, SchedulerConfig};
-pub use stats::{KvUsage, SchedulerStats};
+pub use stats::{KvCounts, KvUsage, SchedulerStats};
 
 use crate::batch::Batch;
 use crate::block_pool::{BlockId, BlockMath};
@@ -206,13 +206,6 @@ impl Scheduler {
     }
     pub fn num_free_blocks(&self) -> usize {
         self.kv.num_free_blocks()
-    }
-    /// Blocks that can hold KV (all but the null block).
-    pub fn num_usable_blocks(&self) -> usize {
-        self.kv.num_usable_blocks()
-    }
-    pub fn num_cached_blocks(&self) -> usize {
-        self.kv.num_cached_blocks()
     }
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()

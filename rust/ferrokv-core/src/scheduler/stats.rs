@@ -41,6 +41,16 @@ pub struct SchedulerStats {
     pub cancelled_steps: u64,
 }
 
+/// The KV cache's block counts that cost O(1) (`KvUsage` adds those that cost O(blocks)).
+#[derive(Debug, Clone, Copy)]
+pub struct KvCounts {
+    pub num_blocks: usize,
+    pub num_free_blocks: usize,
+    pub num_used_blocks: usize,
+    pub num_cached_blocks: usize,
+    pub block_size: usize,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct KvUsage {
     pub num_blocks: usize,
@@ -117,6 +127,17 @@ impl Scheduler {
         Ok(tokens)
     }
 
+    pub fn kv_counts(&self) -> KvCounts {
+        let free = self.kv.num_free_blocks();
+        KvCounts {
+            num_blocks: self.cfg.num_blocks,
+            num_free_blocks: free,
+            num_used_blocks: self.kv.num_usable_blocks() - free,
+            num_cached_blocks: self.kv.num_cached_blocks(),
+            block_size: self.cfg.block_size,
+        }
+    }
+
     pub fn kv_usage(&self) -> KvUsage {
         let bs = self.cfg.block_size;
         let mut seen = vec![false; self.cfg.num_blocks];
@@ -132,17 +153,16 @@ impl Scheduler {
                 }
             }
         }
-        let free = self.kv.num_free_blocks();
-        let used = self.kv.num_usable_blocks() - free;
+        let c = self.kv_counts();
         KvUsage {
-            num_blocks: self.cfg.num_blocks,
-            num_free_blocks: free,
-            num_used_blocks: used,
-            num_cached_blocks: self.kv.num_cached_blocks(),
+            num_blocks: c.num_blocks,
+            num_free_blocks: c.num_free_blocks,
+            num_used_blocks: c.num_used_blocks,
+            num_cached_blocks: c.num_cached_blocks,
             num_shared_blocks: (1..self.cfg.num_blocks).filter(|&b| self.kv.ref_count(BlockId(b as u32)) > 1).count(),
             num_block_refs: refs,
             num_used_token_slots: slots,
-            block_size: bs,
+            block_size: c.block_size,
         }
     }
 
