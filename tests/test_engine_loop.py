@@ -311,8 +311,9 @@ def test_shutdown_ends_requests_in_flight_and_refuses_new_ones(llama_path):
         llm.generate(rand_prompts(35, [5, 12]), greedy(30), use_tqdm=False)
     loop.shutdown()  # joins the thread
     assert not loop.is_running
-    with pytest.raises(EngineDeadError, match="shut down"):
+    with pytest.raises(EngineDeadError, match="shut down") as dead:
         llm.generate(rand_prompts(35, [5]), greedy(3), use_tqdm=False)
+    assert not dead.value.failed
     assert_idle(llm.llm_engine)
 
 
@@ -339,8 +340,9 @@ def test_steps_that_keep_failing_end_the_loop_and_a_success_between_resets_the_c
             failing[0] = False
             assert llm.generate(prompt, greedy(3), use_tqdm=False)[0].finished  # resets the count
     llm.engine_loop.shutdown()  # joins the thread (its death already began)
-    with pytest.raises(EngineDeadError, match=f"failed {MAX_FAILED_STEPS} steps in a row.*device lost"):
+    with pytest.raises(EngineDeadError, match=f"failed {MAX_FAILED_STEPS} steps in a row.*device lost") as dead:
         llm.generate(prompt, greedy(3), use_tqdm=False)
+    assert dead.value.failed
     assert not llm.engine_loop.is_running
     assert_idle(llm.llm_engine)
 

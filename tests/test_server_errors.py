@@ -255,7 +255,7 @@ def test_a_request_whose_worst_case_never_fits_the_kv_cache_is_a_400_on_max_toke
             s.add_request(1, np.arange(1, prompt_len + 1, dtype=np.int64), max_tokens)
         err = to_openai_error(e.value)
         assert (err.status, err.param, err.message) == (400, param, str(e.value))
-        assert needle in err.message
+        assert needle in err.message and e.value.field == (param or "prompt_token_ids")
 
 
 def test_400_top_logprobs_without_logprobs(http):

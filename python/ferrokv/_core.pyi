@@ -51,10 +51,12 @@ class InvalidArgumentError(FerrokvError, ValueError):
 class DuplicateRequestError(InvalidArgumentError): ...
 class UnknownRequestError(InvalidArgumentError): ...
 class UnknownSequenceError(InvalidArgumentError): ...
-class PromptTooLongError(InvalidArgumentError): ...
+class PromptTooLongError(InvalidArgumentError):
+    """The prompt exceeds max_model_len (``field``: "prompt_token_ids")."""
 
 class CacheCapacityError(InvalidArgumentError):
-    """The request could never fit in the KV cache, even alone (worst case over max_tokens and n)."""
+    """The request could never fit in the KV cache, even alone (worst case over max_tokens and n);
+    ``field``: "prompt_token_ids" when the prompt alone overflows it, else "max_tokens"."""
 
 class SchedulerStateError(FerrokvError, RuntimeError):
     """Calls made out of order, e.g. ``schedule()`` twice without ``update()``."""

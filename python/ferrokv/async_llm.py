@@ -255,7 +255,7 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """Raises ``EngineDeadError`` when the engine loop is no longer running."""
         if self.engine_loop._dead is not None:
-            raise EngineDeadError(str(self.engine_loop._dead))
+            raise EngineDeadError(str(self.engine_loop._dead), self.engine_loop._dead.failed)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's: False, changing nothing, while requests run (``reset_running_requests=True``,

@@ -79,7 +79,11 @@ __all__ = ["EngineDeadError", "EngineLoop", "OutputSink", "StreamItem"]
 
 
 class EngineDeadError(FerrokvError, RuntimeError):
-    """The engine loop was shut down (or failed): it takes no more requests."""
+    """The engine loop was shut down, or failed (``failed``): it takes no more requests."""
+
+    def __init__(self, message: str, failed: bool = False) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 @dataclass(slots=True, frozen=True)
@@ -291,7 +295,7 @@ class EngineLoop:
             if self._dead is not None:
                 if not start:
                     return  # nothing is left to abort
-                raise EngineDeadError(str(self._dead))
+                raise EngineDeadError(str(self._dead), self._dead.failed)
             claimed = None
             if isinstance(command, _Submit):
                 # Claimed until its terminal item: a second submit of the id fails here, so the
@@ -389,7 +393,7 @@ class EngineLoop:
                     return True
                 with self._state:
                     self._dead = EngineDeadError(f"the engine failed {self._failed_steps} steps in a row "
-                                                 f"(the last with {type(e).__name__}: {e})")
+                                                 f"(the last with {type(e).__name__}: {e})", failed=True)
                 raise
             self._failed_steps = 0
             self._stepping = False
@@ -484,14 +488,14 @@ class EngineLoop:
     def _die(self, cause: BaseException | None) -> None:
         with self._state:
             if self._dead is None:
-                self._dead = EngineDeadError("the engine loop failed")
+                self._dead = EngineDeadError("the engine loop failed", failed=True)
             pending = [entry.submit for waiting in self._deferred.values() for entry in waiting]
             self._deferred = {}
             while not self._inbox.empty():
                 c = self._inbox.get_nowait()
                 if isinstance(c, _Submit):
                     pending.append(c)
-        error = EngineDeadError(str(self._dead))
+        error = EngineDeadError(str(self._dead), self._dead.failed)
         error.__cause__ = cause
         records, self._records = self._records, {}
         self.engine.on_abort = None

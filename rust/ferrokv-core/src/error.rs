@@ -34,6 +34,23 @@ pub enum CoreError {
 }
 
 impl CoreError {
+    /// The request field the error blames, if any: an `ExceedsCacheCapacity` blames the prompt
+    /// when it overflows the cache alone, else `max_tokens`.
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            CoreError::InvalidArgument { field, .. } => Some(field),
+            CoreError::PromptTooLong { .. } => Some("prompt_token_ids"),
+            CoreError::ExceedsCacheCapacity { blocks_available, prompt_len, block_size, .. } => {
+                Some(if prompt_len.div_ceil((*block_size).max(1)) > *blocks_available {
+                    "prompt_token_ids"
+                } else {
+                    "max_tokens"
+                })
+            }
+            _ => None,
+        }
+    }
+
     pub fn invalid(field: &'static str, value: impl fmt::Display, reason: impl Into<String>) -> Self {
         CoreError::InvalidArgument { field, value: value.to_string(), reason: reason.into() }
     }
@@ -67,8 +84,8 @@ impl fmt::Display for CoreError {
                 seqs,
                 block_size,
             } => {
-                let prompt_blocks = prompt_len.div_ceil(*block_size.max(&1));
-                if prompt_blocks > *blocks_available {
+                if self.field() == Some("prompt_token_ids") {
+                    let prompt_blocks = prompt_len.div_ceil((*block_size).max(1));
                     return write!(
                         f,
                         "request_id={request_id}: its prompt of {prompt_len} tokens alone needs {prompt_blocks} KV \

@@ -83,18 +83,19 @@ pub(crate) fn to_py_err(e: CoreError) -> PyErr {
             CoreError::InvalidState { .. } => &x.state,
         };
         let err = PyErr::from_type(cls.bind(py).clone(), e.to_string());
-        if let CoreError::InvalidArgument { field, value, reason } = &e {
-            // The parts of the message as attributes, so a caller can name the field its own way.
-            let v = err.value(py);
-            let set = v
+        // The parts of the message as attributes, so a caller can name the field its own way.
+        let v = err.value(py);
+        let set = match &e {
+            CoreError::InvalidArgument { field, value, reason } => v
                 .setattr("field", *field)
                 .and(v.setattr("value", value))
-                .and(v.setattr("reason", reason));
-            if let Err(e) = set {
-                return e;
-            }
+                .and(v.setattr("reason", reason)),
+            other => other.field().map_or(Ok(()), |field| v.setattr("field", field)),
+        };
+        match set {
+            Ok(()) => err,
+            Err(e) => e,
         }
-        err
     })
 }
 

@@ -125,12 +125,11 @@ class ServerState:
 def to_openai_error(e: BaseException) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
-    if isinstance(e, EngineDeadError):  # shut down, or failed (the loop's words; its detail is logged)
-        failed = "failed" in str(e)
-        return OpenAIError(503, "the engine failed and stopped; see the server log" if failed
+    if isinstance(e, EngineDeadError):  # shut down, or failed (its detail is logged)
+        return OpenAIError(503, "the engine failed and stopped; see the server log" if e.failed
                            else "the server is shutting down")
-    if isinstance(e, CacheCapacityError):  # its worst case (prompt + max_tokens, times n) never fits
-        return OpenAIError(400, str(e), None if "alone needs" in str(e) else "max_tokens")  # (or its prompt alone)
+    if isinstance(e, CacheCapacityError):  # its worst case (prompt + max_tokens, times n), or its prompt, never fits
+        return OpenAIError(400, str(e), "max_tokens" if e.field == "max_tokens" else None)
     if isinstance(e, ValueError):  # the engine's checks name the field first ("prompt_token_ids[3]=...")
         m = re.match(r"[A-Za-z_]+", str(e))
         return OpenAIError(400, str(e), m.group(0) if m else None)
