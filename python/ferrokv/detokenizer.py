@@ -61,6 +61,12 @@ _REPLACEMENT = "\ufffd"
 _special_cache: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
+def _completes(new_text: str, pending: int) -> bool:
+    """Whether ``new_text``, the text ``pending`` tokens add, is emitted now: it adds a character
+    and does not end mid-character (unless ``_MAX_PENDING`` tokens pend)."""
+    return bool(new_text) and not (new_text.endswith(_REPLACEMENT) and pending < _MAX_PENDING)
+
+
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
     """``tokenizer.all_special_ids`` as a frozenset, cached per tokenizer (the property is slow)."""
     try:
@@ -161,9 +167,12 @@ class IncrementalDetokenizer:
         # Context is the longest part of it that decodes clean. The tokens after that (a prompt
         # that ends mid-character) pend: the output token that completes the character emits it
         # whole, as vLLM's DecodeStream, primed with the prompt, does (_take_text).
-        read, text = next(((k, t) for k in range(len(ctx), 0, -1)
-                           if not (t := self._tokenizer.convert_tokens_to_string(ctx[:k])).endswith(_REPLACEMENT)),
-                          (0, ""))
+        read, text = 0, ""
+        for k in range(len(ctx), 0, -1):
+            head = self._tokenizer.convert_tokens_to_string(ctx[:k])
+            if not head.endswith(_REPLACEMENT):
+                read, text = k, head
+                break
         self._window = ctx
         self._prefix, self._read = 0, read
         self._prefix_text = text
@@ -214,8 +223,7 @@ class IncrementalDetokenizer:
 
         def decoded(toks: list[str]) -> tuple[bool, int]:
             text = convert(toks)
-            return bool(text) and not (text.endswith(_REPLACEMENT) and len(toks) < _MAX_PENDING), \
-                text.count(_REPLACEMENT)
+            return _completes(text, len(toks)), text.count(_REPLACEMENT)
 
         output_done, output_bad = decoded(window[end:])
         keep = next((j for j in range(end - 1, start - 1, -1)
@@ -232,13 +240,9 @@ class IncrementalDetokenizer:
         if self._prefix_text is None:
             self._prefix_text = convert(self._window[self._prefix : self._read])
         prefix_text = self._prefix_text
-        new_text = convert(self._window[self._prefix :])
-        pending = len(self._window) - self._read
-        if len(new_text) <= len(prefix_text) or (
-            new_text.endswith(_REPLACEMENT) and pending < _MAX_PENDING
-        ):
+        delta = convert(self._window[self._prefix :])[len(prefix_text) :]
+        if not _completes(delta, len(self._window) - self._read):
             return ""  # incomplete character (or nothing visible yet): wait for more tokens
-        delta = new_text[len(prefix_text) :]
         # Slide: emitted tokens become the context; drop older ones so the window stays small.
         del self._window[: self._read]
         self._prefix, self._read = 0, len(self._window)
