@@ -462,12 +462,15 @@ mod tests {
         assert!(matches!(e, CoreError::ExceedsCacheCapacity { blocks_needed: 10, blocks_available: 7, .. }), "{e}");
         // The message says what overflows, with the values: prompt + max_tokens times the
         // sequences, or the prompt alone.
+        assert_eq!(e.field(), Some("max_tokens"));
         let msg = e.to_string();
         let want = "needs up to 10 KV blocks of 4 tokens (1 sequence(s) of its 20-token prompt + max_tokens=20)";
         assert!(msg.contains(want), "{msg}");
         let e = s.add_request(NewRequest { n: 2, ..req(5, 8, 8) }).unwrap_err().to_string();
         assert!(e.contains("8 KV blocks of 4 tokens (2 sequence(s) of its 8-token prompt + max_tokens=8)"), "{e}");
-        let e = s.add_request(req(5, 40, 1)).unwrap_err().to_string();
+        let e = s.add_request(req(5, 40, 1)).unwrap_err();
+        assert_eq!(e.field(), Some("prompt_token_ids"), "the prompt alone overflows");
+        let e = e.to_string();
         let want = "its prompt of 40 tokens alone needs 10 KV blocks of 4 tokens, but the cache holds 7";
         assert!(e.contains(want), "{e}");
         assert_eq!((s.num_unfinished(), s.stats().requests_added), (1, 1), "a rejected request leaves no trace");
