@@ -347,17 +347,24 @@ def test_hermes_calls_and_content_at_any_cut(text, calls, content):
     assert all(parse_split(HERMES, text, cut) == (calls, content) for cut in range(len(text) + 1))
 
 
-def test_a_llama3_json_server_reads_its_calls(tiny_model_dir):
-    """``--tool-call-parser llama3_json`` end to end, streamed and not."""
-    text = '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}'
+TWO_CALLS = [("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "CET"})]
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}; '
+                    '{"name": "get_time", "parameters": {"zone": "CET"}}'),
+    ("pythonic", '[get_weather(city="Rome", days=2), get_time(zone="CET")]'),
+])
+def test_a_server_reads_calls_with_its_parser(tiny_model_dir, parser, text):
+    """``--tool-call-parser`` end to end, streamed and not."""
     with serve(tiny_model_dir("llama-serve"), "--served-model-name", MODEL, "--max-model-len", "512",
-               "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json") as s:
+               "--enable-auto-tool-choice", "--tool-call-parser", parser) as s:
         with openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120.0) as c:
             whole = create(c, False, extra_body=forced_text(text)).choices[0]
             calls, content, reason, _ = streamed_calls(create(c, True, extra_body=forced_text(text)))
     assert (whole.message.content, whole.finish_reason) == (None, "tool_calls")
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls] == \
-        [(x["name"], json.loads(x["arguments"])) for x in calls] == [("get_weather", {"city": "Rome", "days": 2})]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls] == TWO_CALLS
+    assert [(x["name"], json.loads(x["arguments"])) for x in calls] == TWO_CALLS
     assert (content, reason) == ("", "tool_calls")
 
 
@@ -387,3 +394,28 @@ def test_required_schema_matches_vllms_shape():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_time", "parameters": {"city": "Paris", "days": 2}}], schema)
     assert "maxItems" not in ToolChoice(FUNCTIONS).schema()
+
+
+PYTHONIC = ToolChoice(FUNCTIONS, parser="pythonic")
+
+
+@pytest.mark.parametrize("text,calls,content", [
+    ('[get_weather(city="Rome", days=2)]', [("get_weather", '{"city": "Rome", "days": 2}')], ""),
+    # Several calls; strings hold brackets, quotes and escapes; literals become JSON.
+    ("\n[a(k='x)]\\'(', n=-1.5, flag=True, none=None), b()]",
+     [("a", '{"k": "x)]\'(", "n": -1.5, "flag": true, "none": null}'), ("b", "{}")], ""),
+    ('[f(xs=[1, (2, 3)], d={"k": [None]})]', [("f", '{"xs": [1, [2, 3]], "d": {"k": [null]}}')], ""),
+    ("It is sunny [today].", [], "It is sunny [today]."),  # not a reply that starts with a list
+    ("[1, 2, 3]", [], "[1, 2, 3]"),
+    ("[]", [], "[]"),
+    # From the first element that is no call of keyword literals, the rest is content.
+    ('[a(k=1), b("positional")]', [("a", '{"k": 1}')], ', b("positional")]'),
+    ("[a(k=1), b(k=open(1))]", [("a", '{"k": 1}')], ", b(k=open(1))]"),
+    ("[a(k={1, 2})]", [], "[a(k={1, 2})]"),  # a set is no JSON value
+    ("[a(k=1)] and some words", [("a", '{"k": 1}')], "] and some words"),
+    ('[a(k=1), b(k="cut by max_tok', [("a", '{"k": 1}')], ', b(k="cut by max_tok'),
+])
+def test_pythonic_calls_and_content_at_any_cut(text, calls, content):
+    """vLLM's pythonic parser: a reply that starts with "[" is a list of calls with keyword
+    literal arguments; nothing that is not a complete call is lost."""
+    assert all(parse_split(PYTHONIC, text, cut) == (calls, content) for cut in range(len(text) + 1))

@@ -17,6 +17,11 @@ call's position in the choice), later ones ``{"index", "function": {"arguments"}
 - ``"auto"`` with the llama3_json parser: a reply that starts with ``{`` (or ``<|python_tag|>``)
   is ``{"name", "parameters"}`` objects separated by ``;``, each sent whole once it closes; any
   other reply is content.
+- ``"auto"`` with the pythonic parser: a reply that starts with ``[`` is a Python list of calls
+  with keyword arguments, ``[get_weather(city="Rome", days=2), ...]`` (Llama 3.2 and 4's), each
+  sent whole once its parentheses close, its arguments literals (``ast.literal_eval``'s) as
+  JSON; from the first element that is no such call, or text after the list, the rest is
+  content. Any other reply is content.
 
 Nothing generated is lost: text that is no complete call (an array cut by ``max_tokens``, a block
 whose JSON does not parse) comes back as content.
@@ -25,6 +30,7 @@ Costs: O(new text) per ``feed`` (the required scanner and the tag search start w
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from typing import Any
@@ -173,6 +179,93 @@ class _Llama3JsonCalls(_JsonObjects):
         return ("" if self.calls and self._depth == 0 and not rest.strip(" \t\n;") else rest), []
 
 
+class _PythonicCalls(ToolCallParser):
+    """vLLM's pythonic parser (module docs). Scans Python text for the list's elements: brackets
+    outside string literals (quotes and backslash escapes followed)."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        super().__init__(choice)
+        self._mode: str | None = None  # "calls" or "content" once the reply's start says
+        self._text = ""
+        self._scanned = 0
+        self._depth = 0
+        self._quote = ""  # the open string literal's quote, if any
+        self._escaped = False
+        self._element = -1  # where the open list element began
+        self._done = 0  # text up to here became calls
+
+    def feed(self, text: str) -> tuple[str, Deltas]:
+        if self._mode == "content":
+            return text, []
+        self._text += text
+        if self._mode is None:
+            start = self._text.lstrip()
+            if not start:
+                return "", []
+            self._mode = "calls" if start.startswith("[") else "content"
+            if self._mode == "content":
+                return self._text, []
+        deltas: Deltas = []
+        for i in range(self._scanned, len(self._text)):
+            self._scanned = i + 1
+            if not self._scan(i, self._text[i], deltas):
+                self._mode = "content"
+                rest, self._text = self._text[self._done:], ""
+                return rest, deltas
+        return "", deltas
+
+    def _scan(self, i: int, ch: str, deltas: Deltas) -> bool:
+        """Takes character ``i``; False once the text cannot be a list of calls."""
+        if self._quote:
+            if self._escaped:
+                self._escaped = False
+            elif ch == "\\":
+                self._escaped = True
+            elif ch == self._quote:
+                self._quote = ""
+            return True
+        if self._depth == 1 and self._element < 0 and not (ch.isspace() or ch in ",]"):
+            self._element = i
+        if ch in "'\"":
+            self._quote = ch
+        elif ch in "[({":
+            self._depth += 1
+            if self._depth <= 2:  # the list, then a call's parentheses
+                return ch == ("[" if self._depth == 1 else "(")
+        elif ch in "])}":
+            self._depth -= 1
+            if self._depth == 1 and ch == ")":
+                delta = self._call(self._text[self._element:i + 1])
+                if delta is None:
+                    return False
+                deltas.append(delta)
+                self._element, self._done = -1, i + 1
+            elif self._depth <= 0:
+                return self._depth == 0 and ch == "]" and self._element < 0
+        elif self._depth == 0:
+            return ch.isspace()
+        return True
+
+    def _call(self, element: str) -> dict[str, Any] | None:
+        """A call from one element ``name(key=literal, ...)`` (None: not one)."""
+        try:
+            call = ast.parse(element.strip(), mode="eval").body
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
+                    and all(k.arg is not None for k in call.keywords)):
+                return None
+            arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            # Tuples become arrays; sets, bytes and infinities are no JSON: not a call.
+            return self._add(call.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return None
+
+    def close(self) -> tuple[str, Deltas]:
+        if self._mode != "calls":
+            return ("", []) if self._mode == "content" else (self._text, [])
+        rest = self._text[self._done:]
+        return ("" if self.calls and self._depth == 0 and not rest.strip(" \t\n,]") else rest), []
+
+
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -235,5 +328,6 @@ class _HermesCalls(ToolCallParser):
 
 def tool_call_parser(choice: ToolChoice) -> ToolCallParser:
     if choice.parser is not None:
-        return {"hermes": _HermesCalls, "llama3_json": _Llama3JsonCalls}[choice.parser](choice)
+        return {"hermes": _HermesCalls, "llama3_json": _Llama3JsonCalls,
+                "pythonic": _PythonicCalls}[choice.parser](choice)
     return _NamedCall(choice) if choice.name is not None else _JsonObjects(choice)
