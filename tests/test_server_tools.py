@@ -350,22 +350,51 @@ def test_hermes_calls_and_content_at_any_cut(text, calls, content):
 TWO_CALLS = [("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "CET"})]
 
 
+def mistral_model_dir(tiny_model_dir) -> Any:
+    """The tiny Llama with room for one more token, ``[TOOL_CALLS]``, in its tokenizer (an added
+    token that is not special: a structured output can spell it)."""
+    from helpers.tiny_models import TINY_VOCAB
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tiny_model_dir("mistral-serve", vocab_size=TINY_VOCAB + 1)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    if tok.token_to_id("[TOOL_CALLS]") is None:
+        tok.add_tokens([AddedToken("[TOOL_CALLS]", special=False)])
+        tok.save(str(path / "tokenizer.json"))
+    assert tok.token_to_id("[TOOL_CALLS]") == TINY_VOCAB
+    return path
+
+
 @pytest.mark.parametrize("parser,text", [
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}; '
                     '{"name": "get_time", "parameters": {"zone": "CET"}}'),
     ("pythonic", '[get_weather(city="Rome", days=2), get_time(zone="CET")]'),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]'),
 ])
 def test_a_server_reads_calls_with_its_parser(tiny_model_dir, parser, text):
     """``--tool-call-parser`` end to end, streamed and not."""
-    with serve(tiny_model_dir("llama-serve"), "--served-model-name", MODEL, "--max-model-len", "512",
+    model = mistral_model_dir(tiny_model_dir) if parser == "mistral" else tiny_model_dir("llama-serve")
+    with serve(model, "--served-model-name", MODEL, "--max-model-len", "512",
                "--enable-auto-tool-choice", "--tool-call-parser", parser) as s:
         with openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120.0) as c:
             whole = create(c, False, extra_body=forced_text(text)).choices[0]
             calls, content, reason, _ = streamed_calls(create(c, True, extra_body=forced_text(text)))
-    assert (whole.message.content, whole.finish_reason) == (None, "tool_calls")
+    want_content = "Sure." if parser == "mistral" else None
+    assert (whole.message.content, whole.finish_reason) == (want_content, "tool_calls")
     assert [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls] == TWO_CALLS
     assert [(x["name"], json.loads(x["arguments"])) for x in calls] == TWO_CALLS
-    assert (content, reason) == ("", "tool_calls")
+    assert (content, reason) == (want_content or "", "tool_calls")
+    if parser == "mistral":  # Mistral's templates check replayed ids: 9 letters and digits
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", t.id) for t in whole.message.tool_calls)
+
+
+def test_the_mistral_parser_needs_its_token(tiny_model_dir, capsys):
+    from ferrokv.cli import main
+
+    rc = main(["serve", str(tiny_model_dir("llama-serve")), "--enable-auto-tool-choice", "--tool-call-parser",
+               "mistral", "--max-model-len", "512", "--port", "0"])
+    assert rc == 2 and "--tool-call-parser mistral needs a tokenizer with the [TOOL_CALLS] token" in capsys.readouterr().err
 
 
 LLAMA3 = ToolChoice(FUNCTIONS, parser="llama3_json")
@@ -419,3 +448,20 @@ def test_pythonic_calls_and_content_at_any_cut(text, calls, content):
     """vLLM's pythonic parser: a reply that starts with "[" is a list of calls with keyword
     literal arguments; nothing that is not a complete call is lost."""
     assert all(parse_split(PYTHONIC, text, cut) == (calls, content) for cut in range(len(text) + 1))
+
+
+MISTRAL = ToolChoice(FUNCTIONS, parser="mistral")
+
+
+@pytest.mark.parametrize("text,calls,content", [
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}]', [("get_time", '{"zone": "CET"}')], ""),
+    ('Let me see [1].[TOOL_CALLS] [{"name": "a", "arguments": {"k": "]}["}}, {"name": "b", "arguments": {}}]',
+     [("a", '{"k": "]}["}'), ("b", "{}")], "Let me see [1]."),
+    ("No calls, a [TOOL_CALL and a [TOOL", [], "No calls, a [TOOL_CALL and a [TOOL"),
+    ('[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "argu', [("a", "{}")], ', {"name": "b", "argu'),
+    ("[TOOL_CALLS]{not json}", [], "{not json}"),
+])
+def test_mistral_calls_and_content_at_any_cut(text, calls, content):
+    """vLLM's mistral parser with a Hugging Face tokenizer: the calls are a JSON array after the
+    [TOOL_CALLS] token; text before it is content, and nothing that is not a complete call is lost."""
+    assert all(parse_split(MISTRAL, text, cut) == (calls, content) for cut in range(len(text) + 1))

@@ -351,7 +351,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the format the model writes tool calls in, for --enable-auto-tool-choice (hermes: "
                         "<tool_call>{...}</tool_call>, as Hermes, Qwen2.5 and Qwen3 models; llama3_json: a reply "
-                        'of {"name", "parameters"} objects, as Llama 3.1+ models; pythonic: a reply '
+                        'of {"name", "parameters"} objects, as Llama 3.1+ models; mistral: [TOOL_CALLS] then a '
+                        'JSON array of {"name", "arguments"}, as Mistral models; pythonic: a reply '
                         "[name(key=value, ...), ...], as Llama 3.2 and 4 models) (default: none)")
     _engine_flags(p)
 

@@ -45,6 +45,7 @@ from ferrokv.entrypoints.openai.serving_chat import create_chat_completion
 from ferrokv.entrypoints.openai.serving_completion import create_completion
 from ferrokv.entrypoints.openai.serving_responses import create_response, not_found
 from ferrokv.entrypoints.openai.server_config import ServerConfig
+from ferrokv.entrypoints.openai.tool_parsers import check_tool_call_parser
 
 logger = logging.getLogger("ferrokv.serve")
 
@@ -171,6 +172,8 @@ async def _json(request: Request) -> Any:
 
 def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``async_llm`` (the caller owns it: the app does not shut it down)."""
+    if config.enable_auto_tool_choice:
+        check_tool_call_parser(config.tool_call_parser, async_llm.tokenizer)
     state_box: dict[str, ServerState] = {}
     metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight)
     state = ServerState(async_llm, metrics, (config.served_model_name, *config.served_model_aliases),
@@ -356,7 +359,11 @@ class _Server(uvicorn.Server):
 
 def run_server(llm: Any, config: ServerConfig) -> int:
     """Serves ``llm`` until a signal drains and stops the server; returns the exit status."""
-    app = build_app(llm, config)
+    try:
+        app = build_app(llm, config)
+    except BaseException:
+        llm.shutdown()  # a configuration the model cannot serve (a ValueError naming the flag)
+        raise
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                                access_log=config.uvicorn_access_log, root_path=config.root_path,
                                ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,

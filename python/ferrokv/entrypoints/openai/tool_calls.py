@@ -25,10 +25,11 @@ from ferrokv.checks import is_text, shown
 
 __all__ = ["TOOL_CALL_PARSERS", "ToolChoice", "ToolError", "parse_tools"]
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 """The formats ``--tool-call-parser`` reads (hermes: ``<tool_call>{"name", "arguments"}</tool_call>``,
 as Hermes, Qwen2.5 and Qwen3 models write them; llama3_json: a reply of ``{"name", "parameters"}``
-objects, as Llama 3.1+ models write them; pythonic: a reply ``[name(key=value, ...), ...]``, as
+objects, as Llama 3.1+ models write them; mistral: ``[TOOL_CALLS]`` then a JSON array of
+``{"name", "arguments"}``, as Mistral models write them; pythonic: a reply ``[name(key=value, ...), ...]``, as
 Llama 3.2 and Llama 4 models write them)."""
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

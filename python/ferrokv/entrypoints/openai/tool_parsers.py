@@ -17,6 +17,10 @@ call's position in the choice), later ones ``{"index", "function": {"arguments"}
 - ``"auto"`` with the llama3_json parser: a reply that starts with ``{`` (or ``<|python_tag|>``)
   is ``{"name", "parameters"}`` objects separated by ``;``, each sent whole once it closes; any
   other reply is content.
+- ``"auto"`` with the mistral parser (vLLM's with a Hugging Face tokenizer): text before the
+  ``[TOOL_CALLS]`` token is content, after it a JSON array of ``{"name", "arguments"}`` objects,
+  each sent whole once it closes. Call ids are 9 letters and digits, as Mistral's chat templates
+  require of replayed calls.
 - ``"auto"`` with the pythonic parser: a reply that starts with ``[`` is a Python list of calls
   with keyword arguments, ``[get_weather(city="Rome", days=2), ...]`` (Llama 3.2 and 4's), each
   sent whole once its parentheses close, its arguments literals (``ast.literal_eval``'s) as
@@ -32,12 +36,14 @@ from __future__ import annotations
 
 import ast
 import json
+import random
+import string
 import uuid
 from typing import Any
 
 from ferrokv.entrypoints.openai.tool_calls import ToolChoice
 
-__all__ = ["ToolCallParser", "tool_call_parser"]
+__all__ = ["ToolCallParser", "check_tool_call_parser", "tool_call_parser"]
 
 Deltas = list[dict[str, Any]]
 
@@ -59,9 +65,12 @@ class ToolCallParser:
     def close(self) -> tuple[str, Deltas]:
         return "", []
 
+    def _new_id(self) -> str:
+        return _call_id()
+
     def _add(self, name: str, arguments: str) -> dict[str, Any]:
         """A new call, and its first delta."""
-        self.calls.append({"id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}})
+        self.calls.append({"id": self._new_id(), "type": "function", "function": {"name": name, "arguments": arguments}})
         c = self.calls[-1]
         return {"index": len(self.calls) - 1, "id": c["id"], "type": "function",
                 "function": {"name": name, "arguments": arguments}}
@@ -266,6 +275,46 @@ class _PythonicCalls(ToolCallParser):
         return ("" if self.calls and self._depth == 0 and not rest.strip(" \t\n,]") else rest), []
 
 
+def _held_back(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could start ``tag`` (held back from content)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
+TOOL_CALLS_TOKEN = "[TOOL_CALLS]"
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+class _MistralCalls(_JsonObjects):
+    """vLLM's mistral parser with a Hugging Face tokenizer (module docs)."""
+
+    depth = 2
+    keys = ("arguments",)
+
+    def __init__(self, choice: ToolChoice) -> None:
+        super().__init__(choice)
+        self._head = ""  # content not handed out yet: a possible start of the token
+        self._in_calls = False
+
+    def _new_id(self) -> str:
+        return "".join(random.choices(_ALPHANUMERIC, k=9))
+
+    def feed(self, text: str) -> tuple[str, Deltas]:
+        if self._in_calls:
+            return super().feed(text)
+        self._head += text
+        at = self._head.find(TOOL_CALLS_TOKEN)
+        if at >= 0:
+            content, calls = self._head[:at], self._head[at + len(TOOL_CALLS_TOKEN):]
+            self._head, self._in_calls = "", True
+            return content, super().feed(calls)[1]
+        keep = _held_back(self._head, TOOL_CALLS_TOKEN)
+        content, self._head = self._head[:len(self._head) - keep], self._head[len(self._head) - keep:]
+        return content, []
+
+    def close(self) -> tuple[str, Deltas]:
+        return super().close() if self._in_calls else (self._head, [])
+
+
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -292,8 +341,7 @@ class _HermesCalls(ToolCallParser):
                 self._content(self._buf[:start], content)
                 self._buf, self._in_call = self._buf[start + len(_OPEN):], True
                 continue
-            keep = next((k for k in range(min(len(_OPEN) - 1, len(self._buf)), 0, -1)
-                         if _OPEN.startswith(self._buf[-k:])), 0)
+            keep = _held_back(self._buf, _OPEN)
             self._content(self._buf[:len(self._buf) - keep], content)
             self._buf = self._buf[len(self._buf) - keep:]
             break
@@ -328,6 +376,14 @@ class _HermesCalls(ToolCallParser):
 
 def tool_call_parser(choice: ToolChoice) -> ToolCallParser:
     if choice.parser is not None:
-        return {"hermes": _HermesCalls, "llama3_json": _Llama3JsonCalls,
+        return {"hermes": _HermesCalls, "llama3_json": _Llama3JsonCalls, "mistral": _MistralCalls,
                 "pythonic": _PythonicCalls}[choice.parser](choice)
     return _NamedCall(choice) if choice.name is not None else _JsonObjects(choice)
+
+
+def check_tool_call_parser(parser: str | None, tokenizer: Any) -> None:
+    """Refuses a parser the model's tokenizer cannot serve (at server start, as vLLM's parsers
+    check their tokens): mistral's calls follow the ``[TOOL_CALLS]`` token."""
+    if parser == "mistral" and tokenizer is not None and TOOL_CALLS_TOKEN not in tokenizer.get_vocab():
+        raise ValueError(f"--tool-call-parser mistral needs a tokenizer with the {TOOL_CALLS_TOKEN} token "
+                         "(Mistral's calls follow it); this model's has none")
