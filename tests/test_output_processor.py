@@ -94,18 +94,22 @@ def test_a_stop_string_cuts_every_kind_alike(runs):
         assert (texts[k].finish_reason, texts[k].stop_reason) == (c.finish_reason, c.stop_reason)
 
 
-def test_outputs_share_the_prompt_list_and_cumulative_lists_grow(llama_path):
+def test_outputs_share_the_prompt_and_cumulative_ones_stay_as_built(llama_path):
     engine = tiny_engine(llama_path)
     prompt = rand_prompts(3, [6])[0]
-    engine.add_request("c", prompt, params(RequestOutputKind.CUMULATIVE, max_tokens=5))
+    engine.add_request("c", prompt, params(RequestOutputKind.CUMULATIVE, max_tokens=5, logprobs=1))
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert len(outs) == 5
     assert all(o.prompt_token_ids is outs[0].prompt_token_ids for o in outs)
-    # The running outputs hand out one list, grown in place (no per-step copy), as vLLM does.
-    assert all(o.outputs[0].token_ids is outs[0].outputs[0].token_ids for o in outs[:-1])
-    assert outs[-1].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    # Read after every step ran: each output still holds what it had when it was built (an
+    # AsyncLLM consumer reads them while the engine's thread goes on), tokens and logprobs alike.
+    full = outs[-1].outputs[0]
+    for k, o in enumerate(outs, 1):
+        c = o.outputs[0]
+        assert c.token_ids == full.token_ids[:k] and c.logprobs == full.logprobs[:k]
+        assert c.text == full.text[:len(c.text)]
 
 
 def test_metrics_are_ordered_and_on_the_monotonic_clock(llama_path):

@@ -28,6 +28,7 @@ import numpy as np
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.outputs import (
     CompletionOutput,
+    ListPrefix,
     RequestOutput,
     RequestOutputKind,
     RequestStateStats,
@@ -154,7 +155,7 @@ def final_completion(req: RequestState, seq: SeqState, f: Any) -> CompletionOutp
     tokens = f.output_token_ids
     logprobs = seq.logprobs
     text = f.text if f.text is not None else ""
-    if seq.token_ids is not None:  # CUMULATIVE: its outputs' shared list ends complete too
+    if seq.token_ids is not None:  # CUMULATIVE (the sequence's list stops growing here)
         seq.token_ids.extend(tokens[len(seq.token_ids):])
         tokens = seq.token_ids
     elif req.kind == _DELTA:
@@ -171,9 +172,11 @@ def final_completion(req: RequestState, seq: SeqState, f: Any) -> CompletionOutp
 def _live_completion(req: RequestState, seq: SeqState) -> CompletionOutput | None:
     """A live sequence's completion in a streaming output (None: nothing new for DELTA)."""
     if req.kind == _CUMULATIVE:
-        seq.num_emitted = len(seq.token_ids)
-        # Positional: these run once per streaming output per step.
-        return CompletionOutput(seq.index, seq.text.snapshot(), seq.token_ids, seq.cumulative_logprob, seq.logprobs)
+        n = seq.num_emitted = len(seq.token_ids)
+        # Positional: these run once per streaming output per step. Snapshots: the sequence's
+        # lists grow on the engine's thread while a consumer may read this output on its own.
+        return CompletionOutput(seq.index, seq.text.snapshot(), ListPrefix(seq.token_ids, n), seq.cumulative_logprob,
+                                None if seq.logprobs is None else ListPrefix(seq.logprobs, n))
     if seq.step_tokens is None:
         return None
     start = seq.num_emitted

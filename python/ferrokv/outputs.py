@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 __all__ = [
     "CompletionOutput",
+    "ListPrefix",
     "FinishReason",
     "Logprob",
     "PromptLogprobs",
@@ -160,27 +161,42 @@ class _TextSnapshot:
         return "".join(self.pieces[: self.n])
 
 
+class ListPrefix:
+    """The first ``n`` items of a list that is only appended to (a CUMULATIVE sequence's token ids
+    or logprobs): an output built per step holds one in O(1) and copies it when first read, so
+    the output stays as it was built while the engine appends, also from the engine's thread (a
+    slice is one step under the GIL)."""
+
+    __slots__ = ("items", "n")
+
+    def __init__(self, items: list[Any], n: int) -> None:
+        self.items, self.n = items, n
+
+    def take(self) -> list[Any]:
+        return self.items[: self.n]
+
+
 class CompletionOutput:
     """One of the ``n`` completions of a request (cumulative: text/token_ids so far).
 
     A plain attribute class with vLLM's fields (``index``, ``text``, ``token_ids``,
     ``cumulative_logprob``, ``logprobs``, ``finish_reason``, ``stop_reason``, ``lora_request``:
     None, as no adapter is supported); ``text`` may be given as a ``TextSoFar`` snapshot, joined
-    the first time it is read."""
+    the first time it is read, and ``token_ids``/``logprobs`` as ``ListPrefix``es, copied then."""
 
-    __slots__ = ("index", "_text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
+    __slots__ = ("index", "_text", "_token_ids", "cumulative_logprob", "_logprobs", "finish_reason", "stop_reason",
                  "lora_request")
 
-    def __init__(self, index: int, text: str | _TextSnapshot, token_ids: list[int],
-                 cumulative_logprob: float | None = None, logprobs: SampleLogprobs | None = None,
+    def __init__(self, index: int, text: str | _TextSnapshot, token_ids: list[int] | ListPrefix,
+                 cumulative_logprob: float | None = None, logprobs: SampleLogprobs | ListPrefix | None = None,
                  finish_reason: FinishReason | None = None, stop_reason: int | str | None = None,
                  lora_request: Any = None) -> None:
         self.lora_request = lora_request
         self.index = index
         self._text = text
-        self.token_ids = token_ids
+        self._token_ids = token_ids
         self.cumulative_logprob = cumulative_logprob
-        self.logprobs = logprobs
+        self._logprobs = logprobs
         self.finish_reason = finish_reason
         self.stop_reason = stop_reason
 
@@ -194,6 +210,28 @@ class CompletionOutput:
     @text.setter
     def text(self, value: str) -> None:
         self._text = value
+
+    @property
+    def token_ids(self) -> list[int]:
+        t = self._token_ids
+        if t.__class__ is ListPrefix:
+            t = self._token_ids = t.take()
+        return t
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        self._token_ids = value
+
+    @property
+    def logprobs(self) -> SampleLogprobs | None:
+        lp = self._logprobs
+        if lp.__class__ is ListPrefix:
+            lp = self._logprobs = lp.take()
+        return lp
+
+    @logprobs.setter
+    def logprobs(self, value: SampleLogprobs | None) -> None:
+        self._logprobs = value
 
     def _key(self) -> tuple:
         return (self.index, self.text, self.token_ids, self.cumulative_logprob, self.logprobs,
