@@ -81,7 +81,7 @@ def test_a_snapshot_without_config_is_not_a_model(model, tmp_path):
     partial.mkdir()
     (partial / "tokenizer.json").write_bytes((model / "tokenizer.json").read_bytes())
     add_to_hub_cache(tmp_path / "cache", "org/partial", partial)
-    with pytest.raises(ValueError, match="'org/partial' is not a local directory and is not in the Hugging Face"):
+    with pytest.raises(ValueError, match=r"'org/partial' is in the Hugging Face cache \(.*\) but has no config.json"):
         resolve_model_path("org/partial", download_dir=tmp_path / "cache")
     # A tokenizer needs no config.json.
     assert resolve_tokenizer_path("org/partial", download_dir=tmp_path / "cache").name != "partial"

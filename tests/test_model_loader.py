@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pickle
 import os
 
 import pytest
@@ -116,6 +117,27 @@ def test_a_truncated_weights_file_is_a_value_error_naming_it(tmp_path, fmt):
     (weights,) = tmp_path.glob("*.safetensors" if fmt == "safetensors" else "*.bin")
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ValueError, match=rf"model: weights file .*{weights.name}.* cannot be read"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("content", [
+    b"version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123\n",  # an LFS pointer
+    pickle.dumps({"x": __import__("collections").OrderedDict}),  # a pickle of more than tensors
+])
+def test_a_bin_file_of_no_plain_tensors_is_a_value_error_naming_it(tmp_path, content):
+    make_tiny_hf_model("llama").save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(content)
+    with pytest.raises(ValueError, match=r"model: weights file .*pytorch_model.bin.* no PyTorch checkpoint") as e:
+        load_model(tmp_path)
+    assert "weights_only" not in str(e.value)  # torch's advice to run the file's code is not passed on
+
+
+def test_a_link_to_a_missing_weights_file_says_so(tmp_path):
+    make_tiny_hf_model("llama").save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "blobs" / "0123")
+    with pytest.raises(ValueError, match=r"model.safetensors' is a link to a missing file .*blobs/0123"):
         load_model(tmp_path)
 
 
@@ -284,6 +306,11 @@ def test_pytorch_bin_checkpoints_load_as_vllm_falls_back_to_them(tmp_path, shard
         load_model(tmp_path / "pt", load_format="safetensors")
     with pytest.raises(ValueError, match=r"has no pytorch_model.bin \(or pytorch_model.bin.index.json\)"):
         load_model(tmp_path / "st", load_format="pt")
+    if shards > 1:  # shards without their index load too (vLLM globs them), a training run's files aside
+        (tmp_path / "pt" / "pytorch_model.bin.index.json").unlink()
+        torch.save({"lr": torch.zeros(1)}, tmp_path / "pt" / "training_args.bin")
+        again = load_model(tmp_path / "pt")
+        assert all(torch.equal(pa, pb) for pa, pb in zip(ref.state_dict().values(), again.state_dict().values()))
 
 
 def test_safetensors_win_over_bin_unless_load_format_pt(tmp_path):

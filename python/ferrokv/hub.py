@@ -67,9 +67,8 @@ def _how_to_get(repo_id: str, revision: str | None, download_dir: str | os.PathL
     return f"`{cmd}`"
 
 
-def _cached(repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
-            required: str | None) -> Path | None:
-    """The cached snapshot, or None when it is missing, incomplete or lacks ``required``."""
+def _cached(repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The cached snapshot, or None when it is missing or incomplete."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -78,8 +77,7 @@ def _cached(repo_id: str, revision: str | None, download_dir: str | os.PathLike[
                                       allow_patterns=ALLOW_PATTERNS, local_files_only=True))
     except LocalEntryNotFoundError:  # IncompleteSnapshotError included
         return None
-    # A snapshot folder without config.json is a download that stopped before it: not a model.
-    return path if required is None or (path / required).is_file() else None
+    return path
 
 
 def _download(repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
@@ -117,12 +115,19 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
     ``what`` names the field in errors; ``required`` is a file a usable snapshot must hold;
     ``hint`` is appended to the offline error (another way to get the model).
     """
-    path = _cached(repo_id, revision, download_dir, required)
-    if path is not None:
+    path = _cached(repo_id, revision, download_dir)
+    # A snapshot folder without config.json is a download that stopped before it, or no model.
+    if path is not None and (required is None or (path / required).is_file()):
         logger.debug("%s %s: cached snapshot %s", what, repo_id, path)
         return _with_pt_weights(path, repo_id, revision, download_dir, what)
     if hub_offline():
         at = f" at revision {revision!r}" if revision is not None else ""
+        if path is not None:
+            raise ValueError(
+                f"{what}: {repo_id!r}{at} is in the Hugging Face cache ({path}) but has no {required} (a download "
+                f"that did not finish, or a repository with no {what}), and HF_HUB_OFFLINE is set, so it cannot "
+                f"be downloaded; download it again ({_how_to_get(repo_id, revision, download_dir)}), "
+                f"unset HF_HUB_OFFLINE{hint}, or pass a local folder")
         raise ValueError(
             f"{what}: {repo_id!r}{at} is not a local directory and is not in the Hugging Face cache "
             f"({_cache_dir(download_dir)}), and HF_HUB_OFFLINE is set, so it cannot be downloaded; "

@@ -27,6 +27,7 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -92,23 +93,39 @@ def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None =
 
 
 def _checkpoint(folder: Path, index_name: str, single_name: str) -> list[Path] | None:
-    """The files of one checkpoint format: its index's shards, or its single file, or (safetensors,
-    as vLLM) every ``*.safetensors`` file when there is neither (None: nothing of the format)."""
+    """The files of one checkpoint format: its index's shards, or its single file, or (as vLLM)
+    every file of its suffix when there is neither, a training run's leftovers excepted (None:
+    nothing of the format)."""
     index = folder / index_name
-    if index.is_file():
+    if _present(index):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"model: {str(index)!r} has no weight_map object")
         files = sorted(set(weight_map.values()))
-        missing = [name for name in files if not (folder / name).is_file()]
+        missing = [name for name in files if not _present(folder / name)]
         if missing:
             raise ValueError(f"model: shard(s) {missing} listed in {index} are missing")
         return [folder / name for name in files]
     single = folder / single_name
-    if single.is_file():
+    if _present(single):
         return [single]
-    others = sorted(p for p in folder.glob("*.safetensors") if p.is_file()) if single.suffix == ".safetensors" else []
+    others = [p for p in sorted(folder.glob("*" + single.suffix)) if p.name not in _NOT_WEIGHTS and _present(p)]
     return others or None
+
+
+# Files a training run leaves beside the weights (vLLM's filter_files_not_needed_for_inference).
+_NOT_WEIGHTS = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
+
+
+def _present(path: Path) -> bool:
+    """Whether a checkpoint file is there; a link to nothing (a Hugging Face cache blob that an
+    interrupted download never wrote) is a ValueError naming it."""
+    if path.is_file():
+        return True
+    if path.is_symlink():
+        raise ValueError(f"model: {str(path)!r} is a link to a missing file ({os.readlink(path)}): a download "
+                         "that did not finish; download the model again")
+    return False
 
 
 def weight_files(folder: Path, load_format: str = "auto") -> list[Path]:
@@ -135,6 +152,10 @@ def iter_weights(path: str | os.PathLike[str], load_format: str = "auto") -> Ite
             yield from _file_weights(file)
         except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as e:  # truncated or corrupt
             raise ValueError(f"model: weights file {str(file)!r} cannot be read ({type(e).__name__}: {e})") from None
+        except pickle.UnpicklingError:  # torch's message would advise running the file's code
+            raise ValueError(f"model: weights file {str(file)!r} cannot be read: it is no PyTorch checkpoint of "
+                             "plain tensors (a Git LFS pointer, a partial download, or a pickle that runs code, "
+                             "which ferrokv never loads)") from None
 
 
 def _file_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
