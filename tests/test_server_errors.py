@@ -264,6 +264,34 @@ def test_400_top_logprobs_without_logprobs(http):
     assert err["param"] in ("top_logprobs", "logprobs")
 
 
+def test_minus_one_logprobs_are_every_token_only_on_an_uncapped_server():
+    """vLLM's: top_logprobs and prompt_logprobs -1 ask for every token, which --max-logprobs -1
+    serves and a capped server refuses naming the flag; completions' logprobs takes no -1."""
+    from ferrokv.entrypoints.openai.protocol import OpenAIError, parse_chat_request, parse_completion_request
+    from ferrokv.entrypoints.openai.serving_chat import _logprobs
+    from ferrokv.outputs import CompletionOutput, Logprob
+
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = parse_chat_request({"messages": msgs, "logprobs": True, "top_logprobs": -1, "prompt_logprobs": -1},
+                              max_logprobs=-1)
+    assert (chat.top_logprobs, chat.params.logprobs, chat.params.prompt_logprobs) == (-1, -1, -1)
+    entry = {t: Logprob(-float(t), rank=t) for t in (1, 2, 3)}
+    listed = _logprobs(CompletionOutput(0, "", [1], None, [entry]), chat.top_logprobs, False)
+    assert len(listed["content"][0]["top_logprobs"]) == 3
+    assert parse_completion_request({"prompt": "x", "prompt_logprobs": -1}, max_logprobs=-1).params.prompt_logprobs == -1
+    for parse, body, field in [
+        (parse_chat_request, {"messages": msgs, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        (parse_completion_request, {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ]:
+        with pytest.raises(OpenAIError, match=r"must be an integer in \[0, 20\].*needs --max-logprobs -1") as e:
+            parse(body)
+        assert e.value.param == field
+    with pytest.raises(OpenAIError, match=r"logprobs must be an integer >= 0 \(") as e:
+        parse_completion_request({"prompt": "x", "logprobs": -1}, max_logprobs=-1)
+    with pytest.raises(OpenAIError, match="not available with stream"):
+        parse_completion_request({"prompt": "x", "prompt_logprobs": -1, "stream": True}, max_logprobs=-1)
+
+
 # ------------------------------------------------------------------------------------------------
 # 400: malformed JSON; a prompt that is too long
 # ------------------------------------------------------------------------------------------------
@@ -558,7 +586,7 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser", "hermes"]),
     (["--chat-template", "/no/such/template.jinja"], ["--chat-template", "/no/such/template.jinja"]),
     (["--chat-template-content-format", "parts"], ["--chat-template-content-format", "'parts'"]),
-    (["--tool-call-parser", "mistral"], ["--tool-call-parser", "'mistral'"]),
+    (["--tool-call-parser", "granite"], ["--tool-call-parser", "'granite'"]),
     (["--model", "/some/other/model"], ["model", "/some/other/model"]),
     (["--block-size", "24"], ["block_size", "24"]),
     (["--max-num-seqs", "0"], ["max_num_seqs", "0"]),

@@ -99,13 +99,18 @@ def _int(body: Mapping[str, Any], name: str, default: Any, lo: int, hi: int) -> 
     return v
 
 
-def _logprobs(body: Mapping[str, Any], name: str, max_logprobs: int) -> int | None:
-    """A logprobs count, within the engine's ``max_logprobs`` (-1: no cap), as vLLM checks it."""
+def _logprobs(body: Mapping[str, Any], name: str, max_logprobs: int, whole_vocab: bool = True) -> int | None:
+    """A logprobs count, within the engine's ``max_logprobs`` (-1: no cap), as vLLM checks it;
+    ``whole_vocab``: -1 asks for every token (``prompt_logprobs``, ``top_logprobs``), which only
+    an uncapped server serves."""
     v = _opt(body, name)
-    if v is not None and (not _is_int(v) or v < 0 or (max_logprobs != -1 and v > max_logprobs)):
-        bound = "an integer >= 0" if max_logprobs == -1 else f"an integer in [0, {max_logprobs}]"
-        raise bad(name, f"{name} must be {bound} (the server's --max-logprobs), got {shown(v)}")
-    return v
+    uncapped = max_logprobs == -1
+    if v is None or _is_int(v) and (0 <= v and (uncapped or v <= max_logprobs) or v == -1 and uncapped and whole_vocab):
+        return v
+    bound = "an integer >= 0" if uncapped else f"an integer in [0, {max_logprobs}]"
+    every = " or -1 (every token)" if whole_vocab and uncapped else ""
+    more = "; -1 (every token) needs --max-logprobs -1" if whole_vocab and not uncapped and v == -1 else ""
+    raise bad(name, f"{name} must be {bound}{every} (the server's --max-logprobs), got {shown(v)}{more}")
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool | None, where: str = "") -> bool:
@@ -228,7 +233,7 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
     if prompt_logprobs is not None and _bool(body, "stream", False):
         # vLLM: a stream carries no prompt logprobs, so asking for alternatives is an error
         # and prompt_logprobs=0 is accepted and not computed.
-        if prompt_logprobs > 0:
+        if prompt_logprobs != 0:
             raise bad("prompt_logprobs", f"prompt_logprobs are not available with stream: true, got "
                                          f"prompt_logprobs={prompt_logprobs}")
         prompt_logprobs = None
@@ -459,7 +464,7 @@ def parse_completion_request(body: Any, stream_kind: RequestOutputKind = Request
     if body.get("prompt") is None:
         raise bad("prompt", "prompt is required")
     prompts = _prompts(body["prompt"])
-    logprobs = _logprobs(body, "logprobs", max_logprobs)
+    logprobs = _logprobs(body, "logprobs", max_logprobs, whole_vocab=False)  # vLLM: "a positive value"
     stream = _bool(body, "stream", False)
     kind = stream_kind if stream else RequestOutputKind.FINAL_ONLY
     # vLLM's echo: the prompt leads each choice's text (and its logprobs, the prompt's); with

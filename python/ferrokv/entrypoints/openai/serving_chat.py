@@ -45,7 +45,8 @@ def _logprobs(c: CompletionOutput, top_n: int, as_ids: bool) -> dict[str, Any] |
     content = []
     for tid, entry in zip(c.token_ids, c.logprobs):
         item = _top(tid, entry[tid], as_ids)
-        ranked = sorted(((lp.rank or 0, t, lp) for t, lp in entry.items() if lp.rank and lp.rank <= top_n))
+        # top_n -1: every token (vLLM's, under --max-logprobs -1).
+        ranked = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank and (top_n < 0 or lp.rank <= top_n))
         item["top_logprobs"] = [_top(t, lp, as_ids) for _, t, lp in ranked]
         content.append(item)
     return {"content": content}
