@@ -138,8 +138,21 @@ def test_echo_puts_the_prompt_first_as_vllm(client, reference):
                              use_tqdm=False)[0].prompt_logprobs
     for got, entry, tid in zip(lp.token_logprobs[1:], ref[1:], ids[1:]):
         assert got == pytest.approx(entry[tid].logprob, abs=1e-4)
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs is not supported with stream"):
-        list(complete(client, echo=True, logprobs=1, stream=True))
+    # Streamed, each choice's first chunk leads with the prompt and its logprobs (vLLM's); the
+    # pieces add up to the whole answer. Token names as ids too (the prompt's first as well).
+    for max_tokens, as_ids in ((0, False), (3, False), (3, True)):
+        kw = dict(max_tokens=max_tokens, echo=True, logprobs=2, n=2, temperature=1.0, seed=5,
+                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": as_ids})
+        whole = {c.index: c for c in complete(client, **kw).choices}
+        got: dict[int, list] = {}
+        for ch in complete(client, stream=True, **kw):
+            (c,) = ch.choices
+            text, tokens, lps, offsets = got.setdefault(c.index, ["", [], [], []])
+            got[c.index] = [text + c.text, tokens + c.logprobs.tokens, lps + c.logprobs.token_logprobs,
+                            offsets + c.logprobs.text_offset]
+        for i, w in whole.items():
+            assert got[i] == [w.text, w.logprobs.tokens, w.logprobs.token_logprobs, w.logprobs.text_offset]
+            assert w.text.startswith(PROMPT) and (w.logprobs.tokens[0] == f"token_id:{ids[0]}") == as_ids
     with pytest.raises(openai.BadRequestError, match="max_tokens must be an integer in \\[1,"):
         complete(client, max_tokens=0)
 
@@ -304,6 +317,29 @@ def test_stream_include_usage(client, endpoint):
     counts = [c.usage.completion_tokens for c in body]
     assert all(c.usage.prompt_tokens == expected_prompt for c in body) and counts == sorted(counts)
     assert counts[-1] == last.usage.completion_tokens == 7
+    if endpoint == "chat":  # the role chunk comes before any token (vLLM's 0)
+        assert body[0].choices[0].delta.role == "assistant" and counts[0] == 0
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_stream_sends_one_choice_per_chunk_with_its_own_usage(client, endpoint):
+    """As vLLM and OpenAI: every chunk carries one choice (a client reading choices[0] loses
+    nothing), and continuous usage counts that choice's tokens and its prompt's."""
+    call = complete if endpoint == "completions" else chat
+    prompts = {"prompt": [PROMPT, "Once upon a time"]} if endpoint == "completions" else {}
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    *body, last = list(call(client, n=2, max_tokens=5, stream=True, stream_options=opts, **prompts))
+    assert all(len(c.choices) == 1 for c in body)
+    seen: dict[int, list[int]] = {}
+    for c in body:
+        seen.setdefault(c.choices[0].index, []).append(c.usage.completion_tokens)
+    assert sorted(seen) == list(range(4 if prompts else 2))
+    assert all(counts == sorted(counts) and counts[-1] == 5 for counts in seen.values())
+    assert last.usage.completion_tokens == 5 * len(seen)
+    if prompts:  # each chunk counts its own prompt
+        lens = [len(prompt_ids(p)) for p in prompts["prompt"]]
+        assert all(c.usage.prompt_tokens == lens[c.choices[0].index // 2] for c in body)
+        assert last.usage.prompt_tokens == sum(lens)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -470,8 +470,6 @@ def parse_completion_request(body: Any, stream_kind: RequestOutputKind = Request
     # vLLM's echo: the prompt leads each choice's text (and its logprobs, the prompt's); with
     # max_tokens 0 (what lm-eval's loglikelihood sends) the choice is the prompt alone.
     echo = _bool(body, "echo", False)
-    if echo and logprobs is not None and stream:
-        raise bad("echo", "echo with logprobs is not supported with stream: true yet")
     max_tokens = _max_tokens(body, 16, lo=0 if echo else 1)
     params, source = sampling_params(body, max_tokens or 1, logprobs, kind, defaults, max_logprobs)
     if echo and logprobs is not None and params.prompt_logprobs is None:

@@ -71,17 +71,20 @@ class ChatAnswer:
                      "model": model}
         self.prompt_tokens = 0
         self.cached = 0
-        self.completion_tokens = 0
+        self.choice_tokens: dict[int, int] = {}  # generated tokens per choice index
         self.started: set[int] = set()
         self.parsers: dict[int, ToolCallParser] = {}  # per choice, when the request uses tools
 
     def count(self, out: RequestOutput) -> None:
         self.prompt_tokens = len(out.prompt_token_ids)
         self.cached = max(self.cached, out.num_cached_tokens)
-        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        for c in out.outputs:
+            self.choice_tokens[c.index] = self.choice_tokens.get(c.index, 0) + len(c.token_ids)
 
-    def usage(self) -> dict[str, Any]:
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached)
+    def usage(self, index: int | None = None) -> dict[str, Any]:
+        """The call's usage, or (vLLM's continuous usage of a chunk) choice ``index``'s so far."""
+        generated = sum(self.choice_tokens.values()) if index is None else self.choice_tokens.get(index, 0)
+        return usage(self.prompt_tokens, generated, self.cached)
 
     def logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
         return _logprobs(c, self.req.top_logprobs, self.req.tokens_as_ids) if self.req.logprobs else None
@@ -166,10 +169,14 @@ def _stream(gen: Generation, call: ChatAnswer) -> Any:
     include_usage = call.req.include_usage
     head = call.head
 
-    def chunk(choices: list[Any]) -> dict[str, Any]:
-        c = {**head, "choices": choices}
-        if include_usage:
-            c["usage"] = call.usage() if call.req.continuous_usage else None
+    def chunk(choice: dict[str, Any], generated: bool = True) -> dict[str, Any]:
+        """One choice's chunk; with continuous usage, that choice's tokens so far (none before
+        its content: the role and echo chunks, as vLLM counts them)."""
+        c = {**head, "choices": [choice]}
+        if include_usage and not call.req.continuous_usage:
+            c["usage"] = None
+        elif include_usage:
+            c["usage"] = call.usage(choice["index"]) if generated else usage(call.prompt_tokens, 0, call.cached)
         return c
 
     def chunks(i: int, out: RequestOutput) -> list[Any]:
@@ -180,20 +187,20 @@ def _stream(gen: Generation, call: ChatAnswer) -> Any:
             if c.index not in call.started:
                 first = not call.started
                 call.started.add(c.index)
-                events.append(chunk([{"index": c.index, "delta": {"role": call.role, "content": ""},
-                                      "logprobs": None, "finish_reason": None}]))
+                events.append(chunk({"index": c.index, "delta": {"role": call.role, "content": ""},
+                                     "logprobs": None, "finish_reason": None}, generated=False))
                 if with_ids and first:
                     events[-1]["prompt_token_ids"] = list(out.prompt_token_ids)
                 if call.echo:
-                    events.append(chunk([{"index": c.index, "delta": {"content": call.echo}, "logprobs": None,
-                                          "finish_reason": None}]))
+                    events.append(chunk({"index": c.index, "delta": {"content": call.echo}, "logprobs": None,
+                                         "finish_reason": None}, generated=False))
             delta = call.delta(c)
             if not delta.get("content") and "tool_calls" not in delta and c.finish_reason is None \
                     and c.logprobs is None and not (with_ids and c.token_ids):
                 continue  # a token that completes no character (or call) yet: nothing to send
-            events.append(chunk([{"index": c.index, "delta": delta, "logprobs": call.logprobs(c),
-                                  "finish_reason": call.finish_reason(c), "stop_reason": c.stop_reason,
-                                  **({"token_ids": list(c.token_ids)} if with_ids else {})}]))
+            events.append(chunk({"index": c.index, "delta": delta, "logprobs": call.logprobs(c),
+                                 "finish_reason": call.finish_reason(c), "stop_reason": c.stop_reason,
+                                 **({"token_ids": list(c.token_ids)} if with_ids else {})}))
         return events
 
     def tail() -> list[Any]:

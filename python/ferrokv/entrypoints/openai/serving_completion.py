@@ -2,15 +2,18 @@
 
 Choices are numbered ``prompt_index * n + sample_index``, as in OpenAI and vLLM. Non-streaming
 requests run ``FINAL_ONLY`` (one output each); streaming ones ``DELTA``, one chunk per choice
-that moved per engine step, then a usage chunk if ``stream_options.include_usage`` (and, with
-vLLM's ``continuous_usage_stats``, the usage so far in every chunk), then ``data: [DONE]``.
+that moved per engine step (one choice per chunk, as vLLM and OpenAI send them), then a usage
+chunk if ``stream_options.include_usage`` (and, with vLLM's ``continuous_usage_stats``, each
+chunk's own: its prompt's tokens and its choice's so far), then ``data: [DONE]``.
 ``logprobs`` follow OpenAI's completion shape (``tokens``, ``token_logprobs``,
 ``top_logprobs``, ``text_offset``; the sampled token first in each ``top_logprobs`` entry, which
 keeps a key that several tokens decode to, e.g. a partial UTF-8 character). ``prompt_logprobs``
 (vLLM's extra) are in each non-streamed choice, as vLLM sends them: one entry per prompt token,
 ``null`` for the first, else ``{"token id": {logprob, rank, decoded_token}}``. ``echo`` (vLLM's)
 puts the prompt first in each choice's text and, with ``logprobs``, its logprobs first (computed
-as prompt logprobs; the first token has none); ``max_tokens: 0`` then reports the prompt alone.
+as prompt logprobs; the first token has none); streamed, in each choice's first chunk (a
+stream's prompt logprobs are all in the request's first output, which comes with its first
+tokens); ``max_tokens: 0`` then reports the prompt alone.
 Costs: O(tokens) per response for the text and logprobs, nothing per step beyond the chunks.
 """
 
@@ -75,8 +78,8 @@ class _Logprobs:
         whose text is ``first_text``: it has no logprob)."""
         tokens, lps, tops, offsets = [], [], [], []
         for tid, entry in zip(token_ids, entries):
-            if entry is None:
-                tokens.append(first_text)
+            if entry is None:  # named by its id too under return_tokens_as_token_ids (vLLM's)
+                tokens.append(f"token_id:{tid}" if self.as_ids else first_text)
                 lps.append(None)
                 tops.append(None)
             else:
@@ -104,8 +107,9 @@ class _Completion:
         self.n = req.params.n
         self.logprobs: dict[int, _Logprobs] = {}
         self.prompt_tokens: dict[int, int] = {}
+        self.prompt_logprobs: dict[int, list[Any]] = {}  # per prompt: echo's, as the outputs bring them
         self.cached: dict[int, int] = {}
-        self.completion_tokens = 0
+        self.choice_tokens: dict[int, int] = {}  # generated tokens per choice index
 
     def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         index = i * self.n + c.index
@@ -118,7 +122,7 @@ class _Completion:
             text = prompt + text
             if lp is not None:
                 first = self.tokenizer.decode(out.prompt_token_ids[:1])
-                logprobs = lp.piece(out.prompt_token_ids, out.prompt_logprobs or [], first)
+                logprobs = lp.piece(out.prompt_token_ids, self.prompt_logprobs.get(i, []), first)
         if lp is not None:
             rest = lp.piece(ids, entries)
             logprobs = rest if logprobs is None else {k: logprobs[k] + rest[k] for k in logprobs}
@@ -131,13 +135,22 @@ class _Completion:
         return choice
 
     def count(self, i: int, out: RequestOutput) -> None:
+        """Takes output ``out`` of prompt ``i`` in (before its choices are made)."""
         self.prompt_tokens[i] = len(out.prompt_token_ids)
+        if out.prompt_logprobs:  # a stream's (DELTA) come once; FINAL_ONLY's once whole
+            self.prompt_logprobs.setdefault(i, []).extend(out.prompt_logprobs)
         self.cached[i] = max(self.cached.get(i, 0), out.num_cached_tokens)
         if self.req.generate:  # echo with max_tokens 0 generates nothing it reports
-            self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            for c in out.outputs:
+                index = i * self.n + c.index
+                self.choice_tokens[index] = self.choice_tokens.get(index, 0) + len(c.token_ids)
 
     def usage(self) -> dict[str, Any]:
-        return usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached.values()))
+        return usage(sum(self.prompt_tokens.values()), sum(self.choice_tokens.values()), sum(self.cached.values()))
+
+    def choice_usage(self, i: int, index: int) -> dict[str, Any]:
+        """vLLM's continuous usage of one choice's chunk: its prompt's tokens and its own."""
+        return usage(self.prompt_tokens[i], self.choice_tokens.get(index, 0), self.cached[i])
 
     def head(self, created: int) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": created, "model": self.model}
@@ -179,17 +192,16 @@ def _stream(gen: Generation, call: _Completion, created: int) -> Any:
 
     def chunks(i: int, out: RequestOutput) -> list[Any]:
         call.count(i, out)
-        # A token that completes no character yet has nothing to send (unless it has logprobs).
-        choices = [call.choice(i, out, c) for c in out.outputs
-                   if c.text or c.finish_reason is not None or c.logprobs is not None
-                   or (call.req.echo and i * call.n + c.index not in call.echoed)
-                   or (call.req.token_ids and c.token_ids)]
-        if not choices:
-            return []
-        chunk = {**head, "choices": choices}
-        if include_usage:
-            chunk["usage"] = call.usage() if call.req.continuous_usage else None
-        return [chunk]
+        events = []
+        for c in out.outputs:
+            # A token that completes no character yet has nothing to send (unless it has logprobs).
+            if c.text or c.finish_reason is not None or c.logprobs is not None \
+                    or (call.req.echo and i * call.n + c.index not in call.echoed) or (call.req.token_ids and c.token_ids):
+                choice = call.choice(i, out, c)
+                events.append({**head, "choices": [choice]})
+                if include_usage:
+                    events[-1]["usage"] = call.choice_usage(i, choice["index"]) if call.req.continuous_usage else None
+        return events
 
     def tail() -> list[Any]:
         return [{**head, "choices": [], "usage": call.usage()}] if include_usage else []
