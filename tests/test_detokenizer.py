@@ -143,11 +143,14 @@ def test_the_first_completed_stop_wins_and_the_lists_order_breaks_ties(tok):
     d = IncrementalDetokenizer(tok, stop=["cat runs", "cat"])
     out = d.extend(ids)
     assert d.stop_reason == "cat" and out == d.text == "The "
-    # Several stops completed by one delta: the first in the list wins (vLLM's rule).
-    d = IncrementalDetokenizer(tok, stop=["xyz", "bc"], include_stop_str_in_output=True)
-    d.num_tokens = 1
-    d._emit("abcdxyz")
-    assert d.stop_reason == "xyz" and d.text == "abcdxyz"
+    # Several stops completed by one delta: the one that ends first wins, as if the delta came
+    # one character at a time (the text never holds a stop string); the list breaks ties.
+    for stop, include, want in ((["xyz", "bc"], True, ("bc", "abc")), (["xyz", "bc"], False, ("bc", "a")),
+                                (["bcd", "cd"], False, ("bcd", "a")), (["cd", "bcd"], True, ("cd", "abcd"))):
+        d = IncrementalDetokenizer(tok, stop=stop, include_stop_str_in_output=include)
+        d.num_tokens = 1
+        d._emit("abcdxyz")
+        assert (d.stop_reason, d.text) == want, stop
 
 
 def test_multibyte_stop_string(tok):

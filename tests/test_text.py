@@ -189,6 +189,21 @@ def test_stop_string_spanning_tokens_is_reported_by_the_completing_append(pair):
     assert "runs" not in "".join(deltas) and "More" not in out  # nothing past the stop leaks
 
 
+def test_of_stops_one_token_completes_the_first_to_end_wins(pair):
+    """As if the token's text came one character at a time: the stop that ends first wins, so
+    the text never holds a stop string; the list's order only breaks ties."""
+    _, tok, model = pair
+    tid, piece = next((i, tok.decode([i])) for i in range(len(tok)) if len(tok.decode([i])) >= 4
+                      and tok.decode([i]).isalpha())
+    for stops, include, want in (([piece[-2:], piece[-3:-1]], False, (piece[:-3], 1)),
+                                 ([piece[-2:], piece[-3:-1]], True, (piece[:-1], 1)),
+                                 ([piece[-2:], piece[-3:]], False, (piece[:-2], 0)),  # same end: the list's first
+                                 ([piece[-3:], piece[-2:]], True, (piece, 0))):
+        out, _, stop, _ = rust_run(model, [], [tid], stop=stops, include_stop_str_in_output=include)
+        assert (out, stop) == want, (piece, stops)
+        assert py_run(tok, [], [tid], stop=stops, include_stop_str_in_output=include)[::2] == (out, stops[stop])
+
+
 def test_include_stop_str_and_min_tokens(pair):
     _, tok, model = pair
     text = "the cat runs the cat sleeps"

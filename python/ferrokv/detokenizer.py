@@ -275,9 +275,13 @@ class IncrementalDetokenizer:
         s = self._tail + delta
         base = len(self._tail)  # s[:base] was already searched
         if self.num_tokens > self._min_tokens:
-            # Only matches that end inside the new delta are new; the list's order decides.
-            found = next(((i, stop) for stop in self._stop
-                          if (i := s.find(stop, max(0, base - len(stop) + 1))) != -1), None)
+            # Only matches that end inside the new delta are new; the one that ends first wins
+            # (as if the delta came one character at a time), the list's order breaking ties.
+            found = None
+            for stop in self._stop:
+                i = s.find(stop, max(0, base - len(stop) + 1))
+                if i != -1 and (found is None or i + len(stop) < found[0] + len(found[1])):
+                    found = (i, stop)
             if found is not None:
                 i, stop = found
                 cut = i + len(stop) if self._include_stop else i

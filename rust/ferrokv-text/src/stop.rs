@@ -5,8 +5,8 @@
 //! * Empty stop strings are ignored; reported indices are positions in the caller's list.
 //! * Searched only once `num_tokens > min_tokens`, and only for matches that end inside the new
 //!   delta: the search covers `tail + delta`, where `tail` is the last `max_stop - 1` characters
-//!   already decoded. The first stop string in the caller's list that matches wins (vLLM's
-//!   `check_stop_strings`), at its earliest match.
+//!   already decoded. The match that ends first wins (as if the delta came one character at a
+//!   time, so the text never holds a stop string), the caller's list order breaking ties.
 //! * Without `include_stop_str_in_output` the last `max_stop - 1` characters are held back from
 //!   the emitted text (`held`, always a suffix of `tail`), so a partial stop string is never
 //!   emitted and then retracted; on a stop the text is cut just before the match (or just after
@@ -140,19 +140,26 @@ impl StopScan {
         None
     }
 
-    /// The first stop string (in list order) with a match ending after `base`: (byte position
-    /// of its earliest such match, index).
+    /// The match ending after `base` that ends first, ties to the earlier stop string in the
+    /// list: (its byte position, the stop string's index).
     fn find(&self, p: &StopStrings, base_bytes: usize, base_chars: usize) -> Option<(usize, usize)> {
         let s = self.tail.as_str();
-        p.stop.iter().zip(&p.stop_chars).enumerate().find_map(|(idx, (stop, &n))| {
+        let mut best: Option<(usize, usize)> = None;
+        for (idx, (stop, &n)) in p.stop.iter().zip(&p.stop_chars).enumerate() {
             if n == 0 {
-                return None;
+                continue;
             }
             // Python: s.find(stop, max(0, base - len(stop) + 1)).
             let back = (n - 1).min(base_chars);
             let from = back_chars(&s[..base_bytes], back);
-            s[from..].find(stop.as_str()).map(|i| (from + i, idx))
-        })
+            if let Some(i) = s[from..].find(stop.as_str()) {
+                let end = from + i + stop.len();
+                if best.map_or(true, |(pos, j)| end < pos + p.stop[j].len()) {
+                    best = Some((from + i, idx));
+                }
+            }
+        }
+        best
     }
 
     /// Releases the held-back text into `out` (end of sequence) and clears the scan.
@@ -174,16 +181,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn several_stops_completed_by_one_delta_the_first_in_the_list_wins() {
+    fn of_several_stops_completed_by_one_delta_the_first_to_end_wins_the_list_breaking_ties() {
         let emit = |stop: &[&str], include: bool| {
             let p = StopStrings::new(stop.iter().map(|s| s.to_string()).collect(), include, 0, true);
             let (mut scan, mut out) = (StopScan::default(), String::new());
             let idx = scan.emit(&p, 1, "abcdxyz", &mut out);
             (idx, out)
         };
-        assert_eq!(emit(&["xyz", "bc"], true), (Some(0), "abcdxyz".to_string()));
-        assert_eq!(emit(&["xyz", "bc"], false), (Some(0), "abcd".to_string()));
+        assert_eq!(emit(&["xyz", "bc"], true), (Some(1), "abc".to_string()));
+        assert_eq!(emit(&["xyz", "bc"], false), (Some(1), "a".to_string()));
         assert_eq!(emit(&["bc", "xyz"], false), (Some(0), "a".to_string()));
         assert_eq!(emit(&["", "q", "dx"], false), (Some(2), "abc".to_string()));
+        // "abcd" ends before "bc"'s later match could matter; equal ends go to the list's first.
+        assert_eq!(emit(&["cdxy", "abcd"], false), (Some(1), "".to_string()));
+        assert_eq!(emit(&["bcd", "cd"], false), (Some(0), "a".to_string()));
+        assert_eq!(emit(&["cd", "bcd"], true), (Some(0), "abcd".to_string()));
     }
 }
