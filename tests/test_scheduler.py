@@ -75,7 +75,8 @@ STATS_KEYS = {
     "steps", "requests_added", "requests_finished", "requests_aborted", "capacity_aborts",
     "preemptions", "swap_preemptions", "recompute_preemptions", "prompt_tokens",
     "prompt_tokens_computed", "output_tokens_recomputed", "cached_prompt_tokens",
-    "first_admission_cached_tokens", "decode_tokens", "generated_tokens", "max_running_seqs",
+    "first_admission_cached_tokens", "prefix_cache_queried_tokens", "decode_tokens", "generated_tokens",
+    "max_running_seqs",
     "max_step_tokens", "cancelled_steps", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "prefix_evictions",
     "num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_shared_blocks",
     "num_block_refs", "num_used_token_slots", "block_size", "num_waiting", "num_running",
@@ -686,6 +687,19 @@ def test_prefix_cache_counters_count_each_requests_first_admission():
     st = s.stats()
     assert st["preemptions"] > 0 and st["cached_prompt_tokens"] > 0  # re-admissions hit their own blocks
     assert (st["prompt_tokens"], st["first_admission_cached_tokens"]) == (48, 0)
+    assert st["prefix_cache_queried_tokens"] == 48
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefix_cache_queries_leave_out_requests_that_never_read_the_cache(caching):
+    """vLLM's queries: a request that skips cache hits (prompt logprobs) looks nothing up, nor
+    does any request with caching off."""
+    s = make(num_blocks=32, block_size=4, budget=64, enable_prefix_caching=caching, max_num_seqs=4)
+    s.add_request(1, toks(1, 12), 2)
+    s.add_request(2, toks(1, 12), 2, skip_cache_hits=True)
+    drain(s)
+    st = s.stats()
+    assert (st["prompt_tokens"], st["prefix_cache_queried_tokens"]) == (24, 12 if caching else 0)
 
 
 def test_stats_and_properties():

@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> None:
     print(
         f"\n{step} steps, {tokens_total} tokens scheduled, {st['generated_tokens']} generated, "
         f"{st['preemptions']} preemptions, prefix-cache hits {st['first_admission_cached_tokens']} of "
-        f"{st['prompt_tokens']} prompt tokens, max running {st['max_running_seqs']}"
+        f"{st['prefix_cache_queried_tokens']} looked up, max running {st['max_running_seqs']}"
     )
 
 

@@ -488,6 +488,7 @@ impl PyScheduler {
             "output_tokens_recomputed" => s.output_tokens_recomputed,
             "cached_prompt_tokens" => s.cached_prompt_tokens,
             "first_admission_cached_tokens" => s.first_admission_cached_tokens,
+            "prefix_cache_queried_tokens" => s.prefix_cache_queried_tokens,
             "decode_tokens" => s.decode_tokens,
             "generated_tokens" => s.generated_tokens,
             "max_running_seqs" => s.max_running_seqs,

@@ -45,7 +45,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 # Counter name (without the _total suffix) -> (engine stats key, help).
 _COUNTERS = {
-    "ferrokv:prefix_cache_queries": ("prompt_tokens", "Prompt tokens looked up in the prefix cache."),
+    "ferrokv:prefix_cache_queries": ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."),
     # Over the same admissions as the queries (each request's first), so hits never exceed them.
     "ferrokv:prefix_cache_hits": ("first_admission_cached_tokens", "Prompt tokens served from the prefix cache."),
     "ferrokv:num_preemptions": ("preemptions", "Sequences preempted."),

@@ -304,6 +304,9 @@ impl Scheduler {
             if i == 0 && req.num_cached_tokens.is_none() {
                 req.num_cached_tokens = Some(self.hits[0].len() * bs);
                 self.stats.prompt_tokens += req.prompt_len as u64;
+                if kv.prefix_caching() && !req.skip_cache_hits {
+                    self.stats.prefix_cache_queried_tokens += req.prompt_len as u64;
+                }
             }
             batch.rows[row].computed = (start + chunk) as u32;
         }

@@ -33,6 +33,10 @@ pub struct SchedulerStats {
     pub cached_prompt_tokens: u64,
     /// Prompt positions served from the prefix cache at each request's first admission.
     pub first_admission_cached_tokens: u64,
+    /// Prompt positions looked up in the prefix cache at each request's first admission: those
+    /// of `prompt_tokens` with caching on, the requests that skip cache hits aside (vLLM's
+    /// prefix-cache queries, the base of `first_admission_cached_tokens`).
+    pub prefix_cache_queried_tokens: u64,
     pub decode_tokens: u64,
     pub generated_tokens: u64,
     pub max_running_seqs: u64,
