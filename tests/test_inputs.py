@@ -80,6 +80,8 @@ def test_cache_salt_of_the_dict_and_of_the_keyword():
     assert prompt_cache_salt({"prompt": "x"}, "b") == "b"
     assert prompt_cache_salt({"prompt": "x", "cache_salt": "a"}, "a") == "a"
     assert prompt_cache_salt("x", None) is None
+    # An empty salt is none (vLLM salts the first block only with a non-empty one): it hits.
+    assert prompt_cache_salt("x", "") is None and prompt_cache_salt({"prompt": "x", "cache_salt": ""}, None) is None
     with pytest.raises(ValueError, match=r"prompt\['cache_salt'\]='a' differs from cache_salt='b'"):
         prompt_cache_salt({"prompt": "x", "cache_salt": "a"}, "b")
     with pytest.raises(ValueError, match=r"prompt\['cache_salt'\] must be a str"):

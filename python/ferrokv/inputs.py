@@ -104,7 +104,7 @@ def tokenized_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = Tru
 
 def prompt_cache_salt(prompt: Any, cache_salt: str | None) -> str | None:
     """The request's cache salt: the prompt dict's ``cache_salt`` and the keyword, which must
-    agree when both are given."""
+    agree when both are given; an empty one is no salt (vLLM salts only with a non-empty one)."""
     salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
     if salt is not None:
         check_text("prompt['cache_salt']", salt)
@@ -112,7 +112,7 @@ def prompt_cache_salt(prompt: Any, cache_salt: str | None) -> str | None:
         check_text("cache_salt", cache_salt)
     if salt is not None and cache_salt is not None and salt != cache_salt:
         raise ValueError(f"prompt['cache_salt']={salt!r} differs from cache_salt={cache_salt!r}; give one of them")
-    return salt if salt is not None else cache_salt
+    return (salt if salt is not None else cache_salt) or None
 
 
 def _is_int(x: Any) -> bool:
