@@ -120,6 +120,13 @@ def test_greedy_matches_transformers(model, config, tiny_model_dir, hf_greedy):
             expected = [(len(p) - 1) // bs * bs for p in prompts]
             assert [o.num_cached_tokens for o in outs] == expected
             assert after - before == sum(expected)
+            # vLLM's skip_reading_prefix_cache: the same prompts computed whole, the same tokens.
+            queried = engine.stats()["prefix_cache_queried_tokens"]
+            skip = greedy()
+            skip.skip_reading_prefix_cache = True
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], skip, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == refs and {o.num_cached_tokens for o in outs} == {0}
+            assert engine.stats()["prefix_cache_queried_tokens"] == queried  # it looked nothing up
         else:
             assert after == before == 0
         assert_no_leak(engine)

@@ -17,6 +17,10 @@ def test_defaults_match_vllm():
     assert not p.ignore_eos and not p.include_stop_str_in_output
     assert p.logprobs is None and p.skip_special_tokens
     assert not p.is_greedy and not p.has_penalties and p.max_stop_len == 0
+    # vLLM's skip_reading_prefix_cache: by default, whether prompt logprobs are asked.
+    assert p.skip_reading_prefix_cache is False and SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache must be a bool, got 'yes'"):
+        SamplingParams(skip_reading_prefix_cache="yes")
 
 
 def test_positional_arguments_mean_what_they_mean_in_vllm():

@@ -18,16 +18,19 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
 * ``prompt_logprobs`` is ``None``, ``-1`` or ``>= 0``: the prompt's logprobs (each prompt token's own,
   plus that many top alternatives), computed from every prompt position, never a cache hit.
 * ``detokenize`` is a bool; without it no text is made, so ``stop`` must be empty.
-* ``spaces_between_special_tokens`` is a bool. ferrokv's detokenizer (the tokenizer's own decoder)
-  never puts a space between special tokens, so False reads as True; so does vLLM V1's fast
-  detokenizer, whose rule for False (an added token after another is its content) the decoders
-  of tokenizers already follow.
+* ``spaces_between_special_tokens`` is a bool, read as True: ferrokv's text is the tokenizer's own
+  decoder's. The byte-level and SentencePiece decoders of LLM tokenizers put no space between
+  special tokens, so vLLM V1's rule for False (an added token after another is its content) gives
+  the same text; a WordPiece decoder, or none, joins them with spaces either way.
 * ``logit_bias`` is ``None`` or a ``dict[int, float]`` of token ids ``>= 0`` to finite biases added
   to their logits; ``allowed_token_ids`` is ``None`` or a non-empty ``list[int]`` of ids ``>= 0``
   (every other token is masked); ``bad_words`` is ``None`` or a ``list[str]`` of non-empty words
   never generated (as vLLM, each word with and without a leading space). Ids are checked
   against the vocabulary when the engine takes the request.
 * ``structured_outputs`` is ``None`` or a ``StructuredOutputsParams`` (a dict is converted).
+* ``skip_reading_prefix_cache`` is a bool once validated (``None`` becomes vLLM's default:
+  whether ``prompt_logprobs`` are asked): True computes the whole prompt, reading no prefix-cache
+  hits (its blocks are still cached for others). Prompt logprobs read none either way.
 * ``truncate_prompt_tokens`` is ``None``, ``-1`` (``max_model_len``) or ``>= 1``: only the
   prompt's last that many tokens are used (left truncation, as vLLM).
 * ``output_kind`` is a ``RequestOutputKind`` (an int 0-2 is accepted and converted): what each
@@ -110,6 +113,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None  # vLLM's: carried for plugins and callers, unused by the engine
     bad_words: list[str] | None = None
+    skip_reading_prefix_cache: bool | None = None
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
     # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -180,8 +184,10 @@ class SamplingParams:
         if self.extra_args is not None and not (isinstance(self.extra_args, dict)
                                                 and all(isinstance(k, str) for k in self.extra_args)):
             raise ValueError(f"extra_args must be None or a dict with str keys, got {self.extra_args!r}")
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None  # vLLM's default
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "skip_reading_prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

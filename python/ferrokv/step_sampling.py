@@ -90,5 +90,6 @@ def core_sampling_kwargs(params: SamplingParams, vocab_size: int) -> dict[str, A
         top_p=_f32(params.top_p), min_p=params.min_p, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=_f32(params.repetition_penalty),
         seed=params.seed, logprobs=logprobs, has_logit_bias=has_logit_bias(params),
-        skip_cache_hits=params.prompt_logprobs is not None,
+        # Prompt logprobs need every prompt position computed, whatever the field says.
+        skip_cache_hits=params.skip_reading_prefix_cache or params.prompt_logprobs is not None,
     )
