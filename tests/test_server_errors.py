@@ -278,7 +278,8 @@ def test_minus_one_logprobs_are_every_token_only_on_an_uncapped_server():
     entry = {t: Logprob(-float(t), rank=t) for t in (1, 2, 3)}
     listed = _logprobs(CompletionOutput(0, "", [1], None, [entry]), chat.top_logprobs, False)
     assert len(listed["content"][0]["top_logprobs"]) == 3
-    assert parse_completion_request({"prompt": "x", "prompt_logprobs": -1}, max_logprobs=-1).params.prompt_logprobs == -1
+    completion = parse_completion_request({"prompt": "x", "prompt_logprobs": -1}, max_logprobs=-1)
+    assert completion.params.prompt_logprobs == -1
     for parse, body, field in [
         (parse_chat_request, {"messages": msgs, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         (parse_completion_request, {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),

@@ -394,7 +394,8 @@ def test_the_mistral_parser_needs_its_token(tiny_model_dir, capsys):
 
     rc = main(["serve", str(tiny_model_dir("llama-serve")), "--enable-auto-tool-choice", "--tool-call-parser",
                "mistral", "--max-model-len", "512", "--port", "0"])
-    assert rc == 2 and "--tool-call-parser mistral needs a tokenizer with the [TOOL_CALLS] token" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and "--tool-call-parser mistral needs a tokenizer with the [TOOL_CALLS] token" in err
 
 
 LLAMA3 = ToolChoice(FUNCTIONS, parser="llama3_json")

@@ -195,8 +195,9 @@ def _stream(gen: Generation, call: _Completion, created: int) -> Any:
         events = []
         for c in out.outputs:
             # A token that completes no character yet has nothing to send (unless it has logprobs).
-            if c.text or c.finish_reason is not None or c.logprobs is not None \
-                    or (call.req.echo and i * call.n + c.index not in call.echoed) or (call.req.token_ids and c.token_ids):
+            first_echo = call.req.echo and i * call.n + c.index not in call.echoed
+            if c.text or c.finish_reason is not None or c.logprobs is not None or first_echo \
+                    or (call.req.token_ids and c.token_ids):
                 choice = call.choice(i, out, c)
                 events.append({**head, "choices": [choice]})
                 if include_usage:

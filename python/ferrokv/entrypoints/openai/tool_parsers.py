@@ -70,9 +70,9 @@ class ToolCallParser:
 
     def _add(self, name: str, arguments: str) -> dict[str, Any]:
         """A new call, and its first delta."""
-        self.calls.append({"id": self._new_id(), "type": "function", "function": {"name": name, "arguments": arguments}})
-        c = self.calls[-1]
-        return {"index": len(self.calls) - 1, "id": c["id"], "type": "function",
+        call_id = self._new_id()
+        self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        return {"index": len(self.calls) - 1, "id": call_id, "type": "function",
                 "function": {"name": name, "arguments": arguments}}
 
     def _add_parsed(self, obj_text: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
