@@ -68,6 +68,8 @@ SETTINGS = {
     "seeded-n3": [
         SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=11, max_tokens=10),
         SamplingParams(n=2, temperature=0.7, top_k=20, min_p=0.05, seed=5, max_tokens=14, stop=["e"]),
+        # A sample that a stop string ends a step late has a row in flight whose logprob is not its.
+        SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=16, stop=["e", "a"], logprobs=0),
     ],
     "penalties": [
         SamplingParams(temperature=0.0, max_tokens=16, presence_penalty=0.8, ignore_eos=True),
@@ -231,6 +233,25 @@ def test_an_aborted_request_reports_nothing_more_from_step(llama_path, overlap):
     assert all(len(o.prompt_token_ids) == 3 for o in firsts), [len(o.prompt_token_ids) for o in firsts]
     while engine.has_unfinished_requests():
         engine.step()
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_aborted_once_finished_still_reports_its_end(llama_path, overlap):
+    """A caller that waits for each request's end (``on_abort`` set: AsyncLLM's loop) gets it
+    exactly once for a request it aborts after it finished (with overlap, in the pending step,
+    whose outputs were not made yet): the request's own final output, as its report."""
+    engine = tiny_engine(llama_path, overlap=overlap)
+    reports: list = []
+    engine.on_abort = reports.append
+    engine.add_request("a", rand_prompts(7, [4])[0], greedy(1))
+    outs = engine.step()
+    engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    ends = [(o.request_id, o.finished, o.outputs[0].finish_reason, len(o.outputs[0].token_ids))
+            for o in outs + reports if o.finished]
+    assert ends == [("a", True, "length", 1)] and engine.stats()["requests_aborted"] == 0
     assert_idle(engine)
 
 

@@ -365,8 +365,10 @@ class LLMEngine:
             core_id = self._by_name.get(name)
             if core_id is not None:
                 self._abort_now(self._requests[core_id])
-            aborted.add(name)  # finished ones too: their outputs kept from a failed step() are not handed out
-        if aborted and self._unreturned:  # as in vLLM, an aborted request reports nothing more
+            aborted.add(name)  # finished ones too: a reused id must never get their kept outputs
+        if aborted and self._unreturned:  # as in vLLM, an aborted request reports nothing more...
+            if self.on_abort is not None:  # ...but one that had finished ends with its final output
+                self._guard.aborted += [o for o in self._unreturned if o.request_id in aborted and o.finished]
             self._unreturned = [o for o in self._unreturned if o.request_id not in aborted]
 
     def _abort_now(self, req: RequestState, asked: bool = True) -> None:

@@ -69,6 +69,8 @@ class RequestState:
     kind: RequestOutputKind
     stats: RequestStateStats
     seqs: dict[int, SeqState] = field(default_factory=dict)
+    # Sequences that ended: a row of the step in flight when one ended (overlap) adds nothing.
+    ended_seqs: set[int] = field(default_factory=set)
     done: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_generated_done: int = 0  # tokens of its sequences that ended
@@ -233,6 +235,7 @@ def _prompt_logprobs_out(req: RequestState) -> list[Any] | None:
 def end_completion(req: RequestState, f: Any, ended_now: dict[int, list[CompletionOutput]]) -> None:
     """Records the completion of a sequence that ended (``f``, a ``FinishedSequence``)."""
     seq = req.seqs.pop(f.seq_id, None)
+    req.ended_seqs.add(f.seq_id)
     if seq is None:  # it never handed anything out, or the scheduler ended it unseen (capacity abort)
         seq = req.new_seq(f.sample_index)
     c = final_completion(req, seq, f)
@@ -302,13 +305,14 @@ def prompt_of_row(requests: dict[int, RequestState], out: Any) -> Callable[[int]
 
 def seq_of_row(requests: dict[int, RequestState], out: Any) -> Callable[[int], tuple[RequestState, SeqState] | None]:
     """Logits row of step ``out`` -> (its request, its sequence's output state, made on first
-    use); None for an ended request or a beam search."""
+    use); None for an ended request or sequence, or a beam search."""
     row_req, row_seq, row_idx = out.row_req_ids, out.row_seq_ids, out.row_sample_index
 
     def find(r: int) -> tuple[RequestState, SeqState] | None:
         req = requests.get(int(row_req[r]))
-        if req is None or req.beam is not None:
+        seq_id = int(row_seq[r])
+        if req is None or req.beam is not None or seq_id in req.ended_seqs:
             return None
-        return req, req.seq_state(int(row_seq[r]), int(row_idx[r]))
+        return req, req.seq_state(seq_id, int(row_idx[r]))
 
     return find
