@@ -1,6 +1,9 @@
 """Output classes: vLLM field names, logprob entries, readable reprs."""
 
-from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput, make_logprobs_entry
+import copy
+import pickle
+
+from ferrokv.outputs import CompletionOutput, ListPrefix, Logprob, RequestOutput, make_logprobs_entry
 
 
 def test_logprobs_entry_sampled_first_then_top_by_rank():
@@ -48,6 +51,15 @@ def test_text_so_far_snapshots_stay_valid_as_it_grows_and_compacts():
     assert [s.text for s in snaps] == want
     assert snaps[5] == CompletionOutput(0, want[5], []) and snaps[5] != snaps[6]
     assert "text='0,1,2,3,4,5,'" in repr(snaps[5])
+
+
+def test_a_list_prefix_snapshot_reads_copies_and_pickles_as_its_prefix_alone():
+    items = list(range(10_000))
+    c = CompletionOutput(0, "", ListPrefix(items, 2))
+    items.append(-1)  # the engine appends on: the snapshot stays
+    again = pickle.loads(pickle.dumps(c))
+    assert again.token_ids == copy.deepcopy(c).token_ids == [0, 1] and len(pickle.dumps(c)) < 1000
+    assert c.token_ids == [0, 1] and c.token_ids is c.token_ids  # copied once, when first read
 
 
 def test_completion_output_works_with_dataclasses_as_vllms():

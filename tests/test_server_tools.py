@@ -435,19 +435,23 @@ PYTHONIC = ToolChoice(FUNCTIONS, parser="pythonic")
     ("\n[a(k='x)]\\'(', n=-1.5, flag=True, none=None), b()]",
      [("a", '{"k": "x)]\'(", "n": -1.5, "flag": true, "none": null}'), ("b", "{}")], ""),
     ('[f(xs=[1, (2, 3)], d={"k": [None]})]', [("f", '{"xs": [1, [2, 3]], "d": {"k": [null]}}')], ""),
-    ("It is sunny [today].", [], "It is sunny [today]."),  # not a reply that starts with a list
+    # What Python reads counts: triple quotes, comments.
+    ("[f(s='''it's (ok)'''),  # the first\n g(b=2)]", [("f", '{"s": "it\'s (ok)"}'), ("g", '{"b": 2}')], ""),
+    # Anything but a list of calls with keyword literals is content, all of it (vLLM's reading).
+    ("It is sunny [today].", [], "It is sunny [today]."),
     ("[1, 2, 3]", [], "[1, 2, 3]"),
     ("[]", [], "[]"),
-    # From the first element that is no call of keyword literals, the rest is content.
-    ('[a(k=1), b("positional")]', [("a", '{"k": 1}')], ', b("positional")]'),
-    ("[a(k=1), b(k=open(1))]", [("a", '{"k": 1}')], ", b(k=open(1))]"),
+    ('[a(k=1), b("positional")]', [], '[a(k=1), b("positional")]'),
+    ("[a(k=1), b(k=open(1))]", [], "[a(k=1), b(k=open(1))]"),
     ("[a(k={1, 2})]", [], "[a(k={1, 2})]"),  # a set is no JSON value
-    ("[a(k=1)] and some words", [("a", '{"k": 1}')], "] and some words"),
-    ('[a(k=1), b(k="cut by max_tok', [("a", '{"k": 1}')], ', b(k="cut by max_tok'),
+    ("[a(k=1)] and some words", [], "[a(k=1)] and some words"),
+    ("[f(a=1),,g(b=2)]", [], "[f(a=1),,g(b=2)]"),
+    ("[f(a=1)][g(b=2)]", [], "[f(a=1)][g(b=2)]"),
+    ('[a(k=1), b(k="cut by max_tok', [], '[a(k=1), b(k="cut by max_tok'),
 ])
 def test_pythonic_calls_and_content_at_any_cut(text, calls, content):
-    """vLLM's pythonic parser: a reply that starts with "[" is a list of calls with keyword
-    literal arguments; nothing that is not a complete call is lost."""
+    """vLLM's pythonic parser: a reply that is a Python list of calls with keyword literal
+    arguments is calls; any other is content, all of it, as vLLM reads it."""
     assert all(parse_split(PYTHONIC, text, cut) == (calls, content) for cut in range(len(text) + 1))
 
 
@@ -461,6 +465,8 @@ MISTRAL = ToolChoice(FUNCTIONS, parser="mistral")
     ("No calls, a [TOOL_CALL and a [TOOL", [], "No calls, a [TOOL_CALL and a [TOOL"),
     ('[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "argu', [("a", "{}")], ', {"name": "b", "argu'),
     ("[TOOL_CALLS]{not json}", [], "{not json}"),
+    # Text after the array is content, without the array's bracket.
+    ('Before.[TOOL_CALLS][{"name": "a", "arguments": {}}] after', [("a", "{}")], "Before. after"),
 ])
 def test_mistral_calls_and_content_at_any_cut(text, calls, content):
     """vLLM's mistral parser with a Hugging Face tokenizer: the calls are a JSON array after the

@@ -175,6 +175,9 @@ class ListPrefix:
     def take(self) -> list[Any]:
         return self.items[: self.n]
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled, deep-copied: the prefix alone, as a list
+        return list, (self.take(),)
+
 
 class CompletionOutput:
     """One of the ``n`` completions of a request (cumulative: text/token_ids so far).

@@ -21,11 +21,10 @@ call's position in the choice), later ones ``{"index", "function": {"arguments"}
   ``[TOOL_CALLS]`` token is content, after it a JSON array of ``{"name", "arguments"}`` objects,
   each sent whole once it closes. Call ids are 9 letters and digits, as Mistral's chat templates
   require of replayed calls.
-- ``"auto"`` with the pythonic parser: a reply that starts with ``[`` is a Python list of calls
-  with keyword arguments, ``[get_weather(city="Rome", days=2), ...]`` (Llama 3.2 and 4's), each
-  sent whole once its parentheses close, its arguments literals (``ast.literal_eval``'s) as
-  JSON; from the first element that is no such call, or text after the list, the rest is
-  content. Any other reply is content.
+- ``"auto"`` with the pythonic parser: a reply that is a Python list of calls with keyword
+  arguments, ``[get_weather(city="Rome", days=2), ...]`` (Llama 3.2 and 4's), is calls, their
+  arguments literals (``ast.literal_eval``'s) as JSON, sent once the reply is complete; any
+  other reply is content, all of it, as vLLM reads it.
 
 Nothing generated is lost: text that is no complete call (an array cut by ``max_tokens``, a block
 whose JSON does not parse) comes back as content.
@@ -117,6 +116,7 @@ class _JsonObjects(ToolCallParser):
         self._in_string = self._escaped = False
         self._start = -1  # where the open element object began
         self._done = 0  # text up to here became calls
+        self._closed_at = -1  # where the array closed
 
     def feed(self, text: str) -> tuple[str, Deltas]:
         self._text += text
@@ -138,6 +138,8 @@ class _JsonObjects(ToolCallParser):
                     self._start = i
             elif ch in "]}":
                 self._depth -= 1
+                if self._depth == 0 and ch == "]" and self._closed_at < 0:
+                    self._closed_at = i
                 if self._depth == self.depth - 1 and ch == "}" and self._start >= 0:
                     delta = self._add_parsed(self._text[self._start:i + 1], self.keys)
                     if delta is not None:
@@ -149,8 +151,11 @@ class _JsonObjects(ToolCallParser):
 
     def close(self) -> tuple[str, Deltas]:
         rest = self._text[self._done:]
-        closed = self._depth == 0 and rest.strip() in ("]", "")
-        return ("" if self.calls and closed else rest), []
+        if self.calls and self._closed_at >= self._done:  # the array closed: its bracket, and
+            at = self._closed_at - self._done  # separators and blanks around it, are no content
+            rest = rest[:at] + rest[at + 1:]
+            rest = rest if rest.replace(",", " ").strip() else ""
+        return rest, []
 
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -189,90 +194,56 @@ class _Llama3JsonCalls(_JsonObjects):
 
 
 class _PythonicCalls(ToolCallParser):
-    """vLLM's pythonic parser (module docs). Scans Python text for the list's elements: brackets
-    outside string literals (quotes and backslash escapes followed)."""
+    """vLLM's pythonic parser (module docs): the reply, held from its ``[`` on, is read whole by
+    Python's own parser once complete, so what Python reads is what counts (strings of any
+    quoting, comments); a reply whose first element cannot start a call is content at once."""
 
     def __init__(self, choice: ToolChoice) -> None:
         super().__init__(choice)
-        self._mode: str | None = None  # "calls" or "content" once the reply's start says
+        self._mode: str | None = None  # "calls" (held) or "content", once the reply's start says
         self._text = ""
-        self._scanned = 0
-        self._depth = 0
-        self._quote = ""  # the open string literal's quote, if any
-        self._escaped = False
-        self._element = -1  # where the open list element began
-        self._done = 0  # text up to here became calls
 
     def feed(self, text: str) -> tuple[str, Deltas]:
         if self._mode == "content":
             return text, []
         self._text += text
-        if self._mode is None:
+        if self._mode is None:  # only blanks and a "[" so far: a short text to look at
             start = self._text.lstrip()
-            if not start:
-                return "", []
-            self._mode = "calls" if start.startswith("[") else "content"
-            if self._mode == "content":
-                return self._text, []
-        deltas: Deltas = []
-        for i in range(self._scanned, len(self._text)):
-            self._scanned = i + 1
-            if not self._scan(i, self._text[i], deltas):
+            first = start[1:].lstrip()[:1]
+            if start and not start.startswith("["):
                 self._mode = "content"
-                rest, self._text = self._text[self._done:], ""
-                return rest, deltas
-        return "", deltas
-
-    def _scan(self, i: int, ch: str, deltas: Deltas) -> bool:
-        """Takes character ``i``; False once the text cannot be a list of calls."""
-        if self._quote:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == self._quote:
-                self._quote = ""
-            return True
-        if self._depth == 1 and self._element < 0 and not (ch.isspace() or ch in ",]"):
-            self._element = i
-        if ch in "'\"":
-            self._quote = ch
-        elif ch in "[({":
-            self._depth += 1
-            if self._depth <= 2:  # the list, then a call's parentheses
-                return ch == ("[" if self._depth == 1 else "(")
-        elif ch in "])}":
-            self._depth -= 1
-            if self._depth == 1 and ch == ")":
-                delta = self._call(self._text[self._element:i + 1])
-                if delta is None:
-                    return False
-                deltas.append(delta)
-                self._element, self._done = -1, i + 1
-            elif self._depth <= 0:
-                return self._depth == 0 and ch == "]" and self._element < 0
-        elif self._depth == 0:
-            return ch.isspace()
-        return True
-
-    def _call(self, element: str) -> dict[str, Any] | None:
-        """A call from one element ``name(key=literal, ...)`` (None: not one)."""
-        try:
-            call = ast.parse(element.strip(), mode="eval").body
-            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
-                    and all(k.arg is not None for k in call.keywords)):
-                return None
-            arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-            # Tuples become arrays; sets, bytes and infinities are no JSON: not a call.
-            return self._add(call.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
-        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
-            return None
+            elif first:  # "[1] ...", '["a"...': no call list
+                self._mode = "calls" if first.isidentifier() or first == "]" else "content"
+        if self._mode == "content":
+            text, self._text = self._text, ""
+            return text, []
+        return "", []
 
     def close(self) -> tuple[str, Deltas]:
+        text, self._text = self._text, ""
         if self._mode != "calls":
-            return ("", []) if self._mode == "content" else (self._text, [])
-        rest = self._text[self._done:]
-        return ("" if self.calls and self._depth == 0 and not rest.strip(" \t\n,]") else rest), []
+            return text, []  # held blanks, or content already handed out
+        try:
+            body = ast.parse(text.strip(), mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return text, []
+        calls = [self._call(e) for e in body.elts] if isinstance(body, ast.List) and body.elts else [None]
+        if any(c is None for c in calls):
+            return text, []  # not a list of calls, all of it: content, as vLLM reads it
+        return "", [self._add(name, arguments) for name, arguments in calls]  # type: ignore[misc]
+
+    @staticmethod
+    def _call(node: ast.expr) -> tuple[str, str] | None:
+        """``name(key=literal, ...)`` as (name, JSON arguments); None: no such call."""
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            # Tuples become arrays; sets, bytes and infinities are no JSON: not a call.
+            return node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
 
 
 def _held_back(text: str, tag: str) -> int:
