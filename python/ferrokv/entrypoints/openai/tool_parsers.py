@@ -28,7 +28,8 @@ call's position in the choice), later ones ``{"index", "function": {"arguments"}
 
 Nothing generated is lost: text that is no complete call (an array cut by ``max_tokens``, a block
 whose JSON does not parse) comes back as content.
-Costs: O(new text) per ``feed`` (the required scanner and the tag search start where they stopped).
+Costs: O(new text) per ``feed`` (the required scanner and the tag search start where they stopped;
+pythonic holds the text, and parses it once, at ``close``).
 """
 
 from __future__ import annotations
