@@ -8,7 +8,8 @@
 //! request whose KV the step was to make valid (a copy-on-write copy, a swap-in, a swap-out, a
 //! block it took as a cache hit that the step itself computes) is recomputed from scratch,
 //! since those ops and writes may not have run; a request that forked or dropped a sequence mid-step
-//! cannot be put back and is aborted (reported by the next `update`). What the cancelled output
+//! (a beam search) cannot be put back and is aborted (reported by the next `update`); one whose
+//! sample a stop string ended mid-step goes on with its other samples. What the cancelled output
 //! reported (ended and preempted requests) is reported again by the next output.
 //! Costs: O(rows) plus O(blocks) of the requests it resets; never on the normal path.
 
