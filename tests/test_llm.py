@@ -613,18 +613,37 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
                    enable_lora=False, skip_tokenizer_init=False, task="generate", runner="auto",
                    disable_async_output_proc=True, async_scheduling=False, served_model_name="x",
                    distributed_executor_backend=None, enable_sleep_mode=False, mm_processor_kwargs=None,
-                   enable_prefix_caching=None, limit_mm_per_prompt={"image": 0}, hf_token=True)
+                   enable_prefix_caching=None, limit_mm_per_prompt={"image": 0}, hf_token=True,
+                   speculative_config=None, kv_transfer_config=None, structured_outputs_config=None, max_lora_rank=16,
+                   model_impl="auto", config_format="auto", worker_extension_cls="", override_pooler_config=None)
     assert llm.llm_engine.args.enable_prefix_caching is True
     assert llm.model_config is llm.llm_engine.model_config
+    assert llm.get_tokenizer(lora_request=None) is llm.get_tokenizer()
+    for pooling in (llm.encode, llm.embed, llm.classify, llm.score, llm.reward):
+        with pytest.raises(NotImplementedError, match="pooling models, which ferrokv does not serve"):
+            pooling(["a"])
     assert llm.generate([], use_tqdm=False) == []  # vLLM's: nothing to do
     assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=3)) == []
     with pytest.raises(ValueError, match="priority must be a list with one int per prompt"):
         llm.generate(["a"], priority=1, use_tqdm=False)
     with pytest.raises(ValueError, match="reset_running_requests"):
         llm.reset_prefix_cache(reset_running_requests=True)
-    for kw in ({"pipeline_parallel_size": 2}, {"enable_lora": True}, {"cpu_offload_gb": 4}, {"task": "embed"}):
+    for kw in ({"pipeline_parallel_size": 2}, {"enable_lora": True}, {"cpu_offload_gb": 4}, {"task": "embed"},
+               {"speculative_config": {"method": "ngram"}}, {"model_impl": "transformers"}):
         with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* is not supported"):
             tiny_llm(llama_path, **kw)
+
+
+def test_vllms_public_names_import_from_where_vllm_has_them():
+    import ferrokv
+    from ferrokv import AsyncLLM, AsyncLLMEngine, PromptType, TextPrompt, TokensPrompt
+    from ferrokv.inputs import TextPrompt as InputsTextPrompt
+    from ferrokv.sampling_params import BeamSearchParams as SPBeam, RequestOutputKind, StructuredOutputsParams
+
+    assert AsyncLLMEngine is AsyncLLM and InputsTextPrompt is TextPrompt and SPBeam is BeamSearchParams
+    assert RequestOutputKind is ferrokv.RequestOutputKind and StructuredOutputsParams is ferrokv.StructuredOutputsParams
+    assert TokensPrompt(prompt_token_ids=[1, 2]) == {"prompt_token_ids": [1, 2]} and PromptType is not None
+    assert TextPrompt.__required_keys__ == {"prompt"} and TokensPrompt.__required_keys__ == {"prompt_token_ids"}
 
 
 def test_generate_takes_vllms_tokenization_kwargs(bos_model_dir):

@@ -27,6 +27,7 @@ from ferrokv._core import (
 from ferrokv.logger import configure_logging
 from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, RequestStateStats
 from ferrokv.beam_search_params import BeamSearchParams
+from ferrokv.inputs import PromptType, TextPrompt, TokensPrompt
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.structured_outputs import StructuredOutputsParams
 
@@ -34,26 +35,31 @@ configure_logging()
 
 if TYPE_CHECKING:
     from ferrokv.async_llm import AsyncLLM
+    from ferrokv.async_llm import AsyncLLM as AsyncLLMEngine
     from ferrokv.engine import EngineArgs, LLMEngine
     from ferrokv.engine_args import AsyncEngineArgs
     from ferrokv.llm import LLM
 
-_LAZY = {"LLM": "ferrokv.llm", "AsyncLLM": "ferrokv.async_llm", "LLMEngine": "ferrokv.engine",
-         "EngineArgs": "ferrokv.engine_args", "AsyncEngineArgs": "ferrokv.engine_args"}
+# name -> (module, its name there). AsyncLLMEngine is vLLM V1's alias of AsyncLLM.
+_LAZY = {"LLM": ("ferrokv.llm", "LLM"), "AsyncLLM": ("ferrokv.async_llm", "AsyncLLM"),
+         "AsyncLLMEngine": ("ferrokv.async_llm", "AsyncLLM"), "LLMEngine": ("ferrokv.engine", "LLMEngine"),
+         "EngineArgs": ("ferrokv.engine_args", "EngineArgs"),
+         "AsyncEngineArgs": ("ferrokv.engine_args", "AsyncEngineArgs")}
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    found = _LAZY.get(name)
+    if found is None:
         raise AttributeError(f"module 'ferrokv' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(found[0]), found[1])
 
 
 __all__ = [
     "AsyncEngineArgs",
     "AsyncLLM",
+    "AsyncLLMEngine",
     "BeamSearchParams",
     "CacheCapacityError",
     "CompletionOutput",
@@ -66,6 +72,7 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "PromptTooLongError",
+    "PromptType",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStateStats",
@@ -74,6 +81,8 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStateError",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
     "UnknownRequestError",
     "UnknownSequenceError",
     "__version__",

@@ -303,6 +303,16 @@ VLLM_ONLY_ARGS: dict[str, tuple[Any, str]] = {
     "mm_processor_kwargs": (lambda v: not v, "ferrokv takes text only"),
     "limit_mm_per_prompt": (lambda v: not v or (isinstance(v, dict) and not any(v.values())),
                             "ferrokv takes text only"),
+    "speculative_config": (lambda v: not v, "ferrokv has no speculative decoding"),
+    "kv_transfer_config": (lambda v: v is None, "ferrokv transfers no KV cache between engines"),
+    "structured_outputs_config": (lambda v: not v, "ferrokv's structured outputs use llguidance, unconfigured"),
+    "max_lora_rank": (_any, "ferrokv has no LoRA"),
+    "max_loras": (_any, "ferrokv has no LoRA"),
+    "model_impl": (lambda v: v in ("auto", "vllm"), "ferrokv runs its own model code"),
+    "config_format": (lambda v: v in ("auto", "hf"), "ferrokv reads Hugging Face configs"),
+    "worker_extension_cls": (lambda v: not v, "ferrokv has no workers"),
+    "override_pooler_config": (lambda v: v is None, "ferrokv generates text"),
+    "pooler_config": (lambda v: v is None, "ferrokv generates text"),
 }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, Union
 
 import numpy as np
 
@@ -25,10 +25,34 @@ from ferrokv.checks import check_int, check_text, shown
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority",
+__all__ = ["PromptType", "TextPrompt", "TokensPrompt", "add_special_tokens_of", "batch_prompts", "check_logprobs_cap", "check_no_lora", "check_priority",
            "check_tools", "is_text_prompt", "message_text", "message_tool_fields", "prompt_cache_salt", "prompt_ids",
            "request_id_str", "request_ids", "template_kwargs", "tokenized_prompt", "truncated_prompt",
            "truncation_length", "validate_prompt_ids"]
+
+class _Text(TypedDict):
+    prompt: str
+
+
+class TextPrompt(_Text, total=False):
+    """vLLM's text prompt dict (a plain dict at run time): the text, tokenized by the engine."""
+
+    cache_salt: str
+
+
+class _Tokens(TypedDict):
+    prompt_token_ids: list[int]
+
+
+class TokensPrompt(_Tokens, total=False):
+    """vLLM's token-id prompt dict; ``prompt`` is the text the ids came from, kept for outputs."""
+
+    prompt: str
+    cache_salt: str
+
+
+PromptType = Union[str, TextPrompt, TokensPrompt]
+"""vLLM's ``PromptType``: what a request's prompt may be."""
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""

@@ -209,8 +209,17 @@ class LLM:
         weakref.finalize(self, self.engine_loop.shutdown, True)
         self._request_counter = itertools.count(1)
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self, lora_request: Any = None) -> Any:
+        check_no_lora(lora_request)  # vLLM's older signature
         return self.llm_engine.tokenizer
+
+    def _pooling(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's pooling calls (encode, embed, classify, score, reward) run pooling models;
+        ferrokv serves generative models only."""
+        raise NotImplementedError("LLM.encode/embed/classify/score/reward run pooling models, which ferrokv "
+                                  "does not serve (use generate or chat)")
+
+    encode = embed = classify = score = reward = _pooling
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of a call that gives none: the model's generation config's

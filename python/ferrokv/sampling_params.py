@@ -55,11 +55,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import as_float, check_finite, check_text, shown
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.structured_outputs import StructuredOutputsParams  # stdlib-only at import
 
-__all__ = ["GREEDY_EPS", "MIN_TEMPERATURE", "SamplingParams", "StructuredOutputsParams"]  # vLLM exports the last two here
+# vLLM exports BeamSearchParams, RequestOutputKind and StructuredOutputsParams here too.
+__all__ = ["GREEDY_EPS", "MIN_TEMPERATURE", "BeamSearchParams", "RequestOutputKind", "SamplingParams",
+           "StructuredOutputsParams"]
 
 logger = logging.getLogger("ferrokv")
 
