@@ -131,7 +131,7 @@ _json_object = _json_flag("a JSON object", lambda v: isinstance(v, dict))
 _json_strings = _json_flag("a JSON list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (the EngineArgs fields; LLM() takes the same names)")
     hints = typing.get_type_hints(EngineArgs)
     for f in fields(EngineArgs):
@@ -354,7 +354,7 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                         'of {"name", "parameters"} objects, as Llama 3.1+ models; mistral: [TOOL_CALLS] then a '
                         'JSON array of {"name", "arguments"}, as Mistral models; pythonic: a reply '
                         "[name(key=value, ...), ...], as Llama 3.2 and 4 models) (default: none)")
-    _engine_flags(p)
+    add_engine_flags(p)
 
 
 _UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -441,7 +441,7 @@ def _serve(args: argparse.Namespace) -> int:
     _check_files(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
-    engine_args = EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
+    engine_args = EngineArgs.from_cli_args(args)
     engine_args.validate()  # a bad flag fails before torch is imported
     from ferrokv.async_llm import AsyncLLM
     from ferrokv.entrypoints.openai.api_server import run_server
@@ -475,11 +475,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true",
                    help="send prompts as plain text, without the chat template (default: off)")
     g.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
-    _engine_flags(g)
+    add_engine_flags(g)
     _sampling_flags(g)
     c = sub.add_parser("chat", help="interactive chat (reads lines from stdin)")
     c.add_argument("--system", default=None, help="system prompt opening the conversation (default: none)")
-    _engine_flags(c)
+    add_engine_flags(c)
     _sampling_flags(c)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     _serve_flags(s)

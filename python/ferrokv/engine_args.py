@@ -251,6 +251,19 @@ class EngineArgs:
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
+    @classmethod
+    def add_cli_args(cls, parser: Any) -> Any:
+        """vLLM's: adds the engine flags (``--max-num-seqs`` ...) to an argparse parser; returns it."""
+        from ferrokv.cli import add_engine_flags
+
+        add_engine_flags(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: Any) -> EngineArgs:
+        """vLLM's: the engine arguments of parsed flags (those ``add_cli_args`` added)."""
+        return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
+
 
 def help_with_default(doc: str, default: Any) -> str:
     """``doc (default: X)``: a bool reads on/off, None reads none."""
