@@ -120,6 +120,7 @@ def test_a_truncated_weights_file_is_a_value_error_naming_it(tmp_path, fmt):
         load_model(tmp_path)
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's, on the pickle of globals
 @pytest.mark.parametrize("content", [
     b"version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123\n",  # an LFS pointer
     pickle.dumps({"x": __import__("collections").OrderedDict}),  # a pickle of more than tensors
