@@ -660,6 +660,16 @@ def test_generate_takes_vllms_tokenization_kwargs(bos_model_dir):
         llm.generate(["a"], params, use_tqdm=False, tokenization_kwargs={"truncation": True})
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, mm_processor_kwargs={"x": 1})
+    # LLMEngine.add_request takes them too (and vLLM's arrival_time, trace_headers).
+    engine = llm.llm_engine
+    engine.add_request("e", "the cat", params, tokenization_kwargs={"add_special_tokens": False},
+                       arrival_time=123.0, trace_headers={"traceparent": "x"})
+    with pytest.raises(ValueError, match="tokenization_kwargs\\['truncation'\\] is not supported"):
+        engine.add_request("f", "the cat", params, tokenization_kwargs={"truncation": True})
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, o.prompt, o.prompt_token_ids) for o in outs] == [("e", "the cat", plain)]
     assert_no_leak(llm)
 
 

@@ -70,8 +70,9 @@ from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_lock import EngineLock
 from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
-from ferrokv.inputs import (check_logprobs_cap, check_no_lora, check_priority, prompt_cache_salt, prompt_ids,
-                            request_id_str, request_ids, request_max_tokens, truncated_prompt, validate_prompt_ids)
+from ferrokv.inputs import (add_special_tokens_of, check_logprobs_cap, check_no_lora, check_priority, prompt_cache_salt,
+                            prompt_ids, request_id_str, request_ids, request_max_tokens, tokenized_prompt,
+                            truncated_prompt, validate_prompt_ids)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -208,17 +209,18 @@ class LLMEngine:
         prompt: Any,
         params: SamplingParams | None = None,
         *,
-        lora_request: Any = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        lora_request: Any = None, priority: int = 0, cache_salt: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None, arrival_time: float | None = None, trace_headers: Any = None,
     ) -> None:
         """Queues a request; raises ValueError (naming the field) and changes nothing on bad input.
         ``prompt``: a str, TextPrompt or TokensPrompt dict (``ferrokv.inputs``); ``cache_salt``, the
-        prefix-cache isolation key, may be the keyword or the dict's (both given: they must agree).
-
-        The request keeps its own copy of ``params``, checked again here: fields may have been
-        assigned since construction, and a later assignment must not reach a running request."""
+        prefix-cache isolation key, the keyword's or the dict's (both given: they must agree);
+        ``tokenization_kwargs``: ``{"add_special_tokens": bool}``; ``arrival_time`` and
+        ``trace_headers`` are accepted (the core stamps arrival; no tracing). ``params`` is copied
+        and checked again: a later assignment to it must not reach a running request."""
         check_no_lora(lora_request)
+        if not add_special_tokens_of(tokenization_kwargs):
+            prompt = tokenized_prompt(self.tokenizer, prompt, False)
         params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
