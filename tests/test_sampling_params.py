@@ -23,6 +23,15 @@ def test_defaults_match_vllm():
         SamplingParams(skip_reading_prefix_cache="yes")
 
 
+def test_guided_decoding_is_structured_outputs_under_vllms_former_name():
+    from ferrokv.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+    p = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    assert p.structured_outputs == StructuredOutputsParams(choice=["yes", "no"]) and p.guided_decoding is None
+    with pytest.raises(ValueError, match="structured_outputs or guided_decoding"):
+        SamplingParams(structured_outputs={"regex": "a"}, guided_decoding=GuidedDecodingParams(regex="b"))
+
+
 def test_positional_arguments_mean_what_they_mean_in_vllm():
     """vLLM's SamplingParams takes its fields positionally too, in this order."""
     p = SamplingParams(2, 0.1, 0.2, 1.3, 0.7, 0.9, 5, 0.05, 7, ["x"], [3], True, 9, 1, 2)

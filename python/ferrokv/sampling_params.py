@@ -27,7 +27,9 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
   (every other token is masked); ``bad_words`` is ``None`` or a ``list[str]`` of non-empty words
   never generated (as vLLM, each word with and without a leading space). Ids are checked
   against the vocabulary when the engine takes the request.
-* ``structured_outputs`` is ``None`` or a ``StructuredOutputsParams`` (a dict is converted).
+* ``structured_outputs`` is ``None`` or a ``StructuredOutputsParams`` (a dict is converted);
+  ``guided_decoding`` is its former vLLM name (``GuidedDecodingParams``), moved into it and reset
+  to ``None`` (giving both is an error).
 * ``skip_reading_prefix_cache`` is a bool once validated (``None`` becomes vLLM's default:
   whether ``prompt_logprobs`` are asked): True computes the whole prompt, reading no prefix-cache
   hits (its blocks are still cached for others). Prompt logprobs read none either way.
@@ -61,8 +63,11 @@ from ferrokv.outputs import RequestOutputKind
 from ferrokv.structured_outputs import StructuredOutputsParams  # stdlib-only at import
 
 # vLLM exports BeamSearchParams, RequestOutputKind and StructuredOutputsParams here too.
-__all__ = ["GREEDY_EPS", "MIN_TEMPERATURE", "BeamSearchParams", "RequestOutputKind", "SamplingParams",
-           "StructuredOutputsParams"]
+__all__ = ["GREEDY_EPS", "MIN_TEMPERATURE", "BeamSearchParams", "GuidedDecodingParams", "RequestOutputKind",
+           "SamplingParams", "StructuredOutputsParams"]
+
+GuidedDecodingParams = StructuredOutputsParams
+"""vLLM's former name of ``StructuredOutputsParams`` (its ``backend`` options aside: llguidance)."""
 
 logger = logging.getLogger("ferrokv")
 
@@ -117,6 +122,7 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None  # vLLM's: carried for plugins and callers, unused by the engine
     bad_words: list[str] | None = None
     skip_reading_prefix_cache: bool | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's former name of structured_outputs
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
     # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -272,6 +278,10 @@ class SamplingParams:
                     raise ValueError(f"bad_words must contain non-empty strings, got {w!r}")
                 check_text("bad_words", w)
             self.bad_words = words
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its former name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         so = self.structured_outputs
         if so is None:
             return
