@@ -411,9 +411,9 @@ mod tests {
         let prompt: Vec<u32> = (0..13).collect();
         let mut s = with_requests(cfg(32, 4, 64), [NewRequest::new(1, prompt.clone(), 2)]);
         drain(&mut s, 1);
-        assert_eq!(s.kv_usage().num_cached_blocks, 3);
+        assert_eq!(s.kv_counts().num_cached_blocks, 3);
         s.reset_prefix_cache();
-        assert_eq!(s.kv_usage().num_cached_blocks, 0);
+        assert_eq!(s.kv_counts().num_cached_blocks, 0);
         s.add_request(NewRequest::new(2, prompt, 2)).unwrap();
         let (o, _) = step(&mut s, 1);
         assert_eq!(o.num_tokens(), 13, "nothing is served from the cache");

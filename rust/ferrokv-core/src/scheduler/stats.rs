@@ -55,19 +55,16 @@ pub struct KvCounts {
     pub block_size: usize,
 }
 
+/// The KV cache's usage: its O(1) block counts and the counts that cost O(blocks).
 #[derive(Debug, Clone, Copy)]
 pub struct KvUsage {
-    pub num_blocks: usize,
-    pub num_free_blocks: usize,
-    pub num_used_blocks: usize,
-    pub num_cached_blocks: usize,
+    pub counts: KvCounts,
     /// Blocks referenced by more than one block table.
     pub num_shared_blocks: usize,
     /// Sum over block tables of their lengths (what the blocks would be without sharing).
     pub num_block_refs: usize,
     /// Token slots holding computed KV in used blocks (shared blocks counted once).
     pub num_used_token_slots: usize,
-    pub block_size: usize,
 }
 
 impl Scheduler {
@@ -157,16 +154,11 @@ impl Scheduler {
                 }
             }
         }
-        let c = self.kv_counts();
         KvUsage {
-            num_blocks: c.num_blocks,
-            num_free_blocks: c.num_free_blocks,
-            num_used_blocks: c.num_used_blocks,
-            num_cached_blocks: c.num_cached_blocks,
+            counts: self.kv_counts(),
             num_shared_blocks: (1..self.cfg.num_blocks).filter(|&b| self.kv.ref_count(BlockId(b as u32)) > 1).count(),
             num_block_refs: refs,
             num_used_token_slots: slots,
-            block_size: c.block_size,
         }
     }
 
@@ -182,16 +174,16 @@ mod tests {
         let mut s = with_requests(cfg(16, 4, 16), [req(1, 6, 10)]);
         step(&mut s, 1); // 6 computed tokens in blocks 1, 2
         let u = s.kv_usage();
-        assert_eq!((u.num_blocks, u.block_size, u.num_free_blocks), (16, 4, 13));
-        assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (2, 0, 2, 6));
-        assert_eq!(u.num_cached_blocks, 1, "the full block is registered");
+        assert_eq!((u.counts.num_blocks, u.counts.block_size, u.counts.num_free_blocks), (16, 4, 13));
+        assert_eq!((u.counts.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (2, 0, 2, 6));
+        assert_eq!(u.counts.num_cached_blocks, 1, "the full block is registered");
         s.fork_sequence(only_seq(&s, 1), None).unwrap();
         let u = s.kv_usage();
-        assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (2, 2, 4, 6));
+        assert_eq!((u.counts.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (2, 2, 4, 6));
         step(&mut s, 2); // both write position 6: one copies block 2 into block 3
         let u = s.kv_usage();
-        assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (3, 1, 4, 4 + 3 + 3));
-        assert_eq!(u.num_free_blocks, 12);
+        assert_eq!((u.counts.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (3, 1, 4, 4 + 3 + 3));
+        assert_eq!(u.counts.num_free_blocks, 12);
     }
 
     #[test]

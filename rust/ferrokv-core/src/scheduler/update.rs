@@ -386,7 +386,7 @@ mod tests {
         let ids = s.request_seq_ids(1).unwrap();
         assert_eq!(o.row_seq_ids, ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), "the samples' ids are known at schedule");
         let u = s.kv_usage();
-        assert_eq!((u.num_used_blocks, u.num_shared_blocks, u.num_block_refs), (2, 2, 6));
+        assert_eq!((u.counts.num_used_blocks, u.num_shared_blocks, u.num_block_refs), (2, 2, 6));
         let out = s.schedule().unwrap();
         s.check_invariants().unwrap();
         // Each sample writes position 6 in shared block 2: the first two copy, the last owns it.
