@@ -203,15 +203,14 @@ def _print_stats(engine: Any, outs: list[Any], dt: float) -> None:
     st = engine.stats()
     gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
     kv_total = st["num_blocks"] - 1
-    hit_rate = st["first_admission_cached_tokens"] / max(1, st["prefix_cache_queried_tokens"])
+    hits, queried = st["first_admission_cached_tokens"], st["prefix_cache_queried_tokens"]
     print(
         f"\n--- {len(outs)} requests, {gen} tokens generated in {dt:.1f}s: {gen / dt:.1f} tokens/s "
         f"({(gen + st['prompt_tokens']) / dt:.1f} tokens/s with prompts)\n"
         f"--- KV cache: peak {engine.peak_used_blocks}/{kv_total} blocks "
         f"({engine.peak_used_blocks / kv_total:.1%}) of {st['block_size']} tokens, "
         f"{st['preemptions']} preemptions\n"
-        f"--- prefix cache: {st['first_admission_cached_tokens']} of {st['prefix_cache_queried_tokens']} prompt tokens "
-        f"served from cache ({hit_rate:.1%})"
+        f"--- prefix cache: {hits} of {queried} prompt tokens served from cache ({hits / max(1, queried):.1%})"
     )
 
 

@@ -71,8 +71,8 @@ from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_lock import EngineLock
 from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
 from ferrokv.inputs import (add_special_tokens_of, check_logprobs_cap, check_no_lora, check_priority, prompt_cache_salt,
-                            prompt_ids, request_id_str, request_ids, request_max_tokens, tokenized_prompt,
-                            truncated_prompt, validate_prompt_ids)
+                            prompt_ids, request_id_str, request_ids, request_max_tokens, truncated_prompt,
+                            validate_prompt_ids)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -188,15 +188,15 @@ class LLMEngine:
         """A request's parameters when it gives none: the model's recommendations (vLLM's)."""
         return SamplingParams(**self.default_sampling_params)
 
-    def _checked_prompt(self, request_id: Any, prompt: Any, cache_salt: str | None,
-                        params: SamplingParams | None = None) -> tuple[str, str | None, list[int], str | None]:
-        """The request id as a string (checked not to be in use), the prompt's text and
-        validated token ids (truncated as ``params.truncate_prompt_tokens`` asks), and its cache
-        salt (the dict's and the keyword's, ``ferrokv.inputs``)."""
+    def _checked_prompt(self, request_id: Any, prompt: Any, cache_salt: str | None, params: SamplingParams | None = None,
+                        add_special: bool = True) -> tuple[str, str | None, list[int], str | None]:
+        """The request id as a string (checked not to be in use), the prompt's text and validated
+        token ids (``add_special``: with the tokenizer's own special tokens; truncated as
+        ``params.truncate_prompt_tokens`` asks), and its cache salt (``ferrokv.inputs``)."""
         request_id = request_id_str(request_id)
         if request_id in self._by_name:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        text, ids = prompt_ids(self.tokenizer, prompt)
+        text, ids = prompt_ids(self.tokenizer, prompt, add_special)
         if params is not None:
             ids = truncated_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         validate_prompt_ids(ids, self.vocab_size, self.max_model_len)
@@ -215,12 +215,10 @@ class LLMEngine:
         """Queues a request; raises ValueError (naming the field) and changes nothing on bad input.
         ``prompt``: a str, TextPrompt or TokensPrompt dict (``ferrokv.inputs``); ``cache_salt``, the
         prefix-cache isolation key, the keyword's or the dict's (both given: they must agree);
-        ``tokenization_kwargs``: ``{"add_special_tokens": bool}``; ``arrival_time`` and
-        ``trace_headers`` are accepted (the core stamps arrival; no tracing). ``params`` is copied
-        and checked again: a later assignment to it must not reach a running request."""
+        ``tokenization_kwargs``: ``{"add_special_tokens": bool}``; ``arrival_time``, ``trace_headers``:
+        accepted (the core stamps arrival; no tracing). ``params`` is copied and checked again."""
         check_no_lora(lora_request)
-        if not add_special_tokens_of(tokenization_kwargs):
-            prompt = tokenized_prompt(self.tokenizer, prompt, False)
+        add_special = add_special_tokens_of(tokenization_kwargs)
         params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -228,7 +226,7 @@ class LLMEngine:
         check_token_rules(params, self.vocab_size)
         check_logprobs_cap(params.logprobs, params.prompt_logprobs, self.args.max_logprobs, self.vocab_size)
         grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
-        request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt, params)
+        request_id, text, ids, cache_salt = self._checked_prompt(request_id, prompt, cache_salt, params, add_special)
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}")
         room = self.max_model_len - len(ids)  # at least 1: validate_prompt_ids

@@ -92,6 +92,10 @@ def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None =
     return {**read_json(_model_dir(path) / "config.json"), **(overrides or {})}
 
 
+# Files a training run leaves beside the weights (vLLM's filter_files_not_needed_for_inference).
+_NOT_WEIGHTS = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
+
+
 def _checkpoint(folder: Path, index_name: str, single_name: str) -> list[Path] | None:
     """The files of one checkpoint format: its index's shards, or its single file, or (as vLLM)
     every file of its suffix when there is neither, a training run's leftovers excepted (None:
@@ -111,10 +115,6 @@ def _checkpoint(folder: Path, index_name: str, single_name: str) -> list[Path] |
         return [single]
     others = [p for p in sorted(folder.glob("*" + single.suffix)) if p.name not in _NOT_WEIGHTS and _present(p)]
     return others or None
-
-
-# Files a training run leaves beside the weights (vLLM's filter_files_not_needed_for_inference).
-_NOT_WEIGHTS = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
 
 
 def _present(path: Path) -> bool:

@@ -104,11 +104,14 @@ def _logprobs(body: Mapping[str, Any], name: str, max_logprobs: int, whole_vocab
     ``whole_vocab``: -1 asks for every token (``prompt_logprobs``, ``top_logprobs``), which only
     an uncapped server serves."""
     v = _opt(body, name)
+    if v is None:
+        return None
     uncapped = max_logprobs == -1
-    if v is None or _is_int(v) and (0 <= v and (uncapped or v <= max_logprobs) or v == -1 and uncapped and whole_vocab):
+    lowest = -1 if uncapped and whole_vocab else 0
+    if _is_int(v) and lowest <= v and (uncapped or v <= max_logprobs):
         return v
     bound = "an integer >= 0" if uncapped else f"an integer in [0, {max_logprobs}]"
-    every = " or -1 (every token)" if whole_vocab and uncapped else ""
+    every = " or -1 (every token)" if lowest == -1 else ""
     more = "; -1 (every token) needs --max-logprobs -1" if whole_vocab and not uncapped and v == -1 else ""
     raise bad(name, f"{name} must be {bound}{every} (the server's --max-logprobs), got {shown(v)}{more}")
 

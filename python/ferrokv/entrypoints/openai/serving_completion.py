@@ -199,9 +199,10 @@ def _stream(gen: Generation, call: _Completion, created: int) -> Any:
             if c.text or c.finish_reason is not None or c.logprobs is not None or first_echo \
                     or (call.req.token_ids and c.token_ids):
                 choice = call.choice(i, out, c)
-                events.append({**head, "choices": [choice]})
+                chunk = {**head, "choices": [choice]}
                 if include_usage:
-                    events[-1]["usage"] = call.choice_usage(i, choice["index"]) if call.req.continuous_usage else None
+                    chunk["usage"] = call.choice_usage(i, choice["index"]) if call.req.continuous_usage else None
+                events.append(chunk)
         return events
 
     def tail() -> list[Any]:

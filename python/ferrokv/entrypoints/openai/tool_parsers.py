@@ -108,6 +108,7 @@ class _JsonObjects(ToolCallParser):
 
     depth = 2  # "required": the elements of one array
     keys = ("parameters",)
+    separator = ","  # between the calls
 
     def __init__(self, choice: ToolChoice) -> None:
         super().__init__(choice)
@@ -151,12 +152,15 @@ class _JsonObjects(ToolCallParser):
         return "", deltas
 
     def close(self) -> tuple[str, Deltas]:
+        """The text after the last call is content, unless it only closes the calls: the array's
+        bracket (no content either way), separators and blanks once nothing is left open."""
         rest = self._text[self._done:]
-        if self.calls and self._closed_at >= self._done:  # the array closed: its bracket, and
-            at = self._closed_at - self._done  # separators and blanks around it, are no content
+        if not self.calls:
+            return rest, []
+        if self._closed_at >= self._done:
+            at = self._closed_at - self._done
             rest = rest[:at] + rest[at + 1:]
-            rest = rest if rest.replace(",", " ").strip() else ""
-        return rest, []
+        return ("" if self._depth == 0 and not rest.replace(self.separator, " ").strip() else rest), []
 
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -169,6 +173,7 @@ class _Llama3JsonCalls(_JsonObjects):
 
     depth = 1
     keys = ("parameters", "arguments")
+    separator = ";"
 
     def __init__(self, choice: ToolChoice) -> None:
         super().__init__(choice)
@@ -188,10 +193,7 @@ class _Llama3JsonCalls(_JsonObjects):
     def close(self) -> tuple[str, Deltas]:
         if self._calls_mode is None:
             return self._head, []
-        if not self._calls_mode:
-            return "", []
-        rest = self._text[self._done:]
-        return ("" if self.calls and self._depth == 0 and not rest.strip(" \t\n;") else rest), []
+        return super().close() if self._calls_mode else ("", [])
 
 
 class _PythonicCalls(ToolCallParser):
