@@ -135,6 +135,26 @@ def test_bad_words_token_ids_dedup_rule():
     assert bad_words_token_ids(tok, ["b", "a", "c", "b"], 100) == [[7, 8], [9, 8], [5, 6], [10], [7, 8], [9, 8]]
 
 
+def test_bad_words_caps_are_vllms():
+    """At most 128 token sequences of 1024 tokens in all (vLLM's caps): each is checked against
+    every row's output every step, and encoding holds the engine. Too many words are refused
+    before any is encoded (the fake tokenizer knows none of them)."""
+    with pytest.raises(ValueError, match=r"bad_words has 129 words; at most 128"):
+        bad_words_token_ids(_FakeTok({}), [f"w{i}" for i in range(129)], 100)
+    # 65 words of two forms each: 130 sequences.
+    two_forms = {}
+    for i in range(65):
+        two_forms[f"w{i}"], two_forms[f" w{i}"] = [2 * i, 1], [2 * i + 1, 1]
+    assert len(bad_words_token_ids(_FakeTok(two_forms), [f"w{i}" for i in range(64)], 200)) == 128
+    with pytest.raises(ValueError, match=r"bad_words give 130 token sequences .*at most 128"):
+        bad_words_token_ids(_FakeTok(two_forms), [f"w{i}" for i in range(65)], 200)
+    # 1024 tokens in all pass, 1025 do not.
+    long = {"a": list(range(1000)), " a": [0], "b": list(range(24)), " b": [0], "c": [5], " c": [6, 7]}
+    assert sum(map(len, bad_words_token_ids(_FakeTok(long), ["a", "b"], 1000))) == 1024
+    with pytest.raises(ValueError, match=r"bad_words give 1025 tokens in all; at most 1024"):
+        bad_words_token_ids(_FakeTok(long), ["a", "b", "c"], 1000)
+
+
 def test_bad_words_token_ids_out_of_vocab_names_bad_words(tok):
     plain, spaced = tok.encode("Paris", add_special_tokens=False), tok.encode(" Paris", add_special_tokens=False)
     with pytest.raises(ValueError, match="bad_words") as info:

@@ -315,6 +315,8 @@ BAD = [
     (_C, {"allowed_token_ids": "5"}, "allowed_token_ids", ["'5'"]),
     (_C, {"bad_words": "cat"}, "bad_words", ["'cat'"]),
     (_C, {"bad_words": [""]}, "bad_words", ["''"]),
+    (_C, {"bad_words": [f"w{i}" for i in range(129)]}, "bad_words", ["129 words", "at most 128"]),
+    (_CH, {"bad_words": ["qz" * 30 + str(i) for i in range(40)]}, "bad_words", ["tokens in all", "at most 1024"]),
     (_C, {"prompt_logprobs": 21}, "prompt_logprobs", ["21"]),
     (_CH, {"prompt_logprobs": -1}, "prompt_logprobs", ["-1"]),
     (_C, {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", ["stream", "2"]),

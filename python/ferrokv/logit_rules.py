@@ -28,7 +28,13 @@ import torch
 
 from ferrokv.sampling_params import SamplingParams
 
-__all__ = ["LogitBiasState", "bad_words_token_ids", "check_token_rules", "has_logit_bias"]
+__all__ = ["MAX_BAD_WORDS_TOKENS", "MAX_NUM_BAD_WORDS", "LogitBiasState", "bad_words_token_ids", "check_token_rules",
+           "has_logit_bias"]
+
+# vLLM's caps per request: the core checks every banned sequence against each row's output tail
+# every step, and encoding the words holds the engine, so neither may grow without bound.
+MAX_NUM_BAD_WORDS = 128  # token sequences (a word can give two: plain and after a space)
+MAX_BAD_WORDS_TOKENS = 1024  # their tokens in all
 
 
 def has_logit_bias(params: SamplingParams) -> bool:
@@ -48,7 +54,10 @@ def check_token_rules(params: SamplingParams, vocab_size: int) -> None:
 
 def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> list[list[int]]:
     """Each word's token ids, as vLLM encodes them: the word with its leading spaces stripped,
-    and again after one space when that gives a different first token and the same length."""
+    and again after one space when that gives a different first token and the same length. At
+    most ``MAX_NUM_BAD_WORDS`` sequences of ``MAX_BAD_WORDS_TOKENS`` tokens in all (vLLM's caps)."""
+    if len(words) > MAX_NUM_BAD_WORDS:  # before encoding any: each word gives at least one sequence
+        raise ValueError(f"bad_words has {len(words)} words; at most {MAX_NUM_BAD_WORDS} are allowed")
     out: list[list[int]] = []
     for word in words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
@@ -62,6 +71,12 @@ def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> li
             if bad:
                 raise ValueError(f"bad_words {word!r} has token ids out of the vocabulary (size {vocab_size}): {bad}")
             out.append(list(ids))
+    if len(out) > MAX_NUM_BAD_WORDS:
+        raise ValueError(f"bad_words give {len(out)} token sequences (a word's plain and space-prefixed forms); "
+                         f"at most {MAX_NUM_BAD_WORDS} are allowed")
+    total = sum(map(len, out))
+    if total > MAX_BAD_WORDS_TOKENS:
+        raise ValueError(f"bad_words give {total} tokens in all; at most {MAX_BAD_WORDS_TOKENS} are allowed")
     return out
 
 
