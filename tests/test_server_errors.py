@@ -402,6 +402,28 @@ def test_413_body_too_large(http):
 
 
 # ------------------------------------------------------------------------------------------------
+# 415: a body that is not JSON by its Content-Type
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/jsonx"])
+@pytest.mark.parametrize("path", [_C, _CH, "/v1/responses", "/tokenize", "/invocations"])
+def test_415_body_not_declared_json(http, path, content_type):
+    """vLLM's rule: only application/json (a browser's form or text/plain post needs no CORS
+    preflight, so any web page could otherwise start generations on a local server)."""
+    raw = json.dumps(chat_body() if path == _CH else {"model": MODEL, "prompt": "the cat", "input": "hi",
+                                                       "max_tokens": 2}).encode()
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = http.post(path, content=raw, headers=headers)
+    err = assert_openai_error(r, 415, "application/json", "missing" if content_type is None else content_type)
+    assert err["type"] == "UnsupportedMediaTypeError", err
+    # Parameters and case do not matter; the same body declared JSON is served.
+    r = http.post(path, content=raw, headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200, r.text[:300]
+    assert_still_serves(http)
+
+
+# ------------------------------------------------------------------------------------------------
 # 503: the waiting queue is full
 # ------------------------------------------------------------------------------------------------
 

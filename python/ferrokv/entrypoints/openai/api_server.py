@@ -163,6 +163,12 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 
 async def _json(request: Request) -> Any:
+    # vLLM's rule: JSON bodies only. A text/plain or form POST is a CORS "simple request" that a
+    # browser sends from any page without asking first; refusing it keeps such pages off the server.
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        raise OpenAIError(415, f"Unsupported Media Type: only 'application/json' is allowed "
+                               f"(the request's Content-Type is {shown(content_type) if content_type else 'missing'})")
     raw = await request.body()
     try:
         return json.loads(raw)
