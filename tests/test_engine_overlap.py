@@ -8,6 +8,7 @@ Tiny llama, CPU, fp32.
 """
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -260,3 +261,32 @@ def test_overlap_defaults(llama_path):
     assert tiny_engine(llama_path).overlap is False
     with pytest.raises(ValueError, match="overlap"):
         tiny_engine(llama_path, overlap="yes")
+
+
+def test_no_step_thread_outlives_its_engine(llama_path):
+    """Overlap on a CPU runs the forward pass on a thread of the engine's: a shut-down LLM ends
+    it, and so does a dropped engine."""
+    from helpers.engine_faults import tiny_llm
+
+    def step_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "ferrokv-step"}
+
+    before = step_threads()
+    llm = tiny_llm(llama_path, overlap=True)
+    assert llm.generate(rand_prompts(41, [5, 9]), greedy(4), use_tqdm=False)[1].finished
+    started = step_threads() - before
+    assert len(started) == 1
+    llm.engine_loop.shutdown()
+    for t in started:
+        t.join(10)
+        assert not t.is_alive()
+    engine = tiny_engine(llama_path, overlap=True)
+    engine.add_request("a", rand_prompts(42, [6])[0], greedy(3))
+    assert drive(engine)["a"].finished
+    started = step_threads() - before
+    assert len(started) == 1
+    del engine
+    gc.collect()
+    for t in started:
+        t.join(10)
+        assert not t.is_alive()

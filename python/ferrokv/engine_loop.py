@@ -509,3 +509,4 @@ class EngineLoop:
         for rid, rec in records.items():
             self._deliver(rec.sink, StreamItem(rid, error=error))
         self._flush()
+        self.engine.worker.close()  # no step is in flight: each waits for its job

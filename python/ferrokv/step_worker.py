@@ -88,22 +88,33 @@ class StepWorker:
             job.run()
             return job
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="ferrokv-step", daemon=True)
+            # The thread holds the queue, not the worker, so that a dropped worker is collected
+            # (``__del__`` ends the thread).
+            self._thread = threading.Thread(target=_run_jobs, args=(self._queue, self.device), name="ferrokv-step",
+                                            daemon=True)
             self._thread.start()
         self._queue.put(job)
         return job
 
-    def _loop(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while (job := self._queue.get()) is not None:
-            job.run()
-
     def close(self) -> None:
-        """Ends the thread (after the job in flight, if any); idempotent."""
+        """Ends the thread (after the job in flight, if any); idempotent. A later ``submit``
+        starts another."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread = None
 
     def __del__(self) -> None:
         self.close()
+
+
+def _run_jobs(jobs: queue.SimpleQueue[StepJob | None], device: torch.device) -> None:
+    """The worker thread: runs jobs until ``None``. It keeps no finished job (its result, logits
+    included, is the waiter's alone)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job.run()
+        del job
