@@ -36,7 +36,9 @@ Invariants:
   (none for ``FINAL_ONLY``: the engine builds none).
 * Only the loop's thread adds requests and steps. It starts on the first submit as a daemon
   thread, so it never keeps the interpreter alive; ``shutdown`` ends it (``LLM`` calls it when
-  collected, without waiting) and an ``atexit`` hook joins every loop still running. On CUDA
+  collected, without waiting) and an ``atexit`` hook joins every loop still running. A child of
+  ``os.fork()`` has no copy of a started loop's thread: there every such loop is dead (a clear
+  ``EngineDeadError``, not a caller waiting forever on a sink). On CUDA
   its current device is the model's (the current device is per thread, and kernels launch on it). A caller waits on its sink, so a ``KeyboardInterrupt`` lands in the
   caller, which aborts its requests (``LLM._run``), never inside a step.
 * Aborts are applied between steps (at most one step's wait), on the loop's thread (it waits
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import weakref
@@ -166,6 +169,19 @@ def _shutdown_all() -> None:
         loop.shutdown()
 
 
+def _dead_in_fork_child() -> None:
+    # Only the forking thread lives on in the child: a started loop's thread is gone, and its
+    # lock may have been copied held. A fresh lock, and the loop dead.
+    for loop in list(_running):
+        loop._state = threading.Lock()
+        loop._dead = EngineDeadError(
+            f"this engine's loop ran in process {loop._pid}, and its thread does not survive os.fork(); create the "
+            "LLM in the child process (or use multiprocessing's 'spawn' start method)")
+
+
+os.register_at_fork(after_in_child=_dead_in_fork_child)
+
+
 def _deliver(sink: OutputSink, item: StreamItem) -> None:
     try:
         sink.put(item)
@@ -187,6 +203,7 @@ class EngineLoop:
         self._flushes: set[Callable[[], None]] = set()  # the loop thread's: flush() of sinks put to since the last
         self._state = threading.Lock()  # orders starting/ending the thread against queuing
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()  # of the process whose thread runs the loop (os.fork)
         self._stepping = False  # the loop's thread is in engine.step()
         self._failed_steps = 0  # in a row
         self._dead: EngineDeadError | None = None
@@ -317,6 +334,7 @@ class EngineLoop:
                         return
                     self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                     self._thread.start()
+                    self._pid = os.getpid()
                     _running.add(self)
                 self._inbox.put(command)
             except BaseException:  # an interrupt before the put: the id was never queued
