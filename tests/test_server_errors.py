@@ -569,6 +569,44 @@ def test_signal_drains_then_exits_0(long_model, sig, with_long):
         assert long.ended_at - t0 >= DRAIN_TIMEOUT - 0.5, f"aborted {long.ended_at - t0:.1f}s after the signal"
 
 
+def test_a_second_signal_aborts_everything_and_answers_it(long_model):
+    """Mid-drain, a second SIGINT stops the server well before --drain-timeout, yet cleanly: the
+    stream ends with finish_reason "abort" and [DONE], the plain request gets its JSON (finish
+    "abort"), no 500, no traceback (uvicorn's force exit cancelled both mid-answer)."""
+    with serve(long_model, "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
+               "--drain-timeout", "300") as srv:
+        stream = _Reader(srv.url, completion_body(max_tokens=LONG_TOKENS, ignore_eos=True, stream=True))
+        stream.start()
+        assert stream.started.wait(120) and stream.status == 200, (stream.status, stream.error)
+        plain: dict[str, Any] = {}
+
+        def post_plain() -> None:
+            with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+                r = c.post(_C, json=completion_body(max_tokens=LONG_TOKENS, ignore_eos=True))
+                plain["status"], plain["body"] = r.status_code, r.text
+
+        poster = threading.Thread(target=post_plain, daemon=True)
+        poster.start()
+        time.sleep(0.5)  # the plain request is in flight (queued behind the stream or running)
+        t0 = time.monotonic()
+        srv.send_signal(signal.SIGINT)
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:  # draining once new requests get 503
+            while c.get("/health").status_code != 503:
+                assert time.monotonic() < t0 + 60, "no drain within 60 s of the signal"
+                time.sleep(0.05)
+        srv.send_signal(signal.SIGINT)
+        rc = srv.wait(timeout=120)
+        assert rc == 0, f"exit status {rc}\n{srv.stderr()[-5000:]}"
+        assert time.monotonic() - t0 < 60, "the second signal did not stop the 300 s drain"
+        stream.join(60)
+        poster.join(60)
+        assert stream.answered() and stream.finish_reasons() == ["abort"], (stream.events[-3:], stream.error)
+        assert plain.get("status") == 200, plain
+        assert [c["finish_reason"] for c in json.loads(plain["body"])["choices"]] == ["abort"], plain["body"][:300]
+        log = srv.stderr()
+        assert "Traceback" not in log and "second signal SIGINT: aborting 2 request(s)" in log, log[-5000:]
+
+
 # ------------------------------------------------------------------------------------------------
 # serve's own flags: a bad value exits with status 2 and names the flag (before any model loads)
 # ------------------------------------------------------------------------------------------------

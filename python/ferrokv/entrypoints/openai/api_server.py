@@ -13,7 +13,8 @@ never causes a 500 (a 500 is a bug, logged with its traceback, its detail not se
 failure ends only its own engine requests. On SIGTERM/SIGINT the server drains: new requests get
 503, requests in flight may finish for ``--drain-timeout`` seconds, the rest are aborted (their
 streams end with finish_reason "abort"), then uvicorn stops and the process exits 0; a second
-signal stops it at once. What startup made (model, tokenizer, app) is frozen out of the garbage
+signal aborts them all at once (answered as aborted, for up to ``_STOP_GRACE_S`` seconds), a third
+stops the server without waiting. What startup made (model, tokenizer, app) is frozen out of the garbage
 collector's view (``gc.freeze``) before serving, so no full collection walks it mid-stream.
 Costs: per request one body copy (at most ``--max-body-bytes``) and O(1) checks.
 """
@@ -53,6 +54,7 @@ __all__ = ["ServerConfig", "build_app", "run_server"]
 
 _OPEN_PATHS = ("/health", "/ping", "/metrics")
 _STATS_PERIOD = 0.5  # seconds: the most a /metrics gauge lags behind the engine while it is busy
+_STOP_GRACE_S = 5.0  # seconds: after a second signal, for the aborted requests to send their last answer
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -316,6 +318,7 @@ class _Server(uvicorn.Server):
         self._drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Future[None] | None = None
+        self._stopping = False  # a second signal came: everything is being aborted
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -334,9 +337,18 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # Not uvicorn's: it would re-raise the signal after the shutdown (exit status -15).
-        if self._state.draining or self._loop is None:
-            logger.warning("second signal %s: stopping now", signal.Signals(sig).name)
+        if self._loop is None or self._stopping:
+            logger.warning("signal %s: stopping now", signal.Signals(sig).name)
             self.should_exit = self.force_exit = True
+            return
+        if self._state.draining:
+            # Stop now, yet cleanly: every request ends as aborted (streams with finish_reason
+            # "abort" and [DONE]) within a step or so. uvicorn's force exit would cancel their
+            # tasks mid-answer (500s, cut streams); a third signal still does that.
+            self._stopping = True
+            logger.warning("second signal %s: aborting %d request(s) in flight and stopping",
+                           signal.Signals(sig).name, self._state.http_in_flight)
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._abort_then_exit(_STOP_GRACE_S)))
             return
         self._state.draining = True
         logger.info("signal %s: draining (new requests get 503; %d in flight, up to %gs)",
@@ -355,10 +367,16 @@ class _Server(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         try:
             await self._wait_idle(self._drain_timeout)
-            if self._state.http_in_flight:
+            if self._state.http_in_flight and not self._stopping:
                 logger.warning("drain timeout: aborting %d request(s) still in flight", self._state.http_in_flight)
-                self._state.llm.abort_all()
-                await self._wait_idle(10.0)  # each ends within one engine step
+                await self._abort_then_exit(10.0)  # each ends within one engine step
+        finally:
+            self.should_exit = True
+
+    async def _abort_then_exit(self, grace: float) -> None:
+        try:
+            self._state.llm.abort_all()
+            await self._wait_idle(grace)
         finally:
             self.should_exit = True
 
