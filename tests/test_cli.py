@@ -209,6 +209,14 @@ def test_every_flag_has_help_ending_with_its_default():
     assert "(default: 16)" in _flags(generate)["--block-size"].help
     assert _flags(generate)["--enable-prefix-caching"].help.count("(default: on)") == 1
     assert "half" in _flags(generate)["--dtype"].choices and "float" in _flags(generate)["--dtype"].choices
+    # Only the fields a generation_config.json can recommend say that it may set them.
+    from ferrokv.generation_defaults import RECOMMENDED_FIELDS
+
+    for flag in ("--temperature", "--top-p", "--top-k", "--min-p", "--repetition-penalty", "--max-tokens"):
+        assert "generation config" in _flags(generate)[flag].help, flag
+    for flag in ("--min-tokens", "--presence-penalty", "--frequency-penalty", "--n", "--stop", "--ignore-eos"):
+        assert "generation config" not in _flags(generate)[flag].help, flag
+    assert RECOMMENDED_FIELDS == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"}
 
 
 @pytest.mark.parametrize("flag", sorted(BAD_VALUES))

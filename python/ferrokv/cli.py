@@ -33,6 +33,7 @@ from ferrokv.checks import check_text
 from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, EngineArgs, engine_arg_help, help_with_default
 from ferrokv.inputs import template_kwargs
 from ferrokv.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from ferrokv.generation_defaults import RECOMMENDED_FIELDS
 from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
 from ferrokv.sampling_params import SamplingParams
 
@@ -146,8 +147,8 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     for name, (flag, doc, cli_default) in _SAMPLING_FLAGS.items():
         default = by_name[name].default if cli_default is MISSING else cli_default
         # None: not given (the model's recommendation, else the default shown, applies).
-        _add_flag(g, flag, "sampling_" + name, hints[name], None,
-                  help_with_default(doc + "; unset: the model's generation config's value, if any", default))
+        recommended = "; unset: the model's generation config's value, if any" if name in RECOMMENDED_FIELDS else ""
+        _add_flag(g, flag, "sampling_" + name, hints[name], None, help_with_default(doc + recommended, default))
 
 
 def _llm(args: argparse.Namespace) -> Any:

@@ -26,12 +26,13 @@ from typing import Any
 
 from ferrokv.sampling_params import SamplingParams
 
-__all__ = ["SOURCES", "check_generation_args", "load_generation_defaults"]
+__all__ = ["RECOMMENDED_FIELDS", "SOURCES", "check_generation_args", "load_generation_defaults"]
 
 SOURCES = ("auto", "vllm")  # or a folder
 # generation_config.json key -> SamplingParams field (vLLM's six).
 _KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
          "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+RECOMMENDED_FIELDS = frozenset(_KEYS.values())  # the SamplingParams fields a model can recommend
 _FILE = "generation_config.json"
 
 
