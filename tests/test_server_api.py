@@ -768,7 +768,18 @@ def test_response_role_default_template_kwargs_and_max_log_len_as_vllms_flags(ti
     assert [t["tokens"] for t in tokenized] == [prompt_ids("A dog runs in the park. salty"),
                                                 prompt_ids("A dog runs in the park. sweet")]
     logged = [m for m in logged if ": messages " in m]
-    assert len(logged) == 4 and all("... (" in m and "park" not in m for m in logged), logged
+    # Each text is cut, not the messages' repr: 12 characters of the content itself are kept.
+    assert len(logged) == 4 and all("'A dog runs i... (23 characters)'" in m and "park" not in m
+                                    for m in logged), logged
+
+
+def test_logged_prompts_are_cut_each_not_their_repr():
+    from ferrokv.entrypoints.openai.serving import _cut
+
+    assert _cut(["abcdef", "ab", [1, 2, 3, 4, 5], [1, 2]], 3) == [
+        "abc... (6 characters)", "ab", [1, 2, 3, "... (5 token ids)"], [1, 2]]
+    assert _cut([{"role": "user", "content": [{"type": "text", "text": "hello"}]}], 4) == [
+        {"role": "user", "content": [{"type": "text", "text": "hell... (5 characters)"}]}]
 
 
 def test_request_id_and_tokens_as_ids_as_vllm(http):

@@ -102,10 +102,9 @@ class ServerState:
         return out
 
     def loggable(self, prompt: Any) -> str:
-        """A prompt as ``--log-prompts`` logs it: its repr, cut to ``--max-log-len`` characters."""
-        text = repr(prompt)
-        n = self.max_log_len
-        return text if n is None or len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
+        """Prompts (or chat messages) as ``--log-prompts`` logs them: their repr, each text cut to
+        ``--max-log-len`` characters and each token-id list to as many ids (vLLM's)."""
+        return repr(prompt if self.max_log_len is None else _cut(prompt, self.max_log_len))
 
     def admit(self, num_requests: int) -> None:
         if self.draining:
@@ -120,6 +119,20 @@ class ServerState:
             raise OpenAIError(503, f"the waiting queue is full ({self.max_waiting_requests} requests wait "
                                    f"beyond the {slots} running); retry later")
         self.admitted += num_requests
+
+
+def _cut(value: Any, n: int) -> Any:
+    """``value`` with every string over ``n`` characters, and every list of ints over ``n``
+    items, cut to ``n`` and marked with its length."""
+    if isinstance(value, str):
+        return value if len(value) <= n else f"{value[:n]}... ({len(value)} characters)"
+    if isinstance(value, (list, tuple)):
+        if len(value) > n and all(isinstance(x, int) for x in value):
+            return [*value[:n], f"... ({len(value)} token ids)"]
+        return [_cut(x, n) for x in value]
+    if isinstance(value, dict):
+        return {k: _cut(v, n) for k, v in value.items()}
+    return value
 
 
 def to_openai_error(e: BaseException) -> OpenAIError:
