@@ -61,9 +61,12 @@ def test_bad_level_names_the_variable():
 
 def test_cli_logs_one_prefix(tiny_model_dir, capsys):
     rc = main(["generate", "--model", str(tiny_model_dir("cli")), "--raw", "--quiet", "--max-tokens", "2",
-               "--num-kv-blocks", "64", "--max-model-len", "128", "hello"])
+               "--num-kv-blocks", "64", "--max-model-len", "120", "hello"])
     assert rc == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "loaded in" in line]
     assert len(err) == 1
     assert err[0].startswith("INFO ") and err[0].count("[ferrokv]") == 1 and "[ferrokv] model " in err[0]
     assert "ferrokv: ferrokv" not in err[0] and "ferrokv: model" not in err[0]
+    # 63 usable blocks; a 120-token sequence holds 8 whole blocks of 16: 7.9 at once (not 1008 / 120).
+    assert "KV cache: 63 blocks x 16 tokens (+1 reserved)" in err[0]
+    assert "max concurrency 7.9 at max_model_len=120" in err[0]

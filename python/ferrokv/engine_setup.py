@@ -264,15 +264,17 @@ def load_engine(args: EngineArgs) -> EngineParts:
                        "of prompts of different lengths do not share KV", max_len, mc.rope.max_position_embeddings)
         prefix_caching = False
     scheduler = make_scheduler(args, num_blocks, max_len, device, prefix_caching)
-    tokens_capacity = (num_blocks - 1) * args.block_size
+    usable = num_blocks - 1  # block 0 is the null block
+    tokens_capacity = usable * args.block_size
     logger.info(
-        "model %s (%s, %s, %s) loaded in %.1fs; KV cache: %d blocks x %d tokens, "
+        "model %s (%s, %s, %s) loaded in %.1fs; KV cache: %d blocks x %d tokens (+1 reserved), "
         "%.1f KiB per block (M_KV = 2 * %d layers * %d kv heads * %d head_dim * %d tokens * %d bytes), "
         "%d tokens in all, max concurrency %.1f at max_model_len=%d",
         args.model or model_path.name, mc.architecture, str(dtype).replace("torch.", ""),
-        device, time.perf_counter() - t0, num_blocks, args.block_size, spec.bytes_per_block / 1024,
+        device, time.perf_counter() - t0, usable, args.block_size, spec.bytes_per_block / 1024,
         spec.num_layers, spec.num_kv_heads, spec.head_dim, args.block_size,
-        torch.empty((), dtype=dtype).element_size(), tokens_capacity, tokens_capacity / max_len, max_len,
+        torch.empty((), dtype=dtype).element_size(), tokens_capacity,
+        usable / -(-max_len // args.block_size), max_len,  # a sequence holds whole blocks
     )
     if tokens_capacity < max_len:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request whose prompt + "
