@@ -13,8 +13,9 @@ Invariants:
 * ``RequestOutput.request_id`` is a ``str``; ``finished`` is True once every completion has a
   ``finish_reason``.
 * What an output holds depends on its request's ``SamplingParams.output_kind``, as in vLLM:
-  ``CUMULATIVE`` every text, token and logprob so far (the ``token_ids`` and ``logprobs`` lists are
-  shared by the request's successive outputs and grow), ``DELTA`` only what is new since the
+  ``CUMULATIVE`` every text, token and logprob so far (each output's ``token_ids`` and ``logprobs``
+  keep what they had when it was made: O(1) snapshots, copied when first read; vLLM's share one
+  growing list), ``DELTA`` only what is new since the
   request's previous output (the pieces concatenate to the cumulative ones), ``FINAL_ONLY`` one
   output, when the request has finished.
 * ``RequestOutput.metrics`` holds the request's timestamps (``RequestStateStats``): ``*_ts`` on
