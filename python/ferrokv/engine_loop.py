@@ -174,9 +174,10 @@ def _dead_in_fork_child() -> None:
     # lock may have been copied held. A fresh lock, and the loop dead.
     for loop in list(_running):
         loop._state = threading.Lock()
-        loop._dead = EngineDeadError(
-            f"this engine's loop ran in process {loop._pid}, and its thread does not survive os.fork(); create the "
-            "LLM in the child process (or use multiprocessing's 'spawn' start method)")
+        if loop._dead is None:  # one shut down before the fork says so still
+            loop._dead = EngineDeadError(
+                f"this engine's loop ran in process {loop._pid}, and its thread does not survive os.fork(); "
+                "create the LLM in the child process (or use multiprocessing's 'spawn' start method)")
 
 
 os.register_at_fork(after_in_child=_dead_in_fork_child)

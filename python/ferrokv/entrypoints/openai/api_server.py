@@ -14,8 +14,8 @@ failure ends only its own engine requests. On SIGTERM/SIGINT the server drains: 
 503, requests in flight may finish for ``--drain-timeout`` seconds, the rest are aborted (their
 streams end with finish_reason "abort"), then uvicorn stops and the process exits 0; a second
 signal aborts them all at once (answered as aborted, for up to ``_STOP_GRACE_S`` seconds), a third
-stops the server without waiting. What startup made (model, tokenizer, app) is frozen out of the garbage
-collector's view (``gc.freeze``) before serving, so no full collection walks it mid-stream.
+stops the server without waiting. What startup made (model, tokenizer, app) is frozen out of the
+garbage collector's view (``gc.freeze``) before serving, so no full collection walks it mid-stream.
 Costs: per request one body copy (at most ``--max-body-bytes``) and O(1) checks.
 """
 
