@@ -583,67 +583,111 @@ def test_created_is_when_each_completion_was_made(http, client):
     assert chunks and all(c.created >= t0 for c in chunks)
 
 
-def test_the_success_counter_counts_each_choice_once_streamed_or_not():
-    """A DELTA choice that ended early is not in the request's last output; it counts anyway."""
-    from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+class _StatsEngine:
+    def stats(self):
+        return collections.defaultdict(int)  # the engine gauges read at scrape time
+
+
+def _output(finished, choices, tokens=1, stats=None):
+    """A RequestOutput of choices ``(index, finish_reason)``, each with ``tokens`` new tokens."""
     from ferrokv.outputs import CompletionOutput, RequestOutput
 
-    class _Engine:
-        def stats(self):
-            return collections.defaultdict(int)  # the engine gauges read at scrape time
-
-    def out(finished, *choices):
-        comps = [CompletionOutput(i, "x", [5], finish_reason=r) for i, r in choices]
-        return RequestOutput("r", None, [1], None, comps, finished)
-
-    m = ServerMetrics(_Engine(), "m", lambda: 0)
-    delta = RequestTimer()
-    delta.on_output(out(False, (0, "stop"), (1, None)))  # choice 0 ends first ...
-    m.finished(out(True, (1, "length")), delta)  # ... and is not in the last DELTA output
-    cumulative = RequestTimer()
-    m.finished(out(True, (0, "stop"), (1, "length")), cumulative)
-    for reason in ("stop", "length"):
-        labels = {"model_name": "m", "finished_reason": reason}
-        assert m.registry.get_sample_value("ferrokv:request_success_total", labels) == 2, reason
+    comps = [CompletionOutput(i, "x", [5] * tokens, finish_reason=r) for i, r in choices]
+    return RequestOutput("r", None, [1], None, comps, finished, metrics=stats)
 
 
-def test_inter_token_latency_counts_each_decode_step_streamed_or_not():
-    """vLLM observes inter-token latency once per decode step of a request: n samples (n tokens per
-    step) or one, one final output or a DELTA stream, the request's steps are what count."""
+def _sample(m, name, **labels):
+    return m.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+
+def test_the_success_counter_counts_each_choice_once_streamed_or_not():
+    """A DELTA choice that ended early is not in the request's last output; it counts anyway.
+    Every finish reason's series is there from the start (vLLM's), so rate() sees the first."""
     from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
-    from ferrokv.outputs import CompletionOutput, RequestOutput, RequestStateStats
 
-    class _Engine:
-        def stats(self):
-            return collections.defaultdict(int)
+    m = ServerMetrics(_StatsEngine(), "m", lambda: 0)
+    for reason in ("stop", "length", "abort", "error"):
+        assert _sample(m, "ferrokv:request_success_total", finished_reason=reason) == 0, reason
+    delta = RequestTimer()
+    m.on_output(_output(False, [(0, "stop"), (1, None)]), delta)  # choice 0 ends first ...
+    m.on_output(_output(True, [(1, "length")]), delta)  # ... and is not in the last DELTA output
+    m.on_output(_output(True, [(0, "stop"), (1, "length")]), RequestTimer())
+    for reason in ("stop", "length"):
+        assert _sample(m, "ferrokv:request_success_total", finished_reason=reason) == 2, reason
+
+
+def test_latencies_count_each_choice_as_vllms_child_requests():
+    """vLLM runs each of n samples as a request: TTFT, queue and e2e once per choice, inter-token
+    latency once per decode step of each choice, one final output or a DELTA stream alike."""
+    from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+    from ferrokv.outputs import RequestStateStats
 
     stats = RequestStateStats(40, 0.0, queued_ts=1.0, scheduled_ts=1.0, first_token_ts=1.0, last_token_ts=1.9,
                               finished_ts=1.9)
-
-    def out(finished, tokens_per_choice, n):
-        comps = [CompletionOutput(i, "x", [5] * tokens_per_choice, finish_reason="length" if finished else None)
-                 for i in range(n)]
-        return RequestOutput("r", None, [1], None, comps, finished, metrics=stats)
+    length4 = [(i, "length") for i in range(4)]
 
     def itl(m):
-        return (m.registry.get_sample_value("ferrokv:inter_token_latency_seconds_count", {"model_name": "m"}),
-                m.registry.get_sample_value("ferrokv:inter_token_latency_seconds_sum", {"model_name": "m"}))
+        return _sample(m, "ferrokv:inter_token_latency_seconds_count"), _sample(m, "ferrokv:inter_token_latency_seconds_sum")
 
-    final = ServerMetrics(_Engine(), "m", lambda: 0)
-    final.finished(out(True, 10, 4), RequestTimer())  # 4 samples of 10 tokens: 9 steps after the first
-    assert itl(final) == (9, pytest.approx(0.9))
-    streamed, timer = ServerMetrics(_Engine(), "m", lambda: 0), RequestTimer()
+    final = ServerMetrics(_StatsEngine(), "m", lambda: 0)
+    final.on_output(_output(True, length4, 10, stats), RequestTimer())  # 4 samples of 10 tokens: 9 steps each
+    assert itl(final) == (36, pytest.approx(3.6))
+    streamed, timer = ServerMetrics(_StatsEngine(), "m", lambda: 0), RequestTimer()
     for k in (1, 3, 2, 3):  # DELTA outputs, some bundling several steps
-        timer.on_output(out(False, k, 4))
-    streamed.finished(out(True, 1, 4), timer)
-    assert itl(streamed) == (9, pytest.approx(0.9))
-    assert final.registry.get_sample_value("ferrokv:inter_token_latency_seconds_bucket",
-                                           {"model_name": "m", "le": "0.1"}) == 9
-    assert final.registry.get_sample_value("ferrokv:inter_token_latency_seconds_bucket",
-                                           {"model_name": "m", "le": "0.075"}) == 0
+        streamed.on_output(_output(False, [(i, None) for i in range(4)], k, stats), timer)
+    streamed.on_output(_output(True, length4, 1, stats), timer)
+    assert itl(streamed) == (36, pytest.approx(3.6))
+    assert _sample(final, "ferrokv:inter_token_latency_seconds_bucket", le="0.1") == 36
+    assert _sample(final, "ferrokv:inter_token_latency_seconds_bucket", le="0.075") == 0
+    for m in (final, streamed):
+        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+            assert _sample(m, f"ferrokv:{name}_count") == 4, name
+        assert _sample(m, "ferrokv:request_success_total", finished_reason="length") == 4
     # Every engine series carries the model's name too, as vLLM's.
-    assert final.registry.get_sample_value("ferrokv:num_requests_running", {"model_name": "m"}) == 0
-    assert final.registry.get_sample_value("ferrokv:generation_tokens_total", {"model_name": "m"}) == 0
+    assert _sample(final, "ferrokv:num_requests_running") == 0
+    assert _sample(final, "ferrokv:generation_tokens_total") == 0
+
+
+def test_ttft_is_observed_with_the_first_token_and_steps_of_a_request_cut_short_count():
+    """A stream's TTFT counts at its first chunk, not when the request ends; a client that leaves
+    mid-stream still leaves its decode steps so far (vLLM observes both as they happen)."""
+    from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+    from ferrokv.outputs import RequestStateStats
+
+    m, timer = ServerMetrics(_StatsEngine(), "m", lambda: 0), RequestTimer()
+    queued = RequestStateStats(0, 0.0, queued_ts=1.0)
+    m.on_output(_output(False, [], 0, queued), timer)  # nothing yet (a prompt-logprobs output, say)
+    assert _sample(m, "ferrokv:time_to_first_token_seconds_count") == 0
+    first = RequestStateStats(1, 0.0, queued_ts=1.0, scheduled_ts=1.1, first_token_ts=1.25, last_token_ts=1.25)
+    m.on_output(_output(False, [(0, None)], 1, first), timer)
+    assert _sample(m, "ferrokv:time_to_first_token_seconds_count") == 1
+    assert _sample(m, "ferrokv:time_to_first_token_seconds_sum") == pytest.approx(0.25)
+    later = RequestStateStats(5, 0.0, queued_ts=1.0, scheduled_ts=1.1, first_token_ts=1.25, last_token_ts=1.65)
+    m.on_output(_output(False, [(0, None)], 4, later), timer)
+    assert _sample(m, "ferrokv:time_to_first_token_seconds_count") == 1  # once
+    m.on_close(timer)  # the client left: 4 steps after the first token, 0.1 s apart
+    m.on_close(timer)  # idempotent
+    assert _sample(m, "ferrokv:inter_token_latency_seconds_count") == 4
+    assert _sample(m, "ferrokv:inter_token_latency_seconds_sum") == pytest.approx(0.4)
+    assert _sample(m, "ferrokv:e2e_request_latency_seconds_count") == 0  # it never ended
+    assert sum(_sample(m, "ferrokv:request_success_total", finished_reason=r) for r in ("stop", "length")) == 0
+
+
+def test_metrics_leave_prometheus_client_settings_alone():
+    """The server's registry drops no other registry's _created series (it once switched them off
+    for the whole process)."""
+    import prometheus_client
+    from prometheus_client import CollectorRegistry, Counter
+
+    import ferrokv.entrypoints.openai.api_server  # noqa: F401  (imported: nothing may change)
+    from ferrokv.entrypoints.openai.metrics import ServerMetrics
+
+    ServerMetrics(_StatsEngine(), "m", lambda: 0)
+    other = CollectorRegistry()
+    Counter("app_things", "things", registry=other).inc()
+    assert other.get_sample_value("app_things_created") is not None
+    assert b"_created" not in ServerMetrics(_StatsEngine(), "m", lambda: 0).render()[0]
+    assert prometheus_client is not None
 
 
 def test_metrics_names(server, client):
@@ -661,6 +705,11 @@ def test_metrics_names(server, client):
     assert values["ferrokv:prompt_tokens_total"] > 0 and values["ferrokv:generation_tokens_total"] >= 4
     assert 0 < values["ferrokv:num_free_blocks"] <= values["ferrokv:num_blocks"]
     assert 0.0 <= values["ferrokv:kv_cache_usage_perc"] <= 1.0
+    # OpenMetrics to a scraper that asks for it (Prometheus does), text format otherwise.
+    om = httpx.get(server.url + "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"},
+                   timeout=60.0)
+    assert om.headers["content-type"].startswith("application/openmetrics-text") and om.text.endswith("# EOF\n")
+    assert resp.headers["content-type"].startswith("text/plain")
 
 
 def test_prompts_not_logged(server, client):

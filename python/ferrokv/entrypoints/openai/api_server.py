@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response
 
 from ferrokv import __version__
 from ferrokv.checks import shown
-from ferrokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from ferrokv.entrypoints.openai.metrics import ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
 from ferrokv.entrypoints.openai.protocol_tokenize import parse_detokenize_request, parse_tokenize_request
 from ferrokv.entrypoints.openai.serving import ServerState, error_response, to_openai_error
@@ -243,8 +243,9 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         return {"version": __version__}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        body, content_type = state.metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"content-type": content_type})
 
     # vLLM's root: the model as given to the server (its path or Hub id), whatever it is served as.
     root = llm.engine.args.model or state.model_names[0]  # the default model: its served name

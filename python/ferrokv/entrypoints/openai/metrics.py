@@ -4,11 +4,14 @@ Prometheus' text format, with vLLM's metric names under the ``ferrokv:`` prefix.
 Invariants: every server has its own ``CollectorRegistry`` (never the global one), so two apps in
 one process do not mix. Gauges and counters are read from the engine at scrape time
 (``AsyncLLM.stats``: the engine is their one home); the histograms are observed from each
-request's ``RequestOutput.metrics`` (the core's timestamps), once per request for TTFT, e2e and
-queue time; inter-token latency counts once per decode step of the request, as vLLM's does,
-however the client reads it (streamed or not, n samples or one): the request's mean gap between
-steps, times its number of steps. A request that never got a token (aborted while waiting)
-observes nothing. Every series is labelled with ``model_name``, as vLLM's.
+request's ``RequestOutput.metrics`` (the core's timestamps). Each of a request's n choices counts
+as one request, as vLLM's child requests do (running sequences, successes, TTFT, e2e and queue
+time). TTFT is observed with the first output that has a token (a stream's first chunk), e2e and
+queue time at the end; inter-token latency once per decode step of each choice, however the
+client reads it (streamed or not), the request's mean gap between steps (the core keeps the first
+and latest token times, not each gap), and also for a request whose client left before its end.
+A request that never got a token observes nothing. Every series is labelled with ``model_name``,
+as vLLM's; ``/metrics`` answers OpenMetrics to a scraper that asks for it.
 Costs: a scrape is one ``stats()`` snapshot, O(KV blocks); an observation is O(1).
 """
 
@@ -21,19 +24,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from ferrokv.outputs import RequestOutput
+from ferrokv.outputs import RequestOutput, RequestStateStats
 
-__all__ = ["CONTENT_TYPE", "RequestTimer", "ServerMetrics"]
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-# No "<name>_created" series (their timestamps double the output and no dashboard reads them).
-prometheus_client.disable_created_metrics()
+__all__ = ["RequestTimer", "ServerMetrics"]
 
 # vLLM's buckets (seconds).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -54,7 +52,8 @@ _COUNTERS = {
 }
 # Gauge name -> (stats key, help).
 _GAUGES = {
-    "ferrokv:num_requests_running": ("num_running", "Requests in the engine's running batch."),
+    # Sequences: vLLM runs each of a request's n samples as a request of its own.
+    "ferrokv:num_requests_running": ("num_running_seqs", "Requests (each of n samples) in the running batch."),
     "ferrokv:num_requests_waiting": ("num_waiting", "Requests waiting for a place in the batch."),
     "ferrokv:kv_cache_usage_perc": ("kv_cache_usage", "Fraction of usable KV-cache blocks in use (1 = full)."),
     "ferrokv:num_free_blocks": ("num_free_blocks", "Free KV-cache blocks (cached prefix blocks count as free)."),
@@ -81,9 +80,10 @@ class _EngineCollector:
             yield metric
 
 
-class _StepHistogram:
-    """A histogram (one ``model_name`` series) whose observation may count several times at once:
-    a request's mean gap between decode steps, once per step."""
+class _Histogram:
+    """A histogram (one ``model_name`` series) whose observation may count several times at once
+    (a request's n samples; its mean gap between decode steps, once per step). No ``_created``
+    series: prometheus_client's own metrics would need a process-wide switch to drop them."""
 
     def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str) -> None:
         self._name, self._doc, self._model = name, doc, [model_name]
@@ -110,6 +110,32 @@ class _StepHistogram:
         yield metric
 
 
+class _FinishCounter:
+    """``request_success_total`` by finish reason, every reason's series there from the start (as
+    vLLM's), so that ``rate()`` sees the first finish."""
+
+    _REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason values
+
+    def __init__(self, model_name: str) -> None:
+        self._model = model_name
+        self._counts = dict.fromkeys(self._REASONS, 0)
+        self._lock = threading.Lock()
+
+    def inc(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+
+    def collect(self) -> Iterator[Metric]:
+        metric = CounterMetricFamily("ferrokv:request_success",
+                                     "Sequences finished (each of a request's n choices), by finish reason.",
+                                     labels=["model_name", "finished_reason"])
+        with self._lock:
+            counts = dict(self._counts)
+        for reason, count in counts.items():
+            metric.add_metric([self._model, reason], float(count))
+        yield metric
+
+
 class ServerMetrics:
     """The server's registry: engine metrics, latency histograms, finished-request counts."""
 
@@ -117,44 +143,64 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         extra = {"ferrokv:num_requests_in_flight": (in_flight_http, "HTTP generation requests being served.")}
         self.registry.register(_EngineCollector(async_llm, model_name, extra))
-        labels = ["model_name"]
-        self.ttft = Histogram("ferrokv:time_to_first_token_seconds", "Time to the first token (queued to token).",
-                              labels, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = _StepHistogram("ferrokv:inter_token_latency_seconds",
-                                  "Time between a request's decode steps (one observation per step).", _ITL_BUCKETS,
-                                  model_name)
-        self.registry.register(self.itl)
-        self.e2e = Histogram("ferrokv:e2e_request_latency_seconds", "Time from queued to finished.",
-                             labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
-        self.queue = Histogram("ferrokv:request_queue_time_seconds", "Time from queued to first scheduled.",
-                               labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
-        self._success = Counter("ferrokv:request_success",
-                                "Sequences finished (each of a request's n choices), by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
-        self._model = model_name
+        self.ttft = _Histogram("ferrokv:time_to_first_token_seconds", "Time to the first token (queued to token).",
+                               _TTFT_BUCKETS, model_name)
+        self.itl = _Histogram("ferrokv:inter_token_latency_seconds",
+                              "Time between a sequence's decode steps (one observation per step).", _ITL_BUCKETS,
+                              model_name)
+        self.e2e = _Histogram("ferrokv:e2e_request_latency_seconds", "Time from queued to finished.", _E2E_BUCKETS,
+                              model_name)
+        self.queue = _Histogram("ferrokv:request_queue_time_seconds", "Time from queued to first scheduled.",
+                                _E2E_BUCKETS, model_name)
+        self._success = _FinishCounter(model_name)
+        for collector in (self.ttft, self.itl, self.e2e, self.queue, self._success):
+            self.registry.register(collector)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The registry in the format ``accept`` asks for (OpenMetrics or Prometheus' text), and
+        its content type."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
 
-    def finished(self, output: RequestOutput, timer: RequestTimer) -> None:
-        """Observes a finished request's latencies (``output``: its last output) and counts its
-        choices by finish reason (streamed or not: a DELTA choice that ended earlier is not in
-        the last output, the timer saw it)."""
-        m = output.metrics
+    def on_output(self, output: RequestOutput, timer: RequestTimer) -> None:
+        """Counts one output the server got for a request: its time to first token as soon as it
+        has one; at its end its choices by finish reason (a DELTA choice that ended earlier is not
+        in the last output: the timer saw it), its queue and end-to-end times and its steps.
+        Each of the n choices counts as one of vLLM's child requests."""
         timer.on_output(output)
+        m = output.metrics
+        timed = m is not None and bool(m.queued_ts)  # not when aborted before the engine recorded anything
+        if timed:
+            timer.last = m
+            if not timer.ttft_seen and m.first_token_ts:
+                timer.ttft_seen = True
+                self.ttft.observe(max(m.first_token_ts - m.queued_ts, 0.0), len(timer.tokens))
+        if not output.finished:
+            return
         for reason in timer.finish_reasons.values():
-            self._success.labels(self._model, reason).inc()
-        if m is None or not m.queued_ts:
-            return  # aborted before the engine recorded anything
-        if m.first_token_ts:
-            self.ttft.observe(max(m.first_token_ts - m.queued_ts, 0.0))
-            steps = max(timer.tokens.values(), default=0) - 1  # decode steps after the first token's
-            if steps > 0 and m.last_token_ts > m.first_token_ts:
-                self.itl.observe((m.last_token_ts - m.first_token_ts) / steps, steps)
-        if m.scheduled_ts:
-            self.queue.observe(max(m.scheduled_ts - m.queued_ts, 0.0))
-        if m.finished_ts:
-            self.e2e.observe(max(m.finished_ts - m.queued_ts, 0.0))
+            self._success.inc(reason)
+        self._observe_steps(timer)
+        if timed and m.scheduled_ts:
+            self.queue.observe(max(m.scheduled_ts - m.queued_ts, 0.0), len(timer.tokens))
+        if timed and m.finished_ts:
+            self.e2e.observe(max(m.finished_ts - m.queued_ts, 0.0), len(timer.tokens))
+
+    def on_close(self, timer: RequestTimer) -> None:
+        """A request whose client went away before its end: its decode steps so far still count
+        (vLLM observes each as it happens)."""
+        if not timer.steps_counted:
+            self._observe_steps(timer)
+
+    def _observe_steps(self, timer: RequestTimer) -> None:
+        # The request's mean gap between decode steps, once per step of each choice (the core
+        # keeps the first and latest token times, not each gap).
+        timer.steps_counted = True
+        m = timer.last
+        steps = max(timer.tokens.values(), default=0) - 1
+        if m is None or steps <= 0 or not m.first_token_ts or m.last_token_ts <= m.first_token_ts:
+            return
+        each_choice = sum(max(t - 1, 0) for t in timer.tokens.values())
+        self.itl.observe((m.last_token_ts - m.first_token_ts) / steps, each_choice)
 
 
 @dataclass(slots=True)
@@ -164,6 +210,9 @@ class RequestTimer:
 
     tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens generated
     finish_reasons: dict[int, str] = field(default_factory=dict)  # choice index -> its finish reason
+    last: RequestStateStats | None = None  # the timestamps of the latest output
+    ttft_seen: bool = False
+    steps_counted: bool = False
 
     def on_output(self, output: RequestOutput) -> None:
         for c in output.outputs:

@@ -330,16 +330,14 @@ class Generation:
             return
         self.closed = True
         self.state.admitted -= len(self.gens)
+        for timer in self.timers:
+            self.state.metrics.on_close(timer)
         for g in self.gens:
             with contextlib.suppress(BaseException):
                 await g.aclose()  # type: ignore[attr-defined]
 
     def _seen(self, i: int, out: RequestOutput) -> RequestOutput:
-        timer = self.timers[i]
-        if out.finished:
-            self.state.metrics.finished(out, timer)
-        else:
-            timer.on_output(out)
+        self.state.metrics.on_output(out, self.timers[i])
         return out
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
