@@ -25,6 +25,21 @@ def test_generate_prints_answers_and_stats(model, capsys):
     assert "KV cache: peak" in out and "prefix cache: 0 of" in out
 
 
+def test_generate_prints_each_text_as_generated(model, capsys):
+    """Leading newlines and indentation are part of a completion (it printed them stripped)."""
+    from ferrokv import LLM, SamplingParams
+
+    llm = LLM(model, num_gpu_blocks_override=64, max_model_len=128)
+    prompts = ["hello", "the cat", "a dog", "one two", "we see", "x", "the", "runs", "blue sky", "bread", "my friend",
+               "Paris", "a long story"]
+    texts = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6,
+                                                                               ignore_eos=True), use_tqdm=False)]
+    prompt, text = next((p, t) for p, t in zip(prompts, texts) if t != t.strip())  # one the strip would change
+    assert main(["generate", "--model", model, "--raw", "--quiet", "--max-tokens", "6", "--temperature", "0",
+                 "--ignore-eos", "--num-kv-blocks", "64", "--max-model-len", "128", prompt]) == 0
+    assert f"### {prompt}\n{text}\n" in capsys.readouterr().out
+
+
 def test_unset_sampling_flags_take_the_models_generation_config(model, capsys, tmp_path):
     """vLLM applies the model's recommendations to every field the caller leaves unset: here a
     max_new_tokens of 3; a flag given wins; --generation-config vllm ignores the model's (the CLI's

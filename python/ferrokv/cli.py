@@ -195,7 +195,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"\n### {p}")
         for c in o.outputs:
             prefix = f"[{c.index}] " if len(o.outputs) > 1 else ""
-            print(f"{prefix}{c.text.strip()}")
+            print(f"{prefix}{c.text}")  # as generated: a code completion's indentation is its meaning
     _print_stats(llm.llm_engine, outs, dt)
     return 0
 
@@ -275,7 +275,7 @@ def _chat(args: argparse.Namespace) -> int:
             turns.pop()
             print(f"ferrokv: error: {e}", file=sys.stderr)
             continue
-        answer = out.outputs[0].text.strip()
+        answer = out.outputs[0].text  # as generated, in the history it resends too (vLLM's chat client)
         turns.append({"role": "assistant", "content": answer})
         print(f"assistant> {answer}", flush=True)
 
