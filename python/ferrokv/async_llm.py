@@ -49,6 +49,7 @@ from ferrokv.inputs import add_special_tokens_of, check_no_lora, is_text_prompt,
 from ferrokv.llm import chat_token_ids
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
+from ferrokv.stats_log import StatsLog
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
 
@@ -203,6 +204,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # the dispatchers and the live requests: event loops may be several
         self._in_flight = 0
         self._live: dict[str, int] = {}  # request id -> event-loop streams using it (abort_all)
+        self._stats_log = StatsLog(self.stats())
         weakref.finalize(self, _close, self.engine_loop, self._pool)
 
     # ------------------------------------------------------------------------------------------
@@ -223,11 +225,9 @@ class AsyncLLM:
         return self.engine.model_config
 
     async def do_log_stats(self) -> None:
-        """Logs the engine's gauges and counters (vLLM's server calls it periodically)."""
-        st = self.stats()
-        logger.info("engine: %d running, %d waiting, KV cache %.1f%% used, %d prompt and %d generated tokens",
-                    st["num_running"], st["num_waiting"], 100 * st["kv_cache_usage"], st["prompt_tokens"],
-                    st["generated_tokens"])
+        """Logs vLLM's stats line for the interval since the previous call (``ferrokv.stats_log``;
+        the server calls it periodically)."""
+        self._stats_log.log(self.stats())
 
     async def is_tracing_enabled(self) -> bool:
         return False

@@ -117,7 +117,8 @@ class EngineArgs:
     quantization: str | None = _arg(None, "weight quantization method; none is supported yet (unquantized only)")
     swap_space: float = _arg(
         4.0, "accepted for vLLM compatibility (GiB of CPU swap): ferrokv's swap pool is num_cpu_blocks blocks")
-    disable_log_stats: bool = _arg(False, "accepted for vLLM compatibility: ferrokv logs no periodic stats")
+    disable_log_stats: bool = _arg(False, "no periodic stats line from the server (vLLM's: throughput, running and "
+                                          "waiting requests, KV-cache usage, prefix-cache hit rate)")
     enable_chunked_prefill: bool | None = _arg(
         None, "accepted for vLLM compatibility: ferrokv always chunks prompts longer than the step's token "
         "budget (False is refused)", default_doc="on")

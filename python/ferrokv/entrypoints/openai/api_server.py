@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from ferrokv import __version__
 from ferrokv.checks import shown
 from ferrokv.entrypoints.openai.metrics import ServerMetrics
+from ferrokv.stats_log import LOG_STATS_INTERVAL_S
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
 from ferrokv.entrypoints.openai.protocol_tokenize import parse_detokenize_request, parse_tokenize_request
 from ferrokv.entrypoints.openai.serving import ServerState, error_response, to_openai_error
@@ -323,11 +324,14 @@ class _Server(uvicorn.Server):
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
-        fresh = asyncio.ensure_future(self._keep_stats_fresh())
+        tasks = [asyncio.ensure_future(self._keep_stats_fresh())]
+        if not self._state.llm.engine.args.disable_log_stats:
+            tasks.append(asyncio.ensure_future(self._log_stats()))
         try:
             await super().serve(sockets)
         finally:
-            fresh.cancel()
+            for task in tasks:
+                task.cancel()
 
     async def _keep_stats_fresh(self) -> None:
         # LLMEngine.stats() serves, while a step runs, the snapshot taken at the end of the step
@@ -335,6 +339,11 @@ class _Server(uvicorn.Server):
         while True:
             self._state.llm.stats()
             await asyncio.sleep(_STATS_PERIOD)
+
+    async def _log_stats(self) -> None:
+        while True:  # vLLM's stats line (ferrokv.stats_log), as its server logs it
+            await asyncio.sleep(LOG_STATS_INTERVAL_S)
+            await self._state.llm.do_log_stats()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # Not uvicorn's: it would re-raise the signal after the shutdown (exit status -15).
