@@ -614,6 +614,8 @@ def test_async_engine_args_and_vllms_from_engine_args_keywords(llama_path):
     from ferrokv import AsyncEngineArgs
 
     args = AsyncEngineArgs(**engine_kwargs(str(llama_path)), enable_log_requests=True)
+    with pytest.raises(ValueError, match="stat_loggers must be None or empty"):  # never silently dropped
+        AsyncLLM.from_engine_args(args, stat_loggers=[lambda config, index: None])
     llm = AsyncLLM.from_engine_args(args, start_engine_loop=True, usage_context=None, stat_loggers=None)
     try:
         async def main():

@@ -41,7 +41,7 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-from ferrokv.checks import check_text
+from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
@@ -188,8 +188,12 @@ class AsyncLLM:
     def from_engine_args(cls, engine_args: EngineArgs, *, tokenizer_threads: int | None = None,
                          start_engine_loop: bool = True, usage_context: Any = None,
                          stat_loggers: Any = None) -> AsyncLLM:
-        """vLLM's constructor (``AsyncEngineArgs`` or ``EngineArgs``); its ``start_engine_loop``,
-        ``usage_context`` and ``stat_loggers`` are accepted (the loop starts with the first request)."""
+        """vLLM's constructor (``AsyncEngineArgs`` or ``EngineArgs``); its ``start_engine_loop`` and
+        ``usage_context`` are accepted (the loop starts with the first request), ``stat_loggers``
+        only empty: ferrokv calls no custom logger (its metrics are ``/metrics`` and ``do_log_stats``)."""
+        if stat_loggers:
+            raise ValueError(f"stat_loggers must be None or empty: custom stat loggers are not supported, got "
+                             f"{shown(stat_loggers)}")
         self = cls.__new__(cls)
         self._init(engine_args, tokenizer_threads)
         return self
