@@ -47,6 +47,7 @@ from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
 from ferrokv.inputs import add_special_tokens_of, check_no_lora, is_text_prompt, request_id_str, tokenized_prompt
 from ferrokv.llm import chat_token_ids
+from ferrokv.metrics_reader import engine_stats
 from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.stats_log import StatsLog
@@ -295,13 +296,7 @@ class AsyncLLM:
     def stats(self) -> dict[str, Any]:
         """The engine's counters and KV-cache gauges (``LLMEngine.stats``, safe from any thread:
         while a step runs, the snapshot of an earlier step's end)."""
-        st = self.engine.stats()
-        # The free-block count is refreshed at every step's end (the full stats only when asked).
-        st["num_free_blocks"] = self.engine.num_free_blocks
-        usable = st["num_blocks"] - 1  # block 0 is the null block
-        st["num_usable_blocks"] = usable
-        st["kv_cache_usage"] = 1.0 - st["num_free_blocks"] / usable if usable else 0.0
-        return st
+        return engine_stats(self.engine)
 
     # ------------------------------------------------------------------------------------------
     # Tokenization, on the pool

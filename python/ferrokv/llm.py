@@ -34,6 +34,7 @@ from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineLoop, StreamItem
 from ferrokv.inputs import (add_special_tokens_of, batch_prompts, check_no_lora, check_tools, message_text,
                             message_tool_fields, template_kwargs, tokenized_prompt)
+from ferrokv.metrics_reader import Metric, engine_metrics, engine_stats
 from ferrokv.outputs import Logprob, RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 
@@ -229,6 +230,12 @@ class LLM:
     @property
     def model_config(self) -> Any:
         return self.llm_engine.model_config
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of the engine's counters and gauges (``ferrokv.metrics_reader``:
+        tokens, prefix-cache lookups and hits, preemptions, running and waiting requests, KV-cache
+        blocks and usage), named as ``/metrics`` names them; safe from any thread."""
+        return engine_metrics(engine_stats(self.llm_engine), self.llm_engine.model_config.model)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Empties the prefix cache (``LLMEngine.reset_prefix_cache``): True when done, False while

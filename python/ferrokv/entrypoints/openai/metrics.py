@@ -29,6 +29,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from ferrokv.metrics_reader import COUNTERS, GAUGES
 from ferrokv.outputs import RequestOutput, RequestStateStats
 
 __all__ = ["RequestTimer", "ServerMetrics"]
@@ -41,26 +42,6 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
 
-# Counter name (without the _total suffix) -> (engine stats key, help).
-_COUNTERS = {
-    "ferrokv:prefix_cache_queries": ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."),
-    # Over the same admissions as the queries (each request's first), so hits never exceed them.
-    "ferrokv:prefix_cache_hits": ("first_admission_cached_tokens", "Prompt tokens served from the prefix cache."),
-    "ferrokv:num_preemptions": ("preemptions", "Sequences preempted."),
-    "ferrokv:prompt_tokens": ("prompt_tokens", "Prompt tokens of the requests taken."),
-    "ferrokv:generation_tokens": ("generated_tokens", "Tokens generated."),
-}
-# Gauge name -> (stats key, help).
-_GAUGES = {
-    # Sequences: vLLM runs each of a request's n samples as a request of its own.
-    "ferrokv:num_requests_running": ("num_running_seqs", "Requests (each of n samples) in the running batch."),
-    "ferrokv:num_requests_waiting": ("num_waiting", "Requests waiting for a place in the batch."),
-    "ferrokv:kv_cache_usage_perc": ("kv_cache_usage", "Fraction of usable KV-cache blocks in use (1 = full)."),
-    "ferrokv:num_free_blocks": ("num_free_blocks", "Free KV-cache blocks (cached prefix blocks count as free)."),
-    "ferrokv:num_blocks": ("num_usable_blocks", "Usable KV-cache blocks (the null block excluded)."),
-}
-
-
 class _EngineCollector:
     """Reads the engine's stats at scrape time."""
 
@@ -71,8 +52,8 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         st = self._llm.stats()
-        values = [(GaugeMetricFamily, name, doc, st[key]) for name, (key, doc) in _GAUGES.items()]
-        values += [(CounterMetricFamily, name, doc, st[key]) for name, (key, doc) in _COUNTERS.items()]
+        values = [(GaugeMetricFamily, name, doc, st[key]) for name, (key, doc) in GAUGES.items()]
+        values += [(CounterMetricFamily, name, doc, st[key]) for name, (key, doc) in COUNTERS.items()]
         values += [(GaugeMetricFamily, name, doc, read()) for name, (read, doc) in self._extra.items()]
         for family, name, doc, value in values:
             metric = family(name, doc, labels=["model_name"])
