@@ -5,14 +5,16 @@ the scheduler's batch row, with, per row, the sequence whose statistics it holds
 its output tokens they count. Each step it checks the penalty rows against the scheduler's output
 (``row_seq_ids``, ``row_num_output``): a row that holds another sequence (one joined, left or
 moved rows) or another count (a cancelled step) is rebuilt from the core's tokens, the one home of
-a sequence's tokens; the others are used as they are, and the step's sampled tokens are counted in
+a sequence's tokens, unless its statistics are up to date in the row it left (then they are
+copied over); the others are used as they are, and the step's sampled tokens are counted in
 (``record``). So this is a cache the core's output validates, never a mirror that can drift.
 
 Invariants: a row's statistics are used only when its (sequence, count) pair equals the step's,
 and a sequence's statistics are valid in at most one row (rebuilding it elsewhere invalidates the
 others, which a cancelled step may have left ahead); a fan-out child (no batch row yet) gets fresh statistics in a scratch row after the batch rows.
 Costs per step: O(P * V) for the P penalty rows (gather, count-in), nothing when no row has a
-penalty; a rebuild costs O(prompt + output) once when a sequence joins or moves rows.
+penalty; a row that moved costs O(V) (a copy), a rebuild O(prompt + output) once when a sequence
+joins (or its statistics are stale: a cancelled step).
 Memory: (highest penalty batch row + 1) * V * 5 bytes, grown on demand.
 """
 
@@ -69,14 +71,17 @@ class PenaltyState:
         self._grow(int(slots.max()) + 1)
         stale = scratch | (self.owner[slots] != seqs) | (self.num_counted[slots] != nout)
         if stale.any():
-            # A sequence rebuilt here may have left statistics in another row (a cancelled step
-            # counted a token there, then it moved): those are out of date now.
+            moved, rebuild = self._move_rows(np.flatnonzero(stale & ~scratch), slots, seqs, nout)
+            # A sequence moved or rebuilt here may have left statistics in another row (a
+            # cancelled step counted a token there, then it moved): those are out of date now.
             self.owner[np.isin(self.owner, seqs[stale & ~scratch])] = -1
-        for j in np.flatnonzero(stale).tolist():
-            self._rebuild(int(slots[j]), prompt_of(int(rows[j])),
-                          history_of(int(seqs[j])) if nout[j] > 0 and not scratch[j] else ())
-            self.owner[slots[j]] = -1 if scratch[j] else seqs[j]
-            self.num_counted[slots[j]] = nout[j]
+            self.owner[slots[moved]] = seqs[moved]
+            self.num_counted[slots[moved]] = nout[moved]
+            for j in np.union1d(rebuild, np.flatnonzero(scratch)).tolist():
+                self._rebuild(int(slots[j]), prompt_of(int(rows[j])),
+                              history_of(int(seqs[j])) if nout[j] > 0 and not scratch[j] else ())
+                self.owner[slots[j]] = -1 if scratch[j] else seqs[j]
+                self.num_counted[slots[j]] = nout[j]
         idx = torch.from_numpy(slots).to(self.device)
         logit_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
         kept = ~scratch
@@ -86,6 +91,27 @@ class PenaltyState:
             keep = torch.from_numpy(kept).to(self.device)
             self._last = (slots[kept], idx[keep], logit_rows[keep])
         return PenaltyInputs(logit_rows, self.counts.index_select(0, idx), self.seen.index_select(0, idx))
+
+    def _move_rows(self, cand: np.ndarray, slots: np.ndarray, seqs: np.ndarray,
+                   nout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of the stale batch rows ``cand`` (indices into the step's penalty rows), copies in the
+        statistics of each whose sequence's are up to date in another row (it moved: O(V), not
+        O(output)); returns (those copied, those to rebuild from the core's tokens)."""
+        held = np.flatnonzero(np.isin(self.owner, seqs[cand]))  # rows holding any of them
+        if not len(held):
+            return cand[:0], cand
+        order = np.argsort(self.owner[held], kind="stable")
+        held_seqs, held_rows = self.owner[held][order], held[order]
+        pos = np.minimum(np.searchsorted(held_seqs, seqs[cand]), len(held) - 1)
+        src = held_rows[pos]
+        ok = (held_seqs[pos] == seqs[cand]) & (self.num_counted[src] == nout[cand])
+        if ok.any():
+            # Gathered before written: two sequences that swapped rows read each other's.
+            src_idx = torch.from_numpy(src[ok]).to(self.device)
+            dst_idx = torch.from_numpy(slots[cand[ok]]).to(self.device)
+            self.counts[dst_idx] = self.counts.index_select(0, src_idx)
+            self.seen[dst_idx] = self.seen.index_select(0, src_idx)
+        return cand[ok], cand[~ok]
 
     def _rebuild(self, slot: int, prompt: Sequence[int], history: Sequence[int]) -> None:
         V = self.vocab_size
