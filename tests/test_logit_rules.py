@@ -237,7 +237,8 @@ def test_logit_bias_state_gives_each_biased_row_its_requests_row():
     p = SamplingParams(logit_bias={1: 1.0})
     state.register(9, p)
     assert state.table is table, "a freed slot is reused: the table does not grow"
-    assert torch.equal(state.table[state._slot_of[9]], expected_row(p)), "the reused slot is rebuilt"
+    slot = int(state._index.lookup(np.array([9]))[0])
+    assert torch.equal(state.table[slot], expected_row(p)), "the reused slot is rebuilt"
 
 
 def test_logit_bias_state_rows_of_a_released_request_are_neutral():

@@ -15,7 +15,8 @@ Invariants: a slot holds the row of the request registered in it; a row whose re
 released meanwhile (it ended while its row was in flight) gets a zero row. The bias never touches
 logprobs, which are the raw model's (vLLM's default).
 Costs per step: nothing when no row has a bias; else O(S * V) for the S biased rows (gather, add)
-and O(S log B) to find the slots of B biased requests; O(|bias| + |allowed|) once per request.
+and O(S log B) to find the slots of B biased requests (``ferrokv.id_index``); O(|bias| + |allowed|)
+once per request, and O(1) amortized to register or release it.
 Memory: (most biased requests alive at once) * V * 4 bytes, grown on demand.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferrokv.id_index import IdIndex
 from ferrokv.sampling_params import SamplingParams
 
 __all__ = ["MAX_BAD_WORDS_TOKENS", "MAX_NUM_BAD_WORDS", "LogitBiasState", "bad_words_token_ids", "check_token_rules",
@@ -83,19 +85,17 @@ def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> li
 class LogitBiasState:
     """The live biased requests' additive rows, one slot each (see the module docs)."""
 
-    __slots__ = ("vocab_size", "device", "table", "_slot_of", "_free", "_ids", "_slots")
+    __slots__ = ("vocab_size", "device", "table", "_free", "_index")
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.table = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
-        self._slot_of: dict[int, int] = {}  # request core id -> its slot
         self._free: list[int] = []
-        self._ids = np.zeros(0, dtype=np.int64)  # the registered core ids, sorted
-        self._slots = np.zeros(0, dtype=np.int64)  # ... and their slots
+        self._index = IdIndex()  # request core id -> its slot
 
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._index)
 
     def register(self, core_id: int, params: SamplingParams) -> None:
         """Builds the request's row (``has_logit_bias(params)``) in a free slot."""
@@ -113,34 +113,19 @@ class LogitBiasState:
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device)
             row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
-        self._slot_of[core_id] = slot
-        self._sync()
+        self._index.add(core_id, slot)
 
     def release(self, core_id: int) -> None:
         """Frees the request's slot (unknown ids are ignored)."""
-        slot = self._slot_of.pop(core_id, None)
+        slot = self._index.remove(core_id)
         if slot is not None:
             self._free.append(slot)
-            self._sync()
-
-    def _sync(self) -> None:
-        ids = np.fromiter(self._slot_of, dtype=np.int64, count=len(self._slot_of))
-        order = np.argsort(ids)
-        self._ids = ids[order]
-        self._slots = np.fromiter(self._slot_of.values(), dtype=np.int64, count=len(self._slot_of))[order]
 
     def inputs(self, out: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's biased logits rows (``out.bias_rows``) and their bias rows ``[S, V]``."""
         rows = out.bias_rows
-        req = out.row_req_ids[rows]
-        ids = self._ids
-        if len(ids):
-            pos = np.minimum(np.searchsorted(ids, req), len(ids) - 1)
-            known = ids[pos] == req
-            slots = self._slots[pos]
-        else:
-            known = np.zeros(len(rows), dtype=bool)
-            slots = np.zeros(len(rows), dtype=np.int64)
+        slots = self._index.lookup(out.row_req_ids[rows])
+        known = slots >= 0
         if known.all():
             bias = self.table.index_select(0, torch.from_numpy(slots).to(self.device))
         else:  # a request released meanwhile: its row (dead this step) gets no bias

@@ -40,7 +40,7 @@ Costs: wrapping the tokenizer ~0.5 s for a 49k vocab (once per compiler); compil
 ~1-100 ms (up to ~1 s for huge schemas), then a cache hit; a matcher ~µs (deep copy); ``fill``
 ~10-100 µs per row, with several rows in parallel on llguidance's threads without the GIL;
 ``apply`` O(R * V) torch ops plus one host-to-device copy of R * V / 8 bytes; ``rows_of`` one
-``np.isin``. Importing this module costs only the standard library (params are built per request
+``searchsorted`` over the registered ids (``ferrokv.id_index``: registering is O(1) amortized). Importing this module costs only the standard library (params are built per request
 on API threads): numpy, torch and llguidance are imported by the compiler and the rows.
 """
 
@@ -352,7 +352,7 @@ class GrammarRows:
         mask threads (None: its default, 80% of the CPUs up to 32); ``pin_memory``: pinned masks,
         for an asynchronous copy to the GPU; ``on_failed_grammar``: told the grammar of a matcher
         that fell into error (the engine drops it from the compiler's cache)."""
-        import numpy as np
+        from ferrokv.id_index import IdIndex
 
         self.vocab_size = int(vocab_size)
         self.words = (self.vocab_size + 31) // 32
@@ -360,14 +360,9 @@ class GrammarRows:
         self.num_threads = num_threads
         self.on_failed_grammar = on_failed_grammar
         self._requests: dict[int, _Request] = {}
-        self._ids = np.zeros(0, dtype=np.int64)  # the registered request ids, for rows_of
+        self._ids = IdIndex()  # the registered request ids, for rows_of
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
-
-    def _sync_ids(self) -> None:
-        import numpy as np
-
-        self._ids = np.fromiter(self._requests, dtype=np.int64, count=len(self._requests))
 
     def register(self, request_core_id: int, compiled: CompiledGrammar) -> None:
         """Request ``request_core_id`` decodes under ``compiled`` (each sample its own matcher)."""
@@ -377,13 +372,13 @@ class GrammarRows:
             if request_core_id in self._requests:
                 raise ValueError(f"request {request_core_id} already decodes under a grammar")
             self._requests[int(request_core_id)] = _Request(compiled)
-            self._sync_ids()
+            self._ids.add(int(request_core_id), 0)
 
     def release(self, request_core_id: int) -> None:
         """Drops the request's matchers (finished or aborted); unknown ids are ignored."""
         with self._lock:
             if self._requests.pop(int(request_core_id), None) is not None:
-                self._sync_ids()
+                self._ids.remove(int(request_core_id))
 
     def has_any(self) -> bool:
         return bool(self._requests)
@@ -407,10 +402,8 @@ class GrammarRows:
 
         if len(req_ids) != len(sample_idx):
             raise ValueError(f"{len(req_ids)} request ids but {len(sample_idx)} sample indices")
-        ids = self._ids  # one read: register/release replace, never mutate, the array
-        if not ids.size:
-            return np.zeros(0, dtype=np.int64)
-        return np.flatnonzero(np.isin(req_ids, ids))
+        with self._lock:
+            return np.flatnonzero(self._ids.lookup(req_ids) >= 0)
 
     def step(self, out: Any) -> GrammarStep | None:
         """The rows of step ``out`` (a ``SchedulerOutput``) under a grammar and their matchers,
