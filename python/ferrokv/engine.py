@@ -405,7 +405,7 @@ class LLMEngine:
             self.peak_used_blocks = max(self.peak_used_blocks, self._num_blocks - 1 - self.scheduler.num_free_blocks)
             t1 = time.perf_counter()
             md = self.step_sampler.metadata(out, prompt_of_row(self._requests, out), self.scheduler.output_tokens)
-            plp = prompt_logprobs.plan(out, self._requests, self._plp_wanted.ids()) if self._plp_wanted else None
+            plp = prompt_logprobs.plan(out, self._requests, self._plp_wanted) if self._plp_wanted else None
             grammar = self.grammar_rows.step(out)
             inputs = self.runner.prepare(out, None if plp is None else plp.token_indices)
             t2 = time.perf_counter()
@@ -425,7 +425,7 @@ class LLMEngine:
                 grammar.accept(sampled)
             if plp is not None and plp_result is not None:
                 plp.apply(plp_result, self.decode_token_text)
-                self._plp_wanted.drop_complete()
+                self._plp_wanted.drop_complete(plp)
         except BaseException:
             self._fail_step(out, job, undo, prev if finishing_prev else None, outputs)
             raise

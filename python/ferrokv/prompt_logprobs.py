@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferrokv.id_index import IdIndex
 from ferrokv.outputs import make_logprobs_entry
 
 __all__ = ["PromptLogprobRequests", "PromptLogprobsPlan", "compute", "plan"]
@@ -58,10 +59,10 @@ class PromptLogprobsPlan:
             j += count
 
 
-def plan(out: Any, requests: dict[int, Any], wanted: np.ndarray) -> PromptLogprobsPlan | None:
-    """The positions of step ``out`` that requests ``wanted`` (core ids of requests that still
-    have prompt positions to report) compute; None when there are none."""
-    seqs = np.flatnonzero(np.isin(out.req_ids, wanted))
+def plan(out: Any, requests: dict[int, Any], wanted: PromptLogprobRequests) -> PromptLogprobsPlan | None:
+    """The positions of step ``out`` that requests ``wanted`` (those that still have prompt
+    positions to report) compute; None when there are none."""
+    seqs = np.flatnonzero(wanted.wanted(out.req_ids))
     if not len(seqs):
         return None
     qsl, positions = out.query_start_loc, out.positions
@@ -110,33 +111,29 @@ def compute(logits: torch.Tensor, p: PromptLogprobsPlan) -> tuple[np.ndarray, np
 
 
 class PromptLogprobRequests:
-    """The requests with prompt positions still to report, and their core ids as an array
-    (rebuilt only when the set changes)."""
+    """The requests with prompt positions still to report (``ferrokv.id_index``: adding, ending
+    and a step's lookup cost nothing in the number of them, waiting ones included)."""
 
-    __slots__ = ("_reqs", "_ids")
+    __slots__ = ("_index",)
 
     def __init__(self) -> None:
-        self._reqs: dict[int, Any] = {}
-        self._ids: np.ndarray | None = None
+        self._index = IdIndex()
 
     def __len__(self) -> int:
-        return len(self._reqs)
+        return len(self._index)
 
     def add(self, req: Any) -> None:
-        self._reqs[req.core_id] = req
-        self._ids = None
+        self._index.add(req.core_id, 0)
 
     def discard(self, core_id: int) -> None:
-        if self._reqs.pop(core_id, None) is not None:
-            self._ids = None
+        self._index.remove(core_id)
 
-    def ids(self) -> np.ndarray:
-        if self._ids is None:
-            self._ids = np.fromiter(self._reqs, dtype=np.int64, count=len(self._reqs))
-        return self._ids
+    def wanted(self, req_ids: np.ndarray) -> np.ndarray:
+        """Which of ``req_ids`` (a step's) still have prompt positions to report."""
+        return self._index.lookup(req_ids) >= 0
 
-    def drop_complete(self) -> None:
-        """Forgets the requests whose every prompt position is reported."""
-        done = [cid for cid, r in self._reqs.items() if len(r.prompt_logprobs) >= len(r.prompt_token_ids)]
-        for cid in done:
-            self.discard(cid)
+    def drop_complete(self, p: PromptLogprobsPlan) -> None:
+        """Forgets the requests of plan ``p`` whose every prompt position is reported now."""
+        for req, *_ in p.spans:
+            if len(req.prompt_logprobs) >= len(req.prompt_token_ids):
+                self.discard(req.core_id)
