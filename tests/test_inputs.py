@@ -23,11 +23,18 @@ def test_every_prompt_form_gives_its_ids():
     assert prompt_ids(tok, {"prompt": "abc"}, add_special_tokens=False) == ("abc", [47, 48, 49])
     assert prompt_ids(tok, {"prompt_token_ids": [1, 2]}) == (None, [1, 2])
     assert prompt_ids(tok, {"prompt_token_ids": np.array([3, 4]), "prompt": "x"}) == ("x", [3, 4])
+    # Every form of int, plain Python ints out (the list the core and the outputs hold).
+    for ids in ([3, np.int64(4)], np.array([3, 4], dtype=np.uint16), (3, 4), [3, 4]):
+        got = prompt_ids(tok, {"prompt_token_ids": ids})[1]
+        assert got == [3, 4] and all(type(t) is int for t in got), ids
 
 
 @pytest.mark.parametrize("prompt, field", [
     (12, "prompt"), ({"text": "x"}, "prompt"), ({"prompt_token_ids": "12"}, "prompt_token_ids"),
     ({"prompt_token_ids": [1, True]}, "prompt_token_ids[1]"), ({"prompt_token_ids": [1.5]}, "prompt_token_ids[0]"),
+    ({"prompt_token_ids": np.array([True, False])}, "prompt_token_ids[0]"),
+    ({"prompt_token_ids": np.array([1.0, 2.0])}, "prompt_token_ids[0]"),
+    ({"prompt_token_ids": np.array([[1, 2]])}, "prompt_token_ids[0]"),
     ("bad \udcff surrogate", "prompt"),
 ])
 def test_bad_prompts_name_the_field(prompt, field):
@@ -35,7 +42,8 @@ def test_bad_prompts_name_the_field(prompt, field):
         prompt_ids(_Tok(), prompt)
 
 
-@pytest.mark.parametrize("ids, match", [([], "empty"), ([1, 60], r"prompt_token_ids\[1\]=60"), ([1] * 9, "max_model_len=8")])
+@pytest.mark.parametrize("ids, match", [([], "empty"), ([1, 60], r"prompt_token_ids\[1\]=60"), ([1] * 9, "max_model_len=8"),
+                                        ([3, -1, 70], r"prompt_token_ids\[1\]=-1")])
 def test_ids_are_checked_against_the_vocabulary_and_length(ids, match):
     with pytest.raises(ValueError, match=match):
         validate_prompt_ids(ids, 50, 8)

@@ -71,6 +71,12 @@ def _check_keys(prompt: Mapping[Any, Any]) -> None:
 def _token_list(ids: Any, name: str = "prompt_token_ids") -> list[int]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
         raise ValueError(f"{name} must be a list of ints, got {type(ids).__name__}")
+    # The common cases in C (a prompt can be 100k tokens, checked holding the engine); anything
+    # else, and the error naming the first bad entry, by the loop below.
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "iu":
+        return ids.tolist()
+    if isinstance(ids, list) and set(map(type, ids)) <= {int}:
+        return list(ids)
     out = []
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
@@ -174,9 +180,10 @@ def batch_prompts(prompts: Any) -> list[Any]:
 def validate_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> None:
     if not ids:
         raise ValueError("prompt_token_ids: the prompt is empty (at least one token is needed)")
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})")
+    if min(ids) < 0 or max(ids) >= vocab_size:  # in C; the loop names the first one out
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})")
     # Equal is refused too, as vLLM does: the first output token would need position max_model_len.
     if len(ids) >= max_model_len:
         more = "more than" if len(ids) > max_model_len else "as many as"
