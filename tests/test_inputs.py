@@ -42,8 +42,8 @@ def test_bad_prompts_name_the_field(prompt, field):
         prompt_ids(_Tok(), prompt)
 
 
-@pytest.mark.parametrize("ids, match", [([], "empty"), ([1, 60], r"prompt_token_ids\[1\]=60"), ([1] * 9, "max_model_len=8"),
-                                        ([3, -1, 70], r"prompt_token_ids\[1\]=-1")])
+@pytest.mark.parametrize("ids, match", [([], "empty"), ([1, 60], r"prompt_token_ids\[1\]=60"),
+                                        ([1] * 9, "max_model_len=8"), ([3, -1, 70], r"prompt_token_ids\[1\]=-1")])
 def test_ids_are_checked_against_the_vocabulary_and_length(ids, match):
     with pytest.raises(ValueError, match=match):
         validate_prompt_ids(ids, 50, 8)
