@@ -43,12 +43,14 @@ def test_text_so_far_snapshots_stay_valid_as_it_grows_and_compacts():
     from ferrokv.outputs import TextSoFar
 
     t, snaps, want = TextSoFar(), [], []
-    for i in range(100):  # past several compactions (every 32 pieces)
+    for i in range(300):  # past many merges
         t.append(f"{i},")
         t.append("")  # empty pieces are no-ops
         snaps.append(CompletionOutput(0, t.snapshot(), []))
         want.append("".join(f"{j}," for j in range(i + 1)))
     assert [s.text for s in snaps] == want
+    # 9 batches of 32 joined into a binary counter's chunks (8 + 1), then the last 12 pieces.
+    assert len(t._pieces) == bin(300 // 32).count("1") + 300 % 32
     assert snaps[5] == CompletionOutput(0, want[5], []) and snaps[5] != snaps[6]
     assert "text='0,1,2,3,4,5,'" in repr(snaps[5])
 

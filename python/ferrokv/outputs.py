@@ -134,19 +134,30 @@ def make_logprobs_entry(
 class TextSoFar:
     """A sequence's text as it grows, for CUMULATIVE outputs: appended pieces, joined only when
     an output's ``text`` is read, so that building an output per step costs O(1) however long
-    the text is. Snapshots stay valid as it grows (pieces are only appended; every 32 pieces
-    are joined into a new list, amortized O(1) per piece)."""
+    the text is. Every 32 pieces are joined into a chunk, and chunks merge as a binary counter
+    does (two of 2^k batches make one of 2^(k+1)): at most 31 + log2(pieces / 32) + 1 entries, and
+    each character is copied O(log pieces) times in all, so appending costs amortized O(1) for a
+    short text and O(log) for a very long one (a plain periodic join of everything was O(length)).
+    Snapshots stay valid as it grows: a list is only appended to, and a merge makes a new one."""
 
-    __slots__ = ("_pieces",)
+    __slots__ = ("_pieces", "_levels")
 
     def __init__(self) -> None:
-        self._pieces: list[str] = []
+        self._pieces: list[str] = []  # the merged chunks, then up to 31 pieces as appended
+        self._levels: list[int] = []  # chunk i holds 2^levels[i] batches of 32; levels strictly decrease
 
     def append(self, piece: str) -> None:
-        if piece:
-            self._pieces.append(piece)
-            if len(self._pieces) >= 32:
-                self._pieces = ["".join(self._pieces)]
+        if not piece:
+            return
+        pieces, levels = self._pieces, self._levels
+        pieces.append(piece)
+        k = len(levels)
+        if len(pieces) - k < 32:
+            return
+        chunk, level = "".join(pieces[k:]), 0
+        while k and levels[k - 1] == level:
+            k, level, chunk = k - 1, level + 1, pieces[k - 1] + chunk
+        self._pieces, self._levels = [*pieces[:k], chunk], [*levels[:k], level]
 
     def snapshot(self) -> _TextSnapshot:
         return _TextSnapshot(self._pieces, len(self._pieces))
