@@ -236,9 +236,26 @@ def test_logit_bias_state_gives_each_biased_row_its_requests_row():
     table = state.table
     p = SamplingParams(logit_bias={1: 1.0})
     state.register(9, p)
+    assert int(state._index.lookup(np.array([9]))[0]) == -1, "a waiting request holds no row"
+    s.update(out, np.zeros(0, dtype=np.int64))  # the last, empty step
+    s.add_request(9, np.arange(3, 9), 2, temperature=1.0, has_logit_bias=True)
+    out = s.schedule()
+    _, bias = state.inputs(out)
     assert state.table is table, "a freed slot is reused: the table does not grow"
     slot = int(state._index.lookup(np.array([9]))[0])
     assert torch.equal(state.table[slot], expected_row(p)), "the reused slot is rebuilt"
+    assert torch.equal(bias[0], expected_row(p))
+
+
+def test_logit_bias_rows_exist_only_for_requests_that_ran():
+    """Many queued biased requests take no V-wide rows (a queue of them filled GPU memory)."""
+    state = LogitBiasState(V, torch.device("cpu"))
+    for i in range(1000):
+        state.register(i, SamplingParams(logit_bias={1: 1.0}))
+    assert len(state) == 1000 and state.table.shape[0] == 0
+    for i in range(1000):
+        state.release(i)
+    assert len(state) == 0
 
 
 def test_logit_bias_state_rows_of_a_released_request_are_neutral():

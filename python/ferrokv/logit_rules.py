@@ -5,9 +5,10 @@ are banned by the core: each step it hands out the last token of every word whos
 end a row's output, with the ``min_tokens`` bans (``SchedulerOutput.banned_*``).
 
 ``logit_bias`` and ``allowed_token_ids`` are static: one additive row per request (``-inf``
-outside the allowed ids, then the biases added), built once when the request is added and kept by
-``LogitBiasState`` in a ``[slots, V]`` tensor, one slot per live biased request (its samples
-share it), freed when the request ends. The core lists the logits rows of such requests each step
+outside the allowed ids, then the biases added), built once when a step first has the request's
+rows and kept by ``LogitBiasState`` in a ``[slots, V]`` tensor, one slot per biased request that
+has run (its samples share it), freed when the request ends; a waiting request holds only its
+params. The core lists the logits rows of such requests each step
 (``bias_rows``); their slots are found with one ``searchsorted`` over the sorted request ids, and
 the rows gathered with one ``index_select``.
 
@@ -16,8 +17,9 @@ released meanwhile (it ended while its row was in flight) gets a zero row. The b
 logprobs, which are the raw model's (vLLM's default).
 Costs per step: nothing when no row has a bias; else O(S * V) for the S biased rows (gather, add)
 and O(S log B) to find the slots of B biased requests (``ferrokv.id_index``); O(|bias| + |allowed|)
-once per request, and O(1) amortized to register or release it.
-Memory: (most biased requests alive at once) * V * 4 bytes, grown on demand.
+once per request (its first step), and O(1) amortized to register or release it.
+Memory: (most biased requests that have run and not ended at once) * V * 4 bytes, grown on demand:
+bounded by the running batch and the preempted, never by the queue.
 """
 
 from __future__ import annotations
@@ -85,25 +87,39 @@ def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> li
 class LogitBiasState:
     """The live biased requests' additive rows, one slot each (see the module docs)."""
 
-    __slots__ = ("vocab_size", "device", "table", "_free", "_index")
+    __slots__ = ("vocab_size", "device", "table", "_free", "_index", "_params")
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.table = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
         self._free: list[int] = []
-        self._index = IdIndex()  # request core id -> its slot
+        self._index = IdIndex()  # request core id -> its slot, once its row is built
+        self._params: dict[int, SamplingParams] = {}  # the registered requests
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._params)
 
     def register(self, core_id: int, params: SamplingParams) -> None:
-        """Builds the request's row (``has_logit_bias(params)``) in a free slot."""
+        """Keeps the request's params (``has_logit_bias(params)``); its row is built when a step
+        first has its rows, so that a waiting request holds no V-wide row."""
+        self._params[core_id] = params
+
+    def release(self, core_id: int) -> None:
+        """Forgets the request and frees its slot (unknown ids are ignored)."""
+        if self._params.pop(core_id, None) is not None:
+            slot = self._index.remove(core_id)
+            if slot is not None:
+                self._free.append(slot)
+
+    def _build(self, core_id: int) -> None:
+        """Builds a registered request's row in a free slot."""
         if not self._free:
             have = self.table.shape[0]
             new = max(2 * have, 8)
             self.table = torch.cat([self.table, self.table.new_zeros((new - have, self.vocab_size))])
             self._free = list(range(new - 1, have - 1, -1))
+        params = self._params[core_id]
         slot = self._free.pop()
         row = self.table[slot]
         row.zero_()
@@ -112,19 +128,20 @@ class LogitBiasState:
             row[torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=self.device)] = 0.0
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device)
-            row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
+            values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device)
+            row.index_add_(0, ids, values)
         self._index.add(core_id, slot)
-
-    def release(self, core_id: int) -> None:
-        """Frees the request's slot (unknown ids are ignored)."""
-        slot = self._index.remove(core_id)
-        if slot is not None:
-            self._free.append(slot)
 
     def inputs(self, out: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's biased logits rows (``out.bias_rows``) and their bias rows ``[S, V]``."""
         rows = out.bias_rows
-        slots = self._index.lookup(out.row_req_ids[rows])
+        req = out.row_req_ids[rows]
+        slots = self._index.lookup(req)
+        if (slots < 0).any():  # first rows of a request: its row is built now
+            for core_id in np.unique(req[slots < 0]).tolist():
+                if core_id in self._params:
+                    self._build(core_id)
+            slots = self._index.lookup(req)
         known = slots >= 0
         if known.all():
             bias = self.table.index_select(0, torch.from_numpy(slots).to(self.device))
