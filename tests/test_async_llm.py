@@ -713,3 +713,32 @@ def test_closing_a_stream_whose_request_already_ended_leaves_a_newer_one_of_its_
     assert outs[-1].outputs[0].finish_reason == "length"
     assert sum((o.outputs[0].token_ids for o in outs), []) == token_ids(sequential([b_prompt], 30))[0][0]
     assert_engine_idle(allm)
+
+
+def test_a_fork_child_gets_engine_dead_for_text_prompts_too(llama_path):
+    """A text prompt is tokenized on a pool whose threads a fork does not copy: the child must
+    get EngineDeadError, not wait on the pool forever."""
+    from ferrokv.engine_loop import EngineDeadError
+    from helpers.fork import in_fork_child
+
+    allm = make_async_llm(llama_path)
+
+    async def one(prompt):
+        return [o async for o in allm.generate(prompt, greedy(2), f"r-{len(str(prompt))}")][-1]
+
+    def child() -> str:
+        said = []
+        for prompt in ("the cat", {"prompt_token_ids": [3, 4, 5]}):
+            try:
+                asyncio.run(one(prompt))
+            except EngineDeadError as e:
+                said.append(str(e))
+        return "|".join(said)
+
+    try:
+        assert asyncio.run(one("a dog")).finished
+        code, said = in_fork_child(child)
+        assert code == 0 and said.count("os.fork()") == 2, (code, said)
+        assert asyncio.run(one("a dog")).finished  # the parent goes on
+    finally:
+        allm.shutdown()

@@ -558,37 +558,22 @@ def test_a_fork_child_gets_engine_dead_not_a_hang(llama_path):
     """The loop's thread is not copied by os.fork(): in the child a used LLM raises at once (it
     waited forever on its sink), naming the fork; the parent goes on."""
     import os
-    import warnings
+
+    from helpers.fork import in_fork_child
 
     llm = tiny_llm(llama_path)
     prompt = rand_prompts(43, [5])
     first = llm.generate(prompt, greedy(3), use_tqdm=False)[0].outputs[0].token_ids
-    r, w = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # "this process is multi-threaded"
-        pid = os.fork()
-    if pid == 0:  # the child: report and leave at once, running nothing of the parent's teardown
-        code = 3
+
+    def child() -> str:
         try:
             llm.generate(prompt, greedy(3), use_tqdm=False)
-            os.write(w, b"no error")
         except EngineDeadError as e:
-            os.write(w, str(e).encode())
-            code = 0
-        except BaseException as e:
-            os.write(w, repr(e).encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    deadline = time.monotonic() + 60
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-    with os.fdopen(r, "rb") as f:
-        said = f.read().decode()
-    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, (done, said)
+            return str(e)
+        raise AssertionError("no error")
+
+    code, said = in_fork_child(child)
+    assert code == 0, (code, said)
     assert "os.fork()" in said and str(os.getpid()) in said, said
     assert llm.generate(prompt, greedy(3), use_tqdm=False)[0].outputs[0].token_ids == first
     assert_idle(llm.llm_engine)

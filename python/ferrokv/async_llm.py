@@ -301,6 +301,9 @@ class AsyncLLM:
     # ------------------------------------------------------------------------------------------
     # Tokenization, on the pool
     async def _in_pool(self, fn: Any, *args: Any) -> Any:
+        # A dead loop (shut down, failed, or a fork child's, whose pool threads are gone too)
+        # takes no work: waiting on the pool could be forever.
+        await self.check_health()
         try:
             future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         except RuntimeError:  # the pool was shut down with the engine
