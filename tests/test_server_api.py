@@ -706,9 +706,12 @@ def test_metrics_names(server, client):
     assert 0 < values["ferrokv:num_free_blocks"] <= values["ferrokv:num_blocks"]
     assert 0.0 <= values["ferrokv:kv_cache_usage_perc"] <= 1.0
     # OpenMetrics to a scraper that asks for it (Prometheus does), text format otherwise.
-    om = httpx.get(server.url + "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"},
-                   timeout=60.0)
+    # Prometheus 2.x's own Accept header: the samples keep the families' names (ferrokv:...).
+    accept = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+              "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+    om = httpx.get(server.url + "/metrics", headers={"accept": accept}, timeout=60.0)
     assert om.headers["content-type"].startswith("application/openmetrics-text") and om.text.endswith("# EOF\n")
+    assert "ferrokv:generation_tokens_total{" in om.text and "ferrokv_" not in om.text, om.text[:2000]
     assert resp.headers["content-type"].startswith("text/plain")
 
 
@@ -829,6 +832,13 @@ def test_logged_prompts_are_cut_each_not_their_repr():
         "abc... (6 characters)", "ab", [1, 2, 3, "... (5 token ids)"], [1, 2]]
     assert _cut([{"role": "user", "content": [{"type": "text", "text": "hello"}]}], 4) == [
         {"role": "user", "content": [{"type": "text", "text": "hell... (5 characters)"}]}]
+    # Many short messages: the whole line is bounded too.
+    from ferrokv.entrypoints.openai.serving import ServerState
+
+    state = ServerState.__new__(ServerState)
+    state.max_log_len = 10
+    line = state.loggable([{"role": "user", "content": "hi"}] * 5000)
+    assert len(line) < 200 and line.endswith("characters)"), line
 
 
 def test_request_id_and_tokens_as_ids_as_vllm(http):

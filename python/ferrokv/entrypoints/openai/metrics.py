@@ -9,7 +9,7 @@ as one request, as vLLM's child requests do (running sequences, successes, TTFT,
 time). TTFT is observed with the first output that has a token (a stream's first chunk), e2e and
 queue time at the end; inter-token latency once per decode step of each choice, however the
 client reads it (streamed or not), the request's mean gap between steps (the core keeps the first
-and latest token times, not each gap), and also for a request whose client left before its end.
+and latest token times, not each gap), and also for a stream whose client left before its end.
 A request that never got a token observes nothing. Every series is labelled with ``model_name``,
 as vLLM's; ``/metrics`` answers OpenMetrics to a scraper that asks for it.
 Costs: a scrape is one ``stats()`` snapshot, O(KV blocks); an observation is O(1).
@@ -26,6 +26,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -33,6 +34,8 @@ from ferrokv.metrics_reader import COUNTERS, GAUGES
 from ferrokv.outputs import RequestOutput, RequestStateStats
 
 __all__ = ["RequestTimer", "ServerMetrics"]
+
+_OPENMETRICS = "application/openmetrics-text"
 
 # vLLM's buckets (seconds).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -141,6 +144,11 @@ class ServerMetrics:
         """The registry in the format ``accept`` asks for (OpenMetrics or Prometheus' text), and
         its content type."""
         encoder, content_type = choose_encoder(accept or "")
+        if content_type.startswith(_OPENMETRICS):
+            # Not prometheus_client's escaping: it would rename every sample ferrokv_x where its
+            # family stays ferrokv:x (a colon is valid in these names, so nothing needs it).
+            return openmetrics.generate_latest(self.registry, escaping="allow-utf-8"), \
+                f"{_OPENMETRICS}; version=1.0.0; charset=utf-8"
         return encoder(self.registry), content_type
 
     def on_output(self, output: RequestOutput, timer: RequestTimer) -> None:

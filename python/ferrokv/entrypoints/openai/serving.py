@@ -103,8 +103,13 @@ class ServerState:
 
     def loggable(self, prompt: Any) -> str:
         """Prompts (or chat messages) as ``--log-prompts`` logs them: their repr, each text cut to
-        ``--max-log-len`` characters and each token-id list to as many ids (vLLM's)."""
-        return repr(prompt if self.max_log_len is None else _cut(prompt, self.max_log_len))
+        ``--max-log-len`` characters and each token-id list to as many ids (vLLM's), and the whole
+        line to ``_LOG_LINE_FACTOR`` times that (thousands of short messages stay one short line)."""
+        n = self.max_log_len
+        if n is None:
+            return repr(prompt)
+        text, most = repr(_cut(prompt, n)), _LOG_LINE_FACTOR * n + 100
+        return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
     def admit(self, num_requests: int) -> None:
         if self.draining:
@@ -119,6 +124,9 @@ class ServerState:
             raise OpenAIError(503, f"the waiting queue is full ({self.max_waiting_requests} requests wait "
                                    f"beyond the {slots} running); retry later")
         self.admitted += num_requests
+
+
+_LOG_LINE_FACTOR = 4  # a logged request's line: at most this many times --max-log-len (+ its framing)
 
 
 def _cut(value: Any, n: int) -> Any:
