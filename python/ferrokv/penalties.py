@@ -71,10 +71,12 @@ class PenaltyState:
         self._grow(int(slots.max()) + 1)
         stale = scratch | (self.owner[slots] != seqs) | (self.num_counted[slots] != nout)
         if stale.any():
-            moved, rebuild = self._move_rows(np.flatnonzero(stale & ~scratch), slots, seqs, nout)
-            # A sequence moved or rebuilt here may have left statistics in another row (a
-            # cancelled step counted a token there, then it moved): those are out of date now.
-            self.owner[np.isin(self.owner, seqs[stale & ~scratch])] = -1
+            cand = np.flatnonzero(stale & ~scratch)
+            held = np.flatnonzero(np.isin(self.owner, seqs[cand]))  # rows with statistics of theirs
+            moved, rebuild = self._move_rows(cand, held, slots, seqs, nout)
+            # Those rows are out of date now: their statistics moved, or a cancelled step counted
+            # a token there before the sequence moved.
+            self.owner[held] = -1
             self.owner[slots[moved]] = seqs[moved]
             self.num_counted[slots[moved]] = nout[moved]
             for j in np.union1d(rebuild, np.flatnonzero(scratch)).tolist():
@@ -92,12 +94,12 @@ class PenaltyState:
             self._last = (slots[kept], idx[keep], logit_rows[keep])
         return PenaltyInputs(logit_rows, self.counts.index_select(0, idx), self.seen.index_select(0, idx))
 
-    def _move_rows(self, cand: np.ndarray, slots: np.ndarray, seqs: np.ndarray,
+    def _move_rows(self, cand: np.ndarray, held: np.ndarray, slots: np.ndarray, seqs: np.ndarray,
                    nout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Of the stale batch rows ``cand`` (indices into the step's penalty rows), copies in the
-        statistics of each whose sequence's are up to date in another row (it moved: O(V), not
-        O(output)); returns (those copied, those to rebuild from the core's tokens)."""
-        held = np.flatnonzero(np.isin(self.owner, seqs[cand]))  # rows holding any of them
+        statistics of each whose sequence's are up to date in another row of ``held`` (the rows
+        owned by their sequences; it moved: O(V), not O(output)); returns (those copied, those to
+        rebuild from the core's tokens)."""
         if not len(held):
             return cand[:0], cand
         order = np.argsort(self.owner[held], kind="stable")
