@@ -40,8 +40,8 @@ Costs: wrapping the tokenizer ~0.5 s for a 49k vocab (once per compiler); compil
 ~1-100 ms (up to ~1 s for huge schemas), then a cache hit; a matcher ~µs (deep copy); ``fill``
 ~10-100 µs per row, with several rows in parallel on llguidance's threads without the GIL;
 ``apply`` O(R * V) torch ops plus one host-to-device copy of R * V / 8 bytes; ``rows_of`` one
-``searchsorted`` over the registered ids (``ferrokv.id_index``: registering is O(1) amortized). Importing this module costs only the standard library (params are built per request
-on API threads): numpy, torch and llguidance are imported by the compiler and the rows.
+``searchsorted`` over the registered ids (``ferrokv.id_index``: registering is O(1) amortized).
+Importing this module costs only the standard library (params are built per request on API threads): numpy, torch and llguidance are imported by the compiler and the rows.
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ from starlette.responses import JSONResponse, Response
 from ferrokv import __version__
 from ferrokv.checks import shown
 from ferrokv.entrypoints.openai.metrics import ServerMetrics
-from ferrokv.stats_log import LOG_STATS_INTERVAL_S
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
 from ferrokv.entrypoints.openai.protocol_tokenize import parse_detokenize_request, parse_tokenize_request
 from ferrokv.entrypoints.openai.serving import ServerState, error_response, to_openai_error
@@ -48,6 +47,7 @@ from ferrokv.entrypoints.openai.serving_completion import create_completion
 from ferrokv.entrypoints.openai.serving_responses import create_response, not_found
 from ferrokv.entrypoints.openai.server_config import ServerConfig
 from ferrokv.entrypoints.openai.tool_parsers import check_tool_call_parser
+from ferrokv.stats_log import LOG_STATS_INTERVAL_S
 
 logger = logging.getLogger("ferrokv.serve")
 

@@ -108,8 +108,7 @@ class ServerState:
         n = self.max_log_len
         if n is None:
             return repr(prompt)
-        text, most = repr(_cut(prompt, n)), _LOG_LINE_FACTOR * n + 100
-        return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+        return _cut(repr(_cut(prompt, n)), _LOG_LINE_FACTOR * n + 100)
 
     def admit(self, num_requests: int) -> None:
         if self.draining:
@@ -132,7 +131,7 @@ _LOG_LINE_FACTOR = 4  # a logged request's line: at most this many times --max-l
 def _cut(value: Any, n: int) -> Any:
     """``value`` with every string over ``n`` characters, and every list of ints over ``n``
     items, cut to ``n`` and marked with its length."""
-    if isinstance(value, str):
+    if isinstance(value, str):  # the one text rule, for each text and for a whole logged line
         return value if len(value) <= n else f"{value[:n]}... ({len(value)} characters)"
     if isinstance(value, (list, tuple)):
         if len(value) > n and all(isinstance(x, int) for x in value):

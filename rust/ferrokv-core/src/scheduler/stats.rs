@@ -173,16 +173,19 @@ mod tests {
     fn kv_usage_counts_a_shared_block_once_and_used_slots_by_computed_tokens() {
         let mut s = with_requests(cfg(16, 4, 16), [req(1, 6, 10)]);
         step(&mut s, 1); // 6 computed tokens in blocks 1, 2
+        // (used blocks, shared blocks, block refs, used token slots)
+        let sharing =
+            |u: super::KvUsage| (u.counts.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots);
         let u = s.kv_usage();
         assert_eq!((u.counts.num_blocks, u.counts.block_size, u.counts.num_free_blocks), (16, 4, 13));
-        assert_eq!((u.counts.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (2, 0, 2, 6));
+        assert_eq!(sharing(u), (2, 0, 2, 6));
         assert_eq!(u.counts.num_cached_blocks, 1, "the full block is registered");
         s.fork_sequence(only_seq(&s, 1), None).unwrap();
         let u = s.kv_usage();
-        assert_eq!((u.counts.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (2, 2, 4, 6));
+        assert_eq!(sharing(u), (2, 2, 4, 6));
         step(&mut s, 2); // both write position 6: one copies block 2 into block 3
         let u = s.kv_usage();
-        assert_eq!((u.counts.num_used_blocks, u.num_shared_blocks, u.num_block_refs, u.num_used_token_slots), (3, 1, 4, 4 + 3 + 3));
+        assert_eq!(sharing(u), (3, 1, 4, 4 + 3 + 3));
         assert_eq!(u.counts.num_free_blocks, 12);
     }
 
