@@ -207,9 +207,16 @@ def test_generate_with_a_bad_prompt_raises_and_llm_still_works(llama_llm, hf_gre
         ({"prompt_token_ids": rand_prompt(129, 0)}, "max_model_len"),
     ]
     for bad, field in bad_cases:
-        with pytest.raises(ValueError, match=field):
+        # The message names the refused prompt of the batch, then the field.
+        with pytest.raises(ValueError, match=rf"^prompts\[3\]: .*{field}"):
             llm.generate([{"prompt_token_ids": p} for p in good] + [bad], params, use_tqdm=False)
         assert_no_leak(llm)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: .*prompt_token_ids") as e:  # in a later chunk
+        llm.beam_search([{"prompt_token_ids": good[0]}, bad_cases[0][0]], beam_width=2, max_tokens=2,
+                        concurrency_limit=1)
+    assert e.value.args[0].count("prompts[") == 1
+    with pytest.raises(ValueError, match=r"^prompt_token_ids"):  # one prompt: nothing to name
+        llm.generate(bad_cases[0][0], params, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([{"prompt_token_ids": p} for p in good], [params, params], use_tqdm=False)
     with pytest.raises(ValueError, match="beam_width"):

@@ -96,6 +96,7 @@ class StreamItem:
     request_id: str
     output: RequestOutput | None = None  # None exactly when error is set
     error: BaseException | None = None
+    refused: bool = False  # the error is the request's own refusal when added (bad input), not a failed step
 
     @property
     def finished(self) -> bool:
@@ -483,7 +484,7 @@ class EngineLoop:
         try:
             command.add(self.engine)
         except BaseException as e:
-            self._deliver(command.sink, StreamItem(command.request_id, error=e))
+            self._deliver(command.sink, StreamItem(command.request_id, error=e, refused=True))
             return
         self._records[command.request_id] = _Record(command.sink)
 

@@ -168,6 +168,13 @@ def _final_only(params: Any) -> Any:
 _ABANDON_POLL = 0.05  # seconds between checks that an abandoned request is still the loop's
 
 
+def _name_prompt(error: BaseException, index: int) -> None:
+    """Prefixes a refused prompt's error message, in place, with ``prompts[index]: ``; the
+    exception keeps its type and attributes."""
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"prompts[{index}]: {error.args[0]}", *error.args[1:])
+
+
 def _abandon(loop: EngineLoop, ids: list[str], done: dict[str, StreamItem], sink: queue.SimpleQueue[StreamItem]) -> None:
     """Aborts the requests of an interrupted or failed call and waits for the loop to end each
     (one step at most), so that their blocks are free when the call raises. An id the loop no
@@ -250,8 +257,11 @@ class LLM:
         return str(next(self._request_counter))  # atomic under the GIL: safe from any thread
 
     def _run(self, prompts: Sequence[Any], params: Sequence[SamplingParams] | None, use_tqdm: bool | Callable[..., Any],
-             beam: dict[str, Any] | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Submits every prompt to the engine loop and returns their finished outputs in order."""
+             beam: dict[str, Any] | None = None, priority: Sequence[int] | None = None,
+             first: int = 0, total: int | None = None) -> list[RequestOutput]:
+        """Submits every prompt to the engine loop and returns their finished outputs in order. A
+        prompt refused in a batch of ``total`` (``first``: the index of ``prompts[0]`` in it) has
+        its error message name it (``prompts[i]: ...``)."""
         loop = self.engine_loop
         sink: queue.SimpleQueue[StreamItem] = queue.SimpleQueue()
         ids: list[str] = []
@@ -277,8 +287,10 @@ class LLM:
             while len(done) < len(ids):
                 item = sink.get()
                 done[item.request_id] = item
-                if item.error is not None:
-                    raise item.error  # a bad prompt or a failed step: the others are aborted below
+                if item.error is not None:  # a bad prompt or a failed step: the others are aborted below
+                    if item.refused and (total or len(prompts)) > 1:
+                        _name_prompt(item.error, first + ids.index(item.request_id))
+                    raise item.error
                 generated += sum(len(c.token_ids) for c in item.output.outputs)
                 if bar is not None:
                     bar.update(1)
@@ -396,8 +408,8 @@ class LLM:
         beam = dict(beam_width=p.beam_width, max_tokens=p.max_tokens, length_penalty=p.length_penalty,
                     ignore_eos=p.ignore_eos)
         chunk = concurrency_limit or max(len(prompts), 1)
-        outs = [o for i in range(0, len(prompts), chunk) for o in self._run(prompts[i:i + chunk], None, use_tqdm,
-                                                                            beam=beam)]
+        outs = [o for i in range(0, len(prompts), chunk)
+                for o in self._run(prompts[i:i + chunk], None, use_tqdm, beam=beam, first=i, total=len(prompts))]
         return [BeamSearchOutput([self._beam_sequence(o.prompt_token_ids, c) for c in o.outputs], o.prompt,
                                  o.prompt_token_ids) for o in outs]
 
