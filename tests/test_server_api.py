@@ -584,6 +584,8 @@ def test_created_is_when_each_completion_was_made(http, client):
 
 
 class _StatsEngine:
+    max_model_len = MAX_MODEL_LEN
+
     def stats(self):
         return collections.defaultdict(int)  # the engine gauges read at scrape time
 
@@ -698,7 +700,10 @@ def test_metrics_names(server, client):
                  "prompt_tokens_total", "generation_tokens_total"):
         assert "ferrokv:" + name in values, name
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds"):
+                 "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+                 "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
         assert values.get(f"ferrokv:{name}_count", 0) > 0, name
     assert values["ferrokv:prompt_tokens_total"] > 0 and values["ferrokv:generation_tokens_total"] >= 4
     assert 0 < values["ferrokv:num_free_blocks"] <= values["ferrokv:num_blocks"]

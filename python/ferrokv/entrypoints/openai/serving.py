@@ -305,12 +305,12 @@ class Generation:
     outputs fetched by ``start``; ``outputs()`` merges them as ``(i, output)``; ``close()`` ends
     whatever is left (aborting it) and frees the call's admission; idempotent."""
 
-    def __init__(self, gens: list[AsyncIterator[RequestOutput]], state: ServerState) -> None:
+    def __init__(self, gens: list[AsyncIterator[RequestOutput]], state: ServerState, params: Any) -> None:
         self.gens = gens
         self.state = state
         self.closed = False
         self.first: list[RequestOutput | None] = [None] * len(gens)
-        self.timers = [RequestTimer() for _ in gens]
+        self.timers = [RequestTimer(params.n, params.max_tokens) for _ in gens]
 
     async def start(self) -> None:
         """Fetches every request's first output. The first error (the lowest request index among
@@ -395,13 +395,14 @@ class Generation:
 
 
 async def run_generation(request: Request, state: ServerState, gens: list[AsyncIterator[RequestOutput]],
-                         respond: Callable[[Generation], Awaitable[Any]],
+                         params: Any, respond: Callable[[Generation], Awaitable[Any]],
                          engine_error: Callable[[ValueError], Exception] | None = None) -> Any:
     """Starts the requests (watched for a disconnect) and hands them to ``respond``, which
-    returns the response; errors become OpenAI errors and every generator is closed.
+    returns the response; errors become OpenAI errors and every generator is closed. ``params``:
+    the requests' ``SamplingParams`` (their ``n`` and ``max_tokens`` go to the metrics).
     ``engine_error`` renames the engine's errors it knows (a grammar that does not compile, told
     as the request's ``guided_regex``...); prompt errors were named by ``generate_checked``."""
-    gen = Generation(gens, state)
+    gen = Generation(gens, state, params)
     try:
         try:
             await watched(request, gen.start())

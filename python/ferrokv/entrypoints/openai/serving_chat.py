@@ -162,7 +162,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
         return JSONBody({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
                              "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs), **ids})
 
-    return await run_generation(request, state, [prompt_then_generate()], respond, req.engine_error)
+    return await run_generation(request, state, [prompt_then_generate()], req.params, respond, req.engine_error)
 
 
 def _stream(gen: Generation, call: ChatAnswer) -> Any:

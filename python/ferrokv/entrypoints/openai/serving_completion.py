@@ -183,7 +183,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
         choices.sort(key=lambda c: c["index"])
         return JSONBody({**call.head(created), "choices": choices, "usage": call.usage()})
 
-    return await run_generation(request, state, gens, respond, req.engine_error)
+    return await run_generation(request, state, gens, req.params, respond, req.engine_error)
 
 
 def _stream(gen: Generation, call: _Completion, created: int) -> Any:

@@ -346,7 +346,7 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     def engine_error(e: ValueError) -> Exception:
         return req.renamed(chat.engine_error(e))
 
-    return await run_generation(request, state, [prompt_then_generate()], respond, engine_error)
+    return await run_generation(request, state, [prompt_then_generate()], chat.params, respond, engine_error)
 
 
 async def _stream(gen: Generation, resp: _Response) -> Any:
