@@ -707,6 +707,10 @@ def test_metrics_names(server, client):
         assert values.get(f"ferrokv:{name}_count", 0) > 0, name
     assert values["ferrokv:prompt_tokens_total"] > 0 and values["ferrokv:generation_tokens_total"] >= 4
     assert 0 < values["ferrokv:num_free_blocks"] <= values["ferrokv:num_blocks"]
+    info = [line for line in resp.text.splitlines() if line.startswith("ferrokv:cache_config_info{")]
+    assert len(info) == 1 and info[0].endswith(" 1.0"), info
+    # num_gpu_blocks counts the reserved null block, as vLLM's; ferrokv:num_blocks does not.
+    assert 'block_size="16"' in info[0] and f'num_gpu_blocks="{int(values["ferrokv:num_blocks"]) + 1}"' in info[0]
     assert 0.0 <= values["ferrokv:kv_cache_usage_perc"] <= 1.0
     # OpenMetrics to a scraper that asks for it (Prometheus does), text format otherwise.
     # Prometheus 2.x's own Accept header: the samples keep the families' names (ferrokv:...).

@@ -346,3 +346,10 @@ class CacheConfigView:
     enable_prefix_caching = property(lambda self: self._engine.args.enable_prefix_caching)
     gpu_memory_utilization = property(lambda self: self._engine.args.gpu_memory_utilization)
     swap_space = property(lambda self: self._engine.args.swap_space)
+
+    def metrics_info(self) -> dict[str, str]:
+        """vLLM's ``CacheConfig.metrics_info()``: every field as a string (the labels of
+        ``/metrics``' ``cache_config_info``)."""
+        names = ("block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "num_cpu_blocks",
+                 "num_gpu_blocks", "swap_space")
+        return {name: str(getattr(self, name)) for name in names}

@@ -184,7 +184,8 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     if config.enable_auto_tool_choice:
         check_tool_call_parser(config.tool_call_parser, async_llm.tokenizer)
     state_box: dict[str, ServerState] = {}
-    metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight)
+    metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight,
+                            async_llm.engine.cache_config.metrics_info())
     state = ServerState(async_llm, metrics, (config.served_model_name, *config.served_model_aliases),
                         config.max_waiting_requests, config.log_prompts,
                         trust_request_chat_template=config.trust_request_chat_template,

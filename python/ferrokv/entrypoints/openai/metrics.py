@@ -112,6 +112,16 @@ class _Histogram:
         yield metric
 
 
+class _Fixed:
+    """A metric that never changes."""
+
+    def __init__(self, metric: Metric) -> None:
+        self._metric = metric
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._metric
+
+
 class _FinishCounter:
     """``request_success_total`` by finish reason, every reason's series there from the start (as
     vLLM's), so that ``rate()`` sees the first finish."""
@@ -141,8 +151,14 @@ class _FinishCounter:
 class ServerMetrics:
     """The server's registry: engine metrics, latency histograms, finished-request counts."""
 
-    def __init__(self, async_llm: Any, model_name: str, in_flight_http: Any) -> None:
+    def __init__(self, async_llm: Any, model_name: str, in_flight_http: Any,
+                 cache_info: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        if cache_info is not None:  # vLLM's cache_config_info: the cache's settings as labels, value 1
+            info = GaugeMetricFamily("ferrokv:cache_config_info", "The KV cache's settings.",
+                                     labels=["model_name", *cache_info])
+            info.add_metric([model_name, *cache_info.values()], 1.0)
+            self.registry.register(_Fixed(info))
         extra = {"ferrokv:num_requests_in_flight": (in_flight_http, "HTTP generation requests being served.")}
         self.registry.register(_EngineCollector(async_llm, model_name, extra))
         self.ttft = _Histogram("ferrokv:time_to_first_token_seconds", "Time to the first token (queued to token).",
