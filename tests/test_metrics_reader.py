@@ -6,14 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 from ferrokv import SamplingParams
-from ferrokv.metrics_reader import COUNTERS, GAUGES, Counter, Gauge, Histogram, Metric, Vector
+from ferrokv.metrics_reader import COUNTERS, GAUGES, ITERATION_TOKENS, Counter, Gauge, Histogram, Metric, Vector
 from helpers.engine_faults import tiny_llm
 
 
 def test_get_metrics_counts_what_ran(llama_path):
     llm = tiny_llm(llama_path)
     before = {m.name: m for m in llm.get_metrics()}
-    assert set(before) == {n + "_total" for n in COUNTERS} | set(GAUGES)
+    assert set(before) == {n + "_total" for n in COUNTERS} | set(GAUGES) | {ITERATION_TOKENS[0]}
     outs = llm.generate(["the cat runs", "a dog"], SamplingParams(max_tokens=5, ignore_eos=True, n=2), use_tqdm=False)
     after = {m.name: m for m in llm.get_metrics()}
     generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -21,6 +21,13 @@ def test_get_metrics_counts_what_ran(llama_path):
     assert generated == 20
     assert after["ferrokv:generation_tokens_total"].value - before["ferrokv:generation_tokens_total"].value == 20
     assert after["ferrokv:prompt_tokens_total"].value - before["ferrokv:prompt_tokens_total"].value == prompts
+    steps, steps_before = after.pop(ITERATION_TOKENS[0]), before[ITERATION_TOKENS[0]]
+    assert isinstance(steps, Histogram) and steps.labels == {"model_name": llm.model_config.model}
+    # Four sequences decode one token per step; the first step took both prompts at once.
+    assert steps.count - steps_before.count == 5 and steps.sum - steps_before.sum == prompts + 4 * 4
+    assert list(steps.buckets)[:2] == ["1.0", "8.0"] and list(steps.buckets)[-1] == "+Inf"
+    grew = {le: steps.buckets[le] - steps_before.buckets[le] for le in steps.buckets}  # cumulative buckets
+    assert steps.buckets["+Inf"] == steps.count and grew["1.0"] == 0 and grew["8.0"] == 4 + (prompts <= 8)
     for m in after.values():
         assert isinstance(m, Counter if m.name.endswith("_total") else Gauge), m
         assert isinstance(m, Metric) and m.labels == {"model_name": llm.model_config.model}

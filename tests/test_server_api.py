@@ -587,7 +587,7 @@ class _StatsEngine:
     max_model_len = MAX_MODEL_LEN
 
     def stats(self):
-        return collections.defaultdict(int)  # the engine gauges read at scrape time
+        return collections.defaultdict(int, step_tokens_le_inf=0)  # the engine gauges read at scrape time
 
 
 def _output(finished, choices, tokens=1, stats=None):
@@ -703,7 +703,7 @@ def test_metrics_names(server, client):
                  "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens",
                  "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
                  "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
-                 "request_time_per_output_token_seconds"):
+                 "request_time_per_output_token_seconds", "iteration_tokens_total"):
         assert values.get(f"ferrokv:{name}_count", 0) > 0, name
     assert values["ferrokv:prompt_tokens_total"] > 0 and values["ferrokv:generation_tokens_total"] >= 4
     assert 0 < values["ferrokv:num_free_blocks"] <= values["ferrokv:num_blocks"]

@@ -16,7 +16,7 @@ class _Engine:
     max_model_len = 100
 
     def stats(self):
-        return collections.defaultdict(int)
+        return collections.defaultdict(int, step_tokens_le_inf=0)  # the core's keys (no step yet)
 
 
 def _sample(m, name, **labels):

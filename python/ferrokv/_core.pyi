@@ -307,7 +307,10 @@ class Scheduler:
     def check_invariants(self) -> None: ...
     def stats(self, full: bool = True) -> dict[str, int]:
         """Counters and KV usage; ``full=False`` leaves out the O(blocks) usage counts
-        (``num_shared_blocks``, ``num_block_refs``, ``num_used_token_slots``)."""
+        (``num_shared_blocks``, ``num_block_refs``, ``num_used_token_slots``). The steps that
+        scheduled work are counted by their tokens: ``step_tokens_le_{bound}`` per bucket (vLLM's
+        ``iteration_tokens_total`` bounds, then ``step_tokens_le_inf``; not cumulative) and
+        ``step_tokens_sum``; a cancelled step counts in none of them."""
         ...
     @property
     def num_free_blocks(self) -> int: ...

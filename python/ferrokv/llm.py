@@ -241,7 +241,8 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """vLLM's: a snapshot of the engine's counters and gauges (``ferrokv.metrics_reader``:
         tokens, prefix-cache lookups and hits, preemptions, running and waiting requests, KV-cache
-        blocks and usage), named as ``/metrics`` names them; safe from any thread."""
+        blocks and usage) and its histogram of tokens per step, named as ``/metrics`` names them;
+        safe from any thread."""
         return engine_metrics(engine_stats(self.llm_engine), self.llm_engine.model_config.model)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:

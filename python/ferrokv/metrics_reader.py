@@ -3,9 +3,10 @@
 counters and gauges, which ``/metrics`` serves under the same names.
 
 ``engine_stats(engine)`` is ``LLMEngine.stats()`` with the KV-cache gauges (free and usable
-blocks, usage); ``engine_metrics(stats, model_name)`` turns it into ``Counter``s and ``Gauge``s
-labelled ``model_name``, as vLLM's are. The latency histograms exist only in a server (their
-observations are of the requests it answers).
+blocks, usage); ``engine_metrics(stats, model_name)`` turns it into ``Counter``s, ``Gauge``s and
+the ``Histogram`` of tokens per step (vLLM's ``iteration_tokens_total``: the tokens each step
+scheduled, counted by the core), labelled ``model_name``, as vLLM's are. The latency histograms
+exist only in a server (their observations are of the requests it answers).
 Invariants: names are vLLM's under the ``ferrokv:`` prefix; counters never decrease.
 Costs: one ``stats()`` snapshot (O(KV blocks) when its usage counts are asked for), O(1) after.
 """
@@ -16,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["COUNTERS", "GAUGES", "Counter", "Gauge", "Histogram", "Metric", "Vector", "engine_metrics",
-           "engine_stats"]
+__all__ = ["COUNTERS", "GAUGES", "ITERATION_TOKENS", "Counter", "Gauge", "Histogram", "Metric", "Vector",
+           "engine_metrics", "engine_stats", "step_token_buckets"]
 
 # Counter name (without the _total suffix) -> (engine stats key, help).
 COUNTERS = {
@@ -37,6 +38,21 @@ GAUGES = {
     "ferrokv:num_free_blocks": ("num_free_blocks", "Free KV-cache blocks (cached prefix blocks count as free)."),
     "ferrokv:num_blocks": ("num_usable_blocks", "Usable KV-cache blocks (the null block excluded)."),
 }
+
+ITERATION_TOKENS = ("ferrokv:iteration_tokens_total", "Tokens scheduled per engine step.")
+_STEP_TOKENS_KEY = "step_tokens_le_"  # the core's stats keys, one per bucket (not cumulative)
+
+
+def step_token_buckets(stats: Mapping[str, Any]) -> tuple[list[tuple[str, int]], int]:
+    """The tokens-per-step histogram in a stats snapshot: cumulative ``(bound, count)`` buckets
+    in the core's order (the last bound "+Inf"), and the sum."""
+    buckets, cumulative = [], 0
+    for key, count in stats.items():
+        if key.startswith(_STEP_TOKENS_KEY):
+            cumulative += count
+            bound = key[len(_STEP_TOKENS_KEY):]
+            buckets.append(("+Inf" if bound == "inf" else f"{float(bound)}", cumulative))
+    return buckets, stats["step_tokens_sum"]
 
 
 @dataclass(slots=True)
@@ -94,4 +110,6 @@ def engine_metrics(stats: Mapping[str, Any], model_name: str) -> list[Metric]:
     labels = {"model_name": model_name}
     out: list[Metric] = [Counter(name + "_total", dict(labels), int(stats[key])) for name, (key, _) in COUNTERS.items()]
     out += [Gauge(name, dict(labels), float(stats[key])) for name, (key, _) in GAUGES.items()]
+    buckets, total = step_token_buckets(stats)
+    out.append(Histogram(ITERATION_TOKENS[0], dict(labels), buckets[-1][1], float(total), dict(buckets)))
     return out

@@ -507,6 +507,26 @@ impl PyScheduler {
             "num_running" => self.inner.num_running(),
             "num_running_seqs" => self.inner.num_running_seqs(),
         }
+        // The steps' token histogram, one key per bucket of STEP_TOKEN_BOUNDS (the tests check
+        // the keys against it); not cumulative.
+        let h = &s.step_tokens_hist;
+        set! {
+            "step_tokens_le_1" => h[0],
+            "step_tokens_le_8" => h[1],
+            "step_tokens_le_16" => h[2],
+            "step_tokens_le_32" => h[3],
+            "step_tokens_le_64" => h[4],
+            "step_tokens_le_128" => h[5],
+            "step_tokens_le_256" => h[6],
+            "step_tokens_le_512" => h[7],
+            "step_tokens_le_1024" => h[8],
+            "step_tokens_le_2048" => h[9],
+            "step_tokens_le_4096" => h[10],
+            "step_tokens_le_8192" => h[11],
+            "step_tokens_le_16384" => h[12],
+            "step_tokens_le_inf" => h[13],
+            "step_tokens_sum" => s.step_tokens_sum,
+        }
         if full {
             let u = self.inner.kv_usage();
             set! {

@@ -35,7 +35,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from ferrokv.metrics_reader import COUNTERS, GAUGES
+from ferrokv.metrics_reader import COUNTERS, GAUGES, ITERATION_TOKENS, step_token_buckets
 from ferrokv.outputs import RequestOutput, RequestStateStats
 
 __all__ = ["RequestTimer", "ServerMetrics"]
@@ -80,6 +80,10 @@ class _EngineCollector:
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric(self._model, float(value))
             yield metric
+        buckets, total = step_token_buckets(st)
+        steps = HistogramMetricFamily(*ITERATION_TOKENS, labels=["model_name"])
+        steps.add_metric(self._model, buckets, float(total))
+        yield steps
 
 
 class _Histogram:

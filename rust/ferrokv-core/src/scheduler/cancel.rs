@@ -48,6 +48,7 @@ impl Scheduler {
         let s = &mut self.stats;
         (s.prompt_tokens_computed, s.output_tokens_recomputed) = (undo.stats.prompt_tokens_computed, undo.stats.output_tokens_recomputed);
         (s.decode_tokens, s.cached_prompt_tokens) = (undo.stats.decode_tokens, undo.stats.cached_prompt_tokens);
+        (s.step_tokens_hist, s.step_tokens_sum) = (undo.stats.step_tokens_hist, undo.stats.step_tokens_sum);
         s.cancelled_steps += 1;
         Ok(())
     }

@@ -51,7 +51,7 @@ mod update;
 mod test_util;
 
 pub use config::{Named, NewRequest, Policy, PreemptionMode, SchedulerConfig};
-pub use stats::{KvCounts, KvUsage, SchedulerStats};
+pub use stats::{KvCounts, KvUsage, SchedulerStats, STEP_TOKEN_BOUNDS};
 
 use crate::batch::Batch;
 use crate::block_pool::{BlockId, BlockMath};
@@ -258,6 +258,9 @@ impl Scheduler {
         }
         self.stats.max_running_seqs = self.stats.max_running_seqs.max(self.num_running_seqs as u64);
         self.stats.max_step_tokens = self.stats.max_step_tokens.max(self.step.tokens as u64);
+        if self.step.tokens > 0 {
+            self.stats.observe_step_tokens(self.step.tokens as u64);
+        }
         let out = self.build_output(preempted);
         let mut undo = std::mem::take(&mut self.undo);
         if !out.copy_ops.is_empty() || !out.swap_in.is_empty() {

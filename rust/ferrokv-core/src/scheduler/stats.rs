@@ -43,6 +43,24 @@ pub struct SchedulerStats {
     pub max_step_tokens: u64,
     /// Steps undone by `cancel_step` (their computed work is not counted above).
     pub cancelled_steps: u64,
+    /// Steps that scheduled work, by the tokens they scheduled: `step_tokens_hist[i]` counts
+    /// those with at most `STEP_TOKEN_BOUNDS[i]` (and more than the bound before); the last
+    /// entry counts the rest (vLLM's `iteration_tokens_total` histogram).
+    pub step_tokens_hist: [u64; STEP_TOKEN_BOUNDS.len() + 1],
+    /// Tokens scheduled over those steps (the histogram's sum).
+    pub step_tokens_sum: u64,
+}
+
+/// vLLM's `iteration_tokens_total` bucket bounds.
+pub const STEP_TOKEN_BOUNDS: [u64; 13] = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384];
+
+impl SchedulerStats {
+    /// Counts a step that scheduled `tokens` (> 0) tokens.
+    pub(super) fn observe_step_tokens(&mut self, tokens: u64) {
+        let bucket = STEP_TOKEN_BOUNDS.partition_point(|&b| b < tokens);
+        self.step_tokens_hist[bucket] += 1;
+        self.step_tokens_sum += tokens;
+    }
 }
 
 /// The KV cache's block counts that cost O(1) (`KvUsage` adds those that cost O(blocks)).
@@ -168,6 +186,23 @@ impl Scheduler {
 mod tests {
     use super::super::test_util::*;
     use crate::error::CoreError;
+
+    #[test]
+    fn steps_are_counted_by_the_tokens_they_schedule_and_a_cancelled_step_is_not() {
+        let mut s = with_requests(cfg(16, 16, 64), [req(1, 6, 10), req(2, 9, 10)]);
+        step(&mut s, 1); // the two prompts: 15 tokens, in the (8, 16] bucket
+        step(&mut s, 1); // two decodes: (1, 8]
+        let out = s.schedule().unwrap(); // two more, then cancelled
+        s.cancel_step(out.step_id).unwrap();
+        let st = s.stats();
+        assert_eq!(st.step_tokens_hist[..4], [0, 1, 1, 0]);
+        assert_eq!((st.step_tokens_hist.iter().sum::<u64>(), st.step_tokens_sum), (2, 17));
+        let mut one = super::SchedulerStats::default();
+        for tokens in [1, 2, 16384, 16385] {
+            one.observe_step_tokens(tokens);
+        }
+        assert_eq!((one.step_tokens_hist[0], one.step_tokens_hist[1], one.step_tokens_hist[12], one.step_tokens_hist[13]), (1, 1, 1, 1));
+    }
 
     #[test]
     fn kv_usage_counts_a_shared_block_once_and_used_slots_by_computed_tokens() {
