@@ -164,19 +164,34 @@ class IncrementalDetokenizer:
     def _init_prompt_context(self, prompt_token_ids: Sequence[int]) -> None:
         # A few extra ids in case some are skipped specials.
         ctx = self._to_tokens(prompt_token_ids[-(_PROMPT_CONTEXT + 2):])[-_PROMPT_CONTEXT:]
-        # Context is the longest part of it that decodes clean. The tokens after that (a prompt
-        # that ends mid-character) pend: the output token that completes the character emits it
-        # whole, as vLLM's DecodeStream, primed with the prompt, does (_take_text).
-        read, text = 0, ""
-        for k in range(len(ctx), 0, -1):
-            head = self._tokenizer.convert_tokens_to_string(ctx[:k])
-            if not head.endswith(_REPLACEMENT):
-                read, text = k, head
-                break
+        start, read, text = self._clean_context(ctx)
+        del ctx[:start]
         self._window = ctx
         self._prefix, self._read = 0, read
         self._prefix_text = text
         self._prompt_pending = len(ctx) - read
+
+    def _clean_context(self, ctx: list[str]) -> tuple[int, int, str]:
+        """Where the context starts, how much of it is emitted context, and that part's text: the
+        first start from which some head decodes clean at both ends (no U+FFFD first or last: the
+        last 5 ids may begin inside a character, and a byte-fallback decoder turns a whole invalid
+        byte run into U+FFFDs, which would leave no clean head and drop the context, and with it
+        the first output token's leading space), and its longest such head. The tokens after the
+        head (a prompt that ends mid-character) pend: the output token that completes the
+        character emits it whole, as vLLM's DecodeStream, primed with the prompt, does
+        (_take_text). No start decodes clean at both ends: start 0 and its longest head that does
+        not end in U+FFFD."""
+        convert = self._tokenizer.convert_tokens_to_string
+        for start in range(len(ctx)):
+            for end in range(len(ctx), start, -1):
+                text = convert(ctx[start:end])
+                if text and not text.startswith(_REPLACEMENT) and not text.endswith(_REPLACEMENT):
+                    return start, end - start, text
+        for end in range(len(ctx), 0, -1):
+            text = convert(ctx[:end])
+            if not text.endswith(_REPLACEMENT):
+                return 0, end, text
+        return 0, 0, ""
 
     def _to_tokens(self, ids: Iterable[int]) -> list[str]:
         out = []

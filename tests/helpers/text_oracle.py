@@ -27,15 +27,31 @@ def final_text(tok: Any, ids: list[int], skip_special_tokens: bool = True) -> st
     return text
 
 
-def pending_prompt_ids(tok: Any, prompt: list[int], skip_special_tokens: bool = True) -> list[int]:
-    """The prompt ids a detokenizer starts with pending: of the last 5 kept ids among the last 7,
-    those after the longest head that decodes clean (all of them when no head does)."""
+def prompt_context(tok: Any, prompt: list[int], skip_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+    """A detokenizer's starting window, split as (emitted context, pending ids): of the last 5
+    kept ids among the last 7, from the first start whose some head decodes clean at both ends
+    (no U+FFFD first or last) its longest such head, the ids after it pending; when no start
+    does, from the first id its longest head not ending in U+FFFD (all pending when none)."""
     special = set(tok.all_special_ids) if skip_special_tokens else set()
     ctx = [t for t in prompt[-7:] if t not in special and tok.convert_ids_to_tokens(t) is not None][-5:]
-    for k in range(len(ctx), 0, -1):
-        if not tok.decode(ctx[:k], skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT):
-            return ctx[k:]
-    return ctx
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    for start in range(len(ctx)):
+        for end in range(len(ctx), start, -1):
+            text = decode(ctx[start:end])
+            if text and not text.startswith(REPLACEMENT) and not text.endswith(REPLACEMENT):
+                return ctx[start:end], ctx[end:]
+    for end in range(len(ctx), 0, -1):
+        if not decode(ctx[:end]).endswith(REPLACEMENT):
+            return ctx[:end], ctx[end:]
+    return [], ctx
+
+
+def pending_prompt_ids(tok: Any, prompt: list[int], skip_special_tokens: bool = True) -> list[int]:
+    """The prompt ids a detokenizer starts with pending (``prompt_context``)."""
+    return prompt_context(tok, prompt, skip_special_tokens)[1]
 
 
 def output_text_ok(tok: Any, text: str, prompt: list[int], ids: list[int], skip_special_tokens: bool = True) -> bool:

@@ -81,18 +81,31 @@ fn ends_clean(text: &Cow<'_, str>) -> bool {
     matches!(text, Cow::Borrowed(_)) || !text.ends_with(REPLACEMENT)
 }
 
-/// How much of the prompt context `ctx` is emitted context: the longest head that decodes clean,
-/// with its character count ((0, 0) when none does). The ids after it (a prompt ending
-/// mid-character) pend, so the output token that completes the character emits it whole, as
-/// vLLM's DecodeStream primed with the prompt does (`settle_prompt_tail`).
-fn clean_context(model: &TextModel, ctx: &[u32], scratch: &mut Vec<u8>) -> (usize, usize) {
+/// Where the prompt context `ctx` starts and how much of it is emitted context: the first start
+/// from which some head decodes clean at both ends (no U+FFFD first or last: the last 5 ids may
+/// begin inside a character, and a byte-fallback decoder turns a whole invalid byte run into
+/// U+FFFDs, which would leave no clean head and drop the context, and with it the first output
+/// token's leading space), its longest such head, and that head's character count. The ids after
+/// the head (a prompt ending mid-character) pend, so the output token that completes the
+/// character emits it whole, as vLLM's DecodeStream primed with the prompt does
+/// (`settle_prompt_tail`). No start decodes clean at both ends: start 0 and its longest head that
+/// does not end in U+FFFD ((0, 0, 0) when none).
+fn clean_context(model: &TextModel, ctx: &[u32], scratch: &mut Vec<u8>) -> (usize, usize, usize) {
+    for start in 0..ctx.len() {
+        for end in (start + 1..=ctx.len()).rev() {
+            let text = model.decode_window(&ctx[start..end], scratch);
+            if !text.is_empty() && !text.starts_with(REPLACEMENT) && !text.ends_with(REPLACEMENT) {
+                return (start, end - start, text.chars().count());
+            }
+        }
+    }
     (1..=ctx.len())
         .rev()
         .find_map(|read| {
             let text = model.decode_window(&ctx[..read], scratch);
-            (!text.ends_with(REPLACEMENT)).then(|| (read, text.chars().count()))
+            (!text.ends_with(REPLACEMENT)).then(|| (0, read, text.chars().count()))
         })
-        .unwrap_or((0, 0))
+        .unwrap_or((0, 0, 0))
 }
 
 impl SeqText {
@@ -120,7 +133,8 @@ impl SeqText {
         let from = prompt_tail.len().saturating_sub(PROMPT_LOOKBACK);
         let mut ctx: Vec<u32> = prompt_tail[from..].iter().copied().filter(|&id| model.keeps(id, skip)).collect();
         ctx.drain(..ctx.len().saturating_sub(PROMPT_CONTEXT));
-        let (read, chars) = clean_context(model, &ctx, &mut seq.scratch);
+        let (start, read, chars) = clean_context(model, &ctx, &mut seq.scratch);
+        ctx.drain(..start);
         seq.prefix_chars = Some(chars);
         seq.read = read;
         seq.prompt_pending = ctx.len() - read;
