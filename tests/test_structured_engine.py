@@ -405,6 +405,28 @@ def test_invalid_constraint_rejected_at_add_request(llama_path, so, field):
     assert_no_leak(engine)
 
 
+def test_a_tokenizer_the_backend_cannot_take_is_a_clear_error(llama_path, tmp_path):
+    """A tokenizer llguidance cannot wrap (here one with no decoder) refuses every constrained
+    request with a ValueError naming structured_outputs, not llguidance's bare message; it is
+    tried once; unconstrained requests run."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    model = tmp_path / "no_decoder"
+    shutil.copytree(llama_path, model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.decoder = None
+    tok.save(str(model / "tokenizer.json"))
+    engine = tiny_engine(model)
+    for rid in ("a", "b"):
+        with pytest.raises(ValueError, match=r"^structured_outputs: .*cannot use this model's tokenizer .*decoder"):
+            engine.add_request(rid, "the cat", SamplingParams(max_tokens=4, structured_outputs={"regex": "a+"}))
+    engine.add_request("u", "the cat", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(drive(engine)["u"].outputs[0].token_ids) == 3
+    assert_no_leak(engine)
+
+
 def test_two_kinds_rejected(llm):
     with pytest.raises(ValueError, match=r"exactly one of structured_outputs\.json"):
         SamplingParams(structured_outputs={"json": {"type": "boolean"}, "regex": "a"})

@@ -292,17 +292,25 @@ class LazyGrammarCompiler:
     """A ``GrammarCompiler`` made on first use, once, from any thread: wrapping a large
     vocabulary's tokenizer costs, and most engines never see a grammar."""
 
-    __slots__ = ("_args", "_compiler", "_lock")
+    __slots__ = ("_args", "_compiler", "_error", "_lock")
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
         self._args = (tokenizer, vocab_size, eos_token_id)
         self._compiler: GrammarCompiler | None = None
+        self._error: str | None = None  # the tokenizer llguidance cannot take: told to every request
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         with self._lock:
-            if self._compiler is None:
-                self._compiler = GrammarCompiler(*self._args)
+            if self._compiler is None and self._error is None:
+                try:
+                    self._compiler = GrammarCompiler(*self._args)
+                except Exception as e:  # llguidance's own types, e.g. an unknown tokenizer decoder
+                    self._error = (f"structured_outputs: the grammar backend (llguidance) cannot use this model's "
+                                   f"tokenizer ({type(e).__name__}: {str(e)[:_MAX_ERROR]})")
+            if self._error is not None:
+                raise ValueError(self._error)
+        assert self._compiler is not None
         return self._compiler.compile(params)
 
     def forget(self, compiled: CompiledGrammar) -> None:
