@@ -135,25 +135,24 @@ def test_text_prompts_are_tokenized_on_the_pool(allm, sequential):
     assert token_ids(outs) == token_ids(sequential(["the quick brown fox"], 4))
 
 
-def test_a_grammar_is_compiled_on_the_pool_not_the_event_loop(allm):
-    """A structured-output grammar may take long to compile: never on the event loop's thread."""
-    engine = allm.engine
+def test_a_grammar_is_compiled_on_a_compile_thread_not_the_event_loop_or_the_tokenize_pool(allm, monkeypatch):
+    """A structured-output grammar may take long to compile: on a compile thread (its large
+    stack), never on the event loop's thread nor on the pool that tokenizes prompts."""
+    from ferrokv.structured_outputs import GrammarCompiler
+
     threads: list[str] = []
-    compile_grammar = engine.compile_grammar
+    build = GrammarCompiler._build
 
-    def recording_compile(so):
+    def recording_build(self, params):
         threads.append(threading.current_thread().name)
-        return compile_grammar(so)
+        return build(self, params)
 
-    engine.compile_grammar = recording_compile
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=30, output_kind=Kind.FINAL_ONLY,
-                                structured_outputs={"choice": ["yes", "no"]})
-        outs = asyncio.run(collect(allm, {"prompt_token_ids": [5, 6, 7]}, params, "grammar"))
-    finally:
-        del engine.compile_grammar
-    assert threads and threads[0].startswith("ferrokv-tokenize"), threads
-    assert outs[-1].outputs[0].text in ("yes", "no") and outs[-1].outputs[0].finish_reason == "stop"
+    monkeypatch.setattr(GrammarCompiler, "_build", recording_build)
+    params = SamplingParams(temperature=0.0, max_tokens=30, output_kind=Kind.FINAL_ONLY,
+                            structured_outputs={"choice": ["yes", "nope"]})
+    outs = asyncio.run(collect(allm, {"prompt_token_ids": [5, 6, 7]}, params, "grammar"))
+    assert len(threads) == 1 and threads[0].startswith("ferrokv-grammar"), threads
+    assert outs[-1].outputs[0].text in ("yes", "nope") and outs[-1].outputs[0].finish_reason == "stop"
 
 
 # ------------------------------------------------------------------------------------------------

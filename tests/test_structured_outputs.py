@@ -153,6 +153,32 @@ def test_invalid_grammar_names_its_field(compiler, kwargs, field):
         compiler.compile(SOP(**kwargs))
 
 
+def _ref_chain(links: int) -> dict:
+    """A flat schema (5 levels of JSON) whose $defs chain ``links`` objects, each referring to the next."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
+            for i in range(links)}
+    return {"$defs": {**defs, f"d{links}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def test_a_long_chain_of_refs_compiles_on_a_large_stack(compiler):
+    """llguidance recurses once per link: ~1000 links overflowed a default 8 MiB thread stack and
+    killed the process (SIGSEGV). Compiles run on threads with a large stack (grammar_pool)."""
+    g = compiler.compile(SOP(json=_ref_chain(3000)))
+    m = g.new_matcher()
+    assert m.consume_tokens(compiler.tokenizer.tokenize_str('{"x": {"x": ')) and not m.is_error()
+
+
+def test_a_grammar_over_the_size_limit_is_refused_before_it_is_built(compiler, monkeypatch):
+    from ferrokv import grammar_pool, structured_outputs
+
+    monkeypatch.setattr(structured_outputs, "MAX_GRAMMAR_BYTES", 20_000)  # one source: the check reads it
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json is too large: its grammar is \d+ characters, "
+                                         r"more than 20000"):
+        compiler.compile(SOP(json=_ref_chain(400)))
+    compiler.compile(SOP(json=_ref_chain(40)))
+    assert grammar_pool.MAX_GRAMMAR_BYTES >= 1 << 20  # a 1 MB request body fits
+
+
 def test_cache_hits_and_lru(tok):
     c = GrammarCompiler(tok, V, EOS, cache_size=2)
     ga = c.compile(SOP(regex="a+"))

@@ -317,6 +317,16 @@ class AsyncLLM:
                 raise EngineDeadError("the engine loop was shut down") from None
             raise
 
+    async def _warm_grammar(self, params: Any) -> None:
+        """Compiles a request's grammar into the engine's cache on a compile thread, never on the
+        event loop nor on the tokenization pool (a slow grammar delays only other grammars); an
+        error is left for the engine's ``add_request``, which ends the request with it."""
+        await self.check_health()
+        try:
+            await asyncio.wrap_future(self.engine.grammars.compile_soon(params))
+        except Exception:
+            pass
+
     def encode(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``encode`` runs a pooling model; ferrokv serves generative models only."""
         raise NotImplementedError("AsyncLLM.encode runs pooling models, which ferrokv does not serve "
@@ -376,9 +386,9 @@ class AsyncLLM:
         kind = params.output_kind if isinstance(params, SamplingParams) else None
         prompt = await self.tokenize_prompt(prompt, add_special_tokens)
         if getattr(params, "structured_outputs", None) is not None:
-            await self._in_pool(self.engine_loop.warm_grammar, params)  # never on the event loop
+            await self._warm_grammar(params.structured_outputs)
         stream = _RequestStream(rid, self._dispatcher(), kind)
-        self.engine_loop.submit(rid, prompt, params, sink=stream, priority=priority, cache_salt=cache_salt)
+        self.engine_loop.submit(rid, prompt, params, sink=stream, priority=priority, cache_salt=cache_salt, warm=False)
         with self._lock:
             self._in_flight += 1
             self._live[rid] = self._live.get(rid, 0) + 1

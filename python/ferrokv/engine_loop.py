@@ -215,12 +215,14 @@ class EngineLoop:
     # ------------------------------------------------------------------------------------------
     # Callers (any thread)
     def submit(self, request_id: str, prompt: Any, params: SamplingParams | None = None, *, sink: OutputSink,
-               priority: int = 0, cache_salt: str | None = None) -> None:
+               priority: int = 0, cache_salt: str | None = None, warm: bool = True) -> None:
         """Queues ``LLMEngine.add_request(request_id, prompt, params, ...)``; its error, if any,
         is the request's terminal item. Raises ``EngineDeadError`` after ``shutdown``. A
-        structured-output grammar is compiled here, on the caller's thread, so that the loop
-        finds it cached."""
-        self.warm_grammar(params)
+        structured-output grammar is compiled here (``warm``; an event loop compiles it before,
+        without blocking: ``AsyncLLM``), waiting on the caller's thread, so that the loop finds
+        it cached."""
+        if warm:
+            self.warm_grammar(params)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)

@@ -2,7 +2,9 @@
 
 ``StructuredOutputsParams`` (vLLM's names) says what a request's output must match;
 ``GrammarCompiler`` turns it into an llguidance grammar (its text: ``ferrokv.grammar_text``) once per
-distinct params (LRU cache);
+distinct params (a small LRU cache, ``GRAMMAR_CACHE_SIZE``), on a compile thread
+(``ferrokv.grammar_pool``: a chain of rules deep enough to overflow a normal thread's stack fits
+there; a grammar over ``MAX_GRAMMAR_BYTES`` is refused);
 ``GrammarRows`` is the engine's per-step state: one matcher per generation, the bitmask of each
 grammar row's allowed next tokens, the masking of logits, and the advance by the sampled token.
 
@@ -31,7 +33,7 @@ Invariants:
   (``GrammarRows.on_failed_grammar``): the next request with it starts from a fresh template.
 
 Threading: ``GrammarCompiler.compile`` may be called from any thread (a lock guards the cache; the
-grammar build itself runs unlocked, llguidance releases the GIL). ``GrammarRows`` guards its
+grammar build itself runs unlocked on a compile thread, llguidance releases the GIL). ``GrammarRows`` guards its
 bookkeeping with a lock, but a matcher's state is not: the engine orders, per key,
 ``fill`` (step t) -> ``apply`` -> sample -> ``accept`` (step t) -> ``fill`` (step t+1), and may run
 ``fill``/``apply`` on a worker thread as long as nothing else touches those keys meanwhile.
@@ -53,10 +55,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ferrokv.grammar_pool import MAX_GRAMMAR_BYTES, run_compile, submit_compile
 from ferrokv.grammar_text import grammar_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from concurrent.futures import Future
 
     import llguidance
     import numpy as np
@@ -69,6 +73,10 @@ KEY_STRIDE = 65536  # key = request_core_id * KEY_STRIDE + sample_index
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 logger = logging.getLogger("ferrokv")
 _MAX_ERROR = 2000  # characters of an llguidance error message kept in ours
+# Compiled grammars kept: each holds its template's lexer, which grows as masks are computed (up to
+# llguidance's limit of lexer states, hundreds of MB for a pathological regex), so few are kept.
+# Live requests keep theirs through their matchers whether or not it is still cached.
+GRAMMAR_CACHE_SIZE = 16
 
 
 def _show(value: Any) -> str:
@@ -222,7 +230,8 @@ class GrammarCompiler:
 
     __slots__ = ("tokenizer", "vocab_size", "cache_size", "_cache", "_lock")
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None,
+                 cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
         import llguidance.hf
 
         if cache_size < 0:
@@ -247,7 +256,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return _unless_failed(hit)
         try:
-            compiled: CompiledGrammar | _Failed = self._build(params)  # unlocked: can take long, others go on
+            # Unlocked (it can take long: others go on), on a compile thread (its large stack).
+            compiled: CompiledGrammar | _Failed = run_compile(self._build, params)
         except ValueError as e:
             compiled = _Failed(str(e))
         with self._lock:
@@ -275,17 +285,27 @@ class GrammarCompiler:
         kind = params.kind
         try:
             grammar = grammar_text(params)
+        except Exception as e:  # the GBNF converter raises various types (RecursionError on deep nesting too)
+            raise _not_valid(kind, f"{type(e).__name__}: {e}") from None
+        if len(grammar) > MAX_GRAMMAR_BYTES:  # more could overflow a compile thread's stack (grammar_pool)
+            raise ValueError(f"structured_outputs.{kind} is too large: its grammar is {len(grammar)} characters, "
+                             f"more than {MAX_GRAMMAR_BYTES}")
+        try:
             error = LLMatcher.validate_grammar(grammar, self.tokenizer)
             template = None
             if not error:
                 template = LLMatcher(self.tokenizer, grammar, log_level=0)
                 error = template.get_error() if template.is_error() else ""
-        except Exception as e:  # llguidance and the GBNF converter raise various types
+        except Exception as e:  # llguidance raises various types
             error = f"{type(e).__name__}: {e}"
         if error:
-            error = error if len(error) <= _MAX_ERROR else error[:_MAX_ERROR] + "..."
-            raise ValueError(f"structured_outputs.{kind} is not a valid grammar: {error.rstrip()}")
+            raise _not_valid(kind, error)
         return CompiledGrammar(kind, grammar, self.vocab_size, template)
+
+
+def _not_valid(kind: str, error: str) -> ValueError:
+    error = error if len(error) <= _MAX_ERROR else error[:_MAX_ERROR] + "..."
+    return ValueError(f"structured_outputs.{kind} is not a valid grammar: {error.rstrip()}")
 
 
 class LazyGrammarCompiler:
@@ -312,6 +332,11 @@ class LazyGrammarCompiler:
                 raise ValueError(self._error)
         assert self._compiler is not None
         return self._compiler.compile(params)
+
+    def compile_soon(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """``compile(params)`` on a compile thread (``ferrokv.grammar_pool``): for a caller that
+        must not block (an event loop awaits it) or tie up a thread of its own meanwhile."""
+        return submit_compile(self.compile, params)
 
     def forget(self, compiled: CompiledGrammar) -> None:
         if self._compiler is not None:
