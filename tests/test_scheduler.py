@@ -80,7 +80,9 @@ STATS_KEYS = {
     "max_step_tokens", "cancelled_steps", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "prefix_evictions",
     "num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_shared_blocks",
     "num_block_refs", "num_used_token_slots", "block_size", "num_waiting", "num_running",
-    "num_running_seqs",
+    "num_running_seqs", "step_tokens_sum",
+    # Steps by the tokens they scheduled, one key per bucket of vLLM's iteration_tokens_total.
+    *(f"step_tokens_le_{b}" for b in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, "inf")),
 }  # fmt: skip
 
 
@@ -714,6 +716,7 @@ def test_stats_and_properties():
     st = s.stats()
     assert (st["num_running"], st["num_running_seqs"], st["num_used_blocks"]) == (1, 1, 3)
     assert st["num_used_token_slots"] == 20 and st["max_step_tokens"] == 20
+    assert (st["step_tokens_le_16"], st["step_tokens_le_32"], st["step_tokens_sum"]) == (0, 1, 20)
     assert st["requests_added"] == 1 and st["prompt_tokens"] == 20
     assert "running=1" in repr(s)
     drain(s)
