@@ -59,6 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_step  # noqa: E402  (benches/ is not a package)
+from _threads import add_threads_option, set_threads  # noqa: E402
 
 STAGES = ("schedule", "inputs", "sampling", "update", "detokenize", "outputs", "wait", "overlap", "finish")
 
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep-ms", type=float, default=5.0, help="the sleeping forward pass of the overlap variant")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--threads", type=int, default=1)
+    add_threads_option(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -227,10 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if long_len < engine_step.SHORT_START + window:
         ap.error(f"--long must be >= {engine_step.SHORT_START + window}")
 
-    import torch
     import transformers
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     logging.getLogger("ferrokv").setLevel(logging.WARNING)
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="ferrokv-engine-overhead-") as tmp:

@@ -70,6 +70,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _threads import add_threads_option, set_threads  # noqa: E402  (benches/ is not a package)
+
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 512
 PROMPT_LEN = 128
@@ -309,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=None, help="timed steps per window (default 30; 10 with --quick)")
     ap.add_argument("--quick", action="store_true", help="smoke run: --long 200, 10-step windows")
     ap.add_argument("--json", action="store_true", help="one JSON object per line per size")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)")
+    add_threads_option(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -320,9 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if long_len < SHORT_START + window:
         ap.error(f"--long must be >= {SHORT_START + window} (the short window's end)")
 
-    import torch
-
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     import ferrokv
     import transformers
 

@@ -6,7 +6,7 @@
     decode sequences, 160-token prompts prefilled and warmed up (untimed) to step 400, so contexts
     are ~560-760 tokens -- for block sizes 8, 16, 32, 64, 128 and 256: µs per step of
     ``ferrokv.Scheduler`` (schedule + arrays + update through Python) and, as the baseline in the
-    same run, of the pure-Python scheduler ``scheduler_sweep.PyScheduler`` (same batches), plus the
+    same run, of the pure-Python scheduler ``_py_scheduler.PyScheduler`` (same batches), plus the
     block-table width (Python's cyclic GC off while timing, as in ``scheduler_sweep.py``; all
     block sizes advance round-robin, 10 steps at a time, so load drift hits them alike).
     B = 16 is the reference row.
@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scheduler_sweep as ss  # noqa: E402
+from _threads import add_threads_option, set_threads  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
@@ -234,8 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-model", action="store_true", help="only the scheduler block-size sweep")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads for both engines (default 1: steadier on a shared 2-core machine)")
+    add_threads_option(ap, "torch threads for both engines (default 1: steadier on a shared 2-core machine)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true", help="one JSON line per result")
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (100 if args.quick else 300)
     runs = args.runs or (3 if args.quick else 5)
     logging.getLogger("ferrokv").setLevel(logging.WARNING)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     t0 = time.perf_counter()
     sweep = block_size_sweep([int(b) for b in args.block_sizes.split(",")], args.seqs, steps, args.seed, args.json)
     single = None if args.skip_model else single_request(runs, args.prompt_len, args.new_tokens, args.json)

@@ -8,13 +8,17 @@ Reported:
   tokenizer for llguidance once (s);
 - ``mask``: per step at R grammar rows over the 49,152-token vocabulary, the bitmask fill
   (llguidance's threads, no GIL) and its application to the logits, µs per row;
-- ``e2e``: 16 chat requests asking for a person as JSON, sampled (temperature 0.7, seed 1, up to
-  96 tokens), without and with the schema: output tokens/s, how many ended with ``stop``, and how
-  many outputs parse as JSON.
+- ``e2e``: 16 chat requests asking for a person as JSON, sampled (temperature 0.7, ``--seed`` 1,
+  up to 96 tokens), without and with the schema: output tokens/s, how many ended with ``stop``,
+  and how many outputs parse as JSON.
+
+torch runs with ``--threads`` (default 1, see ``_threads.py``): the mask's application and the
+model are torch ops, and 2 threads on a shared 2-core machine made them vary several-fold.
+``--quick`` is a smoke run: rows 1 and 8, 4 requests. It prints; it writes no file.
 
 Usage::
 
-    python benches/structured_outputs.py [--json] [--rows 1,8,32,128] [--requests 16]
+    python benches/structured_outputs.py [--json] [--quick] [--threads 1] [--rows 1,8,32,128] [--requests 16]
 """
 
 from __future__ import annotations
@@ -22,7 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _threads import add_threads_option, set_threads  # noqa: E402  (benches/ is not a package)
 
 SCHEMA = {
     "type": "object",
@@ -74,14 +83,14 @@ def compile_and_mask(llm, rows: list[int]) -> dict:
             "compile_cached_us": round(hit_us, 1), "mask": mask}
 
 
-def end_to_end(llm, num_requests: int) -> dict:
+def end_to_end(llm, num_requests: int, seed: int = 1) -> dict:
     from ferrokv import SamplingParams, StructuredOutputsParams
 
     msgs = [[{"role": "user", "content": f"Describe person number {i} as JSON with name, age and hobbies."}]
             for i in range(num_requests)]
     out = {}
     for label, so in (("plain", None), ("schema", StructuredOutputsParams(json=SCHEMA))):
-        params = SamplingParams(temperature=0.7, seed=1, max_tokens=96, structured_outputs=so)
+        params = SamplingParams(temperature=0.7, seed=seed, max_tokens=96, structured_outputs=so)
         llm.chat(msgs[:2], params, use_tqdm=False)  # warm-up (and the compile)
         t0 = time.perf_counter()
         outs = llm.chat(msgs, params, use_tqdm=False)
@@ -102,16 +111,22 @@ def end_to_end(llm, num_requests: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="1,8,32,128")
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--rows", default=None, help="grammar rows per mask measurement (default 1,8,32,128; quick 1,8)")
+    ap.add_argument("--requests", type=int, default=None, help="end-to-end requests (default 16; quick 4)")
+    ap.add_argument("--seed", type=int, default=1, help="the sampling seed of the end-to-end requests")
+    ap.add_argument("--quick", action="store_true", help="smoke run: rows 1,8 and 4 requests")
+    add_threads_option(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    rows = args.rows or ("1,8" if args.quick else "1,8,32,128")
+    requests = args.requests or (4 if args.quick else 16)
     logging.getLogger("ferrokv").setLevel(logging.WARNING)
+    set_threads(args.threads)
     from ferrokv import LLM
 
     llm = LLM(dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=512, block_size=16)
-    result = {"compile": compile_and_mask(llm, [int(r) for r in args.rows.split(",")]),
-              "e2e": end_to_end(llm, args.requests)}
+    result = {"compile": compile_and_mask(llm, [int(r) for r in rows.split(",")]),
+              "e2e": end_to_end(llm, requests, args.seed), "torch_threads": args.threads}
     if args.json:
         print(json.dumps(result))
         return 0

@@ -10,8 +10,9 @@ fixed seed. Two scenarios:
   until its batch is full.
 
 Reported per engine: output tokens/s, and for the baseline its waste factor = token positions it
-computes (padded prefill + decode slots of rows that already finished) / useful tokens.
-Usage: ``python benches/throughput.py [--quick] [--requests N] [--batch-sizes 16,32,64]``.
+computes (padded prefill + decode slots of rows that already finished) / useful tokens. Both
+engines run in this process with ``--threads`` torch threads (default 1; see ``_threads.py``).
+Usage: ``python benches/throughput.py [--quick] [--json] [--threads N] [--requests N] [--batch-sizes 16,32,64]``.
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ import io
 import json
 import math
 import pstats
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _threads import add_threads_option, set_threads  # noqa: E402  (benches/ is not a package)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -190,10 +195,10 @@ def plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="32 requests with lengths clipped to 8..128, baseline batch 16 only (a few minutes)")
+                    help="smoke run: 32 requests, lengths of mean 64 clipped to 8..64, baseline batch 16 only (~2 min)")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--batch-sizes", default="16,32,64")
     ap.add_argument("--rate", type=float, default=None, help="online arrivals per second (default: from offline run)")
@@ -204,16 +209,28 @@ def main() -> None:
     ap.add_argument("--online-only", type=int, default=None, metavar="BATCH",
                     help="only the online scenario (needs --rate), baseline at this static batch size")
     ap.add_argument("--profile", action="store_true", help="cProfile one ferrokv decode step")
+    add_threads_option(ap)
+    ap.add_argument("--json", action="store_true", help="one JSON line per result (and the summary line)")
     ap.add_argument("--out", default=str(RESULTS / "throughput.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out's JSON")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.online_only is not None and args.rate is None:
+        ap.error("--online-only needs --rate")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.plot_only:
         plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
         return
-    max_len = 512
+    mean_len, max_len = 128.0, 512
     if args.quick:
-        args.requests, args.batch_sizes, max_len = 32, "16", 128
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+        # Here a CPU step took about as long at 16 sequences as at 32 (measured: fewer
+        # requests did not shorten the run), so the run's length follows the longest output:
+        # halving the lengths halves it, and a mean of 64 keeps the baseline's waste at ~1.6x.
+        args.requests, args.batch_sizes, mean_len, max_len = 32, "16", 64.0, 64
+    set_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
@@ -221,18 +238,19 @@ def main() -> None:
 
     engine = LLMEngine(EngineArgs(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=1024))
     vocab = engine.vocab_size
-    reqs = workload(args.requests, args.seed, 100, min(vocab, 40000), max_len=max_len)
+    reqs = workload(args.requests, args.seed, 100, min(vocab, 40000), mean=mean_len, max_len=max_len)
     results = []
 
     def report(r: dict) -> None:
         results.append(r)
+        if args.json:
+            print(json.dumps({"result": "throughput", **{k: v for k, v in r.items() if k != "profile"}}), flush=True)
+            return
         extra = f" waste x{r['waste_factor']:.2f}" if "waste_factor" in r else ""
         print(f"{r['scenario']:>8} {r['engine']:<26} {r['tokens_per_s']:8.1f} tok/s  {r['seconds']:8.1f} s{extra}",
               flush=True)
 
     if args.online_only is not None:
-        if args.rate is None:
-            ap.error("--online-only needs --rate")
         hf = AutoModelForCausalLM.from_pretrained(str(engine.model_path), dtype=torch.float32).eval()
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
         oreqs = with_arrivals(reqs, args.rate, args.seed)
@@ -242,7 +260,7 @@ def main() -> None:
         report(base)
         summary = {"online_rate_req_per_s": args.rate, "online_ratio": on["tokens_per_s"] / base["tokens_per_s"],
                    "online_baseline": base["engine"], "baseline_waste_online": base["waste_factor"]}
-        print(json.dumps(summary))
+        print(json.dumps({"result": "throughput_summary", **summary} if args.json else summary))
         data = {"args": vars(args), "results": results, "summary": summary}
         Path(args.out).write_text(json.dumps(data, indent=1))
         plot(data, Path(args.out).with_suffix(".png"))
@@ -250,7 +268,7 @@ def main() -> None:
     off = run_ferrokv(engine, reqs, online=False, profile=args.profile)
     report(off)
     if off.get("profile"):
-        print(off["profile"])
+        print(off["profile"], file=sys.stderr if args.json else sys.stdout)
     hf = AutoModelForCausalLM.from_pretrained(str(engine.model_path), dtype=torch.float32).eval()
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -273,7 +291,7 @@ def main() -> None:
         best_on = max(base_on, key=lambda r: r["tokens_per_s"])
         summary.update({"online_rate_req_per_s": rate, "online_ratio": on["tokens_per_s"] / best_on["tokens_per_s"],
                         "online_baseline": best_on["engine"], "baseline_waste_online": best_on["waste_factor"]})
-    print(json.dumps(summary))
+    print(json.dumps({"result": "throughput_summary", **summary} if args.json else summary))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     data = {"args": vars(args), "results": [{k: v for k, v in r.items() if k != "profile"} for r in results],
             "summary": summary}
