@@ -146,10 +146,11 @@ def test_cache_key_is_canonical():
 @pytest.mark.parametrize("kwargs, field", [
     ({"regex": "[a-"}, "regex"), ({"regex": "(a"}, "regex"), ({"grammar": "start: foo"}, "grammar"),
     ({"grammar": "root ::= foo"}, "grammar"), ({"json": {"type": "foo"}}, "json"),
-    ({"json": {"type": "object"}, "whitespace_pattern": "[a-"}, "json"),
+    ({"json": {"type": "object"}, "whitespace_pattern": "[a-"}, "whitespace_pattern"),
+    ({"json": {"type": "foo"}, "whitespace_pattern": "[ ]*"}, "json"),
 ])
 def test_invalid_grammar_names_its_field(compiler, kwargs, field):
-    with pytest.raises(ValueError, match=rf"^structured_outputs\.{field} is not a valid grammar: \S"):
+    with pytest.raises(ValueError, match=rf"^structured_outputs\.{field} is not a valid (grammar|regex): \S"):
         compiler.compile(SOP(**kwargs))
 
 

@@ -298,9 +298,22 @@ class GrammarCompiler:
                 error = template.get_error() if template.is_error() else ""
         except Exception as e:  # llguidance raises various types
             error = f"{type(e).__name__}: {e}"
+        if error and params.whitespace_pattern is not None:  # name the field at fault when it is this one
+            self._check_whitespace_pattern(params.whitespace_pattern)
         if error:
             raise _not_valid(kind, error)
         return CompiledGrammar(kind, grammar, self.vocab_size, template)
+
+    def _check_whitespace_pattern(self, pattern: str) -> None:
+        from llguidance import LLMatcher
+
+        try:
+            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_regex(pattern), self.tokenizer)
+        except Exception as e:  # llguidance raises various types
+            error = f"{type(e).__name__}: {e}"
+        if error:
+            raise ValueError(f"structured_outputs.whitespace_pattern is not a valid regex: "
+                             f"{error[:_MAX_ERROR].rstrip()}")
 
 
 def _not_valid(kind: str, error: str) -> ValueError:
