@@ -80,7 +80,7 @@ STATS_KEYS = {
     "max_step_tokens", "cancelled_steps", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "prefix_evictions",
     "num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_shared_blocks",
     "num_block_refs", "num_used_token_slots", "block_size", "num_waiting", "num_running",
-    "num_running_seqs", "step_tokens_sum",
+    "num_running_seqs", "num_waiting_seqs", "step_tokens_sum",
     # Steps by the tokens they scheduled, one key per bucket of vLLM's iteration_tokens_total.
     *(f"step_tokens_le_{b}" for b in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, "inf")),
 }  # fmt: skip
@@ -710,6 +710,10 @@ def test_stats_and_properties():
     assert all(isinstance(v, int) for v in s.stats().values())
     assert (s.num_blocks, s.block_size, s.max_num_seqs, s.max_model_len) == (64, 8, 4, 100)
     assert (s.num_free_blocks, s.num_waiting, s.num_running, s.num_running_seqs, s.num_unfinished) == (63, 0, 0, 0, 0)
+    s.add_request(7, list(range(5)), 3, n=3)  # each of n samples counts, as vLLM's child requests
+    assert (s.stats()["num_waiting"], s.stats()["num_waiting_seqs"]) == (1, 3)
+    s.abort(7)
+    assert s.stats()["num_waiting_seqs"] == 0
     s.add_request(1, list(range(20)), 3)
     assert s.num_waiting == 1 and s.num_unfinished == 1 and s.has_unfinished()
     step(s)
@@ -717,7 +721,7 @@ def test_stats_and_properties():
     assert (st["num_running"], st["num_running_seqs"], st["num_used_blocks"]) == (1, 1, 3)
     assert st["num_used_token_slots"] == 20 and st["max_step_tokens"] == 20
     assert (st["step_tokens_le_16"], st["step_tokens_le_32"], st["step_tokens_sum"]) == (0, 1, 20)
-    assert st["requests_added"] == 1 and st["prompt_tokens"] == 20
+    assert st["requests_added"] == 2 and st["prompt_tokens"] == 20  # (the aborted one was never admitted)
     assert "running=1" in repr(s)
     drain(s)
     assert s.stats()["requests_finished"] == 1

@@ -9,24 +9,24 @@ import logging
 from ferrokv.stats_log import StatsLog
 
 ZERO = {"prompt_tokens": 0, "generated_tokens": 0, "prefix_cache_queried_tokens": 0,
-        "first_admission_cached_tokens": 0, "num_running_seqs": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+        "first_admission_cached_tokens": 0, "num_running_seqs": 0, "num_waiting_seqs": 0, "kv_cache_usage": 0.0}
 
 
 def test_rates_are_of_the_interval_and_idle_logs_once():
     log = StatsLog(ZERO, now=100.0)
     busy = {**ZERO, "prompt_tokens": 400, "generated_tokens": 50, "prefix_cache_queried_tokens": 400,
-            "first_admission_cached_tokens": 100, "num_running_seqs": 3, "num_waiting": 2, "kv_cache_usage": 0.25}
+            "first_admission_cached_tokens": 100, "num_running_seqs": 3, "num_waiting_seqs": 2, "kv_cache_usage": 0.25}
     assert log.log(busy, now=110.0) == (
         "Avg prompt throughput: 40.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 3 reqs, "
         "Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")
-    later = {**busy, "generated_tokens": 250, "num_waiting": 0}  # only decoding since
+    later = {**busy, "generated_tokens": 250, "num_waiting_seqs": 0}  # only decoding since
     line = log.log(later, now=120.0)
     assert "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 20.0 tokens/s" in line
     assert "Prefix cache hit rate: 0.0%" in line  # no lookup in this interval
     idle = {**later, "num_running_seqs": 0, "kv_cache_usage": 0.0}
     assert "Running: 0 reqs" in log.log(idle, now=130.0)  # the line that says it went idle
     assert log.log(idle, now=140.0) is None and log.log(idle, now=150.0) is None
-    woke = {**idle, "num_waiting": 1}
+    woke = {**idle, "num_waiting_seqs": 1}
     assert "Waiting: 1 reqs" in log.log(woke, now=151.0)
 
 

@@ -33,7 +33,8 @@ COUNTERS = {
 GAUGES = {
     # Sequences: vLLM runs each of a request's n samples as a request of its own.
     "ferrokv:num_requests_running": ("num_running_seqs", "Requests (each of n samples) in the running batch."),
-    "ferrokv:num_requests_waiting": ("num_waiting", "Requests waiting for a place in the batch."),
+    "ferrokv:num_requests_waiting": ("num_waiting_seqs",
+                                     "Requests (each of n samples) waiting for a place in the batch."),
     "ferrokv:kv_cache_usage_perc": ("kv_cache_usage", "Fraction of usable KV-cache blocks in use (1 = full)."),
     "ferrokv:num_free_blocks": ("num_free_blocks", "Free KV-cache blocks (cached prefix blocks count as free)."),
     "ferrokv:num_blocks": ("num_usable_blocks", "Usable KV-cache blocks (the null block excluded)."),

@@ -45,13 +45,13 @@ class StatsLog:
         hits = stats["first_admission_cached_tokens"] - self._hits
         self._at, self._prompt, self._generated = now, stats["prompt_tokens"], stats["generated_tokens"]
         self._queried, self._hits = stats["prefix_cache_queried_tokens"], stats["first_admission_cached_tokens"]
-        busy = bool(prompt or generated or stats["num_running_seqs"] or stats["num_waiting"])
+        busy = bool(prompt or generated or stats["num_running_seqs"] or stats["num_waiting_seqs"])
         if not busy and not self._was_busy:
             return None
         self._was_busy = busy
         line = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation throughput: "
                 f"{generated / elapsed:.1f} tokens/s, Running: {stats['num_running_seqs']} reqs, Waiting: "
-                f"{stats['num_waiting']} reqs, KV cache usage: {100 * stats['kv_cache_usage']:.1f}%, "
+                f"{stats['num_waiting_seqs']} reqs, KV cache usage: {100 * stats['kv_cache_usage']:.1f}%, "
                 f"Prefix cache hit rate: {100 * hits / queried if queried else 0.0:.1f}%")
         logger.info("%s", line)
         return line

@@ -506,6 +506,7 @@ impl PyScheduler {
             "num_waiting" => self.inner.num_waiting(),
             "num_running" => self.inner.num_running(),
             "num_running_seqs" => self.inner.num_running_seqs(),
+            "num_waiting_seqs" => self.inner.num_waiting_seqs(),
         }
         // The steps' token histogram, one key per bucket of STEP_TOKEN_BOUNDS (the tests check
         // the keys against it); not cumulative.

@@ -5,7 +5,7 @@ Invariants: every server has its own ``CollectorRegistry`` (never the global one
 one process do not mix. Gauges and counters are read from the engine at scrape time
 (``AsyncLLM.stats``: the engine is their one home); the histograms are observed from each
 request's ``RequestOutput.metrics`` (the core's timestamps). Each of a request's n choices counts
-as one request, as vLLM's child requests do (running sequences, successes, TTFT, e2e and queue
+as one request, as vLLM's child requests do (running and waiting sequences, successes, TTFT, e2e and queue
 time). TTFT is observed with the first output that has a token (a stream's first chunk), e2e and
 queue time at the end; inter-token latency once per decode step of each choice, however the
 client reads it (streamed or not), the request's mean gap between steps (the core keeps the first

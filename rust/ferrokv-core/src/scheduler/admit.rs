@@ -223,6 +223,7 @@ impl Scheduler {
         self.by_id.insert(r.request_id, slot);
         self.seq_owner.insert(seq_id, slot);
         self.waiting.insert((key.0, key.1, slot));
+        self.num_waiting_seqs += self.req(slot).seq_slots();
         self.stats.requests_added += 1;
         Ok(())
     }
@@ -360,6 +361,7 @@ impl Scheduler {
     pub(super) fn admit(&mut self, slot: u32, key: (i64, u64, u32)) {
         self.waiting.remove(&key);
         let req = self.requests[slot as usize].as_mut().expect("live slot");
+        self.num_waiting_seqs -= req.seq_slots();
         req.state = RequestState::Running;
         if req.scheduled_ts == 0.0 {
             req.scheduled_ts = self.ts;

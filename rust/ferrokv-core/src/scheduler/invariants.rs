@@ -64,6 +64,10 @@ impl Scheduler {
         if self.waiting.len() + self.running.len() != self.by_id.len() {
             return Err("waiting + running != live requests".into());
         }
+        let waiting_seqs: usize = self.waiting.iter().map(|&(_, _, slot)| self.req(slot).seq_slots()).sum();
+        if waiting_seqs != self.num_waiting_seqs {
+            return Err(format!("num_waiting_seqs={} but waiting requests hold {waiting_seqs}", self.num_waiting_seqs));
+        }
         for w in self.running.windows(2) {
             if self.req(w[0]).order_key() > self.req(w[1]).order_key() {
                 return Err("running list is not in (priority, arrival) order".into());
@@ -225,6 +229,8 @@ mod tests {
     fn a_stale_num_running_seqs_is_caught() {
         let e = error_after(|s| s.num_running_seqs += 1);
         assert!(e.contains("num_running_seqs=4 but running requests hold 3"), "{e}");
+        let e = error_after(|s| s.num_waiting_seqs += 2);
+        assert!(e.contains("num_waiting_seqs=") && e.contains("but waiting requests hold"), "{e}");
     }
 
     #[test]

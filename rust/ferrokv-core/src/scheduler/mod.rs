@@ -115,6 +115,9 @@ pub struct Scheduler {
     waiting: BTreeSet<(i64, u64, u32)>,
     running: Vec<u32>,
     num_running_seqs: usize,
+    /// Sequence slots of the waiting (and swapped-out) requests: each of n samples counts, as
+    /// vLLM's child requests do.
+    num_waiting_seqs: usize,
     watermark_blocks: usize,
     next_arrival: u64,
     next_seq_id: u64,
@@ -176,6 +179,7 @@ impl Scheduler {
             waiting: BTreeSet::new(),
             running: Vec::new(),
             num_running_seqs: 0,
+            num_waiting_seqs: 0,
             watermark_blocks,
             next_arrival: 0,
             next_seq_id: 0,
@@ -215,6 +219,11 @@ impl Scheduler {
     }
     pub fn num_running_seqs(&self) -> usize {
         self.num_running_seqs
+    }
+
+    /// Sequence slots of the waiting requests (a request's n samples count n).
+    pub fn num_waiting_seqs(&self) -> usize {
+        self.num_waiting_seqs
     }
     pub fn num_unfinished(&self) -> usize {
         self.by_id.len()

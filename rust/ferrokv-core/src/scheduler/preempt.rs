@@ -104,6 +104,7 @@ impl Scheduler {
         self.stats.preemptions += 1;
         let k = req.order_key();
         self.waiting.insert((k.0, k.1, slot));
+        self.num_waiting_seqs += req.seq_slots();
     }
 
     /// Removes a request wherever it is, freeing all of its blocks; returns its sequences as
@@ -124,6 +125,7 @@ impl Scheduler {
             RequestState::Waiting | RequestState::Swapped => {
                 let k = req.order_key();
                 self.waiting.remove(&(k.0, k.1, slot));
+                self.num_waiting_seqs -= req.seq_slots();
             }
         }
         let n = req.seqs.len();

@@ -270,8 +270,11 @@ impl Scheduler {
         let s = req.seqs.remove(pos);
         self.seq_owner.remove(&s.seq_id);
         let last = req.seqs.is_empty();
+        let freed = before - if last { 0 } else { req.seq_slots() };
         if req.state == RequestState::Running {
-            self.num_running_seqs -= before - if last { 0 } else { req.seq_slots() };
+            self.num_running_seqs -= freed;
+        } else {
+            self.num_waiting_seqs -= freed;
         }
         out.push(FinishedSeq {
             request_id: req.request_id,
