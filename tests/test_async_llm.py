@@ -155,6 +155,39 @@ def test_a_grammar_is_compiled_on_a_compile_thread_not_the_event_loop_or_the_tok
     assert outs[-1].outputs[0].text in ("yes", "nope") and outs[-1].outputs[0].finish_reason == "stop"
 
 
+def test_a_burst_of_more_grammars_than_the_cache_holds_builds_each_once(llama_path, monkeypatch):
+    """Each request holds its compiled grammar until it is added, so the engine's add finds it
+    however many others were compiled meanwhile: no second build (it would be on the engine loop's
+    thread, stalling every running request)."""
+    from ferrokv import structured_outputs
+    from ferrokv.structured_outputs import GrammarCompiler
+
+    monkeypatch.setattr(structured_outputs, "GRAMMAR_CACHE_SIZE", 2)
+    threads: list[str] = []
+    build = GrammarCompiler._build
+
+    def recording_build(self, params):
+        threads.append(threading.current_thread().name)
+        return build(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "_build", recording_build)
+    llm = make_async_llm(llama_path)
+    choices = [[f"w{i}a", f"w{i}bb"] for i in range(24)]  # more than the cache holds, even unpatched
+
+    async def run_all():
+        params = [SamplingParams(temperature=0.0, max_tokens=8, output_kind=Kind.FINAL_ONLY,
+                                 structured_outputs={"choice": c}) for c in choices]
+        return await asyncio.gather(*(collect(llm, {"prompt_token_ids": [5, 6, 7]}, p, f"g{i}")
+                                      for i, p in enumerate(params)))
+
+    try:
+        outs = asyncio.run(run_all())
+    finally:
+        llm.shutdown()
+    assert len(threads) == len(choices) and all(t.startswith("ferrokv-grammar") for t in threads), threads
+    assert [o[-1].outputs[0].text in c for o, c in zip(outs, choices)] == [True] * len(choices)
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. many requests from one event loop
 # ------------------------------------------------------------------------------------------------

@@ -39,12 +39,12 @@ def test_a_finished_request_observes_vllms_per_request_histograms():
     stats = RequestStateStats(13, 0.0, queued_ts=1.0, scheduled_ts=1.5, first_token_ts=1.75, last_token_ts=2.75,
                               finished_ts=2.75)
     m.on_output(_finished([3, 10], stats), RequestTimer(n=2, max_tokens=10))
-    # Once per request: n, max_tokens, the longest choice.
+    # Once per request: n, the longest choice.
     assert (_sample(m, "request_params_n_count"), _sample(m, "request_params_n_sum")) == (1, 2)
-    assert _sample(m, "request_params_max_tokens_sum") == 10
+    assert _sample(m, "request_params_max_tokens_sum") == 2 * 10  # per choice, as vLLM's child requests
     assert _sample(m, "request_max_num_generation_tokens_sum") == 10
     assert _sample(m, "request_max_num_generation_tokens_bucket", le="5.0") == 0
-    # Once per choice: prompt and generated tokens, the phases, the mean time per output token.
+    # Once per choice: max_tokens, prompt and generated tokens, the phases, the time per output token.
     assert (_sample(m, "request_prompt_tokens_count"), _sample(m, "request_prompt_tokens_sum")) == (2, 14)
     assert (_sample(m, "request_generation_tokens_count"), _sample(m, "request_generation_tokens_sum")) == (2, 13)
     assert _sample(m, "request_generation_tokens_bucket", le="5.0") == 1
@@ -55,16 +55,17 @@ def test_a_finished_request_observes_vllms_per_request_histograms():
     assert _sample(m, "request_time_per_output_token_seconds_sum") == pytest.approx(1.0 / 2 + 1.0 / 9)
 
 
-def test_max_tokens_not_asked_counts_what_the_context_leaves_and_tokenless_requests_time_nothing():
+def test_max_tokens_not_asked_counts_what_the_context_leaves_and_a_tokenless_request_times_nothing():
     m = ServerMetrics(_Engine(), "m", lambda: 0)
     queued_only = RequestStateStats(0, 0.0, queued_ts=1.0, finished_ts=1.2)  # aborted before any token
     m.on_output(_finished([], queued_only, prompt_len=30), RequestTimer())
     assert _sample(m, "request_params_max_tokens_sum") == 100 - 30  # vLLM's server default
     assert _sample(m, "request_params_n_count") == 1
-    assert _sample(m, "request_prompt_tokens_count") == 0  # no choice got a token
+    assert _sample(m, "request_prompt_tokens_count") == 1  # its one choice, which got no token
+    assert _sample(m, "request_generation_tokens_sum") == 0
     for name in ("prefill", "decode", "inference"):
         assert _sample(m, f"request_{name}_time_seconds_count") == 0, name
-    # An unfinished output observes none of them; a one-token choice has no time per output token.
+    # An unfinished output observes none of them; a one-token choice's time per output token is 0 (vLLM's).
     one = RequestStateStats(1, 0.0, queued_ts=1.0, scheduled_ts=1.0, first_token_ts=1.1, last_token_ts=1.1,
                             finished_ts=1.1)
     timer = RequestTimer(max_tokens=1)
@@ -73,4 +74,5 @@ def test_max_tokens_not_asked_counts_what_the_context_leaves_and_tokenless_reque
     m.on_output(_finished([0], one), timer)
     assert _sample(m, "request_params_n_count") == 2
     assert _sample(m, "request_generation_tokens_sum") == 1
-    assert _sample(m, "request_time_per_output_token_seconds_count") == 0
+    assert _sample(m, "request_time_per_output_token_seconds_count") == 1
+    assert _sample(m, "request_time_per_output_token_seconds_sum") == 0.0

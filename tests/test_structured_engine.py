@@ -427,6 +427,27 @@ def test_a_tokenizer_the_backend_cannot_take_is_a_clear_error(llama_path, tmp_pa
     assert_no_leak(engine)
 
 
+def test_a_grammar_held_until_its_add_is_not_built_again(llama_path, monkeypatch):
+    """A caller (AsyncLLM, EngineLoop) compiles a request's grammar, holds it, and the engine's
+    add finds it however many grammars were compiled meanwhile (the LRU cache evicted it): no
+    second build, which would run on the engine loop's thread and stall every running request."""
+    from ferrokv import structured_outputs
+
+    monkeypatch.setattr(structured_outputs, "GRAMMAR_CACHE_SIZE", 2)
+    engine = tiny_engine(llama_path)
+    builds = []
+    real_build = GrammarCompiler._build
+    monkeypatch.setattr(GrammarCompiler, "_build", lambda self, p: builds.append(p.regex) or real_build(self, p))
+    held = engine.compile_grammar(SOP(regex="(ab)+"))
+    for i in range(20):  # more than any cache size
+        engine.compile_grammar(SOP(regex=f"x{i}+"))
+    engine.add_request("r", "the cat", SamplingParams(temperature=0.0, max_tokens=6,
+                                                     structured_outputs={"regex": "(ab)+"}))
+    assert builds.count("(ab)+") == 1 and held.kind == "regex"
+    assert drive(engine)["r"].outputs[0].text.startswith("ab")
+    assert_no_leak(engine)
+
+
 def test_two_kinds_rejected(llm):
     with pytest.raises(ValueError, match=r"exactly one of structured_outputs\.json"):
         SamplingParams(structured_outputs={"json": {"type": "boolean"}, "regex": "a"})

@@ -170,26 +170,69 @@ def test_a_long_chain_of_refs_compiles_on_a_large_stack(compiler):
 
 
 def test_a_grammar_over_the_size_limit_is_refused_before_it_is_built(compiler, monkeypatch):
-    from ferrokv import grammar_pool, structured_outputs
+    from ferrokv import grammar_pool
 
-    monkeypatch.setattr(structured_outputs, "MAX_GRAMMAR_BYTES", 20_000)  # one source: the check reads it
+    monkeypatch.setattr(grammar_pool, "MAX_GRAMMAR_CHARS", 20_000)  # its one home: the check reads it there
     with pytest.raises(ValueError, match=r"^structured_outputs\.json is too large: its grammar is \d+ characters, "
                                          r"more than 20000"):
         compiler.compile(SOP(json=_ref_chain(400)))
     compiler.compile(SOP(json=_ref_chain(40)))
-    assert grammar_pool.MAX_GRAMMAR_BYTES >= 1 << 20  # a 1 MB request body fits
+    monkeypatch.undo()
+    assert grammar_pool.MAX_GRAMMAR_CHARS >= 1 << 20  # a 1 MB request body fits
 
 
-def test_cache_hits_and_lru(tok):
+def test_cache_hits_and_lru_and_entries_held_elsewhere(tok, monkeypatch):
+    """An LRU cache, and every entry still held elsewhere (a live request's, or one a caller
+    holds until its request is added) is found too, however many were compiled since."""
+    import gc
+    import weakref
+
     c = GrammarCompiler(tok, V, EOS, cache_size=2)
+    builds = []
+    build = GrammarCompiler._build
+    monkeypatch.setattr(GrammarCompiler, "_build", lambda self, p: builds.append(p.regex) or build(self, p))
     ga = c.compile(SOP(regex="a+"))
     assert c.compile(SOP(regex="a+")) is ga and ga.kind == "regex" and ga.vocab_size == V
     gb = c.compile(SOP(regex="b+"))
     assert c.compile(SOP(regex="a+")) is ga  # a is now the most recent: d evicts b
     c.compile(SOP(regex="d+"))
-    assert c.compile(SOP(regex="a+")) is ga and c.compile(SOP(regex="b+")) is not gb
+    assert c.compile(SOP(regex="b+")) is gb and builds == ["a+", "b+", "d+"]  # evicted, but held: found
+    dead = weakref.ref(gb)
+    del gb
+    gc.collect()
+    assert dead() is None
+    c.compile(SOP(regex="e+"))  # b is neither cached nor held any more: built again
+    c.compile(SOP(regex="b+"))
+    assert builds == ["a+", "b+", "d+", "e+", "b+"]
     uncached = GrammarCompiler(tok, V, EOS, cache_size=0)
-    assert uncached.compile(SOP(regex="a+")) is not uncached.compile(SOP(regex="a+"))
+    first = uncached.compile(SOP(regex="a+"))
+    assert uncached.compile(SOP(regex="a+")) is first  # held
+    dead = weakref.ref(first)
+    del first
+    gc.collect()
+    assert dead() is None
+
+
+def test_callers_of_one_spec_share_its_build(tok, monkeypatch):
+    """Identical specs asked for at once (many requests with one schema) build once: the others
+    wait for that build, on their own threads."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = GrammarCompiler(tok, V, EOS)
+    builds = []
+    build = GrammarCompiler._build
+
+    def slow_build(self, p):
+        builds.append(threading.current_thread().name)
+        time.sleep(0.3)  # long enough for every caller to arrive while it runs
+        return build(self, p)
+
+    monkeypatch.setattr(GrammarCompiler, "_build", slow_build)
+    with ThreadPoolExecutor(6) as callers:
+        got = list(callers.map(lambda _: c.compile(SOP(regex="x+y")), range(6)))
+    assert all(g is got[0] for g in got)
+    assert len(builds) == 1 and builds[0].startswith("ferrokv-grammar"), builds
 
 
 def test_a_spec_that_fails_is_compiled_once(tok, monkeypatch):

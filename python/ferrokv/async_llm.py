@@ -317,15 +317,16 @@ class AsyncLLM:
                 raise EngineDeadError("the engine loop was shut down") from None
             raise
 
-    async def _warm_grammar(self, params: Any) -> None:
-        """Compiles a request's grammar into the engine's cache on a compile thread, never on the
-        event loop nor on the tokenization pool (a slow grammar delays only other grammars); an
-        error is left for the engine's ``add_request``, which ends the request with it."""
+    async def _warm_grammar(self, params: Any) -> Any:
+        """Compiles a request's grammar on a compile thread, never on the event loop nor on the
+        tokenization pool (a slow grammar delays only other grammars); returns the compiler's
+        entry (a failure is one too: the engine's ``add_request`` ends the request with it), or
+        None. A build is shared: this caller's cancellation does not cancel it."""
         await self.check_health()
         try:
-            await asyncio.wrap_future(self.engine.grammars.compile_soon(params))
+            return await asyncio.shield(asyncio.wrap_future(self.engine.grammars.entry(params)))
         except Exception:
-            pass
+            return None
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``encode`` runs a pooling model; ferrokv serves generative models only."""
@@ -385,8 +386,10 @@ class AsyncLLM:
         rid = f"ferrokv-{uuid.uuid4().hex}" if request_id is None else request_id_str(request_id)
         kind = params.output_kind if isinstance(params, SamplingParams) else None
         prompt = await self.tokenize_prompt(prompt, add_special_tokens)
+        # Held until the request ends, so that the engine's add finds the grammar (GrammarCompiler).
+        grammar = None
         if getattr(params, "structured_outputs", None) is not None:
-            await self._warm_grammar(params.structured_outputs)
+            grammar = await self._warm_grammar(params.structured_outputs)
         stream = _RequestStream(rid, self._dispatcher(), kind)
         self.engine_loop.submit(rid, prompt, params, sink=stream, priority=priority, cache_salt=cache_salt, warm=False)
         with self._lock:
@@ -408,6 +411,7 @@ class AsyncLLM:
                     self._live[rid] = left
             if not ended:  # closed or cancelled early: the client is gone, and the id is free again
                 self.engine_loop.abandon(rid, stream)
+            del grammar  # (held until here)
 
     def abort(self, request_id: str | list[str]) -> Coroutine[Any, Any, None]:
         """Ends the requests (unknown or finished ids are ignored); each one's generator then

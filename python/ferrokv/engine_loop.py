@@ -221,24 +221,26 @@ class EngineLoop:
         structured-output grammar is compiled here (``warm``; an event loop compiles it before,
         without blocking: ``AsyncLLM``), waiting on the caller's thread, so that the loop finds
         it cached."""
-        if warm:
-            self.warm_grammar(params)
+        grammar = self.warm_grammar(params) if warm else None
 
         def add(engine: LLMEngine) -> None:
+            _ = grammar  # its entry is held until the add, which finds it then (GrammarCompiler)
             engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
 
         self._queue(_Submit(request_id_str(request_id), add, sink), start=True)
 
-    def warm_grammar(self, params: Any) -> None:
-        """Compiles a request's structured-output grammar into the engine's cache, on the
-        caller's thread (any), so that the loop's ``add_request`` finds it there. An error is
-        left for ``add_request``, which raises it as the request's terminal item."""
+    def warm_grammar(self, params: Any) -> Any:
+        """Compiles a request's structured-output grammar, waiting on the caller's thread (any),
+        and returns the compiler's entry (None without a grammar): held until the loop's
+        ``add_request``, it is found there. An error (an entry too) is left for ``add_request``,
+        which raises it as the request's terminal item."""
         so = getattr(params, "structured_outputs", None)
-        if so is not None:
-            try:
-                self.engine.compile_grammar(so)
-            except Exception:
-                pass
+        if so is None:
+            return None
+        try:
+            return self.engine.grammars.entry(so).result()
+        except Exception:
+            return None
 
     def submit_beam(self, request_id: str, prompt: Any, *, sink: OutputSink, beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, ignore_eos: bool = False) -> None:

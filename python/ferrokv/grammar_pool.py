@@ -3,38 +3,35 @@
 llguidance validates and builds a grammar recursively, one native stack frame per link of a chain
 of rules or ``$ref``s; a flat chain of a few thousand links (a 50-100 KB request) overflows a
 default 8 MiB thread stack and kills the process (SIGSEGV, nothing logged). On these threads
-(``COMPILE_STACK_BYTES``) a grammar up to ``MAX_GRAMMAR_BYTES`` of llguidance text fits with room to
-spare, and ``ferrokv.structured_outputs`` refuses a larger one before building it. Compiles also
-stay off the pool that tokenizes prompts, so a slow grammar delays only other grammars.
+(``COMPILE_STACK_BYTES``) a grammar up to ``MAX_GRAMMAR_CHARS`` characters of llguidance text fits
+with room to spare, and ``ferrokv.structured_outputs`` refuses a larger one before building it.
+Compiles also stay off the pool that tokenizes prompts, so a slow grammar delays only other grammars.
 
-Invariants: ``run_compile(fn)`` runs ``fn`` on a pool thread and returns (or raises) its result; on
-a pool thread it calls ``fn`` directly. The pool is made on first use and again in a forked child
-(its threads do not survive a fork). Costs: the stack is address space, reserved, not memory
+Invariants: ``submit_compile(fn, *args)`` runs ``fn`` on a pool thread; a task there never waits
+for another task (the compiler shares a build through its future, waited for elsewhere). The pool
+is made on first use and again in a forked child (its threads do not survive a fork); a pool that
+cannot start (no address space for the stacks) raises ``RuntimeError`` then and at every later
+call, and leaves no thread behind. Costs: the stack is address space, reserved, not memory
 committed; a compile waits for one of ``COMPILE_THREADS`` threads.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["COMPILE_STACK_BYTES", "COMPILE_THREADS", "MAX_GRAMMAR_BYTES", "run_compile", "submit_compile"]
+__all__ = ["COMPILE_STACK_BYTES", "COMPILE_THREADS", "MAX_GRAMMAR_CHARS", "submit_compile"]
 
-# Measured: the deepest chains need ~170 bytes of stack per byte of grammar text (a chain of Lark
+# Measured: the deepest chains need ~170 bytes of stack per character of grammar text (a chain of Lark
 # rules); llguidance's own symbol limit ends longer ones before any recursion.
-MAX_GRAMMAR_BYTES = 2 << 20
+MAX_GRAMMAR_CHARS = 2 << 20
 COMPILE_STACK_BYTES = 512 << 20
 COMPILE_THREADS = 2
 _NAME = "ferrokv-grammar"
 _T = TypeVar("_T")
-logger = logging.getLogger("ferrokv")
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 def _make_pool() -> ThreadPoolExecutor:
@@ -42,14 +39,15 @@ def _make_pool() -> ThreadPoolExecutor:
     process-wide and read when a thread starts)."""
     pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix=_NAME)
     old = threading.stack_size()
+    started = threading.Barrier(COMPILE_THREADS)
     try:
         threading.stack_size(COMPILE_STACK_BYTES)
-        started = threading.Barrier(COMPILE_THREADS)
         # Each task waits for the others, so that every thread of the pool is started here.
-        for f in [pool.submit(started.wait) for _ in range(COMPILE_THREADS)]:
+        for f in [pool.submit(started.wait, 60.0) for _ in range(COMPILE_THREADS)]:
             f.result()
-    except (RuntimeError, ValueError) as e:  # no address space for such stacks: fail loudly, not later
-        pool.shutdown(wait=False)
+    except (RuntimeError, ValueError, threading.BrokenBarrierError) as e:  # no address space for such stacks
+        started.abort()  # a thread that did start stops waiting, and the pool ends
+        pool.shutdown(wait=False, cancel_futures=True)
         raise RuntimeError(f"cannot start the grammar compile threads with a {COMPILE_STACK_BYTES >> 20} MiB "
                            f"stack: {e}") from e
     finally:
@@ -57,17 +55,28 @@ def _make_pool() -> ThreadPoolExecutor:
     return pool
 
 
+_pool: ThreadPoolExecutor | None = None
+_pool_error: RuntimeError | None = None
+_pool_lock = threading.Lock()
+
+
 def _get_pool() -> ThreadPoolExecutor:
-    global _pool
+    global _pool, _pool_error
     with _pool_lock:
+        if _pool_error is not None:
+            raise RuntimeError(str(_pool_error))
         if _pool is None:
-            _pool = _make_pool()
+            try:
+                _pool = _make_pool()
+            except RuntimeError as e:
+                _pool_error = e
+                raise
         return _pool
 
 
 def _forget_pool_in_child() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+    global _pool, _pool_error, _pool_lock
+    _pool, _pool_error, _pool_lock = None, None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool_in_child)
@@ -76,10 +85,3 @@ os.register_at_fork(after_in_child=_forget_pool_in_child)
 def submit_compile(fn: Callable[..., _T], *args: Any) -> Future[_T]:
     """``fn(*args)`` on a compile thread; its future."""
     return _get_pool().submit(fn, *args)
-
-
-def run_compile(fn: Callable[..., _T], *args: Any) -> _T:
-    """``fn(*args)`` on a compile thread (directly when already on one); its result."""
-    if threading.current_thread().name.startswith(_NAME):
-        return fn(*args)
-    return submit_compile(fn, *args).result()

@@ -47,12 +47,12 @@ _STEP_TOKENS_KEY = "step_tokens_le_"  # the core's stats keys, one per bucket (n
 def step_token_buckets(stats: Mapping[str, Any]) -> tuple[list[tuple[str, int]], int]:
     """The tokens-per-step histogram in a stats snapshot: cumulative ``(bound, count)`` buckets
     in the core's order (the last bound "+Inf"), and the sum."""
+    counts = sorted((float(key[len(_STEP_TOKENS_KEY):]), count) for key, count in stats.items()
+                    if key.startswith(_STEP_TOKENS_KEY))  # float("inf") sorts last
     buckets, cumulative = [], 0
-    for key, count in stats.items():
-        if key.startswith(_STEP_TOKENS_KEY):
-            cumulative += count
-            bound = key[len(_STEP_TOKENS_KEY):]
-            buckets.append(("+Inf" if bound == "inf" else f"{float(bound)}", cumulative))
+    for bound, count in counts:
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else f"{bound}", cumulative))
     return buckets, stats["step_tokens_sum"]
 
 

@@ -2,9 +2,10 @@
 
 ``StructuredOutputsParams`` (vLLM's names) says what a request's output must match;
 ``GrammarCompiler`` turns it into an llguidance grammar (its text: ``ferrokv.grammar_text``) once per
-distinct params (a small LRU cache, ``GRAMMAR_CACHE_SIZE``), on a compile thread
+distinct params (a small LRU cache, ``GRAMMAR_CACHE_SIZE``, plus every grammar still held elsewhere;
+callers of one spec share its build), on a compile thread
 (``ferrokv.grammar_pool``: a chain of rules deep enough to overflow a normal thread's stack fits
-there; a grammar over ``MAX_GRAMMAR_BYTES`` is refused);
+there; a grammar over ``MAX_GRAMMAR_CHARS`` is refused);
 ``GrammarRows`` is the engine's per-step state: one matcher per generation, the bitmask of each
 grammar row's allowed next tokens, the masking of logits, and the advance by the sampled token.
 
@@ -51,16 +52,18 @@ from __future__ import annotations
 import json as _json
 import logging
 import threading
+import weakref
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ferrokv.grammar_pool import MAX_GRAMMAR_BYTES, run_compile, submit_compile
+from ferrokv import grammar_pool
+from ferrokv.grammar_pool import submit_compile
 from ferrokv.grammar_text import grammar_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from concurrent.futures import Future
 
     import llguidance
     import numpy as np
@@ -198,7 +201,7 @@ class StructuredOutputsParams:
         return cls(**d)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(frozen=True)  # (no slots: the compiler keeps weak references to them)
 class CompiledGrammar:
     """A validated llguidance grammar; shared (never advanced itself), so cached by the compiler."""
 
@@ -212,7 +215,7 @@ class CompiledGrammar:
         return self.template.deep_copy()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class _Failed:
     """A spec that does not compile, cached with its error."""
 
@@ -226,14 +229,20 @@ def _unless_failed(entry: CompiledGrammar | _Failed) -> CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Params -> ``CompiledGrammar`` for one tokenizer, with an LRU cache of ``cache_size``."""
+    """Params -> ``CompiledGrammar`` for one tokenizer. An LRU cache of ``cache_size`` entries,
+    and a weak map of every entry still referenced elsewhere (a live request's, or one a caller
+    holds between compiling a grammar and adding its request: ``AsyncLLM``, ``EngineLoop``), so
+    that an entry in use is found however many others were compiled since. A build runs on a
+    compile thread (``ferrokv.grammar_pool``) and is shared by every caller of its key meanwhile;
+    compile threads never wait for one another."""
 
-    __slots__ = ("tokenizer", "vocab_size", "cache_size", "_cache", "_lock")
+    __slots__ = ("tokenizer", "vocab_size", "cache_size", "_cache", "_live", "_building", "_lock")
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None,
-                 cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+                 cache_size: int | None = None) -> None:
         import llguidance.hf
 
+        cache_size = GRAMMAR_CACHE_SIZE if cache_size is None else cache_size
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         # The logits may be wider than the tokenizer (padding ids) and, rarely, narrower.
@@ -243,33 +252,57 @@ class GrammarCompiler:
         self.vocab_size = self.tokenizer.vocab_size
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, CompiledGrammar | _Failed] = OrderedDict()
+        self._live: weakref.WeakValueDictionary[tuple, CompiledGrammar | _Failed] = weakref.WeakValueDictionary()
+        self._building: dict[tuple, Future[CompiledGrammar | _Failed]] = {}
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of ``params``; an invalid one raises ``ValueError`` naming its
         field. Failures are cached too: a bad spec costs one compile, however often it is sent
-        and on whichever thread it is checked again (the engine's, the event loop's)."""
+        and on whichever thread it is checked again (the engine's, the event loop's). Waits for
+        the build on a compile thread; never call it on one."""
+        return _unless_failed(self.entry(params).result())
+
+    def entry(self, params: StructuredOutputsParams) -> Future[CompiledGrammar | _Failed]:
+        """The future of ``params``' entry (done at once on a hit): a caller that holds the
+        entry until its request is added keeps it findable (class docs)."""
         key = params.cache_key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return _unless_failed(hit)
+            else:
+                hit = self._live.get(key)
+            if hit is not None:
+                done: Future[CompiledGrammar | _Failed] = Future()
+                done.set_result(hit)
+                return done
+            building = self._building.get(key)
+            if building is None:
+                building = Future()
+                submit_compile(self._build_into, key, params, building)  # (it waits for the lock to end)
+                self._building[key] = building
+            return building
+
+    def _build_into(self, key: tuple, params: StructuredOutputsParams,
+                    future: Future[CompiledGrammar | _Failed]) -> None:
         try:
-            # Unlocked (it can take long: others go on), on a compile thread (its large stack).
-            compiled: CompiledGrammar | _Failed = run_compile(self._build, params)
+            entry: CompiledGrammar | _Failed = self._build(params)
         except ValueError as e:
-            compiled = _Failed(str(e))
+            entry = _Failed(str(e))
+        except BaseException as e:  # a bug: every waiter gets it; nothing is cached
+            with self._lock:
+                del self._building[key]
+            future.set_exception(e)
+            return
         with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:  # another thread built it meanwhile: everyone shares one
-                self._cache.move_to_end(key)
-                return _unless_failed(hit)
+            del self._building[key]
+            self._live[key] = entry
             if self.cache_size:
-                self._cache[key] = compiled
+                self._cache[key] = entry
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
-        return _unless_failed(compiled)
+        future.set_result(entry)
 
     def forget(self, compiled: CompiledGrammar) -> None:
         """Drops ``compiled`` from the cache: its matchers share the template's lexer, so one that
@@ -278,6 +311,8 @@ class GrammarCompiler:
         with self._lock:
             for key in [k for k, v in self._cache.items() if v is compiled]:
                 del self._cache[key]
+            for key in [k for k, v in self._live.items() if v is compiled]:
+                del self._live[key]
 
     def _build(self, params: StructuredOutputsParams) -> CompiledGrammar:
         from llguidance import LLMatcher
@@ -287,9 +322,10 @@ class GrammarCompiler:
             grammar = grammar_text(params)
         except Exception as e:  # the GBNF converter raises various types (RecursionError on deep nesting too)
             raise _not_valid(kind, f"{type(e).__name__}: {e}") from None
-        if len(grammar) > MAX_GRAMMAR_BYTES:  # more could overflow a compile thread's stack (grammar_pool)
+        limit = grammar_pool.MAX_GRAMMAR_CHARS  # more could overflow a compile thread's stack
+        if len(grammar) > limit:
             raise ValueError(f"structured_outputs.{kind} is too large: its grammar is {len(grammar)} characters, "
-                             f"more than {MAX_GRAMMAR_BYTES}")
+                             f"more than {limit}")
         try:
             error = LLMatcher.validate_grammar(grammar, self.tokenizer)
             template = None
@@ -298,7 +334,7 @@ class GrammarCompiler:
                 error = template.get_error() if template.is_error() else ""
         except Exception as e:  # llguidance raises various types
             error = f"{type(e).__name__}: {e}"
-        if error and params.whitespace_pattern is not None:  # name the field at fault when it is this one
+        if error and kind in ("json", "json_object") and params.whitespace_pattern is not None:  # the field at fault
             self._check_whitespace_pattern(params.whitespace_pattern)
         if error:
             raise _not_valid(kind, error)
@@ -334,6 +370,14 @@ class LazyGrammarCompiler:
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        return self._made().compile(params)
+
+    def entry(self, params: StructuredOutputsParams) -> Future[Any]:
+        """``GrammarCompiler.entry``: for a caller that must not block (an event loop awaits it)
+        or that holds the entry until its request is added."""
+        return self._made().entry(params)
+
+    def _made(self) -> GrammarCompiler:
         with self._lock:
             if self._compiler is None and self._error is None:
                 try:
@@ -343,13 +387,8 @@ class LazyGrammarCompiler:
                                    f"tokenizer ({type(e).__name__}: {str(e)[:_MAX_ERROR]})")
             if self._error is not None:
                 raise ValueError(self._error)
-        assert self._compiler is not None
-        return self._compiler.compile(params)
-
-    def compile_soon(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
-        """``compile(params)`` on a compile thread (``ferrokv.grammar_pool``): for a caller that
-        must not block (an event loop awaits it) or tie up a thread of its own meanwhile."""
-        return submit_compile(self.compile, params)
+            assert self._compiler is not None
+            return self._compiler
 
     def forget(self, compiled: CompiledGrammar) -> None:
         if self._compiler is not None:

@@ -13,8 +13,10 @@ and latest token times, not each gap), and also for a stream whose client left b
 A request that never got a token observes nothing. At a request's end, vLLM's per-request
 histograms too: per choice its prompt and generated tokens and its prefill (scheduled to first
 token), decode (first to latest token), inference (scheduled to latest token) and mean
-time-per-output-token; per request its ``n``, its ``max_tokens`` (none asked: what
-``max_model_len`` leaves after the prompt, vLLM's server default) and its longest choice.
+time-per-output-token and the request's ``max_tokens`` (none asked: what ``max_model_len`` leaves
+after the prompt, vLLM's server default); per request its ``n`` and its longest choice. The core
+keeps one set of timestamps per request, so every choice is timed with the request's (vLLM's
+child requests each have their own).
 Every series is labelled with ``model_name``, as vLLM's; ``/metrics`` answers OpenMetrics to a
 scraper that asks for it.
 Costs: a scrape is one ``stats()`` snapshot, O(KV blocks); an observation is O(1).
@@ -240,11 +242,11 @@ class ServerMetrics:
         prompt_len = len(output.prompt_token_ids or ())
         max_tokens = timer.max_tokens if timer.max_tokens is not None else self._max_model_len - prompt_len
         h["params_n"].observe(timer.n)
-        h["params_max_tokens"].observe(max_tokens)
         h["max_generation_tokens"].observe(max(timer.tokens.values(), default=0))
-        for generated in timer.tokens.values():  # each choice, as vLLM's child requests
+        for choice in range(timer.n):  # each choice, as vLLM's child requests (one without a token too)
+            h["params_max_tokens"].observe(max_tokens)
             h["prompt_tokens"].observe(prompt_len)
-            h["generation_tokens"].observe(generated)
+            h["generation_tokens"].observe(timer.tokens.get(choice, 0))
         if m is None or not m.first_token_ts or not m.scheduled_ts:
             return  # it never got a token: no phase to time
         choices = len(timer.tokens)
@@ -252,9 +254,8 @@ class ServerMetrics:
         h["prefill"].observe(max(m.first_token_ts - m.scheduled_ts, 0.0), choices)
         h["decode"].observe(decode, choices)
         h["inference"].observe(max(m.last_token_ts - m.scheduled_ts, 0.0), choices)
-        for generated in timer.tokens.values():
-            if generated > 1:
-                h["tpot"].observe(decode / (generated - 1))
+        for generated in timer.tokens.values():  # vLLM's: 0 for a choice of one token
+            h["tpot"].observe(decode / (generated - 1) if generated > 1 else 0.0)
 
     def on_close(self, timer: RequestTimer) -> None:
         """A request whose client went away before its end: its decode steps so far still count
