@@ -135,9 +135,8 @@ def test_text_prompts_are_tokenized_on_the_pool(allm, sequential):
     assert token_ids(outs) == token_ids(sequential(["the quick brown fox"], 4))
 
 
-def test_a_grammar_is_compiled_on_a_compile_thread_not_the_event_loop_or_the_tokenize_pool(allm, monkeypatch):
-    """A structured-output grammar may take long to compile: on a compile thread (its large
-    stack), never on the event loop's thread nor on the pool that tokenizes prompts."""
+def record_build_threads(monkeypatch) -> list[str]:
+    """The names of the threads grammars are built on, from now on."""
     from ferrokv.structured_outputs import GrammarCompiler
 
     threads: list[str] = []
@@ -148,6 +147,13 @@ def test_a_grammar_is_compiled_on_a_compile_thread_not_the_event_loop_or_the_tok
         return build(self, params)
 
     monkeypatch.setattr(GrammarCompiler, "_build", recording_build)
+    return threads
+
+
+def test_a_grammar_is_compiled_on_a_compile_thread_not_the_event_loop_or_the_tokenize_pool(allm, monkeypatch):
+    """A structured-output grammar may take long to compile: on a compile thread (its large
+    stack), never on the event loop's thread nor on the pool that tokenizes prompts."""
+    threads = record_build_threads(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=30, output_kind=Kind.FINAL_ONLY,
                             structured_outputs={"choice": ["yes", "nope"]})
     outs = asyncio.run(collect(allm, {"prompt_token_ids": [5, 6, 7]}, params, "grammar"))
@@ -160,17 +166,9 @@ def test_a_burst_of_more_grammars_than_the_cache_holds_builds_each_once(llama_pa
     however many others were compiled meanwhile: no second build (it would be on the engine loop's
     thread, stalling every running request)."""
     from ferrokv import structured_outputs
-    from ferrokv.structured_outputs import GrammarCompiler
 
     monkeypatch.setattr(structured_outputs, "GRAMMAR_CACHE_SIZE", 2)
-    threads: list[str] = []
-    build = GrammarCompiler._build
-
-    def recording_build(self, params):
-        threads.append(threading.current_thread().name)
-        return build(self, params)
-
-    monkeypatch.setattr(GrammarCompiler, "_build", recording_build)
+    threads = record_build_threads(monkeypatch)
     llm = make_async_llm(llama_path)
     choices = [[f"w{i}a", f"w{i}bb"] for i in range(24)]  # more than the cache holds, even unpatched
 
