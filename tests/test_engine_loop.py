@@ -565,15 +565,18 @@ def test_a_fork_child_gets_engine_dead_not_a_hang(llama_path):
     prompt = rand_prompts(43, [5])
     first = llm.generate(prompt, greedy(3), use_tqdm=False)[0].outputs[0].token_ids
 
-    def child() -> str:
+    def child(params) -> str:
         try:
-            llm.generate(prompt, greedy(3), use_tqdm=False)
+            llm.generate(prompt, params, use_tqdm=False)
         except EngineDeadError as e:
             return str(e)
         raise AssertionError("no error")
 
-    code, said = in_fork_child(child)
+    code, said = in_fork_child(lambda: child(greedy(3)))
     assert code == 0, (code, said)
     assert "os.fork()" in said and str(os.getpid()) in said, said
+    # With a grammar too: refused before its compile (which would start compile threads first).
+    code, said = in_fork_child(lambda: child(greedy(3, structured_outputs={"regex": "(ab)+"})), timeout=30)
+    assert code == 0 and "os.fork()" in said, (code, said)
     assert llm.generate(prompt, greedy(3), use_tqdm=False)[0].outputs[0].token_ids == first
     assert_idle(llm.llm_engine)

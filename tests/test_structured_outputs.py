@@ -235,6 +235,39 @@ def test_callers_of_one_spec_share_its_build(tok, monkeypatch):
     assert len(builds) == 1 and builds[0].startswith("ferrokv-grammar"), builds
 
 
+def test_a_build_that_fails_for_another_reason_is_a_cached_failure_too(tok, monkeypatch):
+    """Not the spec's fault (out of memory, a bug): cached as a failure, so that the engine's add
+    does not build it again, waiting on its own thread."""
+    c = GrammarCompiler(tok, V, EOS)
+    builds = []
+
+    def broken_build(self, p):
+        builds.append(p.regex)
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(GrammarCompiler, "_build", broken_build)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^structured_outputs\.regex could not be compiled: RuntimeError: no"):
+            c.compile(SOP(regex="q+"))
+    assert builds == ["q+"]
+
+
+def test_a_build_in_flight_at_a_fork_is_not_waited_for_in_the_child(tok, monkeypatch):
+    """The child has none of the parent's compile threads: it builds afresh instead of waiting
+    forever for the parent's build."""
+    import time
+
+    from helpers.fork import in_fork_child
+
+    c = GrammarCompiler(tok, V, EOS)
+    build = GrammarCompiler._build
+    monkeypatch.setattr(GrammarCompiler, "_build", lambda self, p: time.sleep(1.0) or build(self, p))
+    in_flight = c.entry(SOP(regex="z+"))
+    code, said = in_fork_child(lambda: c.compile(SOP(regex="z+")).kind, timeout=30)
+    assert (code, said) == (0, "regex")
+    assert in_flight.result().kind == "regex"
+
+
 def test_a_spec_that_fails_is_compiled_once(tok, monkeypatch):
     """A bad spec's error is cached as a grammar would be: sent again (or checked again on the
     engine's thread), it fails at once with the same message, with no second compile."""

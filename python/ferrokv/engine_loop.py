@@ -221,6 +221,9 @@ class EngineLoop:
         structured-output grammar is compiled here (``warm``; an event loop compiles it before,
         without blocking: ``AsyncLLM``), waiting on the caller's thread, so that the loop finds
         it cached."""
+        with self._state:  # a dead loop takes nothing: not even a grammar's compile first
+            if self._dead is not None:
+                raise EngineDeadError(str(self._dead), self._dead.failed)
         grammar = self.warm_grammar(params) if warm else None
 
         def add(engine: LLMEngine) -> None:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json as _json
 import logging
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -228,6 +229,19 @@ def _unless_failed(entry: CompiledGrammar | _Failed) -> CompiledGrammar:
     return entry
 
 
+_COMPILERS: weakref.WeakSet[GrammarCompiler] = weakref.WeakSet()
+
+
+def _forget_builds_in_child() -> None:
+    """A forked child has none of the parent's compile threads: their builds never end there."""
+    for compiler in list(_COMPILERS):
+        compiler._building = {}
+        compiler._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_builds_in_child)
+
+
 class GrammarCompiler:
     """Params -> ``CompiledGrammar`` for one tokenizer. An LRU cache of ``cache_size`` entries,
     and a weak map of every entry still referenced elsewhere (a live request's, or one a caller
@@ -236,7 +250,7 @@ class GrammarCompiler:
     compile thread (``ferrokv.grammar_pool``) and is shared by every caller of its key meanwhile;
     compile threads never wait for one another."""
 
-    __slots__ = ("tokenizer", "vocab_size", "cache_size", "_cache", "_live", "_building", "_lock")
+    __slots__ = ("tokenizer", "vocab_size", "cache_size", "_cache", "_live", "_building", "_lock", "__weakref__")
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None,
                  cache_size: int | None = None) -> None:
@@ -255,6 +269,7 @@ class GrammarCompiler:
         self._live: weakref.WeakValueDictionary[tuple, CompiledGrammar | _Failed] = weakref.WeakValueDictionary()
         self._building: dict[tuple, Future[CompiledGrammar | _Failed]] = {}
         self._lock = threading.Lock()
+        _COMPILERS.add(self)
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of ``params``; an invalid one raises ``ValueError`` naming its
@@ -280,29 +295,39 @@ class GrammarCompiler:
             building = self._building.get(key)
             if building is None:
                 building = Future()
-                submit_compile(self._build_into, key, params, building)  # (it waits for the lock to end)
+                building.set_running_or_notify_cancel()  # shared: no holder may cancel it
                 self._building[key] = building
+                try:
+                    submit_compile(self._build_into, key, params, building)  # (it waits for the lock)
+                except BaseException:
+                    del self._building[key]
+                    raise
             return building
 
     def _build_into(self, key: tuple, params: StructuredOutputsParams,
                     future: Future[CompiledGrammar | _Failed]) -> None:
+        entry: CompiledGrammar | _Failed | None = None
         try:
-            entry: CompiledGrammar | _Failed = self._build(params)
+            entry = self._build(params)
         except ValueError as e:
             entry = _Failed(str(e))
-        except BaseException as e:  # a bug: every waiter gets it; nothing is cached
+        except Exception as e:  # not the spec's fault (out of memory, a bug): cached as a failure too,
+            # so that the engine's add does not build it again on its own thread
+            entry = _Failed(f"structured_outputs.{params.kind} could not be compiled: {type(e).__name__}: {e}")
+        finally:
             with self._lock:
-                del self._building[key]
-            future.set_exception(e)
-            return
-        with self._lock:
-            del self._building[key]
-            self._live[key] = entry
-            if self.cache_size:
-                self._cache[key] = entry
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-        future.set_result(entry)
+                if self._building.get(key) is future:
+                    del self._building[key]
+                if entry is not None:
+                    self._live[key] = entry
+                    if self.cache_size:
+                        self._cache[key] = entry
+                        while len(self._cache) > self.cache_size:
+                            self._cache.popitem(last=False)
+            if entry is None:  # interrupted: every waiter learns it, nothing is cached
+                future.set_exception(RuntimeError(f"structured_outputs.{params.kind}: the compile was interrupted"))
+            else:
+                future.set_result(entry)
 
     def forget(self, compiled: CompiledGrammar) -> None:
         """Drops ``compiled`` from the cache: its matchers share the template's lexer, so one that
