@@ -448,6 +448,33 @@ def test_a_grammar_held_until_its_add_is_not_built_again(llama_path, monkeypatch
     assert_no_leak(engine)
 
 
+def test_an_offline_batch_compiles_its_grammars_side_by_side(llama_path, monkeypatch):
+    """LLM.generate starts every distinct grammar's compile at once, so the compile threads work
+    side by side (each submit used to wait for its own before the next began)."""
+    import time
+
+    from helpers.engine_faults import tiny_llm
+
+    spans: list[tuple[float, float]] = []
+    real_build = GrammarCompiler._build
+
+    def slow_build(self, p):
+        t0 = time.monotonic()
+        time.sleep(0.2)
+        compiled = real_build(self, p)
+        spans.append((t0, time.monotonic()))
+        return compiled
+
+    monkeypatch.setattr(GrammarCompiler, "_build", slow_build)
+    llm = tiny_llm(llama_path)
+    regexes = ["(ab)+", "(cd)+", "(ef)+", "(gh)+"]
+    params = [SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"regex": r}) for r in regexes]
+    outs = llm.generate(["the cat"] * len(regexes), params, use_tqdm=False)
+    assert [o.outputs[0].text[:2] for o in outs] == ["ab", "cd", "ef", "gh"]
+    overlapping = sum(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans) for b0, b1 in spans[i + 1:])
+    assert len(spans) == len(regexes) and overlapping >= 1, spans
+
+
 def test_two_kinds_rejected(llm):
     with pytest.raises(ValueError, match=r"exactly one of structured_outputs\.json"):
         SamplingParams(structured_outputs={"json": {"type": "boolean"}, "regex": "a"})

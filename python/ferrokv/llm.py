@@ -37,6 +37,7 @@ from ferrokv.inputs import (add_special_tokens_of, batch_prompts, check_no_lora,
 from ferrokv.metrics_reader import Metric, engine_metrics, engine_stats
 from ferrokv.outputs import Logprob, RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
+from ferrokv.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("ferrokv")
 
@@ -276,6 +277,7 @@ class LLM:
                 from tqdm.auto import tqdm as make_bar
             bar = make_bar(total=len(prompts), desc="Processed prompts", unit="req", dynamic_ncols=True)
         t0, generated = time.perf_counter(), 0
+        grammars = self._start_grammars(params)  # held until the call ends
         try:
             for i, p in enumerate(prompts):
                 rid = self._next_id()
@@ -300,9 +302,26 @@ class LLM:
             _abandon(loop, ids, done, sink)
             raise
         finally:
+            grammars.clear()
             if bar is not None:
                 bar.close()
         return [done[rid].output for rid in ids]
+
+    def _start_grammars(self, params: Sequence[Any] | None) -> list[Any]:
+        """Starts the compile of every distinct grammar of the call at once, so that they share
+        the compile threads (each submit then waits for its own); their futures. An error is
+        left for the request's submit, which reports it."""
+        started: list[Any] = []
+        seen: set[int] = set()
+        for p in params or ():
+            so = getattr(p, "structured_outputs", None)
+            if isinstance(so, StructuredOutputsParams) and id(so) not in seen:
+                seen.add(id(so))
+                try:
+                    started.append(self.llm_engine.grammars.entry(so))
+                except Exception:
+                    pass
+        return started
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None, *,
