@@ -165,9 +165,9 @@ def test_a_burst_of_more_grammars_than_the_cache_holds_builds_each_once(llama_pa
     """Each request holds its compiled grammar until it is added, so the engine's add finds it
     however many others were compiled meanwhile: no second build (it would be on the engine loop's
     thread, stalling every running request)."""
-    from ferrokv import structured_outputs
+    from ferrokv import grammar_compiler
 
-    monkeypatch.setattr(structured_outputs, "GRAMMAR_CACHE_SIZE", 2)
+    monkeypatch.setattr(grammar_compiler, "GRAMMAR_CACHE_SIZE", 2)
     threads = record_build_threads(monkeypatch)
     llm = make_async_llm(llama_path)
     choices = [[f"w{i}a", f"w{i}bb"] for i in range(24)]  # more than the cache holds, even unpatched

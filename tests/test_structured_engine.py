@@ -431,9 +431,9 @@ def test_a_grammar_held_until_its_add_is_not_built_again(llama_path, monkeypatch
     """A caller (AsyncLLM, EngineLoop) compiles a request's grammar, holds it, and the engine's
     add finds it however many grammars were compiled meanwhile (the LRU cache evicted it): no
     second build, which would run on the engine loop's thread and stall every running request."""
-    from ferrokv import structured_outputs
+    from ferrokv import grammar_compiler
 
-    monkeypatch.setattr(structured_outputs, "GRAMMAR_CACHE_SIZE", 2)
+    monkeypatch.setattr(grammar_compiler, "GRAMMAR_CACHE_SIZE", 2)
     engine = tiny_engine(llama_path)
     builds = []
     real_build = GrammarCompiler._build
