@@ -235,9 +235,9 @@ class LLMEngine:
         self._submit(request_id, text, ids, params, max_tokens, priority, cache_salt, beam=None, grammar=grammar)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The request's grammar, compiled once per distinct params (cached); ValueError names
-        the ``structured_outputs`` field. Safe from any thread, without the engine lock
-        (``EngineLoop`` warms the cache from the caller's thread)."""
+        """The request's grammar, compiled once per distinct params (cached, and found while a
+        caller holds it: ``EngineLoop`` and ``AsyncLLM`` compile before the add); ValueError names
+        the ``structured_outputs`` field. Safe from any thread but a compile thread, unlocked."""
         return self.grammars.compile(params)
 
     def _submit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,

@@ -46,7 +46,7 @@ _STEP_TOKENS_KEY = "step_tokens_le_"  # the core's stats keys, one per bucket (n
 
 def step_token_buckets(stats: Mapping[str, Any]) -> tuple[list[tuple[str, int]], int]:
     """The tokens-per-step histogram in a stats snapshot: cumulative ``(bound, count)`` buckets
-    in the core's order (the last bound "+Inf"), and the sum."""
+    by increasing bound (the last "+Inf"), and the sum."""
     counts = sorted((float(key[len(_STEP_TOKENS_KEY):]), count) for key, count in stats.items()
                     if key.startswith(_STEP_TOKENS_KEY))  # float("inf") sorts last
     buckets, cumulative = [], 0

@@ -26,4 +26,5 @@ pub use request::FinishReason;
 pub use sampling::{SamplingColumns, SamplingSpec};
 pub use scheduler::{
     KvCounts, KvUsage, Named, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, SchedulerStats,
+    STEP_TOKEN_BOUNDS,
 };

@@ -3,7 +3,8 @@
 //! (`attach_text`): `update` then detokenizes the step and ends sequences on stop strings, and
 //! every ended sequence's record carries its text.
 
-use ferrokv_core::{CoreError, FinishedSeq, Named, NewRequest, Policy, PreemptionMode, SamplingSpec, Scheduler, SchedulerConfig};
+use ferrokv_core::{CoreError, FinishedSeq, Named, NewRequest, Policy, PreemptionMode, SamplingSpec, Scheduler, SchedulerConfig,
+                   STEP_TOKEN_BOUNDS};
 use ferrokv_text::{EndedText, SchedulerText, StepDeltas, StopStrings};
 
 use crate::*;
@@ -11,7 +12,8 @@ use crate::*;
 /// What a size argument accepts (the core then checks its own bounds).
 const SIZE_RANGE: &str = "must be in [0, 2^63)";
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyString};
 
 /// The iteration-level scheduler over a paged KV cache. See `_core.pyi`.
 #[pyclass(module = "ferrokv._core", name = "Scheduler")]
@@ -508,26 +510,11 @@ impl PyScheduler {
             "num_running_seqs" => self.inner.num_running_seqs(),
             "num_waiting_seqs" => self.inner.num_waiting_seqs(),
         }
-        // The steps' token histogram, one key per bucket of STEP_TOKEN_BOUNDS (the tests check
-        // the keys against it); not cumulative.
-        let h = &s.step_tokens_hist;
-        set! {
-            "step_tokens_le_1" => h[0],
-            "step_tokens_le_8" => h[1],
-            "step_tokens_le_16" => h[2],
-            "step_tokens_le_32" => h[3],
-            "step_tokens_le_64" => h[4],
-            "step_tokens_le_128" => h[5],
-            "step_tokens_le_256" => h[6],
-            "step_tokens_le_512" => h[7],
-            "step_tokens_le_1024" => h[8],
-            "step_tokens_le_2048" => h[9],
-            "step_tokens_le_4096" => h[10],
-            "step_tokens_le_8192" => h[11],
-            "step_tokens_le_16384" => h[12],
-            "step_tokens_le_inf" => h[13],
-            "step_tokens_sum" => s.step_tokens_sum,
+        // The steps' token histogram, one key per bucket of STEP_TOKEN_BOUNDS (not cumulative).
+        for (key, count) in step_token_keys(py).iter().zip(s.step_tokens_hist) {
+            d.set_item(key.bind(py), count)?;
         }
+        set! { "step_tokens_sum" => s.step_tokens_sum, }
         if full {
             let u = self.inner.kv_usage();
             set! {
@@ -550,4 +537,15 @@ impl PyScheduler {
             self.inner.num_free_blocks()
         )
     }
+}
+
+
+/// The stats keys of the steps' token histogram, `step_tokens_le_{bound}` for each of
+/// `STEP_TOKEN_BOUNDS` then `step_tokens_le_inf`, made once (interned).
+fn step_token_keys(py: Python<'_>) -> &Vec<Py<PyString>> {
+    static KEYS: PyOnceLock<Vec<Py<PyString>>> = PyOnceLock::new();
+    KEYS.get_or_init(py, || {
+        let names = STEP_TOKEN_BOUNDS.iter().map(|b| b.to_string()).chain(std::iter::once("inf".to_string()));
+        names.map(|name| PyString::intern(py, &format!("step_tokens_le_{name}")).unbind()).collect()
+    })
 }
