@@ -256,6 +256,36 @@ def test_window_config_resolution():
     assert cfg.rope.original_max_position_embeddings == 16
 
 
+def test_malformed_config_fields_are_refused_by_name():
+    """Values transformers refuses (or that would fail only at the first step, or silently change
+    attention) are a ValueError naming the field at load; mlp_bias is a Llama-only key."""
+    from ferrokv.models import MODEL_REGISTRY
+
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2)
+    llama, qwen2, mistral = (MODEL_REGISTRY[a] for a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"))
+    qwen_window = {**base, "sliding_window": 4, "use_sliding_window": True}
+    for cls, bad, field in (
+        (llama, {"head_dim": 15}, "head_dim must be even"),
+        (llama, {"head_dim": -4}, "head_dim must be a positive integer"),
+        (llama, {"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+        (llama, {"rms_norm_eps": -1}, "rms_norm_eps must be a number > 0"),
+        (llama, {"rms_norm_eps": None}, "rms_norm_eps must be a number > 0"),
+        (mistral, {"sliding_window": 0}, "sliding_window must be a positive integer"),
+        (mistral, {"sliding_window": -4}, "sliding_window must be a positive integer"),
+        (mistral, {"sliding_window": 8.5}, "sliding_window must be a positive integer"),
+        (qwen2, {**qwen_window, "sliding_window": 0}, "sliding_window must be a positive integer"),
+        (qwen2, {**qwen_window, "use_sliding_window": "false"}, "use_sliding_window must be true or false"),
+        (qwen2, {**qwen_window, "max_window_layers": None}, "max_window_layers must be a positive integer"),
+    ):
+        with pytest.raises(ValueError, match=f"config.json: {field}"):
+            cls.parse_config({**base, **bad})
+    assert llama.parse_config({**base, "num_key_value_heads": None}).num_key_value_heads == 2
+    assert qwen2.parse_config({**qwen_window, "max_window_layers": 0}).sliding_windows == (4,) * 3
+    assert llama.parse_config({**base, "mlp_bias": True}).mlp_bias
+    for cls in (qwen2, mistral, MODEL_REGISTRY["Qwen3ForCausalLM"]):
+        assert not cls.parse_config({**base, "mlp_bias": True}).mlp_bias, cls
+
+
 def test_absent_max_position_embeddings_takes_the_transformers_class_default():
     """vLLM's default context comes from the transformers config, whose class fills in what
     config.json leaves out."""

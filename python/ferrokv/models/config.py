@@ -136,7 +136,7 @@ def parse_rope(d: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:
 
 
 def _positive(value: Any, name: str) -> float:
-    """A RoPE number of config.json: finite and > 0 (a numeric string is read as its number)."""
+    """A real number of config.json: finite and > 0 (a numeric string is read as its number)."""
     try:
         v = float(value)
     except (TypeError, ValueError):
@@ -165,6 +165,7 @@ def parse_common(
     sliding_windows: tuple[int | None, ...] | None = None,
     default_head_dim: int | None = None,
     default_max_positions: int = 2048,
+    mlp_bias: bool = False,
 ) -> ModelConfig:
     """The fields every architecture shares; ``default_max_positions`` is the transformers config
     class's ``max_position_embeddings`` (vLLM's default context when config.json has none)."""
@@ -173,10 +174,12 @@ def parse_common(
     layers = _count(d, "num_hidden_layers")
     # Absent means multi-head attention here; some transformers classes default differently (Qwen2: 32,
     # Mistral: 8), which no smaller model's weights match, and every real checkpoint states it.
-    kv_heads = int(d.get("num_key_value_heads") or heads)
+    kv_heads = heads if d.get("num_key_value_heads") is None else _count(d, "num_key_value_heads")
     if heads % kv_heads:
         raise ValueError(f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    head_dim = int(d.get("head_dim") or default_head_dim or hidden // heads)
+    head_dim = _count(d, "head_dim") if d.get("head_dim") is not None else default_head_dim or hidden // heads
+    if head_dim % 2:  # RoPE rotates pairs of dimensions (transformers refuses it too)
+        raise ValueError(f"config.json: head_dim must be even for rotary embeddings, got {head_dim}")
     act = d.get("hidden_act", "silu")
     if act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
         raise ValueError(f"config.json: hidden_act {act!r} is not supported")
@@ -192,13 +195,13 @@ def parse_common(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_positive(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         hidden_act=act,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        mlp_bias=bool(d.get("mlp_bias", False)),
+        mlp_bias=mlp_bias,
         qk_norm=qk_norm,
         sliding_windows=tuple(sliding_windows),
         rope=parse_rope(d, head_dim, max_pos),
@@ -212,12 +215,14 @@ def qwen_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     layers ``layer_types`` marks ``sliding_attention`` (default: layers >= ``max_window_layers``),
     exactly as transformers resolves it."""
     layers = _count(d, "num_hidden_layers")
-    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
-    if window is None:
+    use = d.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise ValueError(f"config.json: use_sliding_window must be true or false, got {use!r}")
+    if not use or d.get("sliding_window") is None:
         return (None,) * layers
-    first = int(d.get("max_window_layers", 28))
-    return _windows_by_layer_type(d, int(window), ["sliding_attention" if i >= first else "full_attention"
-                                                   for i in range(layers)])
+    first = _count(d, "max_window_layers", 28) if d.get("max_window_layers") != 0 else 0
+    return _windows_by_layer_type(d, _count(d, "sliding_window"),
+                                  ["sliding_attention" if i >= first else "full_attention" for i in range(layers)])
 
 
 def mistral_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
@@ -225,10 +230,9 @@ def mistral_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     on every layer, or only on those ``layer_types`` marks ``sliding_attention`` (Ministral's
     alternating layers, as transformers and vLLM read them)."""
     layers = _count(d, "num_hidden_layers")
-    window = d.get("sliding_window", 4096)
-    if window is None:
+    if d.get("sliding_window", 4096) is None:
         return (None,) * layers
-    return _windows_by_layer_type(d, int(window), ["sliding_attention"] * layers)
+    return _windows_by_layer_type(d, _count(d, "sliding_window", 4096), ["sliding_attention"] * layers)
 
 
 def _windows_by_layer_type(d: dict[str, Any], window: int, default: list[str]) -> tuple[int | None, ...]:

@@ -45,7 +45,9 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def parse_config(cls, d: dict[str, Any]) -> ModelConfig:
         bias = bool(d.get("attention_bias", False))
-        return parse_common(d, architecture=cls.architecture, qkv_bias=bias, o_bias=bias, qk_norm=False)
+        # Only Llama's MLP has the option; Qwen2/Qwen3/Mistral ignore the key, as transformers does.
+        return parse_common(d, architecture=cls.architecture, qkv_bias=bias, o_bias=bias, qk_norm=False,
+                            mlp_bias=bool(d.get("mlp_bias", False)))
 
     def __init__(self, config: ModelConfig | dict[str, Any], attn_backend: str | AttentionBackend = "auto") -> None:
         super().__init__()
