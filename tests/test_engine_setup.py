@@ -25,11 +25,13 @@ def test_device_and_dtype():
     assert resolve_dtype("float16", {}, cpu) == torch.float16
 
 
-def test_eos_ids_merge_tokenizer_config_and_generation_config(tmp_path):
+def test_eos_ids_are_the_tokenizers_then_the_generation_configs_else_the_configs(tmp_path):
+    """vLLM reads generation_config.json and falls back to config.json only without it: a config
+    EOS the generation config leaves out does not stop (as in transformers' generate)."""
     class Tok:
         eos_token_id = 2
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2, 999]}))
-    assert eos_token_ids(Tok(), {"eos_token_id": [3, 2]}, tmp_path / "generation_config.json", 100) == (2, 3, 7)
+    assert eos_token_ids(Tok(), {"eos_token_id": [3, 2]}, tmp_path / "generation_config.json", 100) == (2, 7)
     assert eos_token_ids(Tok(), {"eos_token_id": [3, 2]}, None, vocab_size=100) == (2, 3)
 
 

@@ -56,9 +56,10 @@ def resolve_dtype(name: str, config: Mapping[str, Any], device: torch.device) ->
 
 def eos_token_ids(tokenizer: Any, config: Mapping[str, Any], generation_config: Path | None,
                   vocab_size: int) -> tuple[int, ...]:
-    """The tokenizer's EOS, then the config's, then the ``generation_config`` file's (vLLM's: the
-    one ``EngineArgs.generation_config`` names; in the vocabulary, each once); the first is the
-    core's EOS, the others stop tokens unless ``ignore_eos``."""
+    """The tokenizer's EOS, then the ``generation_config`` file's (vLLM's: the one
+    ``EngineArgs.generation_config`` names), or the config's when there is no such file, as
+    vLLM's ``try_get_generation_config`` falls back (in the vocabulary, each once); the first is
+    the core's EOS, the others stop tokens unless ``ignore_eos``."""
     ids: list[int] = []
 
     def add(v: Any) -> None:
@@ -67,8 +68,9 @@ def eos_token_ids(tokenizer: Any, config: Mapping[str, Any], generation_config: 
                 ids.append(x)
 
     add(tokenizer.eos_token_id)
-    add(config.get("eos_token_id"))
-    if generation_config is not None:
+    if generation_config is None:
+        add(config.get("eos_token_id"))
+    else:
         from ferrokv.model_loader import read_json
 
         add(read_json(generation_config).get("eos_token_id"))
