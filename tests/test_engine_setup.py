@@ -273,3 +273,22 @@ def test_hf_overrides_set_config_keys_on_top_of_the_models(tiny_model_dir, tmp_p
     assert got != plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids  # the override mattered
     with pytest.raises(ValueError, match="hf_overrides must be a dict of config.json keys"):
         EngineArgs(hf_overrides=[("max_position_embeddings", 8)]).validate()
+
+
+def test_gpu_memory_utilization_is_this_instances_share(monkeypatch):
+    """vLLM's per-instance fraction: memory another process holds does not count against it (two
+    instances at 0.45 share a GPU); this process's own (the weights) does; a share larger than
+    the free memory is refused naming gpu_memory_utilization. CUDA's memory queries are stubbed:
+    no GPU here."""
+    gib = 1 << 30
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50 * gib, 100 * gib))  # 50 held elsewhere
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * gib)  # our weights
+    cuda = torch.device("cuda")
+    n = num_kv_blocks(EngineArgs(gpu_memory_utilization=0.45), spec, cuda, 128)
+    assert n == (45 * gib - 5 * gib) // spec.bytes_per_block
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization: 0\.6 .* only 53687091200 are free"):
+        num_kv_blocks(EngineArgs(gpu_memory_utilization=0.6), spec, cuda, 128)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 45 * gib)
+    with pytest.raises(ValueError, match="gpu_memory_utilization: 0 bytes hold 0 KV blocks"):
+        num_kv_blocks(EngineArgs(gpu_memory_utilization=0.45), spec, cuda, 128)

@@ -84,22 +84,33 @@ def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_mo
     per_block = spec.bytes_per_block
     if a.num_gpu_blocks_override is not None:
         return a.num_gpu_blocks_override
+    field = "kv_cache_memory_bytes"
     if a.kv_cache_memory_bytes is not None:
         budget = a.kv_cache_memory_bytes
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * a.gpu_memory_utilization) - used
+        field, budget = "gpu_memory_utilization", _gpu_kv_budget(a.gpu_memory_utilization, device)
     else:
         budget = _CPU_DEFAULT_KV_BYTES
     n = budget // per_block
     if device.type == "cpu" and a.kv_cache_memory_bytes is None:
         n = min(n, a.max_num_seqs * math.ceil(max_model_len / a.block_size) + 1)
     if n < 2:
-        raise ValueError(
-            f"kv_cache_memory_bytes: {budget} bytes hold {n} KV blocks of {per_block} bytes; at least 2 are needed"
-        )
+        raise ValueError(f"{field}: {budget} bytes hold {n} KV blocks of {per_block} bytes; at least 2 are needed")
     return int(n)
+
+
+def _gpu_kv_budget(utilization: float, device: torch.device) -> int:
+    """This instance's share of the GPU (vLLM's per-instance ``gpu_memory_utilization``: memory
+    other processes hold does not count against it) less what it holds already (the weights);
+    refused when the GPU has less free memory than that share needs."""
+    free, total = torch.cuda.mem_get_info(device)
+    own = torch.cuda.memory_reserved(device)
+    budget = int(total * utilization) - own
+    if budget > free:
+        raise ValueError(f"gpu_memory_utilization: {utilization} of the GPU's {total} bytes leaves {budget} bytes "
+                         f"for the KV cache, but only {free} are free (other processes hold the rest); "
+                         f"lower it or set kv_cache_memory_bytes")
+    return budget
 
 
 def allocate_kv_cache(a: EngineArgs, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> PagedKVCache:
