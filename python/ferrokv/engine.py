@@ -115,6 +115,8 @@ def _exclusive(method: _F) -> _F:
 
     @functools.wraps(method)
     def locked(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
+        if self.device.type == "cuda":  # the current device is per thread; kernels launch on it
+            torch.cuda.set_device(self.device)
         return self._guard.call(method.__name__, functools.partial(method, self, *args, **kwargs))
 
     return locked  # type: ignore[return-value]

@@ -102,6 +102,9 @@ class PagedKVCache:
         s = torch.from_numpy(pairs[:, 0].astype(np.int64))
         d = torch.from_numpy(pairs[:, 1].astype(np.int64))
         s_dev, d_dev = s.to(src[0][0].device), d.to(dst[0][0].device)
+        # A copy to the host must be complete before the host reads it (index_copy_ on the CPU
+        # runs at once); one to the device is ordered by the stream.
+        non_blocking = dst[0][0].device.type != "cpu"
         for (sk, sv), (dk, dv) in zip(src, dst):
-            dk.index_copy_(0, d_dev, sk.index_select(0, s_dev).to(dk.device, non_blocking=True))
-            dv.index_copy_(0, d_dev, sv.index_select(0, s_dev).to(dv.device, non_blocking=True))
+            dk.index_copy_(0, d_dev, sk.index_select(0, s_dev).to(dk.device, non_blocking=non_blocking))
+            dv.index_copy_(0, d_dev, sv.index_select(0, s_dev).to(dv.device, non_blocking=non_blocking))

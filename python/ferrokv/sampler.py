@@ -538,7 +538,7 @@ def sample_async(logits: torch.Tensor, metadata: SamplingMetadata,
     if md.bias_rows is not None:
         x = x.index_add(0, md.bias_rows, md.bias)
     if md.banned_rows is not None:
-        x = x.index_put((md.banned_rows, md.banned_tokens), x.new_tensor(_NEG_INF))
+        x = x.index_put((md.banned_rows, md.banned_tokens), x.new_full((), _NEG_INF))  # no host copy (a GPU sync)
     if md.penalty_rows is not None:
         x = _apply_penalties(x, md)
 

@@ -342,6 +342,8 @@ class GrammarRows:
         if n == 0:
             return
         dev, vocab = logits.device, logits.shape[1]
+        if dev.type == "cuda":  # from pageable memory the copy would wait for the stream
+            rows = rows.pin_memory()
         rows = rows.to(dev, non_blocking=True)
         # Branch-free: each byte of the little-endian words (token t is bit t % 8 of byte t // 8)
         # looks up its 8 additive entries (0 or -inf) and the rows get them added in one pass. A
