@@ -245,6 +245,43 @@ def test_auto_only_calls_has_null_content(auto_client):
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Rome", "days": 2}
 
 
+HERMES_TWO_CALLS = ('<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>\n'
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [None, False])
+def test_auto_parallel_tool_calls_false_keeps_the_first_call(auto_client, stream, parallel):
+    """vLLM's maybe_filter_parallel_tool_calls: the model wrote two calls; with
+    ``parallel_tool_calls`` false only the first comes back (streamed: only call 0's deltas)."""
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = create(auto_client, stream, extra_body=forced_text(HERMES_TWO_CALLS), **extra)
+    if stream:
+        calls, content, reason, deltas = streamed_calls(r)
+        assert {d.index for d in deltas} == ({0} if parallel is False else {0, 1})
+    else:
+        (choice,) = r.choices
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+        content, reason = choice.message.content, choice.finish_reason
+    want = [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Rome", "days": 2})]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == (want[:1] if parallel is False else want)
+    assert not content and reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_call_cut_by_max_tokens_finishes_with_length(auto_client, stream):
+    """vLLM's: "tool_calls" only when the engine stopped; a reply cut by ``max_tokens`` after a
+    complete call keeps "length", so the truncation is not hidden."""
+    text = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> ' + "x" * 300
+    r = create(auto_client, stream, max_tokens=100, extra_body=forced_text(text))
+    if stream:
+        calls, _, reason, _ = streamed_calls(r)
+    else:
+        (choice,) = r.choices
+        calls, reason = choice.message.tool_calls, choice.finish_reason
+    assert reason == "length" and len(calls) == 1
+
+
 BAD = [
     (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice.function.name", ["'nope'"]),
     (dict(tool_choice="auto"), "tool_choice", ["auto"]),

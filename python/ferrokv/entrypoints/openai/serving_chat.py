@@ -52,6 +52,12 @@ def _logprobs(c: CompletionOutput, top_n: int, as_ids: bool) -> dict[str, Any] |
     return {"content": content}
 
 
+def _first_call_only(parser: ToolCallParser, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's maybe_filter_parallel_tool_calls: with ``parallel_tool_calls`` false only the
+    choice's first call is kept, whatever the model wrote (here: the deltas of call 0)."""
+    return deltas if parser.choice.parallel else [d for d in deltas if d["index"] == 0]
+
+
 class ChatAnswer:
     """One chat call's answer as it is made: its message or stream deltas per choice (tool calls
     read out of the text), logprobs, finish reasons and usage (also the Responses API's)."""
@@ -99,7 +105,9 @@ class ChatAnswer:
             content = None  # vLLM's: a reply that only called tools has no content
         if self.echo:
             content = self.echo + (content or "")
-        return {"role": self.role, "content": content, "tool_calls": parser.calls}
+        # vLLM's maybe_filter_parallel_tool_calls: parallel_tool_calls false keeps the first call only.
+        calls = parser.calls if parser.choice.parallel else parser.calls[:1]
+        return {"role": self.role, "content": content, "tool_calls": calls}
 
     def delta(self, c: CompletionOutput) -> dict[str, Any]:
         """A streamed choice's next delta (empty: nothing to send yet)."""
@@ -111,15 +119,17 @@ class ChatAnswer:
             rest, more = parser.close()
             content, deltas = content + rest, deltas + more
         delta: dict[str, Any] = {"content": content} if content else {}
+        deltas = _first_call_only(parser, deltas)
         if deltas:
             delta["tool_calls"] = deltas
         return delta
 
     def finish_reason(self, c: CompletionOutput) -> str | None:
-        """vLLM's: "tool_calls" once a reply of ``tool_choice: "auto"`` called tools."""
+        """vLLM's: "tool_calls" once a reply of ``tool_choice: "auto"`` called tools and stopped;
+        any other reason ("length": cut by max_tokens) is kept, so a truncation is not hidden."""
         parser = self.parsers.get(c.index)
         called = parser is not None and not parser.choice.forced and parser.calls
-        return "tool_calls" if called and c.finish_reason is not None else c.finish_reason
+        return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
     def _parser(self, index: int) -> ToolCallParser:
         parser = self.parsers.get(index)
