@@ -379,6 +379,11 @@ HERMES = ToolChoice(FUNCTIONS, parser="hermes")
     ('<tool_call>{"name": "a", "arguments": {"k": 1}}', [("a", '{"k": 1}')], ""),  # unclosed at the end: vLLM's
     ("<tool_call>{not json}</tool_call> after", [], "<tool_call>{not json}</tool_call> after"),
     ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\nDone.', [("a", "{}")], "Done."),
+    # No strict JSON reader takes the Infinity/NaN these would re-serialize to: content, as pythonic's
+    ('<tool_call>{"name": "a", "arguments": {"x": 1e999}}</tool_call>', [],
+     '<tool_call>{"name": "a", "arguments": {"x": 1e999}}</tool_call>'),
+    ('<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>', [],
+     '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>'),
 ])
 def test_hermes_calls_and_content_at_any_cut(text, calls, content):
     assert all(parse_split(HERMES, text, cut) == (calls, content) for cut in range(len(text) + 1))

@@ -84,8 +84,11 @@ class ToolCallParser:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        arguments = next((obj[k] for k in keys if k in obj), {})
-        return self._add(obj["name"], json.dumps(arguments, ensure_ascii=False))
+        try:  # 1e999 and NaN parse, but strict JSON readers refuse what they re-serialize to
+            arguments = json.dumps(next((obj[k] for k in keys if k in obj), {}), ensure_ascii=False, allow_nan=False)
+        except (ValueError, RecursionError):
+            return None
+        return self._add(obj["name"], arguments)
 
 
 class _NamedCall(ToolCallParser):
