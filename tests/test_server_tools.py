@@ -184,13 +184,32 @@ def test_replayed_calls_reach_the_template_as_objects(http):
                                               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"}]
     req = parse_chat_request({"messages": replay, "tools": TOOLS, "tool_choice": "none"})
-    assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    # Checked, and left as JSON text: the chat layer decodes it once for the template.
+    assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
     assert req.messages[1]["content"] == "" and req.messages[2]["tool_call_id"] == "call_1"
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": replay, "tools": TOOLS,
                                                 "tool_choice": NAMED, "temperature": 0, "max_tokens": MAX_TOKENS})
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]),
                         WEATHER)
+
+
+@pytest.mark.parametrize("arguments,shown", [("5", "5"), ('"{\\"a\\": 1}"', '{"a": 1}')])
+def test_replayed_arguments_are_decoded_once(tiny_model_dir, arguments, shown):
+    """vLLM json.loads a replayed call's arguments once and hands the template whatever JSON value
+    it is: a number is no error, a JSON string holding JSON stays a string (the server used to
+    decode twice: a 400 for "5", an object for the string)."""
+    from transformers import AutoTokenizer
+
+    from ferrokv.llm import chat_prompt
+
+    replay = MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": arguments}}]}]
+    req = parse_chat_request({"messages": replay})
+    template = "{% for m in messages %}{% for c in m.get('tool_calls', []) %}<{{ c.function.arguments }}>" \
+               "{% endfor %}{% endfor %}"
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama-serve")))
+    assert chat_prompt(tokenizer, req.messages, False, chat_template=template)[0] == f"<{shown}>"
 
 
 @pytest.fixture(scope="module")

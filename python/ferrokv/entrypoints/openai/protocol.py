@@ -537,11 +537,12 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with 'role' and 'content', got {shown(m)}")
         if not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}].role", f"messages[{i}].role must be a string, got {shown(m.get('role'))}")
-        try:
+        try:  # checked here for a 400 naming the field; chat_token_ids decodes the arguments, once
             tool_fields = message_tool_fields(m, f"messages[{i}]")
         except ValueError as e:  # its message starts with the field's path
             raise bad(str(e).split(" ", 1)[0], str(e)) from None
-        out.append({"role": m["role"], "content": _content(i, m.get("content"), m["role"]), **tool_fields})
+        out.append({"role": m["role"], "content": _content(i, m.get("content"), m["role"]),
+                    **{key: m[key] for key in tool_fields}})
     return out
 
 
