@@ -326,6 +326,8 @@ BAD = [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}], tool_choice="required"),
      "tools[0].function.parameters", ["'x'"]),
     (dict(tools="f", tool_choice="none"), "tools", ["'f'"]),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "description": 5}}], tool_choice="none"),
+     "tools[0].function.description", ["5"]),
     (dict(tool_choice="required", parallel_tool_calls="maybe"), "parallel_tool_calls", ["'maybe'"]),
     (dict(tool_choice="none", messages=[{"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),

@@ -107,6 +107,9 @@ def _functions(tools: Any) -> tuple[Mapping[str, Any], ...]:
         if not isinstance(f.get("name"), str) or not f["name"] or not is_text(f["name"]):
             raise ToolError(f"{where}.function.name", f"{where}.function.name must be a non-empty string of "
                                                       f"valid Unicode, got {shown(f.get('name'))}")
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise ToolError(f"{where}.function.description", f"{where}.function.description must be a string, "
+                                                             f"got {shown(f['description'])}")
         if f.get("parameters") is not None and not isinstance(f["parameters"], Mapping):
             raise ToolError(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema "
                                                             f"object, got {shown(f['parameters'])}")
