@@ -281,6 +281,7 @@ def test_malformed_config_fields_are_refused_by_name():
             cls.parse_config({**base, **bad})
     assert llama.parse_config({**base, "num_key_value_heads": None}).num_key_value_heads == 2
     assert qwen2.parse_config({**qwen_window, "max_window_layers": 0}).sliding_windows == (4,) * 3
+    assert qwen2.parse_config({**qwen_window, "use_sliding_window": None}).sliding_windows == (None,) * 3
     assert llama.parse_config({**base, "mlp_bias": True}).mlp_bias
     for cls in (qwen2, mistral, MODEL_REGISTRY["Qwen3ForCausalLM"]):
         assert not cls.parse_config({**base, "mlp_bias": True}).mlp_bias, cls

@@ -215,7 +215,7 @@ def qwen_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     layers ``layer_types`` marks ``sliding_attention`` (default: layers >= ``max_window_layers``),
     exactly as transformers resolves it."""
     layers = _count(d, "num_hidden_layers")
-    use = d.get("use_sliding_window", False)
+    use = d.get("use_sliding_window") or False  # null: off, as transformers reads it
     if not isinstance(use, bool):
         raise ValueError(f"config.json: use_sliding_window must be true or false, got {use!r}")
     if not use or d.get("sliding_window") is None:
