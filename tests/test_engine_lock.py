@@ -96,3 +96,22 @@ def test_reports_survive_an_interrupted_one():
     assert reported == ["a"] and list(guard.aborted) == ["b", "c"]
     guard.sync(wait=False)
     assert reported == ["a", "b", "c"] and not guard.aborted
+
+
+def test_each_call_makes_the_engines_cuda_device_current(monkeypatch):
+    """CUDA's current device is per thread, and kernels launch on it: every call, from any thread,
+    sets the engine's first (stubbed here: no GPU); a CPU engine's calls touch no CUDA state."""
+    import torch
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    cuda = EngineLock(lambda: None, lambda _: None, torch.device("cuda", 1))
+    seen = []
+    cuda.call("step", lambda: seen.append(list(made_current)))
+    worker = threading.Thread(target=cuda.call, args=("add_request", lambda: None))
+    worker.start()
+    worker.join()
+    assert seen == [[torch.device("cuda", 1)]] and made_current == [torch.device("cuda", 1)] * 2
+    EngineLock(lambda: None, lambda _: None, torch.device("cpu")).call("step", lambda: None)
+    EngineLock(lambda: None, lambda _: None).call("step", lambda: None)
+    assert len(made_current) == 2

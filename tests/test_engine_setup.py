@@ -292,3 +292,14 @@ def test_gpu_memory_utilization_is_this_instances_share(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 45 * gib)
     with pytest.raises(ValueError, match="gpu_memory_utilization: 0 bytes hold 0 KV blocks"):
         num_kv_blocks(EngineArgs(gpu_memory_utilization=0.45), spec, cuda, 128)
+
+
+def test_a_cuda_device_is_resolved_with_its_index(monkeypatch):
+    """``cuda``/``auto`` name the current CUDA device by index: the engine lock makes it each
+    calling thread's current device, and torch.cuda.set_device refuses a device without one.
+    CUDA is stubbed: no GPU here."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert resolve_device("cuda") == resolve_device("auto") == torch.device("cuda", 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")

@@ -115,8 +115,6 @@ def _exclusive(method: _F) -> _F:
 
     @functools.wraps(method)
     def locked(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
-        if self.device.type == "cuda":  # the current device is per thread; kernels launch on it
-            torch.cuda.set_device(self.device)
         return self._guard.call(method.__name__, functools.partial(method, self, *args, **kwargs))
 
     return locked  # type: ignore[return-value]
@@ -164,7 +162,7 @@ class LLMEngine:
         self.peak_used_blocks = 0
         # Threads (module docs): the lock guards the scheduler; aborts from any thread queue in
         # its inbox; the snapshot serves getters while another thread holds the lock.
-        self._guard = EngineLock(self._before_release, lambda out: self.on_abort and self.on_abort(out))
+        self._guard = EngineLock(self._before_release, lambda o: self.on_abort and self.on_abort(o), self.device)
         self.report_aborts = self._guard.report_queued  # on report_aborts_here's thread: hands out reports
         self.on_abort: Callable[[RequestOutput], None] | None = None
         """Called with the final output of each request ``abort_request`` or a failed step ended, once

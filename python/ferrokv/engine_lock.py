@@ -24,13 +24,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 __all__ = ["EngineLock"]
 
 _T = TypeVar("_T")
 
 
 class EngineLock:
-    def __init__(self, before_release: Callable[[], None], report: Callable[[Any], None]) -> None:
+    def __init__(self, before_release: Callable[[], None], report: Callable[[Any], None],
+                 device: torch.device | None = None) -> None:
+        # The engine's CUDA device (indexed): each call makes it its thread's current device.
+        self._cuda_device = device if device is not None and device.type == "cuda" else None
         self._lock = threading.RLock()
         self._before_release = before_release
         self._report = report
@@ -55,6 +60,8 @@ class EngineLock:
         if self._lock._is_owned():  # type: ignore[attr-defined]
             raise RuntimeError(f"LLMEngine.{name}() was called from inside another engine call on the same "
                                "thread (a callback or hook): call it after that one returns")
+        if self._cuda_device is not None:  # kernels launch on the calling thread's current device
+            torch.cuda.set_device(self._cuda_device)
         return self._locked(fn, wait=True)  # type: ignore[return-value]
 
     def sync(self, wait: bool) -> None:

@@ -68,8 +68,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-
 from ferrokv._core import FerrokvError
 from ferrokv.engine import LLMEngine
 from ferrokv.inputs import request_id_str, request_ids as request_ids_of
@@ -209,7 +207,6 @@ class EngineLoop:
         self._stepping = False  # the loop's thread is in engine.step()
         self._failed_steps = 0  # in a row
         self._dead: EngineDeadError | None = None
-        self._device: torch.device = next(engine.model.parameters()).device  # with its index on CUDA
         engine.on_abort = self._on_abort
 
     # ------------------------------------------------------------------------------------------
@@ -379,8 +376,6 @@ class EngineLoop:
     def _run(self) -> None:
         cause: BaseException | None = None
         try:
-            if self._device.type == "cuda":  # CUDA's current device is per thread: the model's
-                torch.cuda.set_device(self._device)
             self.engine.report_aborts_here(self._wake)
             while self._serve_once():
                 pass

@@ -38,11 +38,17 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return _indexed(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} but no CUDA device is available")
-    return dev
+    return _indexed(dev)
+
+
+def _indexed(dev: torch.device) -> torch.device:
+    """``cuda`` as the device it means now (``cuda:<current>``): the engine's calls set it as
+    their thread's current device, which needs an index."""
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
 
 
 def resolve_dtype(name: str, config: Mapping[str, Any], device: torch.device) -> torch.dtype:
