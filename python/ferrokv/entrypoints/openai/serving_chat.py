@@ -52,10 +52,11 @@ def _logprobs(c: CompletionOutput, top_n: int, as_ids: bool) -> dict[str, Any] |
     return {"content": content}
 
 
-def _first_call_only(parser: ToolCallParser, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """vLLM's maybe_filter_parallel_tool_calls: with ``parallel_tool_calls`` false only the
-    choice's first call is kept, whatever the model wrote (here: the deltas of call 0)."""
-    return deltas if parser.choice.parallel else [d for d in deltas if d["index"] == 0]
+def _calls_kept(parser: ToolCallParser) -> int | None:
+    """How many of a choice's calls are answered (None: all). vLLM's
+    maybe_filter_parallel_tool_calls: with ``parallel_tool_calls`` false only the first, whatever
+    the model wrote."""
+    return None if parser.choice.parallel else 1
 
 
 class ChatAnswer:
@@ -105,9 +106,7 @@ class ChatAnswer:
             content = None  # vLLM's: a reply that only called tools has no content
         if self.echo:
             content = self.echo + (content or "")
-        # vLLM's maybe_filter_parallel_tool_calls: parallel_tool_calls false keeps the first call only.
-        calls = parser.calls if parser.choice.parallel else parser.calls[:1]
-        return {"role": self.role, "content": content, "tool_calls": calls}
+        return {"role": self.role, "content": content, "tool_calls": parser.calls[:_calls_kept(parser)]}
 
     def delta(self, c: CompletionOutput) -> dict[str, Any]:
         """A streamed choice's next delta (empty: nothing to send yet)."""
@@ -119,7 +118,8 @@ class ChatAnswer:
             rest, more = parser.close()
             content, deltas = content + rest, deltas + more
         delta: dict[str, Any] = {"content": content} if content else {}
-        deltas = _first_call_only(parser, deltas)
+        kept = _calls_kept(parser)
+        deltas = [d for d in deltas if kept is None or d["index"] < kept]
         if deltas:
             delta["tool_calls"] = deltas
         return delta
