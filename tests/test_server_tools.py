@@ -379,9 +379,10 @@ def test_required_text_splits_into_calls_at_any_cut():
     text = ' [ {"name": "get_time", "parameters": {"zone": "U\\"}{TC"}} ,{"name":"get_weather","parameters":{}}]'
     want = [("get_time", json.dumps({"zone": 'U"}{TC'})), ("get_weather", "{}")]
     assert all(parse_split(choice, text, cut) == (want, "") for cut in range(len(text) + 1))
-    cut = text[:60]  # the second call is open: it comes back as text
+    cut = text[:70]  # the second call is open: it comes back as text
     calls, content = parse_split(choice, cut, 30)
     assert calls == want[:1] and content == cut[cut.index("} ,") + 1:]
+    assert parse_split(choice, text[:60], 30) == (want[:1], "")  # cut after a separator: no text
 
 
 def test_named_call_with_no_text_still_has_one_call():
@@ -473,6 +474,11 @@ LLAMA3 = ToolChoice(FUNCTIONS, parser="llama3_json")
     ("<|python", [], "<|python"),
     ('{"name": "a", "parameters": {}}; {"name": "b", "param', [("a", "{}")], '; {"name": "b", "param'),
     ("{not json}", [], "{not json}"),
+    # Text between calls, or an object that is no call, is content; separators alone are not.
+    ('{"name": "a", "parameters": {}} and then {"name": "b", "parameters": {}};',
+     [("a", "{}"), ("b", "{}")], " and then "),
+    ('{"name": "a", "parameters": {}}; {"x": 1}; {"name": "b", "parameters": {}}]',
+     [("a", "{}"), ("b", "{}")], '; {"x": 1}; ]'),
 ])
 def test_llama3_json_calls_and_content_at_any_cut(text, calls, content):
     """vLLM's llama3_json: a reply that starts with a JSON object (or <|python_tag|>) is calls,
@@ -530,6 +536,10 @@ MISTRAL = ToolChoice(FUNCTIONS, parser="mistral")
     ("[TOOL_CALLS]{not json}", [], "{not json}"),
     # Text after the array is content, without the array's bracket.
     ('Before.[TOOL_CALLS][{"name": "a", "arguments": {}}] after', [("a", "{}")], "Before. after"),
+    # Text before the array, between calls or after a stray bracket is content, as generated.
+    ('[TOOL_CALLS] Sure: [{"name": "a", "arguments": {}}, "oops", {"name": "b", "arguments": {}},]',
+     [("a", "{}"), ("b", "{}")], ' Sure: , "oops", '),
+    ('[TOOL_CALLS][{"name": "a", "arguments": {}}]]', [("a", "{}")], "]"),
 ])
 def test_mistral_calls_and_content_at_any_cut(text, calls, content):
     """vLLM's mistral parser with a Hugging Face tokenizer: the calls are a JSON array after the

@@ -37,6 +37,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+import re
 import string
 import uuid
 from typing import Any
@@ -121,7 +122,7 @@ class _JsonObjects(ToolCallParser):
         self._in_string = self._escaped = False
         self._start = -1  # where the open element object began
         self._done = 0  # text up to here became calls
-        self._closed_at = -1  # where the array closed
+        self._gaps: list[str] = []  # the text before each call, after the one before it
 
     def feed(self, text: str) -> tuple[str, Deltas]:
         self._text += text
@@ -143,27 +144,33 @@ class _JsonObjects(ToolCallParser):
                     self._start = i
             elif ch in "]}":
                 self._depth -= 1
-                if self._depth == 0 and ch == "]" and self._closed_at < 0:
-                    self._closed_at = i
                 if self._depth == self.depth - 1 and ch == "}" and self._start >= 0:
                     delta = self._add_parsed(self._text[self._start:i + 1], self.keys)
                     if delta is not None:
                         deltas.append(delta)
+                        self._gaps.append(self._text[self._done:self._start])
                         self._done = i + 1
                     self._start = -1
         self._scanned = len(self._text)
         return "", deltas
 
     def close(self) -> tuple[str, Deltas]:
-        """The text after the last call is content, unless it only closes the calls: the array's
-        bracket (no content either way), separators and blanks once nothing is left open."""
+        """Text around the calls is content, as generated, unless it is only their own syntax:
+        blanks and separators, and (an array) its brackets before the first call and after the
+        last (what follows that bracket is content)."""
         rest = self._text[self._done:]
         if not self.calls:
             return rest, []
-        if self._closed_at >= self._done:
-            at = self._closed_at - self._done
-            rest = rest[:at] + rest[at + 1:]
-        return ("" if self._depth == 0 and not rest.replace(self.separator, " ").strip() else rest), []
+        first, *between = self._gaps
+        if self.depth == 2:
+            first = re.sub(r"\[\s*$", "", first, count=1)
+            rest = re.sub(r"^\s*,?\s*\]", "", rest, count=1)
+        gaps = [first, *between, rest]
+        return "".join(g for g in gaps if not self._syntax.fullmatch(g)), []
+
+    @property
+    def _syntax(self) -> re.Pattern[str]:
+        return re.compile(rf"\s*{re.escape(self.separator)}?\s*")
 
 
 _PYTHON_TAG = "<|python_tag|>"
