@@ -139,6 +139,41 @@ def test_samples_stay_in_reference_support(V, scale, params):
         assert all(int(toks[r]) in supports[r] for r in range(R))
 
 
+def filtered(probs, top_k, top_p):
+    """The sampler's exact top-k/top-p: the candidates, then a full sort of the rows they leave
+    unsure (what sampling does for them after the step's synchronisation)."""
+    out, unsure = S._apply_top_k_top_p(probs, top_k, top_p)
+    rows = unsure.nonzero().squeeze(1)
+    k = S._top_k_or_all(top_k, *probs.shape, probs.device)
+    return out.index_copy(0, rows, S._full_nucleus(probs[rows], k[rows], top_p[rows]))
+
+
+def test_rows_the_candidates_miss_are_sampled_from_their_whole_nucleus_after_the_sync():
+    # A flat row (nucleus of ~1700 of 2000 tokens) and a peaked one: sampling leaves the flat row
+    # unsure on the device, and result() samples it again from its whole nucleus, with its own
+    # uniform: the same token alone or beside other rows; greedy rows are never sampled again.
+    V = 2000
+    x = torch.cat([rand_logits(1, V, seed=5, scale=0.2), rand_logits(1, V, seed=4, scale=4.0)])
+    probs = torch.softmax(x, -1)
+    _, unsure = S._apply_top_k_top_p(probs, None, torch.tensor([0.9, 0.9]))
+    assert unsure.tolist() == [True, False]
+    support = reference_support(probs[0], 0, 0.9, 0.0)
+    candidates = set(probs[0].topk(S._TOP_P_CANDIDATES).indices.tolist())
+    beyond = 0
+    for u in np.linspace(0.0, 1.0 - 1e-9, 60):
+        rows = [SamplingRow(SP(top_p=0.9), uniform=float(u)), SamplingRow(SP(top_p=0.9, seed=1)),
+                SamplingRow(SP(temperature=0.0, top_p=0.9))]
+        pending = sample_async(torch.cat([x, x[:1]]), SamplingMetadata.build(rows, V))
+        assert pending.redo is not None
+        toks = pending.result().token_ids
+        assert pending.redo is None and pending.result().token_ids.tolist() == toks.tolist()
+        alone = sample(x[:1], SamplingMetadata.build(rows[:1], V)).token_ids
+        assert int(toks[0]) in support and int(toks[0]) == int(alone[0])
+        assert int(toks[2]) == int(x[0].argmax())
+        beyond += int(toks[0]) not in candidates
+    assert beyond > 0  # the flat row does reach past its candidates
+
+
 def test_top_p_candidate_and_fallback_paths_agree_on_kept_probs():
     # One peaked row (nucleus within the candidates) and one flat row (fallback) in one batch:
     # the filtered probabilities must equal the reference's for both.
@@ -146,7 +181,7 @@ def test_top_p_candidate_and_fallback_paths_agree_on_kept_probs():
     x = torch.cat([rand_logits(1, V, seed=4, scale=4.0), rand_logits(1, V, seed=5, scale=0.2)])
     probs = torch.softmax(x, -1)
     top_p = torch.tensor([0.9, 0.9])
-    out = S._apply_top_k_top_p(probs, None, top_p)
+    out = filtered(probs, None, top_p)
     for r in range(2):
         support = reference_support(probs[r], 0, 0.9, 0.0)
         kept = set(torch.nonzero(out[r]).squeeze(1).tolist())
@@ -156,7 +191,7 @@ def test_top_p_candidate_and_fallback_paths_agree_on_kept_probs():
     assert len(reference_support(probs[1], 0, 0.9, 0.0)) > S._TOP_P_CANDIDATES
     # Each row alone gives the same result as in the shared batch.
     for r in range(2):
-        alone = S._apply_top_k_top_p(probs[r:r + 1], None, top_p[r:r + 1])
+        alone = filtered(probs[r:r + 1], None, top_p[r:r + 1])
         assert torch.equal(alone[0], out[r])
 
 
@@ -168,11 +203,11 @@ def test_truncation_of_a_row_does_not_depend_on_the_batch(V):
     probs = torch.softmax(x, -1)
     top_p = torch.tensor([0.9, 0.95, 0.5, 1.0, 0.8, 0.99])
     top_k = torch.tensor([V, 40, V, 7, 600, V])
-    full = S._apply_top_k_top_p(probs, top_k, top_p)
+    full = filtered(probs, top_k, top_p)
     totals = S._row_total(probs)
     for i in range(6):
         assert torch.equal(S._row_total(probs[i:i + 1])[0], totals[i]), i
-        alone = S._apply_top_k_top_p(probs[i:i + 1], top_k[i:i + 1], top_p[i:i + 1])
+        alone = filtered(probs[i:i + 1], top_k[i:i + 1], top_p[i:i + 1])
         assert torch.equal(alone[0], full[i]), i
 
 
@@ -185,7 +220,7 @@ def test_top_k_keeps_tiny_tail_members_next_to_top_p_rows():
     x[0, 1:5] = -20.0  # p ~ 2e-9 each: 1 + 4e-9 == 1 in float32
     x[1] = rand_logits(1, V, seed=15)[0]
     probs = torch.softmax(x, -1)
-    out = S._apply_top_k_top_p(probs, torch.tensor([5, V]), torch.tensor([1.0, 0.5]))
+    out = filtered(probs, torch.tensor([5, V]), torch.tensor([1.0, 0.5]))
     assert out[0].nonzero().squeeze(1).tolist() == [0, 1, 2, 3, 4]
     assert set(out[1].nonzero().squeeze(1).tolist()) == reference_support(probs[1], 0, 0.5, 0.0)
     # Through the sampler: a uniform at the very top lands in that tail.

@@ -43,7 +43,7 @@ token is exact-batch-invariant on CPU; on GPU it holds up to float rounding of r
 Costs per step, R rows, V vocab: O(R*V) elementwise work (softmax, one pass of block sums) for
 random rows, one argmax for greedy ones; + ``topk(max_k)`` for top-k alone; + ``topk(512)`` when
 some row has top-p, and a full sort only for rows whose nucleus is not inside their 512 most
-likely tokens; + O(P*V) for P penalty rows; + one ``[L, V]`` log_softmax for the L rows that want
+likely tokens (found and sampled again after the step's one synchronisation, so top-p adds none); + O(P*V) for P penalty rows; + one ``[L, V]`` log_softmax for the L rows that want
 logprobs. Building the metadata is O(1) numpy/torch calls, none per row.
 """
 
@@ -398,17 +398,18 @@ def _nucleus(
 
 def _apply_top_k_top_p(
     probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Top-k + top-p, exact, usually without a full-vocabulary sort.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k + top-p inside each row's ``_TOP_P_CANDIDATES`` most likely tokens (one topk, no
+    sort); returns (filtered probs, unsure rows).
 
-    A row is resolved inside its ``_TOP_P_CANDIDATES`` most likely tokens when that provably
-    contains its whole nucleus (its top-k fits there, or the candidates' mass already reaches
-    ``p``); only the other rows pay a full sort. The choice depends on the row alone, so a row's
-    result does not depend on the batch.
+    A row is exact when its candidates provably contain its whole nucleus (its top-k fits there,
+    or their mass already reaches ``p``). The others (``unsure``, a bool per row) need
+    ``_full_nucleus``; finding them needs the host, so the sampler does that after the step's one
+    synchronisation (``_NucleusRedo``). Each choice depends on the row alone (batch invariance).
     """
     R, V = probs.shape
     C = min(V, _TOP_P_CANDIDATES)
-    k = top_k if top_k is not None else torch.full((R,), V, dtype=torch.int64, device=probs.device)
+    k = _top_k_or_all(top_k, R, V, probs.device)
     total = _row_total(probs)
     vals, idx = probs.topk(C, dim=-1)
     kept, cum = _nucleus(vals, k, top_p, total)
@@ -416,14 +417,42 @@ def _apply_top_k_top_p(
     passthrough = k_disabled & (top_p >= 1.0)
     resolved = (k <= C) | (k_disabled & (cum[:, -1] >= top_p * total)) | passthrough
     out = torch.zeros_like(probs).scatter_(1, idx, kept)
-    out = torch.where(passthrough.unsqueeze(1), probs, out)
-    if not bool(resolved.all()):
-        rows = (~resolved).nonzero().squeeze(1)
-        sub = probs.index_select(0, rows)
-        svals, sidx = sub.sort(dim=-1, descending=True)
-        skept, _ = _nucleus(svals, k.index_select(0, rows), top_p.index_select(0, rows), None)
-        out.index_copy_(0, rows, torch.zeros_like(sub).scatter_(1, sidx, skept))
-    return out
+    return torch.where(passthrough.unsqueeze(1), probs, out), ~resolved
+
+
+def _top_k_or_all(top_k: torch.Tensor | None, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    return top_k if top_k is not None else torch.full((rows,), vocab_size, dtype=torch.int64, device=device)
+
+
+def _full_nucleus(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k + top-p of ``probs`` ``[r, V]`` by a full sort (the rows the candidates miss)."""
+    vals, idx = probs.sort(dim=-1, descending=True)
+    kept, _ = _nucleus(vals, top_k, top_p, None)
+    return torch.zeros_like(probs).scatter_(1, idx, kept)
+
+
+@dataclass(slots=True)
+class _NucleusRedo:
+    """What sampling a step's unsure top-p rows again takes, once the host knows which they are
+    (``SampledTokens.result()``, after the step's one synchronisation; only rows with a nucleus
+    wider than the candidates, a flat distribution, pay a sort). Their uniforms are the ones
+    drawn, so the token is the one an exact filter would have given."""
+
+    probs: torch.Tensor  # float32 [R, V], before top-k / top-p
+    top_k: torch.Tensor | None  # int64 [R]
+    top_p: torch.Tensor  # float32 [R]
+    uniforms: torch.Tensor  # float64 [R]
+    unsure: torch.Tensor  # bool [R]: rows the candidates may not resolve
+
+    def patch(self, token_ids: torch.Tensor) -> None:
+        """Writes the unsure rows' exact tokens into ``token_ids`` (int64 [R], on the device)."""
+        rows = np.flatnonzero(self.unsure.cpu().numpy())  # waits for the step's work
+        if len(rows) == 0:
+            return
+        r = torch.from_numpy(rows).to(self.probs.device)
+        k = _top_k_or_all(self.top_k, *self.probs.shape, self.probs.device)
+        kept = _full_nucleus(self.probs.index_select(0, r), k.index_select(0, r), self.top_p.index_select(0, r))
+        token_ids.index_copy_(0, r, _inverse_cdf_sample(kept, self.uniforms.index_select(0, r)))
 
 
 def _blocks(probs: torch.Tensor) -> torch.Tensor:
@@ -488,6 +517,7 @@ class SampledTokens:
     token_ids: torch.Tensor  # int64 [R]
     logprob_parts: tuple[torch.Tensor, ...] | None  # rows, sampled lp, ranks, top ids, top lp
     num_top_logprobs: np.ndarray | None
+    redo: _NucleusRedo | None = None  # top-p rows to sample again once known
 
     def result(self) -> SamplerOutput:
         lp = None
@@ -495,6 +525,9 @@ class SampledTokens:
             rows, tok_lp, ranks, top_ids, top_lp = (t.cpu().numpy() for t in self.logprob_parts)
             lp = LogprobsResult(rows=rows, sampled_logprobs=tok_lp, sampled_ranks=ranks,
                                 top_ids=top_ids.astype(np.int32), top_logprobs=top_lp, num_top=self.num_top_logprobs)
+        if self.redo is not None:
+            self.redo.patch(self.token_ids)
+            self.redo = None  # its tensors are the step's largest: freed once used
         return SamplerOutput(token_ids=self.token_ids.cpu().numpy(), logprobs=lp)
 
 
@@ -542,6 +575,7 @@ def sample_async(logits: torch.Tensor, metadata: SamplingMetadata,
     if md.penalty_rows is not None:
         x = _apply_penalties(x, md)
 
+    redo = None
     if md.all_greedy:
         sampled = _argmax(x)
     else:
@@ -552,16 +586,18 @@ def sample_async(logits: torch.Tensor, metadata: SamplingMetadata,
         probs = torch.softmax(x / md.temperature.unsqueeze(1), dim=-1)
         if md.min_p is not None:
             probs = _apply_min_p(probs, md.min_p)
+        u = _draw_uniforms(md.num_rows, md, generator, probs.device)
         if md.top_p is not None:
-            probs = _apply_top_k_top_p(probs, md.top_k, md.top_p)
+            # Greedy rows are never unsure: their top_p is 1 (SamplingParams resets it).
+            full, (probs, unsure) = probs, _apply_top_k_top_p(probs, md.top_k, md.top_p)
+            redo = _NucleusRedo(full, md.top_k, md.top_p, u, unsure)
         elif md.top_k is not None:
             probs = _apply_top_k(probs, md.top_k, md.max_top_k)
-        u = _draw_uniforms(md.num_rows, md, generator, probs.device)
         random_tok = _inverse_cdf_sample(probs, u)
         sampled = random_tok if greedy_tok is None else torch.where(md.greedy, greedy_tok, random_tok)
 
     lp = _logprobs(raw, md, sampled) if md.logprob_rows is not None else None
-    return SampledTokens(sampled, lp, md.num_top_logprobs)
+    return SampledTokens(sampled, lp, md.num_top_logprobs, redo)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata,
