@@ -409,6 +409,10 @@ HERMES = ToolChoice(FUNCTIONS, parser="hermes")
 ])
 def test_hermes_calls_and_content_at_any_cut(text, calls, content):
     assert all(parse_split(HERMES, text, cut) == (calls, content) for cut in range(len(text) + 1))
+    p = tool_call_parser(HERMES)  # a character at a time: the closing-tag search resumes
+    fed = [p.feed(ch) for ch in text] + [p.close()]
+    assert "".join(f[0] for f in fed) == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in p.calls] == calls
 
 
 TWO_CALLS = [("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "CET"})]

@@ -28,8 +28,8 @@ call's position in the choice), later ones ``{"index", "function": {"arguments"}
 
 Nothing generated is lost: text that is no complete call (an array cut by ``max_tokens``, a block
 whose JSON does not parse) comes back as content.
-Costs: O(new text) per ``feed`` (the required scanner and the tag search start where they stopped;
-pythonic holds the text, and parses it once, at ``close``).
+Costs: O(new text) per ``feed`` (the required scanner and the closing-tag search start where they
+stopped; pythonic holds the text, and parses it once, at ``close``).
 """
 
 from __future__ import annotations
@@ -308,15 +308,18 @@ class _HermesCalls(ToolCallParser):
         self._buf = ""  # text not handed out yet: a possible tag start, or an open block
         self._in_call = False
         self._after_call = False  # no content since the last call: leading whitespace is dropped
+        self._searched = 0  # an open block's text before this holds no closing tag
 
     def feed(self, text: str) -> tuple[str, Deltas]:
         self._buf += text
         content, deltas = [], []
         while True:
             if self._in_call:
-                end = self._buf.find(_CLOSE)
+                end = self._buf.find(_CLOSE, self._searched)
                 if end < 0:
+                    self._searched = max(0, len(self._buf) - len(_CLOSE) + 1)
                     break
+                self._searched = 0
                 self._block(self._buf[:end], _CLOSE, content, deltas)
                 self._buf, self._in_call = self._buf[end + len(_CLOSE):], False
                 continue
