@@ -159,14 +159,19 @@ def test_rows_the_candidates_miss_are_sampled_from_their_whole_nucleus_after_the
     assert unsure.tolist() == [True, False]
     support = reference_support(probs[0], 0, 0.9, 0.0)
     candidates = set(probs[0].topk(S._TOP_P_CANDIDATES).indices.tolist())
+    lp = compute_logprobs(x[0])
     beyond = 0
     for u in np.linspace(0.0, 1.0 - 1e-9, 60):
-        rows = [SamplingRow(SP(top_p=0.9), uniform=float(u)), SamplingRow(SP(top_p=0.9, seed=1)),
+        rows = [SamplingRow(SP(top_p=0.9, logprobs=0), uniform=float(u)), SamplingRow(SP(top_p=0.9, seed=1)),
                 SamplingRow(SP(temperature=0.0, top_p=0.9))]
         pending = sample_async(torch.cat([x, x[:1]]), SamplingMetadata.build(rows, V))
         assert pending.redo is not None
-        toks = pending.result().token_ids
+        result = pending.result()
+        toks = result.token_ids
         assert pending.redo is None and pending.result().token_ids.tolist() == toks.tolist()
+        # The reported logprob and rank are the returned token's, not the one it replaced.
+        assert float(result.logprobs.sampled_logprobs[0]) == float(lp[toks[0]])
+        assert int(result.logprobs.sampled_ranks[0]) == int((lp >= lp[toks[0]]).sum())
         alone = sample(x[:1], SamplingMetadata.build(rows[:1], V)).token_ids
         assert int(toks[0]) in support and int(toks[0]) == int(alone[0])
         assert int(toks[2]) == int(x[0].argmax())

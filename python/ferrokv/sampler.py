@@ -515,19 +515,21 @@ class SampledTokens:
     ``result()`` copies them to the host, the one synchronisation of a step."""
 
     token_ids: torch.Tensor  # int64 [R]
-    logprob_parts: tuple[torch.Tensor, ...] | None  # rows, sampled lp, ranks, top ids, top lp
+    logprob_parts: tuple[torch.Tensor, ...] | None  # rows, logprobs [L, V], top ids, top lp
     num_top_logprobs: np.ndarray | None
     redo: _NucleusRedo | None = None  # top-p rows to sample again once known
 
     def result(self) -> SamplerOutput:
-        lp = None
-        if self.logprob_parts is not None:
-            rows, tok_lp, ranks, top_ids, top_lp = (t.cpu().numpy() for t in self.logprob_parts)
-            lp = LogprobsResult(rows=rows, sampled_logprobs=tok_lp, sampled_ranks=ranks,
-                                top_ids=top_ids.astype(np.int32), top_logprobs=top_lp, num_top=self.num_top_logprobs)
-        if self.redo is not None:
+        if self.redo is not None:  # first: the tokens it replaces are the ones reported below
             self.redo.patch(self.token_ids)
             self.redo = None  # its tensors are the step's largest: freed once used
+        lp = None
+        if self.logprob_parts is not None:
+            rows, table, top_ids, top_lp = self.logprob_parts
+            tok_lp, ranks = _sampled_logprobs(table, rows, self.token_ids)
+            rows, tok_lp, ranks, top_ids, top_lp = (t.cpu().numpy() for t in (rows, tok_lp, ranks, top_ids, top_lp))
+            lp = LogprobsResult(rows=rows, sampled_logprobs=tok_lp, sampled_ranks=ranks,
+                                top_ids=top_ids.astype(np.int32), top_logprobs=top_lp, num_top=self.num_top_logprobs)
         return SamplerOutput(token_ids=self.token_ids.cpu().numpy(), logprobs=lp)
 
 
@@ -540,20 +542,26 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def _logprobs(logits: torch.Tensor, md: SamplingMetadata, sampled: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _logprob_tables(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, ...]:
+    """(rows, their logprobs ``[L, V]``, top ids, top logprobs) of the rows that want logprobs;
+    the sampled tokens' own come at ``result()`` (``_sampled_logprobs``), once the tokens are final."""
     assert md.logprob_rows is not None and md.num_top_logprobs is not None
     rows = md.logprob_rows
     lp = compute_logprobs(logits.index_select(0, rows))
-    tok = sampled.index_select(0, rows).to(torch.int64).unsqueeze(1)
-    tok_lp = lp.gather(1, tok)
-    ranks = (lp >= tok_lp).sum(dim=-1)  # vLLM's: the tokens at least as likely, itself included
     k = int(md.num_top_logprobs.max())
     if k > 0:
         top_lp, top_ids = lp.topk(k, dim=-1)
     else:
         top_lp = lp.new_empty((lp.shape[0], 0))
         top_ids = torch.empty((lp.shape[0], 0), dtype=torch.int64, device=lp.device)
-    return rows, tok_lp.squeeze(1), ranks, top_ids, top_lp
+    return rows, lp, top_ids, top_lp
+
+
+def _sampled_logprobs(lp: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logprob and rank of each row's sampled token (vLLM's rank: the tokens at least as
+    likely, itself included)."""
+    tok_lp = lp.gather(1, token_ids.index_select(0, rows).to(torch.int64).unsqueeze(1))
+    return tok_lp.squeeze(1), (lp >= tok_lp).sum(dim=-1)
 
 
 def sample_async(logits: torch.Tensor, metadata: SamplingMetadata,
@@ -596,7 +604,7 @@ def sample_async(logits: torch.Tensor, metadata: SamplingMetadata,
         random_tok = _inverse_cdf_sample(probs, u)
         sampled = random_tok if greedy_tok is None else torch.where(md.greedy, greedy_tok, random_tok)
 
-    lp = _logprobs(raw, md, sampled) if md.logprob_rows is not None else None
+    lp = _logprob_tables(raw, md) if md.logprob_rows is not None else None
     return SampledTokens(sampled, lp, md.num_top_logprobs, redo)
 
 
