@@ -324,3 +324,34 @@ def test_penalty_state_feeds_the_sampler():
         for (_, s), t in zip(layout, got.tolist()):
             w.output[s].append(t)
     assert Counter(len(o) for o in w.output.values()) == {25: R}
+
+
+def test_step_sampler_counts_the_tokens_result_returns_after_top_p_samples_rows_again():
+    """Flat rows with top-p are sampled again in ``result()`` (their nucleus is wider than the
+    candidates): the penalty statistics count the tokens returned, not the ones they replaced."""
+    from ferrokv.sampler import _TOP_P_CANDIDATES
+    from ferrokv.step_sampling import StepSampler
+    Vw, R = 1500, 3
+    ss = StepSampler(Vw, torch.device("cpu"), seed=0)
+    params = SP(top_p=0.9, frequency_penalty=0.05, presence_penalty=0.05)
+    w = World()
+    for s in range(R):
+        w.add(s, [s])
+    layout = [(s, s) for s in range(R)]
+    beyond = 0
+    for step in range(12):
+        x = torch.randn(R, Vw, generator=torch.Generator().manual_seed(step)) * 0.1
+        rows = [SamplingRow(params, w.output[s], w.prompt[s]) for s in range(R)]
+        out = w.step(layout)
+        for name in SamplingArrays.__slots__:
+            setattr(out, name, getattr(SamplingArrays.of_rows(rows), name))
+        out.any_logit_bias = False
+        md = ss.metadata(out, w.prompt_of, w.history_of)
+        want = torch.stack([torch.bincount(torch.tensor(w.output[s], dtype=torch.int64), minlength=Vw).float()
+                            for s in range(R)])
+        assert torch.equal(md.output_counts, want), step
+        got = ss.sample(x, md).result().token_ids
+        for s, t in enumerate(got.tolist()):
+            beyond += t not in set(x[s].topk(_TOP_P_CANDIDATES).indices.tolist())
+            w.output[s].append(t)
+    assert beyond > 0  # some rows were sampled again past their candidates

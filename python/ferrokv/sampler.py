@@ -49,7 +49,7 @@ logprobs. Building the metadata is O(1) numpy/torch calls, none per row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -518,11 +518,16 @@ class SampledTokens:
     logprob_parts: tuple[torch.Tensor, ...] | None  # rows, logprobs [L, V], top ids, top lp
     num_top_logprobs: np.ndarray | None
     redo: _NucleusRedo | None = None  # top-p rows to sample again once known
+    # Called once, in result(), with the final token ids (int64 [R], on the device).
+    on_result: Callable[[torch.Tensor], None] | None = None
 
     def result(self) -> SamplerOutput:
         if self.redo is not None:  # first: the tokens it replaces are the ones reported below
             self.redo.patch(self.token_ids)
             self.redo = None  # its tensors are the step's largest: freed once used
+        if self.on_result is not None:
+            self.on_result(self.token_ids)
+            self.on_result = None
         lp = None
         if self.logprob_parts is not None:
             rows, table, top_ids, top_lp = self.logprob_parts

@@ -58,10 +58,11 @@ class StepSampler:
         return SamplingMetadata.from_arrays(out, self.vocab_size, self.device, pens, bias)
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SampledTokens:
-        """The step's tokens, left on the device; counts them into the penalty statistics."""
+        """The step's tokens, left on the device; ``result()`` counts them into the penalty
+        statistics (once final: top-p may sample rows again there)."""
         tokens = self.sampler.sample_async(logits, md)
         if md.penalty_rows is not None:
-            self.penalties.record(tokens.token_ids)
+            tokens.on_result = self.penalties.record
         return tokens
 
 
