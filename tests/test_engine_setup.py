@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ferrokv.engine_args import EngineArgs
-from ferrokv.engine_setup import eos_token_ids, num_kv_blocks, resolve_device, resolve_dtype
+from ferrokv.engine_setup import activation_bytes_estimate, eos_token_ids, num_kv_blocks, resolve_device, resolve_dtype
 from ferrokv.kv_cache import KVCacheSpec
 
 
@@ -285,10 +285,11 @@ def test_gpu_memory_utilization_is_this_instances_share(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50 * gib, 100 * gib))  # 50 held elsewhere
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * gib)  # our weights
     cuda = torch.device("cuda")
-    n = num_kv_blocks(EngineArgs(gpu_memory_utilization=0.45), spec, cuda, 128)
-    assert n == (45 * gib - 5 * gib) // spec.bytes_per_block
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization: 0\.6 .* only 53687091200 are free"):
-        num_kv_blocks(EngineArgs(gpu_memory_utilization=0.6), spec, cuda, 128)
+    n = num_kv_blocks(EngineArgs(gpu_memory_utilization=0.45), spec, cuda, 128, activation_bytes=gib)
+    assert n == (45 * gib - 5 * gib - gib) // spec.bytes_per_block  # less the weights and the activations
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization: 0\.6 .* the 5368709120 this process holds and an "
+                       r"estimated 1073741824 for a step's activations, but only 53687091200 are free"):
+        num_kv_blocks(EngineArgs(gpu_memory_utilization=0.6), spec, cuda, 128, activation_bytes=gib)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 45 * gib)
     with pytest.raises(ValueError, match="gpu_memory_utilization: 0 bytes hold 0 KV blocks"):
         num_kv_blocks(EngineArgs(gpu_memory_utilization=0.45), spec, cuda, 128)
@@ -303,3 +304,18 @@ def test_a_cuda_device_is_resolved_with_its_index(monkeypatch):
     assert resolve_device("cuda") == resolve_device("auto") == torch.device("cuda", 2)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_activation_estimate_of_a_llama3_8b_step():
+    """The GPU budget leaves room for a step's activations (vLLM measures them with a profiling
+    run, about 1-3 GiB for this model at its defaults); they grow with the token budget, the
+    sequences' logits rows and the vocabulary."""
+    from types import SimpleNamespace
+    mc = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, vocab_size=128256)
+    cuda, gib = torch.device("cuda"), 1 << 30
+    base = activation_bytes_estimate(mc, EngineArgs(), torch.bfloat16, cuda)
+    assert 1 * gib < base < 3 * gib
+    assert activation_bytes_estimate(mc, EngineArgs(max_num_batched_tokens=16384), torch.bfloat16, cuda) > base
+    assert activation_bytes_estimate(mc, EngineArgs(max_num_seqs=512), torch.bfloat16, cuda) > base
+    assert activation_bytes_estimate(mc, EngineArgs(), torch.float32, cuda) > base

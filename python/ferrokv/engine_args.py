@@ -97,7 +97,8 @@ class EngineArgs:
         default_doc="on a GPU what gpu_memory_utilization leaves; on a CPU 1 GiB, capped at what "
                     "max_num_seqs sequences of max_model_len tokens use")
     kv_cache_memory: int | None = _arg(None, "alias of kv_cache_memory_bytes (ferrokv's former name)")
-    gpu_memory_utilization: float = _arg(0.9, "fraction of the GPU's memory the process may use (weights + KV cache)")
+    gpu_memory_utilization: float = _arg(
+        0.9, "fraction of the GPU's memory this instance may use (weights, a step's activations, KV cache)")
     enable_prefix_caching: bool = _arg(SCHEDULER_DEFAULTS["enable_prefix_caching"], "reuse the KV blocks of prompt prefixes shared between requests")
     preemption_mode: str = _arg(
         SCHEDULER_DEFAULTS["preemption_mode"],

@@ -29,8 +29,8 @@ from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["EngineParts", "eos_token_ids", "load_engine", "make_scheduler", "num_kv_blocks", "resolve_device",
-           "resolve_dtype"]
+__all__ = ["EngineParts", "activation_bytes_estimate", "eos_token_ids", "load_engine", "make_scheduler",
+           "num_kv_blocks", "resolve_device", "resolve_dtype", "step_token_budget"]
 
 _DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_ALIASES.items()}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -83,10 +83,11 @@ def eos_token_ids(tokenizer: Any, config: Mapping[str, Any], generation_config: 
     return tuple(ids)
 
 
-def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_model_len: int) -> int:
-    """``num_gpu_blocks_override`` if given, else what ``kv_cache_memory_bytes`` (or, on CUDA, the free memory
-    under ``gpu_memory_utilization``; on the CPU 1 GiB, capped at what every sequence at full
-    length could use) holds."""
+def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_model_len: int,
+                  activation_bytes: int = 0) -> int:
+    """``num_gpu_blocks_override`` if given, else what ``kv_cache_memory_bytes`` (or, on CUDA, this
+    instance's share under ``gpu_memory_utilization`` less the weights and ``activation_bytes``, a
+    step's; on the CPU 1 GiB, capped at what every sequence at full length could use) holds."""
     per_block = spec.bytes_per_block
     if a.num_gpu_blocks_override is not None:
         return a.num_gpu_blocks_override
@@ -94,7 +95,7 @@ def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_mo
     if a.kv_cache_memory_bytes is not None:
         budget = a.kv_cache_memory_bytes
     elif device.type == "cuda":
-        field, budget = "gpu_memory_utilization", _gpu_kv_budget(a.gpu_memory_utilization, device)
+        field, budget = "gpu_memory_utilization", _gpu_kv_budget(a.gpu_memory_utilization, device, activation_bytes)
     else:
         budget = _CPU_DEFAULT_KV_BYTES
     n = budget // per_block
@@ -105,18 +106,33 @@ def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_mo
     return int(n)
 
 
-def _gpu_kv_budget(utilization: float, device: torch.device) -> int:
+def _gpu_kv_budget(utilization: float, device: torch.device, activation_bytes: int) -> int:
     """This instance's share of the GPU (vLLM's per-instance ``gpu_memory_utilization``: memory
-    other processes hold does not count against it) less what it holds already (the weights);
-    refused when the GPU has less free memory than that share needs."""
+    other processes hold does not count against it) less what it holds already (the weights) and
+    what a step's activations take; refused when the GPU has less free memory than that needs."""
     free, total = torch.cuda.mem_get_info(device)
     own = torch.cuda.memory_reserved(device)
-    budget = int(total * utilization) - own
-    if budget > free:
+    budget = int(total * utilization) - own - activation_bytes
+    if budget + activation_bytes > free:
         raise ValueError(f"gpu_memory_utilization: {utilization} of the GPU's {total} bytes leaves {budget} bytes "
-                         f"for the KV cache, but only {free} are free (other processes hold the rest); "
-                         f"lower it or set kv_cache_memory_bytes")
+                         f"for the KV cache, after the {own} this process holds and an estimated {activation_bytes} "
+                         f"for a step's activations, but only {free} are free (other processes, or this one's CUDA "
+                         f"context, hold the rest); lower it or set kv_cache_memory_bytes")
     return budget
+
+
+def activation_bytes_estimate(mc: Any, a: EngineArgs, dtype: torch.dtype, device: torch.device) -> int:
+    """A step's peak working memory beside the weights and the KV cache, estimated (vLLM measures
+    it with a profiling forward pass): a full token budget through one layer (the larger of the
+    attention and MLP phases, with the residual stream) and the logits rows through the sampler
+    (the model's logits, their float32 copy and about five float32 ``[rows, V]`` buffers). Prompt
+    logprobs over long chunks can need more."""
+    b = torch.empty((), dtype=dtype).element_size()
+    tokens = step_token_budget(a, device)
+    rows = min(a.max_num_seqs, tokens)
+    attention = (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim + mc.hidden_size
+    per_token = b * (2 * mc.hidden_size + max(3 * mc.intermediate_size, attention))
+    return tokens * per_token + rows * mc.vocab_size * (b + 6 * 4)
 
 
 def allocate_kv_cache(a: EngineArgs, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> PagedKVCache:
@@ -155,16 +171,20 @@ def _available_cpu_memory() -> int | None:
     return None
 
 
+def step_token_budget(args: EngineArgs, device: torch.device) -> int:
+    """``max_num_batched_tokens``, by default 8192 on a GPU and 2048 on a CPU, at least max_num_seqs."""
+    return max(args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048), args.max_num_seqs)
+
+
 def make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torch.device,
                    enable_prefix_caching: bool) -> Scheduler:
-    """The engine's scheduler: its step budget (8192 tokens on a GPU, 2048 on a CPU, at least
-    max_num_seqs) and the sampling seed of unseeded requests (random unless ``args.seed``)."""
-    budget = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048)
+    """The engine's scheduler: its step budget (``step_token_budget``) and the sampling seed of
+    unseeded requests (random unless ``args.seed``)."""
     return Scheduler(
         num_blocks,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=max(budget, args.max_num_seqs),
+        max_num_batched_tokens=step_token_budget(args, device),
         max_model_len=max_len,
         enable_prefix_caching=enable_prefix_caching,
         preemption_mode=args.preemption_mode,
@@ -271,7 +291,8 @@ def load_engine(args: EngineArgs) -> EngineParts:
     max_len = checked_max_model_len(None if auto else args.max_model_len, mc.rope.default_max_model_len)
     spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                        head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
-    num_blocks = num_kv_blocks(args, spec, device, max_len)
+    activation = activation_bytes_estimate(mc, args, dtype, device) if device.type == "cuda" else 0
+    num_blocks = num_kv_blocks(args, spec, device, max_len, activation)
     if auto and (num_blocks - 1) * args.block_size < max_len:
         max_len = (num_blocks - 1) * args.block_size  # the longest one sequence can be
         logger.info("max_model_len=auto: %d tokens, what the KV cache holds", max_len)
