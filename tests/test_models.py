@@ -214,7 +214,14 @@ def test_window_config_resolution():
     assert qwen2.parse_config({**base, "sliding_window": 4, "use_sliding_window": False}).sliding_windows == (None,) * 3
     cfg = qwen2.parse_config({**base, "sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1})
     assert cfg.sliding_windows == (None, 4, 4)
+    # No sliding_window key: Qwen2Config's and Qwen3Config's default 4096; null: none.
+    assert qwen2.parse_config({**base, "use_sliding_window": True, "max_window_layers": 1}).sliding_windows == \
+        (None, 4096, 4096)
+    assert qwen2.parse_config({**base, "use_sliding_window": True, "sliding_window": None}).sliding_windows == \
+        (None,) * 3
     qwen3 = MODEL_REGISTRY["Qwen3ForCausalLM"]
+    assert qwen3.parse_config({**base, "use_sliding_window": True, "max_window_layers": 2}).sliding_windows == \
+        (None, None, 4096)
     cfg = qwen3.parse_config({**base, "sliding_window": 4, "use_sliding_window": True,
                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
     assert cfg.sliding_windows == (4, None, 4)

@@ -211,17 +211,18 @@ def parse_common(
 
 
 def qwen_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
-    """Qwen2/Qwen3: a window applies only when ``use_sliding_window`` is true, and then only on the
-    layers ``layer_types`` marks ``sliding_attention`` (default: layers >= ``max_window_layers``),
-    exactly as transformers resolves it."""
+    """Qwen2/Qwen3: a window (``sliding_window``, 4096 when the key is absent, none when null)
+    applies only when ``use_sliding_window`` is true, and then only on the layers ``layer_types``
+    marks ``sliding_attention`` (default: layers >= ``max_window_layers``), exactly as
+    transformers resolves it."""
     layers = _count(d, "num_hidden_layers")
     use = d.get("use_sliding_window") or False  # null: off, as transformers reads it
     if not isinstance(use, bool):
         raise ValueError(f"config.json: use_sliding_window must be true or false, got {use!r}")
-    if not use or d.get("sliding_window") is None:
+    if not use or d.get("sliding_window", 4096) is None:  # absent: Qwen2Config's and Qwen3Config's 4096
         return (None,) * layers
     first = _count(d, "max_window_layers", 28) if d.get("max_window_layers") != 0 else 0
-    return _windows_by_layer_type(d, _count(d, "sliding_window"),
+    return _windows_by_layer_type(d, _count(d, "sliding_window", 4096),
                                   ["sliding_attention" if i >= first else "full_attention" for i in range(layers)])
 
 
