@@ -76,17 +76,19 @@ class ToolCallParser:
         return {"index": len(self.calls) - 1, "id": call_id, "type": "function",
                 "function": {"name": name, "arguments": arguments}}
 
-    def _add_parsed(self, obj_text: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    def _add_parsed(self, obj_text: str, keys: tuple[str, ...], forced: bool = False) -> dict[str, Any] | None:
         """A call from one JSON object ``{"name": ..., <the first of keys it has>: {...}}`` (None:
-        not one)."""
+        not one). 1e999 and NaN parse, but strict JSON readers refuse the Infinity and NaN they
+        re-serialize to: such arguments are no call, unless the call is ``forced`` (a "required"
+        answer keeps its call, as vLLM writes it)."""
         try:
             obj = json.loads(obj_text)
         except (ValueError, RecursionError):
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        try:  # 1e999 and NaN parse, but strict JSON readers refuse what they re-serialize to
-            arguments = json.dumps(next((obj[k] for k in keys if k in obj), {}), ensure_ascii=False, allow_nan=False)
+        try:
+            arguments = json.dumps(next((obj[k] for k in keys if k in obj), {}), ensure_ascii=False, allow_nan=forced)
         except (ValueError, RecursionError):
             return None
         return self._add(obj["name"], arguments)
@@ -145,7 +147,7 @@ class _JsonObjects(ToolCallParser):
             elif ch in "]}":
                 self._depth -= 1
                 if self._depth == self.depth - 1 and ch == "}" and self._start >= 0:
-                    delta = self._add_parsed(self._text[self._start:i + 1], self.keys)
+                    delta = self._add_parsed(self._text[self._start:i + 1], self.keys, self.choice.parser is None)
                     if delta is not None:
                         deltas.append(delta)
                         self._gaps.append(self._text[self._done:self._start])
