@@ -693,7 +693,26 @@ def test_serve_help_gives_every_default_and_binds_localhost():
             assert action.help and "(default: " in action.help, action.option_strings
     flags = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
     assert flags["--host"].default == "127.0.0.1" and "(default: 127.0.0.1)" in flags["--host"].help
-    assert flags["--max-body-bytes"].default == 1 << 20
+    assert flags["--max-body-bytes"].default is None and "64 bytes per token" in flags["--max-body-bytes"].help
+
+
+def test_the_default_body_limit_scales_with_max_model_len(tiny_model_dir):
+    """A long-context model takes a prompt that fills its context (vLLM has no limit): the default
+    is 64 bytes per token of max_model_len, at least 1 MiB, and still refuses more."""
+    from ferrokv.entrypoints.openai.server_config import body_limit
+    assert body_limit(None, 2048) == 1 << 20 and body_limit(None, 1 << 20) == 64 << 20 and body_limit(5, 1 << 20) == 5
+    model = tiny_model_dir("llama-serve-32k", max_position_embeddings=32768)
+    with serve(model, "--served-model-name", MODEL, "--max-model-len", "32768", "--max-num-seqs", "1",
+               "--kv-cache-memory-bytes", "64M") as s, \
+            httpx.Client(base_url=s.url, timeout=TIMEOUT) as http:
+        # A body over the old fixed 1 MiB, under 32768 * 64 bytes (escaped text, a batch, ...).
+        body = json.dumps({"model": MODEL, "prompt": [7] * 30000, "max_tokens": 1, "user": "u" * 1200000}).encode()
+        assert (1 << 20) < len(body) < 32768 * 64
+        r = http.post(_C, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text[:300]
+        big = json.dumps({"model": MODEL, "prompt": "x" * (32768 * 64)}).encode()
+        assert_openai_error(http.post(_C, content=big, headers={"content-type": "application/json"}), 413,
+                            f"--max-body-bytes={32768 * 64}")
 
 
 def test_serve_unusable_host_exits_2_naming_it(long_model):

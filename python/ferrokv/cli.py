@@ -282,7 +282,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _serve_flags(p: argparse.ArgumentParser) -> None:
     """``serve``'s own flags; their defaults are ``ServerConfig``'s."""
-    from ferrokv.entrypoints.openai.server_config import ServerConfig
+    from ferrokv.entrypoints.openai.server_config import BODY_BYTES_PER_TOKEN, ServerConfig
 
     d = ServerConfig()
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
@@ -300,8 +300,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="the model name(s) clients may send; a response shows the one sent (default: the model "
                         "argument)")
     g.add_argument("--max-body-bytes", type=human_readable_int, default=d.max_body_bytes,
-                   help=help_with_default("largest request body accepted; larger ones get 413",
-                                          d.max_body_bytes))
+                   help=f"largest request body accepted; larger ones get 413 (default: {BODY_BYTES_PER_TOKEN} "
+                        "bytes per token of max_model_len, at least 1 MiB)")
     g.add_argument("--max-waiting-requests", type=human_readable_int, default=d.max_waiting_requests,
                    help=help_with_default("requests accepted beyond the max_num_seqs running ones; more get 503",
                                           d.max_waiting_requests))
@@ -429,7 +429,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
     for flag, value, lo in (("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1),
                             ("--max-waiting-requests", args.max_waiting_requests, 0)):
-        if value < lo or (flag == "--port" and value > 65535):
+        if value is not None and value < lo or (flag == "--port" and value > 65535):
             raise ValueError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {lo}'}, got {value}")
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise ValueError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")

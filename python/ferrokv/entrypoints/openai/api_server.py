@@ -45,7 +45,7 @@ from ferrokv.entrypoints.openai.serving import ServerState, error_response, to_o
 from ferrokv.entrypoints.openai.serving_chat import create_chat_completion
 from ferrokv.entrypoints.openai.serving_completion import create_completion
 from ferrokv.entrypoints.openai.serving_responses import create_response, not_found
-from ferrokv.entrypoints.openai.server_config import ServerConfig
+from ferrokv.entrypoints.openai.server_config import ServerConfig, body_limit
 from ferrokv.entrypoints.openai.tool_parsers import check_tool_call_parser
 from ferrokv.stats_log import LOG_STATS_INTERVAL_S
 
@@ -68,7 +68,7 @@ class _Gate:
     def __init__(self, app: Any, state: ServerState, config: ServerConfig) -> None:
         self.app = app
         self.state = state
-        self.limit = config.max_body_bytes
+        self.limit = body_limit(config.max_body_bytes, state.llm.max_model_len)
         self.keys = tuple(k.encode() for k in config.api_keys())
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -10,9 +10,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_MODEL_NAME", "ServerConfig"]
+__all__ = ["BODY_BYTES_PER_TOKEN", "DEFAULT_MODEL_NAME", "ServerConfig", "body_limit"]
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded default model is served as
+# The default request-body limit per token of max_model_len: room for a prompt that fills the
+# context however it is written (token ids, or escaped non-ASCII text: about 9 bytes a token),
+# several of them in a batch, and the rest of the request. vLLM has no limit; one that scales
+# with the context keeps a long-context model's prompts and still stops a runaway body.
+BODY_BYTES_PER_TOKEN = 64
+_MIN_BODY_BYTES = 1 << 20
+
+
+def body_limit(max_body_bytes: int | None, max_model_len: int) -> int:
+    """The request-body limit: ``--max-body-bytes``, else 64 bytes per token of
+    ``max_model_len``, at least 1 MiB."""
+    if max_body_bytes is not None:
+        return max_body_bytes
+    return max(_MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
 @dataclass(slots=True)
@@ -35,7 +49,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | tuple[str, ...] | None = None  # one key, or several (vLLM's list): any of them is accepted
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int | None = None  # None: body_limit's, scaled to the model's max_model_len
     max_waiting_requests: int = 1024
     drain_timeout: float = 30.0
     log_prompts: bool = False
