@@ -355,3 +355,35 @@ def test_step_sampler_counts_the_tokens_result_returns_after_top_p_samples_rows_
             beyond += t not in set(x[s].topk(_TOP_P_CANDIDATES).indices.tolist())
             w.output[s].append(t)
     assert beyond > 0  # some rows were sampled again past their candidates
+
+
+class _InterruptingSeen:
+    """A seen mask whose write raises KeyboardInterrupt, as a Ctrl-C landing inside ``record``
+    after the counts were added."""
+
+    def __init__(self, seen: torch.Tensor) -> None:
+        self.seen = seen
+
+    def __getitem__(self, key):
+        return self.seen[key]
+
+    def __setitem__(self, key, value):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_inside_record_leaves_the_rows_to_rebuild():
+    """A step whose ``record`` was interrupted is cancelled: its half-counted rows must not pass
+    for up to date (the next step would penalise a token never generated)."""
+    state = PenaltyState(V, torch.device("cpu"))
+    w = World()
+    w.add(1, [3, 4])
+    w.add(2, [5])
+    run_step(state, w, [(0, 1), (1, 2)], [0, 1], sampled=[7, 8])
+    out = w.step([(0, 1), (1, 2)])
+    state.inputs(out, np.array([0, 1]), w.prompt_of, w.history_of)
+    state.seen = _InterruptingSeen(state.seen)
+    with pytest.raises(KeyboardInterrupt):
+        state.record(torch.tensor([9, 10]))  # the counts of 9 and 10 are in, the step is cancelled
+    state.seen = state.seen.seen
+    _, calls = run_step(state, w, [(0, 1), (1, 2)], [0, 1])  # checks the statistics against the histories
+    assert sorted(calls) == [1, 2]  # rebuilt

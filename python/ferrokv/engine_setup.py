@@ -109,15 +109,20 @@ def num_kv_blocks(a: EngineArgs, spec: KVCacheSpec, device: torch.device, max_mo
 def _gpu_kv_budget(utilization: float, device: torch.device, activation_bytes: int) -> int:
     """This instance's share of the GPU (vLLM's per-instance ``gpu_memory_utilization``: memory
     other processes hold does not count against it) less what it holds already (the weights) and
-    what a step's activations take; refused when the GPU has less free memory than that needs."""
+    what a step's activations take; refused when nothing is left for the KV cache, or when the GPU
+    has less free memory than the share needs."""
     free, total = torch.cuda.mem_get_info(device)
     own = torch.cuda.memory_reserved(device)
-    budget = int(total * utilization) - own - activation_bytes
-    if budget + activation_bytes > free:
-        raise ValueError(f"gpu_memory_utilization: {utilization} of the GPU's {total} bytes leaves {budget} bytes "
-                         f"for the KV cache, after the {own} this process holds and an estimated {activation_bytes} "
-                         f"for a step's activations, but only {free} are free (other processes, or this one's CUDA "
-                         f"context, hold the rest); lower it or set kv_cache_memory_bytes")
+    share = int(total * utilization)
+    budget = share - own - activation_bytes
+    split = (f"gpu_memory_utilization: {utilization} of the GPU's {total} bytes is {share}; less the {own} this "
+             f"process holds and an estimated {activation_bytes} for a step's activations, {budget} are left for "
+             "the KV cache")
+    if budget <= 0:
+        raise ValueError(f"{split}: raise it or set kv_cache_memory_bytes")
+    if share - own > free:
+        raise ValueError(f"{split}, but only {free} bytes are free for the cache and the activations (other "
+                         "processes, or this one's CUDA context, hold the rest); lower it or set kv_cache_memory_bytes")
     return budget
 
 

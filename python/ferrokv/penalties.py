@@ -137,9 +137,11 @@ class PenaltyState:
         self._last = None
         if not len(slots_np):
             return
+        counted = self.num_counted[slots_np] + 1
+        self.num_counted[slots_np] = -1  # stale until counted in: an interrupt midway means a rebuild
         tok = sampled.index_select(0, rows).to(torch.int64)
         ok = (tok >= 0) & (tok < self.vocab_size)
         tok = tok.clamp(0, self.vocab_size - 1)
         self.counts.index_put_((slots, tok), ok.to(self.counts.dtype), accumulate=True)
         self.seen[slots, tok] |= ok
-        self.num_counted[slots_np] += 1
+        self.num_counted[slots_np] = counted
