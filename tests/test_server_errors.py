@@ -293,6 +293,26 @@ def test_minus_one_logprobs_are_every_token_only_on_an_uncapped_server():
         parse_completion_request({"prompt": "x", "prompt_logprobs": -1, "stream": True}, max_logprobs=-1)
 
 
+@pytest.mark.parametrize("field,value,hint", [
+    ("functions", [{"name": "f", "parameters": {}}], "give them in tools"),
+    ("function_call", {"name": "f"}, "use tool_choice"),
+    ("suffix", "tail", None),
+    ("best_of", 2, None),
+])
+def test_unsupported_fields_are_400s_unless_no_ops(field, value, hint):
+    """OpenAI's legacy functions/function_call, suffix and best_of: a 400 naming the field (with
+    what to use instead) unless the value asks nothing (function_call "auto"/"none" alone)."""
+    from ferrokv.entrypoints.openai.protocol import OpenAIError, parse_chat_request, parse_completion_request
+    msgs = [{"role": "user", "content": "hi"}]
+    parse = parse_completion_request if field in ("suffix", "best_of") else parse_chat_request
+    base = {"prompt": "x"} if parse is parse_completion_request else {"messages": msgs}
+    with pytest.raises(OpenAIError, match=rf"{field} is not supported by this server, got ") as e:
+        parse({**base, field: value})
+    assert e.value.param == field and (hint is None or hint in e.value.message)
+    for noop in ("auto", "none", None):
+        parse_chat_request({"messages": msgs, "function_call": noop})
+
+
 # ------------------------------------------------------------------------------------------------
 # 400: malformed JSON; a prompt that is too long
 # ------------------------------------------------------------------------------------------------

@@ -51,8 +51,9 @@ _SAMPLING_FIELDS = (
 )
 _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
 # OpenAI fields this server does not implement: refused when set to anything but their no-op value.
-_UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1),
-                "functions": (None, []), "structural_tag": (None,)}
+_UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
+                "function_call": (None, "none", "auto"), "structural_tag": (None,)}
+_INSTEAD = {"functions": "; give them in tools (type 'function')", "function_call": "; use tool_choice"}
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it
 _TOKEN_ID_KEY = re.compile(r"\d{1,18}")
@@ -210,7 +211,8 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
     text keep special tokens in it (tags may be ones)."""
     for name, (*noop,) in _UNSUPPORTED.items():
         if body.get(name) not in noop:
-            raise bad(name, f"{name} is not supported by this server, got {shown(body.get(name))}")
+            raise bad(name, f"{name} is not supported by this server, got {shown(body.get(name))}"
+                            f"{_INSTEAD.get(name, '')}")
     kw: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
     kw.update((k, body[k]) for k in _SAMPLING_FIELDS if body.get(k) is not None)
     cap = defaults.get("max_tokens")
