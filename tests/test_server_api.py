@@ -492,6 +492,8 @@ def test_models(client, model_dir):
     assert [m.id for m in models] == [MODEL]
     assert models[0].object == "model"
     assert models[0].root == str(model_dir)  # vLLM's: the model as given, whatever it is served as
+    (perm,) = models[0].permission  # vLLM's card lists its permission entry
+    assert perm["object"] == "model_permission" and perm["allow_sampling"] and perm["id"].startswith("modelperm-")
 
 
 def test_invocations_serves_a_chat_or_a_completion_body_as_vllm(http):

@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import signal
+import uuid
 from typing import Any
 
 import uvicorn
@@ -252,11 +253,18 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     # vLLM's root: the model as given to the server (its path or Hub id), whatever it is served as.
     root = llm.engine.args.model or state.model_names[0]  # the default model: its served name
 
+    # vLLM's model card, its permission entry included (clients written against vLLM read it).
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": state.created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "ferrokv",
-             "root": root, "parent": None, "max_model_len": llm.max_model_len} for name in state.model_names]}
+            {"id": name, "object": "model", "created": state.created, "owned_by": "ferrokv", "root": root,
+             "parent": None, "max_model_len": llm.max_model_len, "permission": [permission]}
+            for name in state.model_names]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
