@@ -231,6 +231,9 @@ def test_max_model_len_auto_is_the_models_capped_at_what_the_kv_cache_holds(tiny
                                                                                        ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8 * 16 - 120 and out[0].outputs[0].finish_reason == "length"
     assert _parser().parse_args(["generate", "--max-model-len", "auto"]).max_model_len == -1
+    assert EngineArgs(max_model_len="auto").max_model_len == EngineArgs(max_model_len=" AUTO ").max_model_len == -1
+    with pytest.raises(ValueError, match=r"max_model_len must be a positive integer or -1 / 'auto' .*, got 'big'"):
+        EngineArgs(max_model_len="big").validate()
     for llm in (roomy, tight):
         llm.engine_loop.shutdown()
 

@@ -199,3 +199,19 @@ def test_logprobs_cap_counts_minus_one_as_the_vocabulary():
         check_logprobs_cap(-1, None, 999, 1000)
     with pytest.raises(ValueError, match="prompt_logprobs=6 asks for 6"):
         check_logprobs_cap(5, 6, 5, 1000)
+
+
+def test_a_prompt_too_long_is_named_as_the_caller_gave_it(llm):
+    """A text prompt that tokenizes past max_model_len is the ``prompt``'s fault (the caller gave
+    no ids); ids given are ``prompt_token_ids``; both say how many tokens against the limit."""
+    from ferrokv import SamplingParams
+
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match=r"^prompt: the prompt has \d+ tokens, more than max_model_len=64"):
+        llm.generate("the cat " * 80, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt: the prompt has \d+ tokens"):
+        llm.generate({"prompt": "the cat " * 80}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt_token_ids: the prompt has 70 tokens, more than max_model_len=64"):
+        llm.generate({"prompt_token_ids": [5] * 70}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt: its token 1 is 999, which is outside the vocabulary \[0, 50\)"):
+        validate_prompt_ids([1, 999], 50, 8, tokenized=True)

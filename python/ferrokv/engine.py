@@ -70,9 +70,8 @@ from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_lock import EngineLock
 from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
-from ferrokv.inputs import (add_special_tokens_of, check_logprobs_cap, check_no_lora, check_priority, prompt_cache_salt,
-                            prompt_ids, request_id_str, request_ids, request_max_tokens, truncated_prompt,
-                            validate_prompt_ids)
+from ferrokv.inputs import (add_special_tokens_of, check_logprobs_cap, check_no_lora, check_priority,
+                            checked_prompt_ids, prompt_cache_salt, request_id_str, request_ids, request_max_tokens)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -196,10 +195,7 @@ class LLMEngine:
         request_id = request_id_str(request_id)
         if request_id in self._by_name:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        text, ids = prompt_ids(self.tokenizer, prompt, add_special)
-        if params is not None:
-            ids = truncated_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
-        validate_prompt_ids(ids, self.vocab_size, self.max_model_len)
+        text, ids = checked_prompt_ids(self.tokenizer, prompt, add_special, params, self.vocab_size, self.max_model_len)
         return request_id, text, ids, prompt_cache_salt(prompt, cache_salt)
 
     @_exclusive

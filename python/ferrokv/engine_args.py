@@ -145,8 +145,11 @@ class EngineArgs:
         "returns the previous step's outputs)", default_doc="on with a GPU, off on a CPU")
 
     def __post_init__(self) -> None:
-        """Folds each former name into its vLLM field (``ALIASES``; giving both is an error), and
-        a ``dtype`` given as a ``torch.dtype`` or in any letter case into its name, as vLLM takes it."""
+        """Folds each former name into its vLLM field (``ALIASES``; giving both is an error), a
+        ``dtype`` given as a ``torch.dtype`` or in any letter case into its name, as vLLM takes it,
+        and ``max_model_len="auto"`` (the CLI's word) into ``AUTO_MAX_MODEL_LEN``."""
+        if isinstance(self.max_model_len, str) and self.max_model_len.strip().lower() == "auto":
+            self.max_model_len = AUTO_MAX_MODEL_LEN
         dt = self.dtype
         if type(dt).__module__ == "torch" and type(dt).__name__ == "dtype":
             self.dtype = str(dt).removeprefix("torch.")
@@ -174,7 +177,8 @@ class EngineArgs:
             self._check_positive(name, allow_none=False)
         for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
             if not (name == "max_model_len" and self.max_model_len == AUTO_MAX_MODEL_LEN):
-                self._check_positive(name)
+                self._check_positive(name, also=" or -1 / 'auto' (the model's, capped at what the KV cache holds)"
+                                     if name == "max_model_len" else "")
         self._check_vllm_compat()
         # A str, or a torch.device (vLLM takes one too; this module does not import torch).
         name = self.device if isinstance(self.device, str) else \
@@ -242,12 +246,12 @@ class EngineArgs:
                 rename_field(e, e.field, ours[e.field])
             raise
 
-    def _check_positive(self, name: str, allow_none: bool = True) -> None:
+    def _check_positive(self, name: str, allow_none: bool = True, also: str = "") -> None:
         v = getattr(self, name)
         if v is None and allow_none:
             return
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            raise ValueError(f"{name} must be a positive integer{also}, got {v!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from ferrokv.checks import check_int, check_text, shown
 logger = logging.getLogger("ferrokv")
 
 __all__ = ["PromptType", "TextPrompt", "TokensPrompt", "add_special_tokens_of", "batch_prompts", "check_logprobs_cap",
-           "check_no_lora", "check_priority", "check_tools", "is_text_prompt", "message_text", "message_tool_fields",
+           "check_no_lora", "check_priority", "check_tools", "checked_prompt_ids", "is_text_prompt", "message_text", "message_tool_fields",
            "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "template_kwargs", "tokenized_prompt",
            "truncated_prompt", "truncation_length", "validate_prompt_ids"]
 
@@ -177,17 +177,33 @@ def batch_prompts(prompts: Any) -> list[Any]:
     return out
 
 
-def validate_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> None:
+def checked_prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool, params: Any, vocab_size: int,
+                       max_model_len: int) -> tuple[str | None, list[int]]:
+    """``prompt_ids``, truncated as ``params.truncate_prompt_tokens`` asks (``params`` may be
+    None), then validated (``validate_prompt_ids``)."""
+    text, ids = prompt_ids(tokenizer, prompt, add_special_tokens)
+    if params is not None:
+        ids = truncated_prompt(ids, params.truncate_prompt_tokens, max_model_len, params.max_tokens)
+    tokenized = not (isinstance(prompt, Mapping) and "prompt_token_ids" in prompt)
+    validate_prompt_ids(ids, vocab_size, max_model_len, tokenized)
+    return text, ids
+
+
+def validate_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, tokenized: bool = False) -> None:
+    """Checks a prompt's ids; an error names ``prompt_token_ids`` (the caller's ids) or, for a
+    ``tokenized`` text, ``prompt``."""
+    field = "prompt" if tokenized else "prompt_token_ids"
     if not ids:
-        raise ValueError("prompt_token_ids: the prompt is empty (at least one token is needed)")
+        raise ValueError(f"{field}: the prompt is empty (at least one token is needed)")
     if min(ids) < 0 or max(ids) >= vocab_size:  # in C; the loop names the first one out
         for i, t in enumerate(ids):
             if not 0 <= t < vocab_size:
-                raise ValueError(f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})")
+                where = f"{field}: its token {i} is {t}, which is" if tokenized else f"{field}[{i}]={t} is"
+                raise ValueError(f"{where} outside the vocabulary [0, {vocab_size})")
     # Equal is refused too, as vLLM does: the first output token would need position max_model_len.
     if len(ids) >= max_model_len:
         more = "more than" if len(ids) > max_model_len else "as many as"
-        raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens, {more} max_model_len={max_model_len}, "
+        raise ValueError(f"{field}: the prompt has {len(ids)} tokens, {more} max_model_len={max_model_len}, "
                          "which leaves no room for the at least one output token")
 
 
