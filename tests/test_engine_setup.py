@@ -296,7 +296,8 @@ def test_gpu_memory_utilization_is_this_instances_share(monkeypatch):
         num_kv_blocks(EngineArgs(gpu_memory_utilization=0.6), spec, cuda, 128, activation_bytes=gib)
     # Nothing left once the weights and the activations are counted: refused, saying how it splits.
     with pytest.raises(ValueError, match=r"0\.1 .* is 10737418240; less the 5368709120 this process holds and an "
-                       r"estimated 6442450944 for a step's activations, -1073741824 are left for the KV cache: raise it"):
+                       r"estimated 6442450944 for a step's activations, -1073741824 are left for the KV cache: "
+                       r"raise it"):
         num_kv_blocks(EngineArgs(gpu_memory_utilization=0.1), spec, cuda, 128, activation_bytes=6 * gib)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 45 * gib - 4096)
     with pytest.raises(ValueError, match="gpu_memory_utilization: 4096 bytes hold 0 KV blocks"):

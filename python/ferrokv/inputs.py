@@ -26,9 +26,9 @@ from ferrokv.checks import check_int, check_text, shown
 logger = logging.getLogger("ferrokv")
 
 __all__ = ["PromptType", "TextPrompt", "TokensPrompt", "add_special_tokens_of", "batch_prompts", "check_logprobs_cap",
-           "check_no_lora", "check_priority", "check_tools", "checked_prompt_ids", "is_text_prompt", "message_text", "message_tool_fields",
-           "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "template_kwargs", "tokenized_prompt",
-           "truncated_prompt", "truncation_length", "validate_prompt_ids"]
+           "check_no_lora", "check_priority", "check_tools", "checked_prompt_ids", "is_text_prompt", "message_text",
+           "message_tool_fields", "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "template_kwargs",
+           "tokenized_prompt", "truncated_prompt", "truncation_length", "validate_prompt_ids"]
 
 
 class _Text(TypedDict):

@@ -43,8 +43,9 @@ token is exact-batch-invariant on CPU; on GPU it holds up to float rounding of r
 Costs per step, R rows, V vocab: O(R*V) elementwise work (softmax, one pass of block sums) for
 random rows, one argmax for greedy ones; + ``topk(max_k)`` for top-k alone; + ``topk(512)`` when
 some row has top-p, and a full sort only for rows whose nucleus is not inside their 512 most
-likely tokens (found and sampled again after the step's one synchronisation, so top-p adds none); + O(P*V) for P penalty rows; + one ``[L, V]`` log_softmax for the L rows that want
-logprobs. Building the metadata is O(1) numpy/torch calls, none per row.
+likely tokens (found, and sampled again, after the step's one synchronisation: top-p adds none);
++ O(P*V) for P penalty rows; + one ``[L, V]`` log_softmax for the L rows that want logprobs.
+Building the metadata is O(1) numpy/torch calls, none per row.
 """
 
 from __future__ import annotations
@@ -562,7 +563,8 @@ def _logprob_tables(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.T
     return rows, lp, top_ids, top_lp
 
 
-def _sampled_logprobs(lp: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sampled_logprobs(lp: torch.Tensor, rows: torch.Tensor,
+                      token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The logprob and rank of each row's sampled token (vLLM's rank: the tokens at least as
     likely, itself included)."""
     tok_lp = lp.gather(1, token_ids.index_select(0, rows).to(torch.int64).unsqueeze(1))
