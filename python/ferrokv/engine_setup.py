@@ -298,6 +298,10 @@ def load_engine(args: EngineArgs) -> EngineParts:
                        head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
     activation = activation_bytes_estimate(mc, args, dtype, device) if device.type == "cuda" else 0
     num_blocks = num_kv_blocks(args, spec, device, max_len, activation)
+    if activation and args.kv_cache_memory_bytes is None and args.num_gpu_blocks_override is None:
+        logger.info("GPU memory: %.2f GiB held (weights), %.2f GiB kept for a step's activations (an estimate), the "
+                    "rest of gpu_memory_utilization=%s for the KV cache", torch.cuda.memory_reserved(device) / 2**30,
+                    activation / 2**30, args.gpu_memory_utilization)
     if auto and (num_blocks - 1) * args.block_size < max_len:
         max_len = (num_blocks - 1) * args.block_size  # the longest one sequence can be
         logger.info("max_model_len=auto: %d tokens, what the KV cache holds", max_len)
