@@ -746,3 +746,32 @@ def test_gpu_check_sampling_logic_runs_on_cpu():
     spec.loader.exec_module(gpu_check)
     report = gpu_check.sampling_check("cpu")
     assert report["ok"], report
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_with_or_without_top_p_and_alone_or_in_a_batch():
+    """Ties with the k-th value are all kept (vLLM's), and top-p then works over all of them: with
+    top-p set on the row, and when another row's top-p sends the batch through the candidates
+    (ties past the 512 candidates must not be cut there)."""
+    V, N = 3000, 400
+    flat = torch.zeros(1, V)  # every token tied: top_k=7 keeps all 3000
+    us = (np.arange(N) + 0.5) / N
+
+    def tokens(params, with_top_p_row):
+        rows = [SamplingRow(params, uniform=float(u)) for u in us]
+        x = flat.expand(N, V)
+        if with_top_p_row:
+            rows.append(SamplingRow(SP(top_p=0.9), uniform=0.5))
+            x = torch.cat([x, rand_logits(1, V, seed=2)])
+        return sample(x, SamplingMetadata.build(rows, V)).token_ids[:N]
+
+    alone = tokens(SP(top_k=7), False)
+    assert len(np.unique(alone)) > 300 and alone.max() > 2000  # spread over the whole tie
+    assert np.array_equal(tokens(SP(top_k=7), True), alone)  # another row's top-p changes nothing
+    assert np.array_equal(tokens(SP(top_k=7, top_p=1.0), True), alone)
+    nucleus = tokens(SP(top_k=7, top_p=0.9), False)
+    assert nucleus.max() > 2000 and len(np.unique(nucleus)) > 300  # top-p over the tie, not over 7
+    # Small vocabulary: top_k=2 with the 2nd value tied three ways keeps all four, top_p or not.
+    x = torch.tensor([[5.0, 4.0, 4.0, 4.0, 1.0, 0.0]])
+    for params in (SP(top_k=2), SP(top_k=2, top_p=0.95)):
+        md = SamplingMetadata.build([SamplingRow(params, uniform=u) for u in (0.5, 0.7, 0.9)], 6)
+        assert sorted(sample(x.expand(3, 6), md).token_ids.tolist()) == [1, 2, 3], params

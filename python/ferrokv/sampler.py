@@ -378,9 +378,10 @@ def _nucleus(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k then top-p over ``vals`` sorted descending (``[r, C]``); returns (kept vals, cum).
 
-    Top-p keeps a token iff the (top-k) mass ranked strictly above it is ``< p * mass``, which is
-    vLLM's rule (drop the ascending-cumsum tail ``<= 1 - p``) without assuming mass 1, so masses
-    removed by min-p / top-k are renormalised implicitly. The top token always survives.
+    Top-k keeps every token tied with the k-th value (as top-k alone and vLLM do). Top-p keeps a
+    token iff the (top-k) mass ranked strictly above it is ``< p * mass``, which is vLLM's rule
+    (drop the ascending-cumsum tail ``<= 1 - p``) without assuming mass 1, so masses removed by
+    min-p / top-k are renormalised implicitly. The top token always survives.
     """
     C = vals.shape[-1]
     k_in = k <= C
@@ -388,8 +389,9 @@ def _nucleus(
     kth = kth.masked_fill(~k_in.unsqueeze(1), 0.0)
     vals = vals.masked_fill(vals < kth, 0.0)
     cum = vals.cumsum(dim=-1)
-    # cumsum is a sequential scan, so cum[k-1] does not depend on C (batch invariance).
-    mass = cum.gather(1, (k.clamp(max=C) - 1).unsqueeze(1)).squeeze(1)
+    # What top-k kept, its ties included; the masked tail adds zeros, so a longer scan (the full
+    # sort's) gives the same sum (batch invariance).
+    mass = cum[:, -1]
     if mass_if_no_k is not None:
         mass = torch.where(k_in, mass, mass_if_no_k)
     keep = (cum - vals) < (p * mass).unsqueeze(1)
@@ -416,7 +418,10 @@ def _apply_top_k_top_p(
     kept, cum = _nucleus(vals, k, top_p, total)
     k_disabled = k >= V
     passthrough = k_disabled & (top_p >= 1.0)
-    resolved = (k <= C) | (k_disabled & (cum[:, -1] >= top_p * total)) | passthrough
+    # A top-k row is resolved unless its ties with the k-th value may go on past the candidates.
+    kth = vals.gather(1, (k.clamp(max=C) - 1).unsqueeze(1)).squeeze(1)
+    ties_past = (vals[:, -1] >= kth) & (kth > 0) if C < V else torch.zeros_like(k_disabled)
+    resolved = ((k <= C) & ~ties_past) | (k_disabled & (cum[:, -1] >= top_p * total)) | passthrough
     out = torch.zeros_like(probs).scatter_(1, idx, kept)
     return torch.where(passthrough.unsqueeze(1), probs, out), ~resolved
 
