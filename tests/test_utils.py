@@ -22,3 +22,28 @@ def test_engine_flags_parse_into_engine_args_as_in_vllm_scripts():
     assert isinstance(AsyncEngineArgs.from_cli_args(args), AsyncEngineArgs)
     with pytest.raises(SystemExit):  # argparse's own refusal of an unknown flag
         parser.parse_args(["--no_such_flag", "1"])
+
+
+def test_vllms_module_paths_of_the_script_helpers():
+    """vLLM's examples import FlexibleArgumentParser from vllm.utils.argparse_utils and call
+    vllm.distributed.cleanup_dist_env_and_memory between two LLMs: both paths exist here."""
+    from ferrokv.utils.argparse_utils import FlexibleArgumentParser as FromSubmodule
+    assert FromSubmodule is FlexibleArgumentParser
+
+
+def test_cleanup_between_two_llms_frees_the_dropped_engine(tiny_model_dir):
+    import weakref
+
+    from ferrokv import LLM, SamplingParams
+    from ferrokv.distributed import cleanup_dist_env_and_memory
+
+    path = str(tiny_model_dir("llama"))
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    want = llm.generate("the cat", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].outputs[0].text
+    cache = weakref.ref(llm.llm_engine.kv_cache)
+    del llm
+    cleanup_dist_env_and_memory()
+    assert cache() is None  # the first engine's KV cache is gone
+    again = LLM(path, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    assert again.generate("the cat", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].outputs[0].text \
+        == want

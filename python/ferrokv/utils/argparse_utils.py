@@ -1,4 +1,4 @@
-"""vLLM's ``vllm.utils`` names that scripts written for vLLM import: ``FlexibleArgumentParser``.
+"""vLLM's ``FlexibleArgumentParser`` (``vllm.utils.argparse_utils``; ``ferrokv.utils`` re-exports it).
 
 Invariants: flags parse as argparse parses them, except that a ``--flag_name`` spelled with
 underscores is read as ``--flag-name`` (vLLM's spelling rule); values are never changed.
