@@ -406,7 +406,7 @@ def _apply_top_k_top_p(
     sort); returns (filtered probs, unsure rows).
 
     A row is exact when its candidates provably contain its whole nucleus (its top-k fits there,
-    or their mass already reaches ``p``). The others (``unsure``, a bool per row) need
+    ties with the k-th value included, or their mass already reaches ``p``). The others (``unsure``, a bool per row) need
     ``_full_nucleus``; finding them needs the host, so the sampler does that after the step's one
     synchronisation (``_NucleusRedo``). Each choice depends on the row alone (batch invariance).
     """
