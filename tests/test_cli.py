@@ -139,7 +139,7 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "--block-size": (["--block-size", "24"], "invalid block_size=24: must be a power of two"),
     "--max-num-seqs": (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
     "--max-num-batched-tokens": (["--max-num-batched-tokens", "x"], "--max-num-batched-tokens: invalid int value"),
-    "--max-model-len": (["--max-model-len", "-5"], "max_model_len must be a positive integer, got -5"),
+    "--max-model-len": (["--max-model-len", "-5"], "max_model_len must be a positive integer or -1 / 'auto'"),
     "--num-gpu-blocks-override": (["--num-gpu-blocks-override", "1"],
                                   "invalid num_gpu_blocks_override=1: must be >= 2"),
     # The former name is an alias; with the base's --num-gpu-blocks-override both are given.
