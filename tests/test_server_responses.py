@@ -102,6 +102,17 @@ def test_stream_events_in_order_and_adding_up(client):
     assert events[0].response.status == "in_progress" and events[0].response.output == []
 
 
+def test_structured_outputs_and_include_stop_str_are_passed_on(client):
+    """vLLM's ResponsesRequest takes ``structured_outputs`` and ``include_stop_str_in_output``."""
+    r = client.responses.create(model=MODEL, input=USER, max_output_tokens=20, temperature=0.0,
+                                extra_body={"structured_outputs": {"regex": "ab{3}!"}})
+    assert r.output_text == "abbb!"
+    r = client.responses.create(model=MODEL, input=USER, max_output_tokens=20, temperature=0.0,
+                                extra_body={"structured_outputs": {"regex": "ab{3}!"}, "stop": ["b!"],
+                                            "include_stop_str_in_output": True})
+    assert r.output_text == "abbb!"
+
+
 def test_text_format_json_schema_constrains_the_answer(client):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
               "additionalProperties": False}
@@ -210,6 +221,9 @@ def test_logprobs_when_included(client):
     ({"input": USER, "top_logprobs": 99, "include": ["message.output_text.logprobs"]}, 400, "top_logprobs"),
     ({"input": USER, "include": "logprobs"}, 400, "include"),
     ({"input": USER, "model": "other"}, 404, "model"),
+    ({"input": USER, "structured_outputs": {"choice": []}}, 400, "structured_outputs"),
+    ({"input": USER, "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}}, 400,
+     "structured_outputs"),
 ])
 def test_bad_requests_name_the_field(http, body, status, param):
     body = {"model": MODEL, **body} if "model" not in body else body

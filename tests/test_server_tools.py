@@ -288,6 +288,26 @@ def test_auto_parallel_tool_calls_false_keeps_the_first_call(auto_client, stream
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [None, False])
+def test_responses_parallel_tool_calls_false_keeps_the_first_call(auto_client, stream, parallel):
+    """The Responses API answers the same calls as chat, streamed or not (``structured_outputs``
+    is passed on, as vLLM's ResponsesRequest takes it)."""
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = auto_client.responses.create(model=MODEL, input="weather?", tools=tools, temperature=0.0, stream=stream,
+                                     max_output_tokens=MAX_TOKENS, extra_body=forced_text(HERMES_TWO_CALLS), **extra)
+    if stream:
+        events = list(r)
+        added = [e.item.name for e in events if e.type == "response.output_item.added"]
+        r = events[-1].response
+        assert added == [item.name for item in r.output]
+    want = [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Rome", "days": 2})]
+    assert r.status == "completed"
+    assert [(i.type, i.name, json.loads(i.arguments)) for i in r.output] == \
+        [("function_call", *w) for w in (want[:1] if parallel is False else want)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_auto_call_cut_by_max_tokens_finishes_with_length(auto_client, stream):
     """vLLM's: "tool_calls" only when the engine stopped; a reply cut by ``max_tokens`` after a
     complete call keeps "length", so the truncation is not hidden."""

@@ -106,7 +106,7 @@ class ChatAnswer:
             content = None  # vLLM's: a reply that only called tools has no content
         if self.echo:
             content = self.echo + (content or "")
-        return {"role": self.role, "content": content, "tool_calls": parser.calls[:_calls_kept(parser)]}
+        return {"role": self.role, "content": content, "tool_calls": self.answered_calls(c.index)}
 
     def delta(self, c: CompletionOutput) -> dict[str, Any]:
         """A streamed choice's next delta (empty: nothing to send yet)."""
@@ -123,6 +123,11 @@ class ChatAnswer:
         if deltas:
             delta["tool_calls"] = deltas
         return delta
+
+    def answered_calls(self, index: int) -> list[dict[str, Any]]:
+        """The calls choice ``index`` made so far that are answered (``_calls_kept``)."""
+        parser = self.parsers.get(index)
+        return [] if parser is None else parser.calls[:_calls_kept(parser)]
 
     def finish_reason(self, c: CompletionOutput) -> str | None:
         """vLLM's: "tool_calls" once a reply of ``tool_choice: "auto"`` called tools and stopped;

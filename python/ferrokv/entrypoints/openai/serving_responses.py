@@ -2,7 +2,8 @@
 Harmony format. The ``instructions`` (a system message) and the ``input`` (a string, or a list of
 ``message``, ``function_call`` and ``function_call_output`` items) become a chat conversation,
 which takes the chat path (``serving_chat``: the template, tools, ``text.format`` as a structured
-output); one sample is generated. Its answer is the response's ``output``: a ``message`` item with
+output, or vLLM's ``structured_outputs``; the sampling fields vLLM's ResponsesRequest takes pass on
+as they are); one sample is generated. Its answer is the response's ``output``: a ``message`` item with
 one ``output_text`` part (when there is text, or nothing else), then one ``function_call`` item
 per tool call. A finish by length makes the response ``incomplete`` (reason
 ``max_output_tokens``).
@@ -46,7 +47,7 @@ __all__ = ["create_response", "parse_responses_request"]
 _PASSED_ON = ("model", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
               "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
               "logit_bias", "skip_special_tokens", "priority", "cache_salt", "request_id", "chat_template",
-              "chat_template_kwargs", "parallel_tool_calls", "user")
+              "chat_template_kwargs", "parallel_tool_calls", "user", "structured_outputs", "include_stop_str_in_output")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
@@ -393,8 +394,7 @@ def _close(resp: _Response, c: CompletionOutput, text: str, lps: list[Any], sent
     """The events after the last token: the message's ends, the calls, then ``response.completed``
     (also for an incomplete response, as vLLM ends every stream and the openai client expects)."""
     status = _status(c)
-    calls = resp.call.parsers[0].calls if 0 in resp.call.parsers else []
-    calls = [resp.function_call(tc, status) for tc in calls]
+    calls = [resp.function_call(tc, status) for tc in resp.call.answered_calls(0)]
     events, output = [], []
     if text or not calls:
         if not text:
