@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_setup import activation_bytes_estimate, eos_token_ids, num_kv_blocks, resolve_device, resolve_dtype
 from ferrokv.kv_cache import KVCacheSpec
+from ferrokv.sampling_params import SamplingParams
 
 
 def test_device_and_dtype():
@@ -328,3 +331,38 @@ def test_activation_estimate_of_a_llama3_8b_step():
     assert activation_bytes_estimate(mc, EngineArgs(max_num_batched_tokens=16384), torch.bfloat16, cuda) > base
     assert activation_bytes_estimate(mc, EngineArgs(max_num_seqs=512), torch.bfloat16, cuda) > base
     assert activation_bytes_estimate(mc, EngineArgs(), torch.float32, cuda) > base
+
+
+def _peak_bytes(fn) -> int:
+    """Peak bytes of the tensors ``fn`` allocates and holds at once (the profiler's allocation
+    records, in order)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as d:
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    live = peak = 0
+    for _, nbytes in sorted((e["ts"], e["args"]["Bytes"]) for e in events if e.get("name") == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9, logprobs=5),
+                                    dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, logprobs=2,
+                                         presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)])
+def test_the_sampler_fits_the_activation_estimates_allowance(params):
+    """A sampling step's peak memory beside its logits stays within ``SAMPLER_FP32_BUFFERS``
+    float32 ``[rows, V]`` buffers, with flat rows (every top-p row takes the redo's sort)."""
+    import numpy as np
+    from ferrokv.engine_setup import SAMPLER_FP32_BUFFERS
+    from ferrokv.sampler import SamplingMetadata, SamplingRow, sample_async
+    R, V = 8, 5000
+    logits = (torch.randn(R, V, generator=torch.Generator().manual_seed(0)) * 0.3).to(torch.bfloat16)
+    rows = [SamplingRow(SamplingParams(seed=i, **params), uniform=float(u))
+            for i, u in enumerate(np.random.default_rng(0).random(R))]
+    md = SamplingMetadata.build(rows, V)
+    peak = _peak_bytes(lambda: sample_async(logits, md).result())
+    assert peak <= R * V * SAMPLER_FP32_BUFFERS * 4

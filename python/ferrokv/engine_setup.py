@@ -126,18 +126,24 @@ def _gpu_kv_budget(utilization: float, device: torch.device, activation_bytes: i
     return budget
 
 
+# float32 ``[rows, V]`` buffers a sampling step holds at its peak beside the logits, in the worst case:
+# every row top-p with its redo's sort (values and int64 indices) and a logprob table. About 10.3 on
+# the CPU (tests/test_engine_setup.py measures it); the rest is for a device sort's scratch.
+SAMPLER_FP32_BUFFERS = 12
+
+
 def activation_bytes_estimate(mc: Any, a: EngineArgs, dtype: torch.dtype, device: torch.device) -> int:
     """A step's peak working memory beside the weights and the KV cache, estimated (vLLM measures
     it with a profiling forward pass): a full token budget through one layer (the larger of the
     attention and MLP phases, with the residual stream) and the logits rows through the sampler
-    (the model's logits, their float32 copy and about five float32 ``[rows, V]`` buffers). Prompt
+    (the model's logits and ``SAMPLER_FP32_BUFFERS`` float32 ``[rows, V]`` buffers). Prompt
     logprobs over long chunks can need more."""
     b = torch.empty((), dtype=dtype).element_size()
     tokens = step_token_budget(a, device)
     rows = min(a.max_num_seqs, tokens)
     attention = (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim + mc.hidden_size
     per_token = b * (2 * mc.hidden_size + max(3 * mc.intermediate_size, attention))
-    return tokens * per_token + rows * mc.vocab_size * (b + 6 * 4)
+    return tokens * per_token + rows * mc.vocab_size * (b + SAMPLER_FP32_BUFFERS * 4)
 
 
 def allocate_kv_cache(a: EngineArgs, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> PagedKVCache:
