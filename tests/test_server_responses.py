@@ -102,6 +102,15 @@ def test_stream_events_in_order_and_adding_up(client):
     assert events[0].response.status == "in_progress" and events[0].response.output == []
 
 
+@pytest.mark.parametrize("tools", [None, []])
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_tool_choice_auto_or_none_without_tools_is_plain_text(client, tools, choice):
+    """vLLM's: with no tools, ``auto`` (what clients send by default) and ``none`` answer text."""
+    kw = {} if tools is None else {"tools": tools}
+    r = client.responses.create(model=MODEL, input=USER, max_output_tokens=3, tool_choice=choice, **kw)
+    assert [item.type for item in r.output] == ["message"] and r.output_text
+
+
 def test_structured_outputs_and_include_stop_str_are_passed_on(client):
     """vLLM's ResponsesRequest takes ``structured_outputs`` and ``include_stop_str_in_output``."""
     r = client.responses.create(model=MODEL, input=USER, max_output_tokens=20, temperature=0.0,

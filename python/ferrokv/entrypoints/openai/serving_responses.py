@@ -239,8 +239,11 @@ def parse_responses_request(body: Any, defaults: Mapping[str, Any], max_logprobs
     messages, origins = _conversation(body.get("instructions"), body.get("input"))
     chat: dict[str, Any] = {k: body[k] for k in _PASSED_ON if k in body}
     chat["messages"] = messages
+    tools, tool_choice = _chat_tools(body.get("tools")), _chat_tool_choice(body.get("tool_choice"))
+    if not tools and tool_choice in ("auto", "none"):
+        tool_choice = None  # vLLM's: with no tools, "auto" (the API's default) and "none" are plain text
     extra = {"max_tokens": body.get("max_output_tokens"), "response_format": _text_format(body.get("text")),
-             "tools": _chat_tools(body.get("tools")), "tool_choice": _chat_tool_choice(body.get("tool_choice"))}
+             "tools": tools or None, "tool_choice": tool_choice}
     chat.update({k: v for k, v in extra.items() if v is not None})
     if _LOGPROBS_INCLUDE in include:  # vLLM's: logprobs only when included, top_logprobs alternatives each
         chat.update(logprobs=True, top_logprobs=top or 0)
