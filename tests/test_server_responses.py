@@ -29,7 +29,8 @@ TOOL = {"type": "function", "name": "get_weather", "description": "Weather", "pa
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with serve(tiny_model_dir("llama-serve"), "--served-model-name", MODEL, "--max-model-len", "512") as s:
+    with serve(tiny_model_dir("llama-serve"), "--served-model-name", MODEL, "--max-model-len", "512",
+               "--trust-request-chat-template") as s:
         yield s
 
 
@@ -231,6 +232,10 @@ def test_logprobs_when_included(client):
     ({"input": USER, "include": "logprobs"}, 400, "include"),
     ({"input": USER, "model": "other"}, 404, "model"),
     ({"input": USER, "structured_outputs": {"choice": []}}, 400, "structured_outputs"),
+    ({"input": USER, "prompt": {"id": "pmpt_1"}}, 400, "prompt"),
+    ({"input": USER, "service_tier": "bogus"}, 400, "service_tier"),
+    ({"input": USER, "max_tool_calls": 0}, 400, "max_tool_calls"),
+    ({"input": USER, "reasoning": {"effort": "extreme"}}, 400, "reasoning"),
     ({"input": USER, "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}}, 400,
      "structured_outputs"),
 ])
@@ -285,3 +290,90 @@ def test_raw_stream_is_named_events_without_done(http):
         assert event.startswith("event: ") and data.startswith("data: ")
         assert json.loads(data[len("data: "):])["type"] == event[len("event: "):]
     assert "[DONE]" not in blocks[-1]
+
+
+# Shows what reaches the template: the tools, the reasoning knobs and whether a turn is opened.
+PROBE_TEMPLATE = ("{% if tools %}TOOLS {% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
+                  "{% if reasoning_effort is defined %}EFFORT {{ reasoning_effort }} THINK {{ enable_thinking }} "
+                  "{% endif %}{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def prompt_tokens(http, messages, **kw) -> int:
+    r = http.post("/tokenize", json={"model": MODEL, "messages": messages, "chat_template": PROBE_TEMPLATE, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def input_tokens(http, **kw) -> int:
+    r = http.post("/v1/responses", json={"model": MODEL, "max_output_tokens": 2, "chat_template": PROBE_TEMPLATE,
+                                         **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["input_tokens"]
+
+
+def test_tool_choice_none_shows_the_template_no_tools(http):
+    """vLLM's construct_tool_dicts: with ``tool_choice: "none"`` the tools stay out of the prompt."""
+    user = [{"role": "user", "content": USER}]
+    with_tools = prompt_tokens(http, user, tools=[{"type": "function", "function": {k: v for k, v in TOOL.items()
+                                                                                     if k != "type"}}])
+    assert input_tokens(http, input=USER, tools=[TOOL], tool_choice="none") == prompt_tokens(http, user) < with_tools
+
+
+@pytest.mark.parametrize("effort", ["high", "none"])
+def test_reasoning_effort_reaches_the_template(http, effort):
+    """vLLM's build_chat_params: ``reasoning.effort`` and ``enable_thinking`` (off for "none") are
+    template kwargs; the caller's own ``chat_template_kwargs`` win."""
+    user = [{"role": "user", "content": USER}]
+    want = prompt_tokens(http, user, chat_template_kwargs={"reasoning_effort": effort,
+                                                            "enable_thinking": effort != "none"})
+    assert input_tokens(http, input=USER, reasoning={"effort": effort}) == want > prompt_tokens(http, user)
+    own = {"reasoning_effort": effort, "enable_thinking": "the caller's own value"}
+    assert input_tokens(http, input=USER, reasoning={"effort": effort}, chat_template_kwargs=own) == \
+        prompt_tokens(http, user, chat_template_kwargs=own) != want
+
+
+@pytest.mark.parametrize("status", ["in_progress", "incomplete"])
+def test_a_partial_assistant_message_is_continued(http, status):
+    """vLLM's should_continue_final_message: the answer goes on from the partial message (no new
+    turn); a completed one gets a new turn."""
+    items = [{"role": "user", "content": USER}, {"role": "assistant", "content": "The sky"}]
+    partial = [items[0], {**items[1], "type": "message", "status": status}]
+    assert input_tokens(http, input=partial) == \
+        prompt_tokens(http, items, add_generation_prompt=False, continue_final_message=True)
+    assert input_tokens(http, input=[items[0], {**items[1], "status": "completed"}]) == prompt_tokens(http, items)
+
+
+def test_a_function_call_output_of_text_parts_is_its_text(http):
+    """The SDK's ``output`` may be a list of ``input_text`` parts (vLLM passes it on as content)."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    def out(output):
+        return {"type": "function_call_output", "call_id": "c1", "output": output}
+    as_text = input_tokens(http, input=[{"role": "user", "content": USER}, call, out("sunny and warm")])
+    parts = [{"type": "input_text", "text": "sunny and warm"}]
+    assert input_tokens(http, input=[{"role": "user", "content": USER}, call, out(parts)]) == as_text
+
+
+def test_truncation_auto_keeps_the_prompts_last_tokens(http):
+    """vLLM's: ``truncation: "auto"`` cuts the prompt from the left to fit; "disabled" is a 400."""
+    long_input = " ".join(["word"] * 2000)
+    r = http.post("/v1/responses", json={"model": MODEL, "input": long_input, "max_output_tokens": 10})
+    assert_openai_error(r, 400, "input")
+    r = http.post("/v1/responses", json={"model": MODEL, "input": long_input, "max_output_tokens": 10,
+                                         "truncation": "auto"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] == 512 - 10 and r.json()["truncation"] == "auto"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_max_output_tokens_past_the_context_is_named_so(http, stream):
+    r = http.post("/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 600, "stream": stream})
+    assert "max_output_tokens=600" in assert_openai_error(r, 400, "max_output_tokens")["message"]
+
+
+def test_service_tier_and_max_tool_calls_are_echoed(http):
+    r = http.post("/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 2,
+                                         "service_tier": "flex", "max_tool_calls": 3})
+    assert r.status_code == 200 and (r.json()["service_tier"], r.json()["max_tool_calls"]) == ("flex", 3)
+    default = http.post("/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 2}).json()
+    assert (default["service_tier"], default["max_tool_calls"]) == ("auto", None)

@@ -3,9 +3,11 @@ Harmony format. The ``instructions`` (a system message) and the ``input`` (a str
 ``message``, ``function_call`` and ``function_call_output`` items) become a chat conversation,
 which takes the chat path (``serving_chat``: the template, tools, ``text.format`` as a structured
 output, or vLLM's ``structured_outputs``; the sampling fields vLLM's ResponsesRequest takes pass on
-as they are); one sample is generated. Its answer is the response's ``output``: a ``message`` item with
-one ``output_text`` part (when there is text, or nothing else), then one ``function_call`` item
-per tool call. A finish by length makes the response ``incomplete`` (reason
+as they are; as vLLM's: ``truncation: "auto"`` keeps the prompt's last tokens that fit, a last
+assistant message ``in_progress`` or ``incomplete`` is continued, ``tool_choice: "none"`` shows the
+template no tools, ``reasoning.effort`` is the template's ``reasoning_effort``); one sample is
+generated. Its answer is the response's ``output``: a ``message`` item with one ``output_text``
+part (when there is text, or nothing else), then one ``function_call`` item per tool call. A finish by length makes the response ``incomplete`` (reason
 ``max_output_tokens``).
 
 As vLLM without ``VLLM_ENABLE_RESPONSES_API_STORE``, nothing is stored: ``store`` is ignored,
@@ -52,7 +54,9 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
                "message.input_image.image_url", _LOGPROBS_INCLUDE, "reasoning.encrypted_content")  # vLLM's
-_EFFORTS = (None, "minimal", "low", "medium", "high")
+_EFFORTS = (None, "none", "minimal", "low", "medium", "high", "xhigh")
+_SERVICE_TIERS = (None, "auto", "default", "flex", "scale", "priority")  # vLLM's
+_PARTIAL = ("in_progress", "incomplete")  # an assistant message of this status is continued (vLLM's)
 
 
 @dataclass(slots=True)
@@ -121,8 +125,9 @@ def _input_item(item: Any, where: str) -> dict[str, Any] | None:
                              "arguments": _string(item.get("arguments"), f"{where}.arguments")}}
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
+        output = item.get("output")  # a string, or a list of content parts (checked as a message's)
         return {"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{where}.call_id"),
-                "content": _string(item.get("output"), f"{where}.output")}
+                "content": output if isinstance(output, list) else _string(output, f"{where}.output")}
     if kind == "reasoning":
         return None  # as vLLM: earlier reasoning does not reach the template
     raise bad(f"{where}.type", f"{where}.type must be 'message', 'function_call', 'function_call_output' or "
@@ -208,35 +213,41 @@ def _echoed(body: Mapping[str, Any], top: int | None, params: Any) -> dict[str, 
     if metadata is not None and not (isinstance(metadata, Mapping) and all(
             isinstance(k, str) and isinstance(v, str) and is_text(k + v) for k, v in metadata.items())):
         raise bad("metadata", f"metadata must map strings to strings, got {shown(metadata)}")
-    reasoning = body.get("reasoning")
-    if reasoning is not None and not (isinstance(reasoning, Mapping) and reasoning.get("effort") in _EFFORTS):
-        raise bad("reasoning", f"reasoning must be an object such as {{'effort': 'low'}}, got {shown(reasoning)}")
+    max_tool_calls = body.get("max_tool_calls")
+    if max_tool_calls is not None and not (type(max_tool_calls) is int and max_tool_calls >= 1):
+        raise bad("max_tool_calls", f"max_tool_calls must be None or an int >= 1, got {shown(max_tool_calls)}")
     text = body.get("text") or {"format": {"type": "text"}}
     _one_of(text, "verbosity", (None, "low", "medium", "high"), None, where="text.")
     _bool(body, "store", True)  # checked, then ignored: nothing is stored (vLLM's default)
     return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "metadata": metadata, "parallel_tool_calls": _bool(body, "parallel_tool_calls", True),
-            "previous_response_id": None, "reasoning": reasoning, "store": False,
+            "previous_response_id": None, "reasoning": body.get("reasoning"), "store": False,
+            "max_tool_calls": max_tool_calls,
+            "service_tier": _one_of(body, "service_tier", _SERVICE_TIERS, "auto"),
             "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "top_logprobs": top, "truncation": _one_of(body, "truncation", ("auto", "disabled", None), "disabled"),
             "user": body.get("user"), "background": False, "temperature": params.temperature, "top_p": params.top_p}
 
 
-def parse_responses_request(body: Any, defaults: Mapping[str, Any], max_logprobs: int,
-                            tool_call_parser: str | None) -> ResponsesRequest:
-    body = _lax_numbers(_object(body), ("max_output_tokens", "top_logprobs", "top_k", "seed", "min_tokens",
-                                        "priority"))
+def _refuse_unserved(body: Mapping[str, Any]) -> list[str]:
+    """The fields this server cannot serve are 400s (404s for stored responses); returns ``include``."""
     if _bool(body, "background", False):
         raise bad("background", "background is not supported: this server stores no responses (as vLLM without "
                                 "VLLM_ENABLE_RESPONSES_API_STORE)")
     if body.get("previous_response_id") is not None:
         raise OpenAIError(404, f"previous_response_id: no response {shown(body['previous_response_id'])}: this "
                                "server stores no responses", "previous_response_id")
+    if body.get("prompt") is not None:
+        raise bad("prompt", f"prompt (a stored prompt template) is not supported, got {shown(body['prompt'])}")
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(x, str) and x in _INCLUDABLE for x in include):
         raise bad("include", f"include must be a list of {list(_INCLUDABLE)}, got {shown(include)}")
-    top = _logprobs(body, "top_logprobs", max_logprobs)
-    messages, origins = _conversation(body.get("instructions"), body.get("input"))
+    return include
+
+
+def _chat_body(body: Mapping[str, Any], messages: list[dict[str, Any]], include: list[str], top: int | None,
+               effort: str | None) -> dict[str, Any]:
+    """The chat request this response is made by (``parse_chat_request`` checks it)."""
     chat: dict[str, Any] = {k: body[k] for k in _PASSED_ON if k in body}
     chat["messages"] = messages
     tools, tool_choice = _chat_tools(body.get("tools")), _chat_tool_choice(body.get("tool_choice"))
@@ -247,10 +258,41 @@ def parse_responses_request(body: Any, defaults: Mapping[str, Any], max_logprobs
     chat.update({k: v for k, v in extra.items() if v is not None})
     if _LOGPROBS_INCLUDE in include:  # vLLM's: logprobs only when included, top_logprobs alternatives each
         chat.update(logprobs=True, top_logprobs=top or 0)
+    if _one_of(body, "truncation", ("auto", "disabled", None), "disabled") == "auto":
+        chat["truncate_prompt_tokens"] = -1  # vLLM's: the prompt's last tokens that fit
+    last = body["input"][-1] if isinstance(body["input"], list) else None
+    if isinstance(last, Mapping) and last.get("role") == "assistant" and last.get("status") in _PARTIAL:
+        chat.update(add_generation_prompt=False, continue_final_message=True)  # the answer goes on
+    kwargs = chat.get("chat_template_kwargs")
+    if effort is not None and (kwargs is None or isinstance(kwargs, Mapping)):
+        # vLLM's: the template sees the effort (and thinks unless it is "none"); the caller's own kwargs win.
+        chat["chat_template_kwargs"] = {"reasoning_effort": effort, "enable_thinking": effort != "none",
+                                        **(kwargs or {})}
+    return chat
+
+
+def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not (isinstance(reasoning, Mapping) and reasoning.get("effort") in _EFFORTS):
+        raise bad("reasoning", f"reasoning must be an object such as {{'effort': 'low'}} (effort one of "
+                               f"{list(_EFFORTS[1:])}), got {shown(reasoning)}")
+    return None if reasoning is None else reasoning.get("effort")
+
+
+def parse_responses_request(body: Any, defaults: Mapping[str, Any], max_logprobs: int,
+                            tool_call_parser: str | None) -> ResponsesRequest:
+    body = _lax_numbers(_object(body), ("max_output_tokens", "top_logprobs", "top_k", "seed", "min_tokens",
+                                        "priority", "max_tool_calls"))
+    include = _refuse_unserved(body)
+    top = _logprobs(body, "top_logprobs", max_logprobs)
+    messages, origins = _conversation(body.get("instructions"), body.get("input"))
+    chat = _chat_body(body, messages, include, top, _reasoning_effort(body))
     try:
         req = parse_chat_request(chat, defaults=defaults, max_logprobs=max_logprobs, tool_call_parser=tool_call_parser)
     except OpenAIError as e:
         raise _renamed(e, origins) from None
+    if body.get("tool_choice") == "none":
+        req.template["tools"] = None  # vLLM's construct_tool_dicts: the template sees no tools
     return ResponsesRequest(req, origins, _echoed(body, top, req.params))
 
 
@@ -334,9 +376,13 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
 
     async def prompt_then_generate() -> Any:
         ids = await state.llm.encode_chat(chat.messages, chat.add_generation_prompt, **template)
-        async for out in generate_checked(state.llm, {"prompt_token_ids": ids}, chat.params, engine_id, "input",
-                                          priority=chat.priority, cache_salt=chat.cache_salt):
-            yield out
+        try:
+            outputs = generate_checked(state.llm, {"prompt_token_ids": ids}, chat.params, engine_id, "input",
+                                       priority=chat.priority, cache_salt=chat.cache_salt)
+            async for out in outputs:
+                yield out
+        except OpenAIError as e:  # the room check's, told as max_output_tokens
+            raise _renamed(e, req.origins) from None
 
     async def respond(gen: Generation) -> Any:
         if chat.stream:
