@@ -148,6 +148,19 @@ def filtered(probs, top_k, top_p):
     return out.index_copy(0, rows, S._full_nucleus(probs[rows], k[rows], top_p[rows]))
 
 
+def test_a_greedy_row_keeps_its_argmax_whatever_its_top_p_column_says():
+    """The arrays may carry a top-p for a greedy row (its params assigned after validation): the
+    redo of unsure top-p rows must not replace its argmax (vLLM: greedy rows ignore top-p)."""
+    V = 3000
+    x = rand_logits(2, V, seed=5, scale=0.2)  # flat: a top-p row is unsure
+    greedy = SP(temperature=0.0)
+    greedy.top_p = 0.9
+    arrays = SamplingArrays.of_rows([SamplingRow(greedy, uniform=0.0), SamplingRow(SP(top_p=0.9), uniform=0.3)])
+    assert arrays.row_top_p[0] == np.float32(0.9)
+    out = sample(x, SamplingMetadata.from_arrays(arrays, V))
+    assert int(out.token_ids[0]) == int(x[0].argmax())
+
+
 def test_rows_the_candidates_miss_are_sampled_from_their_whole_nucleus_after_the_sync():
     # A flat row (nucleus of ~1700 of 2000 tokens) and a peaked one: sampling leaves the flat row
     # unsure on the device, and result() samples it again from its whole nucleus, with its own

@@ -261,8 +261,8 @@ class SamplingMetadata:
                 max_top_k = int(k[enabled].max(initial=0))
                 if max_top_k > 0:
                     top_k = tensor(np.where(enabled, k, V))
-            if a.any_top_p:
-                top_p = tensor(a.row_top_p)
+            if a.any_top_p:  # off for greedy rows: the top-p redo must not replace their argmax
+                top_p = tensor(np.where(is_greedy, np.float32(1.0), a.row_top_p))
             if a.any_min_p:
                 min_p = tensor(a.row_min_p)
             draw_missing = bool(np.isnan(a.row_uniform).any())
