@@ -539,6 +539,45 @@ def test_tokenize_messages_uses_chat_template(http):
     assert r.json()["count"] == len(chat_ids(MESSAGES))
 
 
+def test_documents_reasoning_effort_and_replayed_reasoning_reach_the_template(http):
+    """vLLM's build_chat_params and message parsing: ``documents``, ``reasoning_effort`` (with
+    ``enable_thinking``, off for "none"; the caller's kwargs win) and an assistant message's
+    ``reasoning`` (``reasoning_content`` another name for it, both given) reach the template, in
+    chat completions and /tokenize alike."""
+    from ferrokv.llm import chat_token_ids
+
+    template = ("{% for d in documents or [] %}DOC {{ d.title }}: {{ d.text }}\n{% endfor %}"
+                "{% if reasoning_effort is defined %}EFFORT {{ reasoning_effort }} THINK {{ enable_thinking }}\n"
+                "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.reasoning_content or '' }}"
+                "|{{ m.reasoning or '' }}|{{ m.content }}\n{% endfor %}")
+    conv = MESSAGES + [{"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Why?"}]
+    docs = [{"title": "Sky", "text": "Rayleigh scattering."}]
+    thought = "Short wavelengths scatter more."
+    cases = [  # (request fields, messages, what the template must be given)
+        (dict(documents=docs), conv, dict(documents=docs)),
+        (dict(reasoning_effort="low"), conv,
+         dict(chat_template_kwargs={"reasoning_effort": "low", "enable_thinking": True})),
+        (dict(reasoning_effort="none"), conv,
+         dict(chat_template_kwargs={"reasoning_effort": "none", "enable_thinking": False})),
+        (dict(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}), conv,
+         dict(chat_template_kwargs={"reasoning_effort": "high", "enable_thinking": False})),
+    ]
+    for key in ("reasoning", "reasoning_content"):
+        replayed = [*conv[:2], {**conv[2], key: thought}, conv[3]]
+        cases.append(({}, replayed, dict(messages=[*conv[:2], {**conv[2], "reasoning": thought,
+                                                                "reasoning_content": thought}, conv[3]])))
+    plain = chat_token_ids(tiny_tokenizer(), conv, True, chat_template=template)
+    for body, messages, given in cases:
+        want = chat_token_ids(tiny_tokenizer(), given.pop("messages", messages), True, chat_template=template,
+                              **given)
+        assert want != plain, body
+        tok = http.post("/tokenize", json={"model": MODEL, "messages": messages, "chat_template": template, **body})
+        assert tok.status_code == 200 and tok.json()["tokens"] == want, (body, tok.text)
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1,
+                                                    "chat_template": template, **body})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), (body, r.text)
+
+
 def test_chat_template_fields_shape_the_prompt_as_in_vllm(http):
     """chat_template, continue_final_message and chat_template_kwargs reach the template, in chat
     completions and /tokenize alike (the prompt's size is in usage)."""

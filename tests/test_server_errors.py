@@ -147,6 +147,15 @@ BAD_PARAMS = [
     (_C, "guided_regex", "[a-", "[a-"),
     (_C, "logits_processors", ["my.module.Processor"], None),  # vLLM refuses them unless allowed at startup
     (_CH, "use_beam_search", True, None),
+    (_CH, "reasoning_effort", "extreme", "extreme"),
+    (_CH, "documents", "oops", "oops"),
+    (_CH, "documents", [{"title": 5}], "5"),
+    # vLLM's fields that would change the output: refused, never ignored.
+    (_C, "truncation_side", "right", "right"),
+    (_CH, "logprob_token_ids", [5, 6], None),
+    (_CH, "thinking_token_budget", 10, "10"),
+    (_CH, "repetition_detection", {"max_pattern_size": 4}, None),
+    (_C, "prompt_embeds", "AAAA", "AAAA"),
     (_TOK, "prompt", 42, "42"),
     (_TOK, "prompt", "bad \ud800 surrogate", None),
     (_DETOK, "tokens", [-1], None),
@@ -431,8 +440,9 @@ def test_413_body_too_large(http):
 def test_415_body_not_declared_json(http, path, content_type):
     """vLLM's rule: only application/json (a browser's form or text/plain post needs no CORS
     preflight, so any web page could otherwise start generations on a local server)."""
-    raw = json.dumps(chat_body() if path == _CH else {"model": MODEL, "prompt": "the cat", "input": "hi",
-                                                       "max_tokens": 2}).encode()
+    body = chat_body() if path == _CH else {"model": MODEL, "input": "hi", "max_output_tokens": 2} \
+        if path == "/v1/responses" else {"model": MODEL, "prompt": "the cat", "max_tokens": 2}
+    raw = json.dumps(body).encode()
     headers = {} if content_type is None else {"content-type": content_type}
     r = http.post(path, content=raw, headers=headers)
     err = assert_openai_error(r, 415, "application/json", "missing" if content_type is None else content_type)

@@ -21,7 +21,7 @@ from typing import Any, TypedDict, Union
 
 import numpy as np
 
-from ferrokv.checks import check_int, check_text, shown
+from ferrokv.checks import check_int, check_text, is_text, shown
 
 logger = logging.getLogger("ferrokv")
 
@@ -301,14 +301,19 @@ def message_text(content: Any, name: str, role: Any = None) -> str | tuple[str, 
 
 
 def message_tool_fields(m: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The tool fields of the chat message ``where`` (``messages[3]``) that a chat template may
-    use, checked: an assistant's ``tool_calls`` (each ``function.arguments`` JSON text parsed
-    into an object, "" or absent as {}, as vLLM gives them to templates), a tool message's
-    ``tool_call_id``, and ``name``. A ``ValueError`` starts with the bad field's path."""
+    """The tool and reasoning fields of the chat message ``where`` (``messages[3]``) that a chat
+    template may use, checked: an assistant's ``tool_calls`` (each ``function.arguments`` JSON
+    text parsed into an object, "" or absent as {}, as vLLM gives them to templates) and its
+    ``reasoning`` (``reasoning_content`` is another name for it: the template gets both, as
+    vLLM's), a tool message's ``tool_call_id``, and ``name``. A ``ValueError`` starts with the bad
+    field's path."""
     out: dict[str, Any] = {}
     for key in ("tool_call_id", "name"):
         if m.get(key) is not None:
             out[key] = check_text(f"{where}.{key}", m[key])
+    key = "reasoning" if m.get("reasoning") is not None else "reasoning_content"
+    if m.get("role") == "assistant" and m.get(key) is not None:
+        out["reasoning"] = out["reasoning_content"] = check_text(f"{where}.{key}", m[key])
     calls = m.get("tool_calls")
     if calls is None:
         return out
@@ -334,6 +339,14 @@ def _replayed_call(where: str, call: Any) -> dict[str, Any]:
     elif not isinstance(args, (Mapping, list)):
         raise ValueError(f"{where}.function.arguments must be JSON text, got {shown(args)}")
     return {**call, "function": {**f, "arguments": args}}
+
+
+def check_documents(documents: Any) -> None:
+    """vLLM's ``documents`` for a chat template (retrieval-augmented ones show them): None or a
+    list of objects mapping strings to strings."""
+    if documents is not None and not (isinstance(documents, list) and all(
+            isinstance(d, Mapping) and all(is_text(k) and is_text(v) for k, v in d.items()) for d in documents)):
+        raise ValueError(f"documents must be a list of objects mapping strings to strings, got {shown(documents)}")
 
 
 def check_tools(tools: Any) -> None:

@@ -32,8 +32,8 @@ from ferrokv.checks import check_int, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineLoop, StreamItem
-from ferrokv.inputs import (add_special_tokens_of, batch_prompts, check_no_lora, check_tools, message_text,
-                            message_tool_fields, template_kwargs, tokenized_prompt)
+from ferrokv.inputs import (add_special_tokens_of, batch_prompts, check_documents, check_no_lora, check_tools,
+                            message_text, message_tool_fields, template_kwargs, tokenized_prompt)
 from ferrokv.metrics_reader import Metric, engine_metrics, engine_stats
 from ferrokv.outputs import Logprob, RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
@@ -103,13 +103,14 @@ def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_gener
 def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
                 name: str = "messages", *, chat_template: str | None = None, continue_final_message: bool = False,
                 chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[Any] | None = None,
-                content_format: str = "auto") -> tuple[str, list[int]]:
+                documents: list[Mapping[str, str]] | None = None, content_format: str = "auto") -> tuple[str, list[int]]:
     """One conversation (checked by ``checked_messages``) through the chat template (the
     tokenizer's, or ``chat_template``): the rendered text and its token ids (tokenized without
     special tokens of the tokenizer's own, as transformers and vLLM do: the template has them);
     ``name`` is what errors call it. A template's own refusal or syntax error is a ``ValueError``
     naming it. ``chat_template_kwargs``: extra variables for the template (vLLM's; e.g.
     ``enable_thinking``); ``tools``: OpenAI's tool definitions, for a template that shows them;
+    ``documents``: vLLM's, for a retrieval-augmented template;
     ``content_format``: how the template reads a message's content (``ferrokv.chat_content_format``)."""
     from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
 
@@ -119,6 +120,7 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
     add_generation_prompt = extra.pop("add_generation_prompt", add_generation_prompt)
     continue_final_message = extra.pop("continue_final_message", continue_final_message)
     tools = extra.pop("tools", tools)
+    documents = extra.pop("documents", documents)
     for flag, v in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final_message)):
         if not isinstance(v, bool):
             raise ValueError(f"{flag} must be a bool, got {shown(v)}")
@@ -131,12 +133,13 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
     elif not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}: the tokenizer has no chat template")
     check_tools(tools)
+    check_documents(documents)
     conversation = with_content_format(conversation, content_format,
                                        chat_template if chat_template is not None else tokenizer.chat_template)
     which = "chat_template" if chat_template is not None else f"{name}: the model's chat template"
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, tools=tools,
-                                             add_generation_prompt=add_generation_prompt,
+                                             documents=documents, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **extra)
     except TemplateError as e:
         raise ValueError(f"{which} refused this conversation ({_escaped(e)})") from None

@@ -30,7 +30,7 @@ from typing import Any
 from ferrokv.checks import check_text, shown
 from ferrokv.engine_args import EngineArgs
 from ferrokv.entrypoints.openai.tool_calls import ToolChoice, ToolError, parse_tools
-from ferrokv.inputs import message_text, message_tool_fields
+from ferrokv.inputs import check_documents, message_text, message_tool_fields
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.structured_outputs import StructuredOutputsParams
@@ -50,10 +50,16 @@ _SAMPLING_FIELDS = (
     "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "spaces_between_special_tokens",
 )
 _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
-# OpenAI fields this server does not implement: refused when set to anything but their no-op value.
+# vLLM's reasoning_effort values (the openai SDK's ReasoningEffort).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# OpenAI's and vLLM's fields this server does not implement: refused when set to anything but
+# their no-op value (a field that would change the output is never ignored).
 _UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
-                "function_call": (None, "none", "auto"), "structural_tag": (None,)}
-_INSTEAD = {"functions": "; give them in tools (type 'function')", "function_call": "; use tool_choice"}
+                "function_call": (None, "none", "auto"), "structural_tag": (None,), "truncation_side": (None, "left"),
+                "logprob_token_ids": (None,), "thinking_token_budget": (None,), "repetition_detection": (None,),
+                "prompt_embeds": (None,)}
+_INSTEAD = {"functions": "; give them in tools (type 'function')", "function_call": "; use tool_choice",
+            "truncation_side": " (only 'left': truncate_prompt_tokens keeps the prompt's last tokens)"}
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it
 _TOKEN_ID_KEY = re.compile(r"\d{1,18}")
@@ -498,16 +504,28 @@ class ChatRequest(_Common):
 
 def _template(body: Mapping[str, Any], tools: list[Any] | None) -> dict[str, Any]:
     """vLLM's chat-template fields of a request: ``chat_template`` (a Jinja string), ``tools``
-    (checked by ``_tools``), ``continue_final_message`` and ``chat_template_kwargs``
-    (``chat_token_ids`` checks the rest)."""
+    (checked by ``_tools``), ``documents``, ``continue_final_message``, ``reasoning_effort`` and
+    ``chat_template_kwargs`` (``chat_token_ids`` checks the rest)."""
     kwargs = _opt(body, "chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise bad("chat_template_kwargs", f"chat_template_kwargs must be a JSON object, got {shown(kwargs)}")
+    effort = _opt(body, "reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad("reasoning_effort",
+                      f"reasoning_effort must be one of {list(REASONING_EFFORTS)}, got {shown(effort)}")
+        # vLLM's: the template sees the effort, and thinks unless it is "none"; the caller's own kwargs win.
+        kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none", **(kwargs or {})}
     if _bool(body, "add_special_tokens", False):  # vLLM's default for chat: the template has them
         raise bad("add_special_tokens", "add_special_tokens: true is not supported for chat (the template adds them)")
+    documents = body.get("documents")
+    try:
+        check_documents(documents)
+    except ValueError as e:
+        raise bad("documents", str(e)) from None
     return dict(chat_template=_str(body, "chat_template"),
                 continue_final_message=_bool(body, "continue_final_message", False), chat_template_kwargs=kwargs,
-                tools=tools)
+                tools=tools, documents=documents)
 
 
 def _tools(body: Mapping[str, Any], auto_parser: str | None = None) -> tuple[list[Any] | None, ToolChoice | None]:
@@ -544,7 +562,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         except ValueError as e:  # its message starts with the field's path
             raise bad(str(e).split(" ", 1)[0], str(e)) from None
         out.append({"role": m["role"], "content": _content(i, m.get("content"), m["role"]),
-                    **{key: m[key] for key in tool_fields}})
+                    **{key: m[key] if key == "tool_calls" else value for key, value in tool_fields.items()}})
     return out
 
 

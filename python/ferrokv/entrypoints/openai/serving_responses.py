@@ -36,8 +36,8 @@ from typing import Any
 from fastapi import Request
 
 from ferrokv.checks import is_text, shown
-from ferrokv.entrypoints.openai.protocol import (ChatRequest, OpenAIError, _bool, _lax_numbers, _logprobs, _object,
-                                                 bad, error_body, parse_chat_request)
+from ferrokv.entrypoints.openai.protocol import (REASONING_EFFORTS, ChatRequest, OpenAIError, _bool, _lax_numbers,
+                                                 _logprobs, _object, bad, error_body, parse_chat_request)
 from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
                                                dumps, generate_checked, run_generation, to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_chat import ChatAnswer
@@ -54,7 +54,6 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
                "message.input_image.image_url", _LOGPROBS_INCLUDE, "reasoning.encrypted_content")  # vLLM's
-_EFFORTS = (None, "none", "minimal", "low", "medium", "high", "xhigh")
 _SERVICE_TIERS = (None, "auto", "default", "flex", "scale", "priority")  # vLLM's
 _PARTIAL = ("in_progress", "incomplete")  # an assistant message of this status is continued (vLLM's)
 
@@ -263,19 +262,17 @@ def _chat_body(body: Mapping[str, Any], messages: list[dict[str, Any]], include:
     last = body["input"][-1] if isinstance(body["input"], list) else None
     if isinstance(last, Mapping) and last.get("role") == "assistant" and last.get("status") in _PARTIAL:
         chat.update(add_generation_prompt=False, continue_final_message=True)  # the answer goes on
-    kwargs = chat.get("chat_template_kwargs")
-    if effort is not None and (kwargs is None or isinstance(kwargs, Mapping)):
-        # vLLM's: the template sees the effort (and thinks unless it is "none"); the caller's own kwargs win.
-        chat["chat_template_kwargs"] = {"reasoning_effort": effort, "enable_thinking": effort != "none",
-                                        **(kwargs or {})}
+    if effort is not None:
+        chat["reasoning_effort"] = effort  # the chat path's, as vLLM's build_chat_params gives it the template
     return chat
 
 
 def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
     reasoning = body.get("reasoning")
-    if reasoning is not None and not (isinstance(reasoning, Mapping) and reasoning.get("effort") in _EFFORTS):
+    if reasoning is not None and not (isinstance(reasoning, Mapping) and reasoning.get("effort") in
+                                      (None, *REASONING_EFFORTS)):
         raise bad("reasoning", f"reasoning must be an object such as {{'effort': 'low'}} (effort one of "
-                               f"{list(_EFFORTS[1:])}), got {shown(reasoning)}")
+                               f"{list(REASONING_EFFORTS)}), got {shown(reasoning)}")
     return None if reasoning is None else reasoning.get("effort")
 
 
