@@ -130,10 +130,11 @@ class ChatAnswer:
         return [] if parser is None else parser.calls[:_calls_kept(parser)]
 
     def finish_reason(self, c: CompletionOutput) -> str | None:
-        """vLLM's: "tool_calls" once a reply of ``tool_choice: "auto"`` called tools and stopped;
-        any other reason ("length": cut by max_tokens) is kept, so a truncation is not hidden."""
+        """vLLM's (and OpenAI's): "tool_calls" once a reply of ``tool_choice`` "auto" or "required"
+        called tools and stopped, "stop" for a named function; any other reason ("length": cut by
+        max_tokens) is kept, so a truncation is not hidden."""
         parser = self.parsers.get(c.index)
-        called = parser is not None and not parser.choice.forced and parser.calls
+        called = parser is not None and parser.choice.name is None and parser.calls
         return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
     def _parser(self, index: int) -> ToolCallParser:
