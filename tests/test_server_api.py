@@ -155,6 +155,11 @@ def test_echo_puts_the_prompt_first_as_vllm(client, reference):
             assert w.text.startswith(PROMPT) and (w.logprobs.tokens[0] == f"token_id:{ids[0]}") == as_ids
     with pytest.raises(openai.BadRequestError, match="max_tokens must be an integer in \\[1,"):
         complete(client, max_tokens=0)
+    # Each position lists at most logprobs + 1 tokens, the echoed prompt's too (vLLM's), whatever
+    # prompt_logprobs asked.
+    r = complete(client, max_tokens=3, echo=True, logprobs=1, extra_body={"prompt_logprobs": 4})
+    sizes = [len(top) for top in r.choices[0].logprobs.top_logprobs[1:]]
+    assert sizes and max(sizes) <= 2 and min(sizes) >= 1
 
 
 def test_truncate_prompt_tokens_runs_on_the_prompts_last_tokens(client, reference):

@@ -19,6 +19,7 @@ Costs: O(tokens) per response for the text and logprobs, nothing per step beyond
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any
@@ -65,13 +66,15 @@ def token_text(tid: int, lp: Any, as_ids: bool) -> str:
 
 class _Logprobs:
     """One choice's completion logprobs, accumulated across streamed pieces (``text_offset``
-    runs on from the previous piece)."""
+    runs on from the previous piece); each position lists at most ``logprobs + 1`` tokens, the
+    echoed prompt's too (vLLM's, whatever ``prompt_logprobs`` asked)."""
 
-    __slots__ = ("offset", "as_ids")
+    __slots__ = ("offset", "as_ids", "most")
 
-    def __init__(self, as_ids: bool) -> None:
+    def __init__(self, as_ids: bool, logprobs: int) -> None:
         self.offset = 0
         self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids
+        self.most = logprobs + 1
 
     def piece(self, token_ids: list[int], entries: list[Any], first_text: str = "") -> dict[str, Any]:
         """OpenAI's logprobs of ``token_ids``; an entry may be None (a prompt's first token,
@@ -86,7 +89,8 @@ class _Logprobs:
                 tokens.append(token_text(tid, entry.get(tid), self.as_ids))
                 lps.append(finite_logprob(entry[tid].logprob) if tid in entry else None)
                 top: dict[str, float] = {}
-                for t, lp in entry.items():  # the sampled token first: it keeps its text's key
+                # The sampled token first: it keeps its text's key.
+                for t, lp in itertools.islice(entry.items(), self.most):
                     top.setdefault(token_text(t, lp, self.as_ids), finite_logprob(lp.logprob))
                 tops.append(top)
             offsets.append(self.offset)
@@ -113,7 +117,7 @@ class _Completion:
 
     def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         index = i * self.n + c.index
-        lp = self.logprobs.setdefault(index, _Logprobs(self.req.tokens_as_ids)) if c.logprobs is not None else None
+        lp = self.logprobs.setdefault(index, _Logprobs(self.req.tokens_as_ids, self.req.logprobs or 0)) if c.logprobs is not None else None
         text, ids, entries = (c.text, c.token_ids, c.logprobs) if self.req.generate else ("", [], [])
         logprobs = None
         if self.req.echo and index not in self.echoed:  # the first piece of this choice
