@@ -355,12 +355,13 @@ def test_400_prompt_fills_the_context(http):
     exceed max_model_len): vLLM answers 400, naming the limit; so does a max_tokens too big to fit."""
     r = http.post(_C, json=completion_body(prompt=[5] * MAX_MODEL_LEN, max_tokens=2))
     assert assert_openai_error(r, 400, str(MAX_MODEL_LEN))["param"] == "prompt"
-    # A short prompt whose max_tokens would overflow the context: the error is max_tokens'.
-    for path, body in ((_CH, chat_body(max_tokens=MAX_MODEL_LEN)),
-                       (_CH, chat_body(max_completion_tokens=MAX_MODEL_LEN + 1)),
-                       (_C, completion_body(prompt=[5] * 3, max_tokens=MAX_MODEL_LEN - 2))):
-        err = assert_openai_error(http.post(path, json=body), 400, str(MAX_MODEL_LEN), "is too large")
-        assert err["param"] == "max_tokens", err
+    # A short prompt whose max_tokens would overflow the context: the error is max_tokens', in the
+    # name the request gave it.
+    for path, body, field in ((_CH, chat_body(max_tokens=MAX_MODEL_LEN), "max_tokens"),
+                              (_CH, chat_body(max_completion_tokens=MAX_MODEL_LEN + 1), "max_completion_tokens"),
+                              (_C, completion_body(prompt=[5] * 3, max_tokens=MAX_MODEL_LEN - 2), "max_tokens")):
+        err = assert_openai_error(http.post(path, json=body), 400, str(MAX_MODEL_LEN), "is too large", field)
+        assert err["param"] == field, err
     assert "the prompt has 3, so at most" in err["message"], err
 
 

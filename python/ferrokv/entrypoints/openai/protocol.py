@@ -500,6 +500,7 @@ class ChatRequest(_Common):
     template: dict[str, Any] = field(default_factory=dict)  # chat_token_ids' template keywords
     tool_choice: ToolChoice | None = None  # its tool calling: forced (named, "required") or "auto"
     echo: bool = False  # vLLM's: the last message's content leads each choice, when it has the answer's role
+    max_tokens_field: str = "max_tokens"  # what the request called its max_tokens (errors use its name)
 
 
 def _template(body: Mapping[str, Any], tools: list[Any] | None) -> dict[str, Any]:
@@ -586,4 +587,6 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
     generation_prompt = _bool({**body, **(template["chat_template_kwargs"] or {})}, "add_generation_prompt", True)
     return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
                        top_logprobs=top or 0, add_generation_prompt=generation_prompt, template=template,
-                       tool_choice=tool_choice, echo=_bool(body, "echo", False))
+                       tool_choice=tool_choice, echo=_bool(body, "echo", False),
+                       max_tokens_field="max_completion_tokens" if body.get("max_completion_tokens") is not None
+                       else "max_tokens")

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from typing import Any
 
 from fastapi import Request
 
-from ferrokv.entrypoints.openai.protocol import ChatRequest, parse_chat_request
+from ferrokv.entrypoints.openai.protocol import ChatRequest, OpenAIError, parse_chat_request
 from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
-                                               generate_checked, response_id, run_generation, stream_events, watched)
+                                               generate_checked, response_id, run_generation, stream_events,
+                                               to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, token_text, usage
 from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
 from ferrokv.outputs import CompletionOutput, RequestOutput
@@ -162,8 +164,11 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
         stream = generate_checked(state.llm, {"prompt_token_ids": ids}, req.params, rid, "messages",
                                   priority=req.priority, cache_salt=req.cache_salt)
         async with contextlib.aclosing(stream):  # closed at once when this one is (the abort)
-            async for out in stream:
-                yield out
+            try:
+                async for out in stream:
+                    yield out
+            except OpenAIError as e:  # the room check's
+                raise _as_asked(req, e) from None
 
     async def respond(gen: Generation) -> Any:
         if req.stream:
@@ -178,7 +183,21 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
         return JSONBody({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
                              "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs), **ids})
 
-    return await run_generation(request, state, [prompt_then_generate()], req.params, respond, req.engine_error)
+    def engine_error(e: ValueError) -> Exception:
+        return _as_asked(req, req.engine_error(e))
+
+    return await run_generation(request, state, [prompt_then_generate()], req.params, respond, engine_error)
+
+
+def _as_asked(req: ChatRequest, e: Exception) -> Exception:
+    """An error about ``max_tokens`` in the name the request gave it (``max_completion_tokens``)."""
+    if req.max_tokens_field == "max_tokens" or not isinstance(e, (OpenAIError, ValueError)):
+        return e
+    e = to_openai_error(e)
+
+    def fix(s: str | None) -> str | None:
+        return None if s is None else re.sub(r"\bmax_tokens\b", req.max_tokens_field, s)
+    return OpenAIError(e.status, fix(e.message) or e.message, fix(e.param), e.type)
 
 
 def _stream(gen: Generation, call: ChatAnswer) -> Any:
