@@ -103,7 +103,8 @@ def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_gener
 def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
                 name: str = "messages", *, chat_template: str | None = None, continue_final_message: bool = False,
                 chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[Any] | None = None,
-                documents: list[Mapping[str, str]] | None = None, content_format: str = "auto") -> tuple[str, list[int]]:
+                documents: list[Mapping[str, str]] | None = None,
+                content_format: str = "auto") -> tuple[str, list[int]]:
     """One conversation (checked by ``checked_messages``) through the chat template (the
     tokenizer's, or ``chat_template``): the rendered text and its token ids (tokenized without
     special tokens of the tokenizer's own, as transformers and vLLM do: the template has them);

@@ -117,7 +117,9 @@ class _Completion:
 
     def choice(self, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         index = i * self.n + c.index
-        lp = self.logprobs.setdefault(index, _Logprobs(self.req.tokens_as_ids, self.req.logprobs or 0)) if c.logprobs is not None else None
+        lp = None
+        if c.logprobs is not None:
+            lp = self.logprobs.setdefault(index, _Logprobs(self.req.tokens_as_ids, self.req.logprobs or 0))
         text, ids, entries = (c.text, c.token_ids, c.logprobs) if self.req.generate else ("", [], [])
         logprobs = None
         if self.req.echo and index not in self.echoed:  # the first piece of this choice

@@ -7,8 +7,8 @@ as they are; as vLLM's: ``truncation: "auto"`` keeps the prompt's last tokens th
 assistant message ``in_progress`` or ``incomplete`` is continued, ``tool_choice: "none"`` shows the
 template no tools, ``reasoning.effort`` is the template's ``reasoning_effort``); one sample is
 generated. Its answer is the response's ``output``: a ``message`` item with one ``output_text``
-part (when there is text, or nothing else), then one ``function_call`` item per tool call. A finish by length makes the response ``incomplete`` (reason
-``max_output_tokens``).
+part (when there is text, or nothing else), then one ``function_call`` item per tool call. A
+finish by length makes the response ``incomplete`` (reason ``max_output_tokens``).
 
 As vLLM without ``VLLM_ENABLE_RESPONSES_API_STORE``, nothing is stored: ``store`` is ignored,
 ``background`` (which needs the store) is a 400, a ``previous_response_id`` and a
