@@ -253,6 +253,23 @@ def test_abort_ends_the_stream_with_finish_reason_abort(allm, awaited):
     assert_engine_idle(allm)
 
 
+@pytest.mark.parametrize("ids", [lambda d: d.keys(), lambda d: (k for k in d), lambda d: map(str, d)],
+                         ids=["dict_keys", "generator", "map"])
+def test_abort_takes_any_iterable_of_ids(allm, ids):
+    """vLLM's ``abort(request_id: str | Iterable[str])``: each id of any iterable is aborted."""
+    async def main():
+        streams = {rid: allm.generate(p, greedy(100, output_kind=Kind.DELTA), rid)
+                   for rid, p in zip(("it-a", "it-b"), rand_prompts(43, [5, 6]))}
+        firsts = [await anext(g) for g in streams.values()]
+        await allm.abort(ids(streams))
+        return [(firsts[i], [o async for o in g]) for i, g in enumerate(streams.values())]
+
+    for first, rest in asyncio.run(main()):
+        last = rest[-1] if rest else first
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert_engine_idle(allm)
+
+
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 def test_a_client_that_goes_away_aborts_its_request_and_frees_its_blocks(allm, how):
     aborted_before = allm.stats()["requests_aborted"]
@@ -578,6 +595,16 @@ def test_vllm_engine_client_queries(allm):
         # vLLM's encode runs pooling models: refused by name, whichever way it is called.
         with pytest.raises(NotImplementedError, match="encode runs pooling models"):
             allm.encode("the cat", None, "pool-1")
+        # What ferrokv has none of: the true answer, or a refusal naming it (never AttributeError).
+        assert (await allm.is_sleeping(), await allm.is_paused(), await allm.list_loras()) == (False, False, set())
+        assert await allm.reset_mm_cache() is None and await allm.remove_lora(1) is False
+        with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+            await allm.add_lora(object())
+        for call, name in [(allm.sleep(), "sleep"), (allm.wake_up(), "wake_up"), (allm.pause_generation(), "pause"),
+                           (allm.resume_generation(), "resume"), (allm.start_profile(), "profile"),
+                           (allm.stop_profile(), "profile"), (allm.collective_rpc("m"), "collective_rpc")]:
+            with pytest.raises(NotImplementedError, match=name):
+                await call
         return allm.get_default_sampling_params()
 
     assert asyncio.run(main()) == SamplingParams()

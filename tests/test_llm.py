@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ferrokv import LLM, BeamSearchParams, SamplingParams
+from helpers.engine_faults import engine_kwargs
 from helpers.text_oracle import final_text
 from helpers.tiny_models import TINY_VOCAB
 
@@ -609,6 +610,30 @@ def test_lora_request_none_is_accepted_everywhere_and_an_adapter_refused(llama_l
     finally:
         allm.shutdown()
     assert_no_leak(llama_llm)
+
+
+def test_engine_args_take_vllms_arguments_as_llm_does(llama_path):
+    """``AsyncEngineArgs(...)``/``EngineArgs(...)``, as vLLM's servers build them, take what
+    ``LLM(...)`` takes: vLLM-only arguments at neutral values are dropped
+    (``enable_prefix_caching=None`` is the default), others are a ValueError naming them."""
+    from ferrokv import AsyncLLM
+    from ferrokv.engine_args import AsyncEngineArgs, EngineArgs
+    vllm_kw = dict(served_model_name="my-model", disable_custom_all_reduce=True, distributed_executor_backend="mp",
+                   data_parallel_size=1, enable_sleep_mode=False, enable_lora=False, async_scheduling=False,
+                   compilation_config=None, enable_prefix_caching=None)
+    for cls in (EngineArgs, AsyncEngineArgs):
+        args = cls(model=str(llama_path), **vllm_kw)
+        assert args.enable_prefix_caching is True and args.model == str(llama_path)
+        with pytest.raises(ValueError, match="data_parallel_size=2 is not supported"):
+            cls(model=str(llama_path), data_parallel_size=2)
+        with pytest.raises(TypeError, match="bogus"):
+            cls(model=str(llama_path), bogus=1)
+    assert AsyncEngineArgs(enable_log_requests=True).enable_log_requests is True  # a field of its own
+    allm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(llama_path), **vllm_kw))
+    try:
+        assert allm.stats()["num_blocks"] > 0
+    finally:
+        allm.shutdown()
 
 
 def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(llama_path):

@@ -333,6 +333,48 @@ class AsyncLLM:
         raise NotImplementedError("AsyncLLM.encode runs pooling models, which ferrokv does not serve "
                                   "(use generate; tokenize_text gives a text's token ids)")
 
+    # vLLM's EngineClient members for what ferrokv has none of (sleep mode, LoRA, multimodal
+    # inputs, pausing, profiling, workers): the true answer, or a refusal that says so.
+    async def is_sleeping(self) -> bool:
+        return False  # no sleep mode: the engine is always awake
+
+    async def is_paused(self) -> bool:
+        return False  # generation is never paused
+
+    async def reset_mm_cache(self) -> None:
+        """Nothing to reset: ferrokv takes text only."""
+
+    async def list_loras(self) -> set[int]:
+        return set()  # no adapters
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return False  # no adapter to remove
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        check_no_lora(lora_request)
+        return False
+
+    async def sleep(self, level: int = 1) -> None:
+        raise NotImplementedError("AsyncLLM.sleep: ferrokv has no sleep mode (enable_sleep_mode is False)")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        raise NotImplementedError("AsyncLLM.wake_up: ferrokv has no sleep mode (enable_sleep_mode is False)")
+
+    async def pause_generation(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("AsyncLLM.pause_generation: ferrokv does not pause (abort requests instead)")
+
+    async def resume_generation(self) -> None:
+        raise NotImplementedError("AsyncLLM.resume_generation: ferrokv does not pause generation")
+
+    async def start_profile(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("AsyncLLM.start_profile: ferrokv has no built-in profiler (use torch.profiler)")
+
+    async def stop_profile(self) -> None:
+        raise NotImplementedError("AsyncLLM.stop_profile: ferrokv has no built-in profiler (use torch.profiler)")
+
+    async def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("AsyncLLM.collective_rpc: ferrokv runs in this process, with no workers")
+
     async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (ValueError when it is not Unicode text: a lone surrogate)."""
         check_text("prompt", text)

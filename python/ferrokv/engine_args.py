@@ -21,6 +21,7 @@ ferrokv implements (so scripts written for vLLM run unchanged).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
@@ -53,6 +54,21 @@ def _arg(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, defa
 AUTO_MAX_MODEL_LEN = -1  # max_model_len: the model's, capped at what the KV cache holds (vLLM's -1/"auto")
 
 
+def _taking_vllm_only_args(cls: type) -> type:
+    """``cls(...)`` also takes vLLM's arguments ferrokv does not have, as ``LLM(...)`` does
+    (``without_vllm_only_args``): ``AsyncEngineArgs(model=..., served_model_name=...)`` runs."""
+    init, own = cls.__init__, set(cls.__dataclass_fields__) - {"enable_prefix_caching"}  # type: ignore[attr-defined]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        rest = without_vllm_only_args({k: v for k, v in kwargs.items() if k not in own})
+        init(self, *args, **{k: v for k, v in kwargs.items() if k in own}, **rest)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_taking_vllm_only_args
 @dataclass(slots=True)
 class EngineArgs:
     """Every engine setting; the names match the CLI flags (``--max-num-seqs`` ...)."""
@@ -282,6 +298,7 @@ def engine_arg_help(f: Field[Any]) -> str:
     return help_with_default(f.metadata["doc"], f.metadata["default_doc"] or f.default)
 
 
+@_taking_vllm_only_args
 @dataclass(slots=True)
 class AsyncEngineArgs(EngineArgs):
     """vLLM's ``AsyncEngineArgs`` (for ``AsyncLLM.from_engine_args``): ``EngineArgs`` and its

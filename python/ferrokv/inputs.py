@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Union
 
 import numpy as np
@@ -218,10 +218,11 @@ def request_id_str(request_id: Any) -> str:
 
 
 def request_ids(value: Any) -> list[str]:
-    """One request id, or a list, tuple or set of them, as ``request_id_str`` keeps them (all
-    checked: a bad one anywhere is a ValueError before any is used)."""
-    many = isinstance(value, (list, tuple, set, frozenset))
-    return [request_id_str(r) for r in value] if many else [request_id_str(value)]
+    """One request id, or any other iterable of them (vLLM's ``str | Iterable[str]``), as
+    ``request_id_str`` keeps them (all checked: a bad one anywhere is a ValueError before any is
+    used)."""
+    many = isinstance(value, Iterable) and not isinstance(value, (str, bytes, bytearray))
+    return [request_id_str(r) for r in list(value)] if many else [request_id_str(value)]
 
 
 def truncated_prompt(ids: list[int], truncate: int | None, max_model_len: int,
