@@ -650,6 +650,8 @@ def test_more_of_vllms_engine_client_surface(bos_model_dir):
                                          prompt_text=prompt, data_parallel_rank=0,
                                          tokenization_kwargs={"add_special_tokens": add}):
                 outs[add] = o.prompt_token_ids
+        async for o in allm.generate(prompt, greedy(2), "tk-cut", tokenization_kwargs={"truncate_prompt_tokens": 2}):
+            outs["cut"] = o.prompt_token_ids
         for kw in ({"data_parallel_rank": 1}, {"tokenization_kwargs": {"truncation": True}}):
             with pytest.raises(ValueError, match=next(iter(kw)) if "rank" in str(kw) else "truncation"):
                 async for _ in allm.generate(prompt, greedy(2), "bad", **kw):
@@ -661,7 +663,7 @@ def test_more_of_vllms_engine_client_surface(bos_model_dir):
     try:
         outs = asyncio.run(main())
         plain = allm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        assert outs == {True: [1, *plain], False: plain}
+        assert outs == {True: [1, *plain], False: plain, "cut": [1, *plain][-2:]}
         assert_engine_idle(allm)
     finally:
         allm.shutdown()

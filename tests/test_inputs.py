@@ -74,13 +74,21 @@ def test_bad_batches_name_the_item(prompts, match):
 @pytest.mark.parametrize("prompt, match", [
     ({"prompt": "x", "cach_salt": "a"}, "unknown key 'cach_salt'"),
     ({"prompt": "x", "multi_modal_data": {"image": 1}}, "multi_modal_data.*not supported"),
-    ({"prompt": "x", "mm_processor_kwargs": {}}, "mm_processor_kwargs.*not supported"),
+    ({"prompt": "x", "mm_processor_kwargs": {"size": 2}}, "mm_processor_kwargs.*not supported"),
+    ({"prompt": "x", "token_type_ids": [0]}, "token_type_ids.*not supported"),
     ({"prompt": 3}, r"prompt\['prompt'\] must be a str"),
     ({}, "needs 'prompt_token_ids' or 'prompt'"),
 ])
 def test_bad_prompt_dicts_name_the_key(prompt, match):
     with pytest.raises(ValueError, match=match):
         prompt_ids(_Tok(), prompt)
+
+
+@pytest.mark.parametrize("key", ["multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "token_type_ids"])
+@pytest.mark.parametrize("empty", [None, {}, []])
+def test_empty_multimodal_keys_are_a_text_prompt(key, empty):
+    """vLLM takes its text path when these are empty: scripts that always set them run."""
+    assert prompt_ids(_Tok(), {"prompt": "ab", key: empty}) == prompt_ids(_Tok(), {"prompt": "ab"})
 
 
 def test_cache_salt_of_the_dict_and_of_the_keyword():

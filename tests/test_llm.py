@@ -692,6 +692,19 @@ def test_generate_takes_vllms_tokenization_kwargs(bos_model_dir):
         llm.generate(["a"], params, use_tqdm=False, tokenization_kwargs={"truncation": True})
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, mm_processor_kwargs={"x": 1})
+    # truncate_prompt_tokens (where vLLM now takes it) keeps each prompt's last tokens, over the
+    # params' own; chat's too.
+    long = "the cat sat on the mat and the dog ran"
+    ids = llm.get_tokenizer()(long)["input_ids"]
+    cut = llm.generate([long], SamplingParams(temperature=0.0, max_tokens=2, truncate_prompt_tokens=6),
+                       use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 3})[0]
+    assert cut.prompt_token_ids == ids[-3:]
+    conv = [{"role": "user", "content": long}]
+    chat_ids = llm.chat(conv, params, use_tqdm=False)[0].prompt_token_ids
+    assert llm.chat(conv, params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 4})[0] \
+        .prompt_token_ids == chat_ids[-4:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate([long], params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 0})
     # LLMEngine.add_request takes them too (and vLLM's arrival_time, trace_headers).
     engine = llm.llm_engine
     engine.add_request("e", "the cat", params, tokenization_kwargs={"add_special_tokens": False},

@@ -45,7 +45,8 @@ from ferrokv.checks import check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
-from ferrokv.inputs import add_special_tokens_of, check_no_lora, is_text_prompt, request_id_str, tokenized_prompt
+from ferrokv.inputs import (check_no_lora, is_text_prompt, request_id_str, tokenization_options, tokenized_prompt,
+                            with_truncation)
 from ferrokv.llm import chat_token_ids
 from ferrokv.metrics_reader import engine_stats
 from ferrokv.outputs import RequestOutput, RequestOutputKind
@@ -417,13 +418,15 @@ class AsyncLLM:
         """Submits one request and yields its outputs (module docs); raises its error. Closing
         or cancelling the generator before the last output aborts the request. vLLM's
         ``prompt_text`` and ``trace_headers`` are accepted (no tracing), ``data_parallel_rank``
-        as None or 0 (one engine), ``tokenization_kwargs`` as ``{"add_special_tokens": bool}``
-        (a text prompt's tokenization)."""
+        as None or 0 (one engine), ``tokenization_kwargs``' ``add_special_tokens`` (a text prompt's
+        tokenization) and ``truncate_prompt_tokens``."""
         check_no_lora(lora_request)
         if data_parallel_rank not in (None, 0):
             raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: ferrokv runs one engine (give None or 0)")
-        add_special_tokens = add_special_tokens_of(tokenization_kwargs)
+        add_special_tokens, truncate = tokenization_options(tokenization_kwargs)
         params = sampling_params if sampling_params is not None else self.engine.get_default_sampling_params()
+        if isinstance(params, SamplingParams):  # anything else is refused by the engine's add
+            params = with_truncation(params, truncate)
         # An id of our own never matches one a caller chose (vLLM makes callers give one).
         rid = f"ferrokv-{uuid.uuid4().hex}" if request_id is None else request_id_str(request_id)
         kind = params.output_kind if isinstance(params, SamplingParams) else None

@@ -70,8 +70,8 @@ from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_lock import EngineLock
 from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
-from ferrokv.inputs import (add_special_tokens_of, check_logprobs_cap, check_no_lora, check_priority,
-                            checked_prompt_ids, prompt_cache_salt, request_id_str, request_ids, request_max_tokens)
+from ferrokv.inputs import (check_logprobs_cap, check_no_lora, check_priority, checked_prompt_ids, prompt_cache_salt,
+                            request_id_str, request_ids, request_max_tokens, tokenization_options, with_truncation)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
@@ -211,14 +211,14 @@ class LLMEngine:
         """Queues a request; raises ValueError (naming the field) and changes nothing on bad input.
         ``prompt``: a str, TextPrompt or TokensPrompt dict (``ferrokv.inputs``); ``cache_salt``, the
         prefix-cache isolation key, the keyword's or the dict's (both given: they must agree);
-        ``tokenization_kwargs``: ``{"add_special_tokens": bool}``; ``arrival_time``, ``trace_headers``:
-        accepted (the core stamps arrival; no tracing). ``params`` is copied and checked again."""
+        ``tokenization_kwargs``: ``add_special_tokens``, ``truncate_prompt_tokens``; ``arrival_time``,
+        ``trace_headers``: accepted (the core stamps arrival; no tracing). ``params`` is copied and checked again."""
         check_no_lora(lora_request)
-        add_special = add_special_tokens_of(tokenization_kwargs)
+        add_special, truncate = tokenization_options(tokenization_kwargs)
         params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params)  # a copy, through SamplingParams.validate
+        params = with_truncation(dataclasses.replace(params), truncate)  # a copy, through SamplingParams.validate
         check_token_rules(params, self.vocab_size)
         check_logprobs_cap(params.logprobs, params.prompt_logprobs, self.args.max_logprobs, self.vocab_size)
         grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)

@@ -14,6 +14,7 @@ most ``max_model_len`` long. Costs: O(prompt length).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,10 +26,11 @@ from ferrokv.checks import check_int, check_text, is_text, shown
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["PromptType", "TextPrompt", "TokensPrompt", "add_special_tokens_of", "batch_prompts", "check_logprobs_cap",
+__all__ = ["PromptType", "TextPrompt", "TokensPrompt", "batch_prompts", "check_logprobs_cap",
            "check_no_lora", "check_priority", "check_tools", "checked_prompt_ids", "is_text_prompt", "message_text",
            "message_tool_fields", "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "template_kwargs",
-           "tokenized_prompt", "truncated_prompt", "truncation_length", "validate_prompt_ids"]
+           "tokenization_options", "tokenized_prompt", "truncated_prompt", "truncation_length", "validate_prompt_ids",
+           "with_truncation"]
 
 
 class _Text(TypedDict):
@@ -57,13 +59,19 @@ PromptType = Union[str, TextPrompt, TokensPrompt]
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 """The keys of a prompt dict that ferrokv implements."""
-_UNSUPPORTED_KEYS = ("multi_modal_data", "mm_processor_kwargs")
+# vLLM's prompt keys for what a text model has none of: accepted empty (vLLM's text path then),
+# refused otherwise.
+_UNSUPPORTED_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "token_type_ids")
 
 
 def _check_keys(prompt: Mapping[Any, Any]) -> None:
     for key in prompt:
         if key in _UNSUPPORTED_KEYS:
-            raise ValueError(f"prompt[{key!r}]: multi-modal inputs are not supported by ferrokv (text models only)")
+            value = prompt[key]
+            if value is None or isinstance(value, (Mapping, list, tuple)) and not value:
+                continue
+            raise ValueError(f"prompt[{key!r}]: multi-modal inputs are not supported by ferrokv (text models only), "
+                             f"got {shown(prompt[key])}")
         if key not in PROMPT_KEYS:
             raise ValueError(f"prompt has an unknown key {key!r}; the keys are: {', '.join(PROMPT_KEYS)}")
 
@@ -105,15 +113,25 @@ def prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool = True) -> 
     )
 
 
-def add_special_tokens_of(tokenization_kwargs: Mapping[str, Any] | None) -> bool:
-    """vLLM's ``tokenization_kwargs`` as far as ferrokv tokenizes a text prompt:
-    ``add_special_tokens`` (True when left out); any other key is a ``ValueError`` naming it."""
+def tokenization_options(tokenization_kwargs: Mapping[str, Any] | None) -> tuple[bool, int | None]:
+    """vLLM's ``tokenization_kwargs`` as far as ferrokv tokenizes a prompt: ``add_special_tokens``
+    (True when left out) and ``truncate_prompt_tokens`` (None when left out; where vLLM now takes
+    ``SamplingParams.truncate_prompt_tokens``, which it overrides, checked there); any other key is
+    a ``ValueError`` naming it."""
     kw = dict(tokenization_kwargs or {})
     add = kw.pop("add_special_tokens", True)
+    truncate = kw.pop("truncate_prompt_tokens", None)
     if not isinstance(add, bool) or kw:
         bad = "add_special_tokens" if not isinstance(add, bool) else next(iter(kw))
-        raise ValueError(f"tokenization_kwargs[{bad!r}] is not supported (only add_special_tokens, a bool)")
-    return add
+        raise ValueError(f"tokenization_kwargs[{bad!r}] is not supported (only add_special_tokens, a bool, "
+                         "and truncate_prompt_tokens)")
+    return add, truncate
+
+
+def with_truncation(params: Any, truncate: int | None) -> Any:
+    """``params`` (a ``SamplingParams``) with ``tokenization_kwargs``' ``truncate_prompt_tokens``
+    (a checked copy), or as they are when it was left out."""
+    return params if truncate is None else dataclasses.replace(params, truncate_prompt_tokens=truncate)
 
 
 def is_text_prompt(prompt: Any) -> bool:

@@ -32,8 +32,8 @@ from ferrokv.checks import check_int, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineLoop, StreamItem
-from ferrokv.inputs import (add_special_tokens_of, batch_prompts, check_documents, check_no_lora, check_tools,
-                            message_text, message_tool_fields, template_kwargs, tokenized_prompt)
+from ferrokv.inputs import (batch_prompts, check_documents, check_no_lora, check_tools, message_text,
+                            message_tool_fields, template_kwargs, tokenization_options, tokenized_prompt, with_truncation)
 from ferrokv.metrics_reader import Metric, engine_metrics, engine_stats
 from ferrokv.outputs import Logprob, RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
@@ -336,13 +336,15 @@ class LLM:
         ``RequestOutput`` per prompt, in order. A dict's ``cache_salt`` isolates its prefix cache.
         ``priority``: one per prompt (lower runs first), under ``scheduling_policy="priority"``
         only, as in vLLM. An empty list of prompts gives an empty list (vLLM's).
-        ``tokenization_kwargs``: vLLM's, ``{"add_special_tokens": False}`` (text prompts are then
-        tokenized without the tokenizer's own special tokens)."""
+        ``tokenization_kwargs``: vLLM's, ``add_special_tokens`` (False: text prompts are tokenized
+        without the tokenizer's own special tokens) and ``truncate_prompt_tokens`` (each prompt's
+        last tokens kept, over the ``SamplingParams``' own)."""
         check_no_lora(lora_request)
         if isinstance(prompts, (list, tuple)) and not prompts:
             return []
         prompts = batch_prompts(prompts)
-        if not add_special_tokens_of(tokenization_kwargs):
+        add_special_tokens, truncate = tokenization_options(tokenization_kwargs)
+        if not add_special_tokens:
             prompts = [tokenized_prompt(self.get_tokenizer(), p, False) for p in prompts]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -360,6 +362,8 @@ class LLM:
             for i, p in enumerate(params):
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {shown(p)}")
+        if truncate is not None:
+            params = [with_truncation(p, truncate) for p in params]
         if priority is not None:
             if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
                 raise ValueError(f"priority must be a list with one int per prompt, got {shown(priority)}")
@@ -383,9 +387,9 @@ class LLM:
         definitions) and ``chat_template_kwargs`` (extra variables) are given to the template.
         ``chat_template_content_format``: "string" (a message's text), "openai" (a list of text
         parts) or "auto" (what the template reads, ``ferrokv.chat_content_format``).
-        vLLM's ``tokenization_kwargs`` are checked (the template writes the special tokens) and
-        ``mm_processor_kwargs`` must be empty (text only)."""
-        add_special_tokens_of(tokenization_kwargs)
+        vLLM's ``tokenization_kwargs`` are checked (the template writes the special tokens; a
+        ``truncate_prompt_tokens`` applies) and ``mm_processor_kwargs`` must be empty (text only)."""
+        truncate = tokenization_options(tokenization_kwargs)[1]
         if mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs={shown(mm_processor_kwargs)} is not supported: "
                              "ferrokv takes text only")
@@ -401,7 +405,8 @@ class LLM:
                                     chat_template_kwargs=chat_template_kwargs, tools=tools,
                                     content_format=chat_template_content_format)
             prompts.append({"prompt": text, "prompt_token_ids": ids})  # vLLM's output.prompt: the rendered text
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request,
+                             tokenization_kwargs=None if truncate is None else {"truncate_prompt_tokens": truncate})
 
     def beam_search(self, prompts: Any, params: BeamSearchParams | int | None = None, max_tokens: int | None = None,
                     length_penalty: float = 1.0, ignore_eos: bool = False, use_tqdm: bool | Callable[..., Any] = False, *,
