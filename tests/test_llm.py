@@ -647,7 +647,8 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
                    distributed_executor_backend=None, enable_sleep_mode=False, mm_processor_kwargs=None,
                    enable_prefix_caching=None, limit_mm_per_prompt={"image": 0}, hf_token=True,
                    speculative_config=None, kv_transfer_config=None, structured_outputs_config=None, max_lora_rank=16,
-                   model_impl="auto", config_format="auto", worker_extension_cls="", override_pooler_config=None)
+                   model_impl="auto", config_format="auto", worker_extension_cls="", override_pooler_config=None,
+                   allowed_local_media_path="", logits_processors=None)
     assert llm.llm_engine.args.enable_prefix_caching is True
     assert llm.model_config is llm.llm_engine.model_config
     assert llm.get_tokenizer(lora_request=None) is llm.get_tokenizer()
@@ -660,8 +661,18 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
         llm.generate(["a"], priority=1, use_tqdm=False)
     with pytest.raises(ValueError, match="reset_running_requests"):
         llm.reset_prefix_cache(reset_running_requests=True)
+    assert llm.reset_prefix_cache(reset_connector=False) is True and llm.reset_mm_cache() is None
+    with pytest.raises(ValueError, match="reset_connector"):
+        llm.reset_prefix_cache(reset_connector=True)
+    # What ferrokv has none of is refused by name, never an AttributeError.
+    for call, name in [(llm.sleep, "sleep"), (llm.wake_up, "wake_up"), (llm.start_profile, "profile"),
+                       (llm.stop_profile, "profile"), (lambda: llm.collective_rpc("m"), "collective_rpc"),
+                       (lambda: llm.apply_model(len), "apply_model")]:
+        with pytest.raises(NotImplementedError, match=name):
+            call()
     for kw in ({"pipeline_parallel_size": 2}, {"enable_lora": True}, {"cpu_offload_gb": 4}, {"task": "embed"},
-               {"speculative_config": {"method": "ngram"}}, {"model_impl": "transformers"}):
+               {"speculative_config": {"method": "ngram"}}, {"model_impl": "transformers"},
+               {"logits_processors": ["my.Processor"]}):
         with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* is not supported"):
             tiny_llm(llama_path, **kw)
 

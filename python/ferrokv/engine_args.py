@@ -349,6 +349,10 @@ VLLM_ONLY_ARGS: dict[str, tuple[Any, str]] = {
     "worker_extension_cls": (lambda v: not v, "ferrokv has no workers"),
     "override_pooler_config": (lambda v: v is None, "ferrokv generates text"),
     "pooler_config": (lambda v: v is None, "ferrokv generates text"),
+    "allowed_local_media_path": (lambda v: not v, "ferrokv takes text only"),
+    "allowed_media_domains": (lambda v: not v, "ferrokv takes text only"),
+    "logits_processors": (lambda v: not v, "ferrokv runs no custom logits processors (SamplingParams has "
+                                           "logit_bias, allowed_token_ids, bad_words)"),
 }
 
 

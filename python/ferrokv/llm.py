@@ -234,6 +234,29 @@ class LLM:
 
     encode = embed = classify = score = reward = _pooling
 
+    # vLLM's LLM methods for what ferrokv has none of: the true answer, or a refusal that says so.
+    def reset_mm_cache(self) -> None:
+        """Nothing to reset: ferrokv takes text only."""
+
+    def sleep(self, level: int = 1) -> None:
+        raise NotImplementedError("LLM.sleep: ferrokv has no sleep mode (enable_sleep_mode is False)")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise NotImplementedError("LLM.wake_up: ferrokv has no sleep mode (enable_sleep_mode is False)")
+
+    def start_profile(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("LLM.start_profile: ferrokv has no built-in profiler (use torch.profiler)")
+
+    def stop_profile(self) -> None:
+        raise NotImplementedError("LLM.stop_profile: ferrokv has no built-in profiler (use torch.profiler)")
+
+    def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("LLM.collective_rpc: ferrokv runs in this process, with no workers")
+
+    def apply_model(self, func: Any) -> Any:
+        raise NotImplementedError("LLM.apply_model: ferrokv has no workers (llm.llm_engine.model is "
+                                  "the model, in this process)")
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of a call that gives none: the model's generation config's
         recommendations (``EngineArgs.generation_config``), else ``SamplingParams()``."""
@@ -250,10 +273,13 @@ class LLM:
         safe from any thread."""
         return engine_metrics(engine_stats(self.llm_engine), self.llm_engine.model_config.model)
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Empties the prefix cache (``LLMEngine.reset_prefix_cache``): True when done, False while
         another thread's requests are running. Safe between and during calls (it takes the engine
-        lock). vLLM's ``reset_running_requests=True`` (preempting them) is not supported."""
+        lock). vLLM's ``reset_running_requests=True`` (preempting them) is not supported, nor
+        ``reset_connector=True`` (there is no KV connector)."""
+        if reset_connector is not False:
+            raise ValueError(f"reset_connector={reset_connector!r} is not supported: ferrokv has no KV connector")
         if reset_running_requests is not False:
             raise ValueError(f"reset_running_requests={reset_running_requests!r} is not supported: the prefix cache "
                              "is reset only while no request runs")

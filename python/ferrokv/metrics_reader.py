@@ -107,9 +107,11 @@ def engine_stats(engine: Any) -> dict[str, Any]:
 
 
 def engine_metrics(stats: Mapping[str, Any], model_name: str) -> list[Metric]:
-    """The engine's counters and gauges (``COUNTERS``, ``GAUGES``) from an ``engine_stats`` snapshot."""
+    """The engine's counters and gauges (``COUNTERS``, ``GAUGES``) from an ``engine_stats`` snapshot;
+    a counter is named as vLLM's reader names it, by its family (no ``_total``, which only the
+    Prometheus text adds)."""
     labels = {"model_name": model_name}
-    out: list[Metric] = [Counter(name + "_total", dict(labels), int(stats[key])) for name, (key, _) in COUNTERS.items()]
+    out: list[Metric] = [Counter(name, dict(labels), int(stats[key])) for name, (key, _) in COUNTERS.items()]
     out += [Gauge(name, dict(labels), float(stats[key])) for name, (key, _) in GAUGES.items()]
     buckets, total = step_token_buckets(stats)
     out.append(Histogram(ITERATION_TOKENS[0], dict(labels), buckets[-1][1], float(total), dict(buckets)))
