@@ -560,6 +560,9 @@ def test_documents_reasoning_effort_and_replayed_reasoning_reach_the_template(ht
     thought = "Short wavelengths scatter more."
     cases = [  # (request fields, messages, what the template must be given)
         (dict(documents=docs), conv, dict(documents=docs)),
+        # chat_template_kwargs' values reach the template as they are (vLLM's), documents too.
+        (dict(chat_template_kwargs={"documents": [{"title": 7, "text": "x"}]}), conv,
+         dict(chat_template_kwargs={"documents": [{"title": 7, "text": "x"}]})),
         (dict(reasoning_effort="low"), conv,
          dict(chat_template_kwargs={"reasoning_effort": "low", "enable_thinking": True})),
         (dict(reasoning_effort="none"), conv,

@@ -363,6 +363,10 @@ def test_400_prompt_fills_the_context(http):
         err = assert_openai_error(http.post(path, json=body), 400, str(MAX_MODEL_LEN), "is too large", field)
         assert err["param"] == field, err
     assert "the prompt has 3, so at most" in err["message"], err
+    # A prompt to truncate keeps at least one token: no max_tokens of the whole context fits.
+    err = assert_openai_error(http.post(_CH, json=chat_body(max_tokens=MAX_MODEL_LEN, truncate_prompt_tokens=-1)),
+                              400, f"max_tokens={MAX_MODEL_LEN} is too large", "keeps at least one")
+    assert err["param"] == "max_tokens", err
 
 
 # ------------------------------------------------------------------------------------------------

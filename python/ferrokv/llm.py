@@ -121,6 +121,7 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
     add_generation_prompt = extra.pop("add_generation_prompt", add_generation_prompt)
     continue_final_message = extra.pop("continue_final_message", continue_final_message)
     tools = extra.pop("tools", tools)
+    check_documents(documents)  # the argument's; chat_template_kwargs' values go to the template as they are
     documents = extra.pop("documents", documents)
     for flag, v in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final_message)):
         if not isinstance(v, bool):
@@ -134,7 +135,6 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
     elif not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}: the tokenizer has no chat template")
     check_tools(tools)
-    check_documents(documents)
     conversation = with_content_format(conversation, content_format,
                                        chat_template if chat_template is not None else tokenizer.chat_template)
     which = "chat_template" if chat_template is not None else f"{name}: the model's chat template"

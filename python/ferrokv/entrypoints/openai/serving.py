@@ -243,6 +243,9 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
         n = len(prompt["prompt_token_ids"])  # of which the engine keeps the last `keep`
         keep = truncation_length(params.truncate_prompt_tokens, llm.max_model_len, params.max_tokens)
+        if keep is not None and params.max_tokens is not None and params.max_tokens >= llm.max_model_len:
+            raise OpenAIError(400, f"max_tokens={params.max_tokens} is too large: the context is max_model_len="
+                                   f"{llm.max_model_len} tokens, and a truncated prompt keeps at least one", "max_tokens")
         if keep is not None:
             n = min(n, keep)
         check_room(n, params.max_tokens, llm.max_model_len, field)
