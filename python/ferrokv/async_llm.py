@@ -41,7 +41,7 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-from ferrokv.checks import check_text, shown
+from ferrokv.checks import PoolingUnsupportedError, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
@@ -331,8 +331,8 @@ class AsyncLLM:
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``encode`` runs a pooling model; ferrokv serves generative models only."""
-        raise NotImplementedError("AsyncLLM.encode runs pooling models, which ferrokv does not serve "
-                                  "(use generate; tokenize_text gives a text's token ids)")
+        raise PoolingUnsupportedError("AsyncLLM.encode runs pooling models, which ferrokv does not serve "
+                                      "(use generate; tokenize_text gives a text's token ids)")
 
     # vLLM's EngineClient members for what ferrokv has none of (sleep mode, LoRA, multimodal
     # inputs, pausing, profiling, workers): the true answer, or a refusal that says so.

@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 __all__ = [
-    "DeviceMismatchError", "as_float", "check_finite", "check_int", "check_same_device", "check_text", "is_text",
+    "DeviceMismatchError", "PoolingUnsupportedError", "as_float", "check_finite", "check_int", "check_same_device", "check_text", "is_text",
     "rename_field", "shown",
 ]
 
@@ -96,6 +96,11 @@ def rename_field(e: BaseException, old: str, new: str, old_value: str | None = N
         e.field = new  # type: ignore[attr-defined]
         if new_value is not None:
             e.value = new_value  # type: ignore[attr-defined]
+
+
+class PoolingUnsupportedError(ValueError, NotImplementedError):
+    """A pooling call (``encode``, ``embed``, ...) on ferrokv's generative engine: a ValueError as
+    vLLM raises on a generative model, and a NotImplementedError as ferrokv raised before."""
 
 
 class DeviceMismatchError(RuntimeError):

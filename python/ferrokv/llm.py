@@ -28,7 +28,7 @@ from typing import Any
 
 from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.chat_content_format import with_content_format
-from ferrokv.checks import check_int, check_text, shown
+from ferrokv.checks import PoolingUnsupportedError, check_int, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, without_vllm_only_args
 from ferrokv.engine_loop import EngineLoop, StreamItem
@@ -229,8 +229,8 @@ class LLM:
     def _pooling(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's pooling calls (encode, embed, classify, score, reward) run pooling models;
         ferrokv serves generative models only."""
-        raise NotImplementedError("LLM.encode/embed/classify/score/reward run pooling models, which ferrokv "
-                                  "does not serve (use generate or chat)")
+        raise PoolingUnsupportedError("LLM.encode/embed/classify/score/reward run pooling models, which ferrokv "
+                                      "does not serve (use generate or chat)")
 
     encode = embed = classify = score = reward = _pooling
 
