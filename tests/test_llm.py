@@ -498,6 +498,19 @@ def test_beam_search_params_form_equals_the_earlier_forms(llama_llm):
         limited = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True),
                                   concurrency_limit=1)
     assert seqs(limited) == vllm_form and runs == [1, 1]
+    # vLLM's positional form after the params: lora_request, use_tqdm, concurrency_limit.
+    runs.clear()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(type(llm), "_run", counted_run)
+        positional = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True), None,
+                                     False, 1)
+    assert seqs(positional) == vllm_form and runs == [1, 1]
+    with pytest.raises(TypeError, match="multiple values for argument 'use_tqdm'"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5), None, False, use_tqdm=True)
+    with pytest.raises(TypeError, match="at most 5 positional arguments"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5), None, False, 1, 2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'beams'"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5), beams=2)
     with pytest.raises(ValueError, match="concurrency_limit must be in"):
         llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5), concurrency_limit=0)
     assert all(len(o) == 3 for o in vllm_form)

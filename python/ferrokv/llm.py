@@ -434,16 +434,17 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request,
                              tokenization_kwargs=None if truncate is None else {"truncate_prompt_tokens": truncate})
 
-    def beam_search(self, prompts: Any, params: BeamSearchParams | int | None = None, max_tokens: int | None = None,
-                    length_penalty: float = 1.0, ignore_eos: bool = False, use_tqdm: bool | Callable[..., Any] = False, *,
-                    beam_width: int | None = None, lora_request: Any = None,
-                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Any, params: BeamSearchParams | int | None = None, *args: Any,
+                    beam_width: int | None = None, **kwargs: Any) -> list[BeamSearchOutput]:
         """Beam search built on the core's fork and copy-on-write (transformers' semantics).
 
-        vLLM's form is ``beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))``;
-        ferrokv's earlier ``beam_search(prompts, beam_width, max_tokens, length_penalty, ignore_eos)``
-        (``beam_width`` positionally or by keyword) builds the same ``BeamSearchParams``.
+        vLLM's form is ``beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...),
+        lora_request, use_tqdm, concurrency_limit)``; ferrokv's earlier ``beam_search(prompts,
+        beam_width, max_tokens, length_penalty, ignore_eos, use_tqdm)`` (``beam_width`` positionally
+        or by keyword) builds the same ``BeamSearchParams``. Either form takes every name by keyword.
         ``concurrency_limit`` (vLLM's): at most that many prompts are searched at once."""
+        kw = _beam_search_args(isinstance(params, BeamSearchParams), args, kwargs)
+        max_tokens, length_penalty, ignore_eos, use_tqdm, lora_request, concurrency_limit = kw.values()
         check_no_lora(lora_request)
         if concurrency_limit is not None:
             check_int("concurrency_limit", concurrency_limit, 1, 1 << 31)
@@ -473,3 +474,27 @@ class LLM:
         tokens = prompt_token_ids + c.token_ids
         return BeamSearchSequence(tokens, c.logprobs or [], cum_logprob=c.cumulative_logprob or 0.0,
                                   text=self.llm_engine.tokenizer.decode(tokens), finish_reason=c.finish_reason)
+
+
+_BEAM_DEFAULTS = {"max_tokens": None, "length_penalty": 1.0, "ignore_eos": False, "use_tqdm": False,
+                  "lora_request": None, "concurrency_limit": None}
+# What beam_search's positional arguments after ``params`` are, in vLLM's form and in ferrokv's earlier one.
+_BEAM_POSITIONAL = {True: ("lora_request", "use_tqdm", "concurrency_limit"),
+                    False: ("max_tokens", "length_penalty", "ignore_eos", "use_tqdm")}
+
+
+def _beam_search_args(vllm_form: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``beam_search``'s arguments after ``params`` by name (``_BEAM_DEFAULTS``' order); a TypeError,
+    as Python's own, for too many, unknown or repeated ones."""
+    names = _BEAM_POSITIONAL[vllm_form]
+    if len(args) > len(names):
+        raise TypeError(f"beam_search takes at most {2 + len(names)} positional arguments in this form "
+                        f"(prompts, params, {', '.join(names)}), got {2 + len(args)}")
+    unknown = sorted(set(kwargs) - set(_BEAM_DEFAULTS))
+    if unknown:
+        raise TypeError(f"beam_search got an unexpected keyword argument {unknown[0]!r}")
+    given = dict(zip(names, args))
+    twice = sorted(set(given) & set(kwargs))
+    if twice:
+        raise TypeError(f"beam_search got multiple values for argument {twice[0]!r}")
+    return {**_BEAM_DEFAULTS, **given, **kwargs}
