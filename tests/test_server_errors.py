@@ -307,6 +307,7 @@ def test_minus_one_logprobs_are_every_token_only_on_an_uncapped_server():
     ("function_call", {"name": "f"}, "use tool_choice"),
     ("suffix", "tail", None),
     ("best_of", 2, None),
+    ("logprob_token_ids", [5], None),
 ])
 def test_unsupported_fields_are_400s_unless_no_ops(field, value, hint):
     """OpenAI's legacy functions/function_call, suffix and best_of: a 400 naming the field (with
@@ -314,6 +315,8 @@ def test_unsupported_fields_are_400s_unless_no_ops(field, value, hint):
     from ferrokv.entrypoints.openai.protocol import OpenAIError, parse_chat_request, parse_completion_request
     msgs = [{"role": "user", "content": "hi"}]
     parse = parse_completion_request if field in ("suffix", "best_of") else parse_chat_request
+    if field == "logprob_token_ids":  # its no-op value: none asked for
+        parse({"messages": msgs, field: []})
     base = {"prompt": "x"} if parse is parse_completion_request else {"messages": msgs}
     with pytest.raises(OpenAIError, match=rf"{field} is not supported by this server, got ") as e:
         parse({**base, field: value})

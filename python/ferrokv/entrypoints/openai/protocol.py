@@ -56,7 +56,7 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # their no-op value (a field that would change the output is never ignored).
 _UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
                 "function_call": (None, "none", "auto"), "structural_tag": (None,), "truncation_side": (None, "left"),
-                "logprob_token_ids": (None,), "thinking_token_budget": (None,), "repetition_detection": (None,),
+                "logprob_token_ids": (None, []), "thinking_token_budget": (None,), "repetition_detection": (None,),
                 "prompt_embeds": (None,)}
 _INSTEAD = {"functions": "; give them in tools (type 'function')", "function_call": "; use tool_choice",
             "truncation_side": " (only 'left': truncate_prompt_tokens keeps the prompt's last tokens)"}
