@@ -730,6 +730,10 @@ def test_generate_takes_vllms_tokenization_kwargs(bos_model_dir):
         .prompt_token_ids == chat_ids[-4:]
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         llm.generate([long], params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 0})
+    for junk, match in ((5, "tokenization_kwargs must be a dict, got 5"), ("abc", "must be a dict"),
+                        ({"add_special_tokens": 1}, r"\['add_special_tokens'\] must be a bool, got 1")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([long], params, use_tqdm=False, tokenization_kwargs=junk)
     # LLMEngine.add_request takes them too (and vLLM's arrival_time, trace_headers).
     engine = llm.llm_engine
     engine.add_request("e", "the cat", params, tokenization_kwargs={"add_special_tokens": False},

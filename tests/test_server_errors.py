@@ -148,6 +148,8 @@ BAD_PARAMS = [
     (_C, "logits_processors", ["my.module.Processor"], None),  # vLLM refuses them unless allowed at startup
     (_CH, "use_beam_search", True, None),
     (_CH, "reasoning_effort", "extreme", "extreme"),
+    (_CH, "messages", [{"role": "user", "content": [{"type": {"k": 1}, "text": "x"}]}], None),  # unhashable type
+    (_CH, "messages", [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}], None),
     (_CH, "documents", "oops", "oops"),
     (_CH, "documents", [{"title": 5}], "5"),
     # vLLM's fields that would change the output: refused, never ignored.
@@ -338,6 +340,23 @@ MALFORMED = [b'{"model": ', b"not json", b"", b"[1, 2]", b'"a string"', b"\xff\x
 def test_400_malformed_json(http, path, raw):
     r = http.post(path, content=raw, headers={"content-type": "application/json"})
     assert_openai_error(r, 400)
+
+
+@pytest.mark.parametrize("path, field", [("/v1/responses", "reasoning"), ("/v1/responses", "metadata"),
+                                         (_CH, "tools"), (_C, "logit_bias")])
+@pytest.mark.parametrize("depth", [300, 950])
+def test_400_json_nested_too_deep(http, path, field, depth):
+    """Nesting Python's parser takes but the recursive checks and renderers after it would not
+    survive (a 500 before): refused up front, naming the limit; a string of brackets is no nesting."""
+    body = {"model": MODEL, "prompt": "hi", "input": "hi", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "max_output_tokens": 2}
+    raw = json.dumps(body)[:-1] + f', "{field}": ' + "[" * depth + "]" * depth + "}"
+    r = http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, f"nests {depth + 1} levels", "at most 256")
+    ok = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "metadata": {"note": "[[[[" * 100}} \
+        if path == "/v1/responses" else {**body, "user": "[" * 400}
+    assert http.post(path, json=ok).status_code == 200
+    assert_still_serves(http)
 
 
 def test_400_prompt_too_long(http):

@@ -233,6 +233,10 @@ def test_logprobs_when_included(client):
     ({"input": USER, "model": "other"}, 404, "model"),
     ({"input": USER, "structured_outputs": {"choice": []}}, 400, "structured_outputs"),
     ({"input": USER, "prompt": {"id": "pmpt_1"}}, 400, "prompt"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": [{"type": ["input_text"], "text": "r"}]}]},
+     400, "input[1].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": {"k": 1}, "text": "x"}]}]}, 400, "input[0].content[0]"),
     ({"input": USER, "service_tier": "bogus"}, 400, "service_tier"),
     ({"input": USER, "max_tool_calls": 0}, 400, "max_tool_calls"),
     ({"input": USER, "reasoning": {"effort": "extreme"}}, 400, "reasoning"),
@@ -342,6 +346,10 @@ def test_a_partial_assistant_message_is_continued(http, status):
     assert input_tokens(http, input=partial) == \
         prompt_tokens(http, items, add_generation_prompt=False, continue_final_message=True)
     assert input_tokens(http, input=[items[0], {**items[1], "status": "completed"}]) == prompt_tokens(http, items)
+    # Only a message is continued (vLLM's): a partial reasoning item after the user's turn is left
+    # out and a new turn opens, whatever role it claims.
+    reasoning = {"type": "reasoning", "role": "assistant", "status": status, "summary": []}
+    assert input_tokens(http, input=[items[0], reasoning]) == prompt_tokens(http, items[:1])
 
 
 def test_a_function_call_output_of_text_parts_is_its_text(http):

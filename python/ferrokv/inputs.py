@@ -118,12 +118,15 @@ def tokenization_options(tokenization_kwargs: Mapping[str, Any] | None) -> tuple
     (True when left out) and ``truncate_prompt_tokens`` (None when left out; where vLLM now takes
     ``SamplingParams.truncate_prompt_tokens``, which it overrides, checked there); any other key is
     a ``ValueError`` naming it."""
+    if tokenization_kwargs is not None and not isinstance(tokenization_kwargs, Mapping):
+        raise ValueError(f"tokenization_kwargs must be a dict, got {shown(tokenization_kwargs)}")
     kw = dict(tokenization_kwargs or {})
     add = kw.pop("add_special_tokens", True)
     truncate = kw.pop("truncate_prompt_tokens", None)
-    if not isinstance(add, bool) or kw:
-        bad = "add_special_tokens" if not isinstance(add, bool) else next(iter(kw))
-        raise ValueError(f"tokenization_kwargs[{bad!r}] is not supported (only add_special_tokens, a bool, "
+    if not isinstance(add, bool):
+        raise ValueError(f"tokenization_kwargs['add_special_tokens'] must be a bool, got {shown(add)}")
+    if kw:
+        raise ValueError(f"tokenization_kwargs[{next(iter(kw))!r}] is not supported (only add_special_tokens "
                          "and truncate_prompt_tokens)")
     return add, truncate
 
@@ -307,7 +310,8 @@ def message_text(content: Any, name: str, role: Any = None) -> str | tuple[str, 
             if isinstance(part, str):  # vLLM's: a bare string is a text part
                 parts.append(check_text(f"{name}[{j}]", part))
                 continue
-            key = _TEXT_PARTS.get(part.get("type")) if isinstance(part, Mapping) else None
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
             if key is not None and part.get(key) is None:
                 logger.warning("%s[%d]: a %r part without text is skipped (as vLLM does)", name, j, part.get("type"))
                 continue

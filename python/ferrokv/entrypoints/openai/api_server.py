@@ -26,10 +26,12 @@ import gc
 import hmac
 import json
 import logging
+import re
 import signal
 import uuid
 from typing import Any
 
+import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -174,10 +176,26 @@ async def _json(request: Request) -> Any:
         raise OpenAIError(415, f"Unsupported Media Type: only 'application/json' is allowed "
                                f"(the request's Content-Type is {shown(content_type) if content_type else 'missing'})")
     raw = await request.body()
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:  # the checks and renderers after the parse recurse as deep
+        raise OpenAIError(400, f"the request body nests {depth} levels of arrays and objects; at most "
+                               f"{MAX_JSON_DEPTH} are allowed")
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise OpenAIError(400, f"the request body is not valid JSON ({type(e).__name__}: {shown(str(e))})") from None
+
+
+MAX_JSON_DEPTH = 256  # far past any real request; far below where Python's recursion stops
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep ``raw``'s arrays and objects nest (brackets inside strings do not count), by array
+    operations over the bytes (a body may be megabytes)."""
+    b = np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)
+    steps = np.isin(b, (0x5B, 0x7B)).astype(np.int32) - np.isin(b, (0x5D, 0x7D))
+    return int(np.cumsum(steps).max(initial=0))
 
 
 def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:

@@ -260,7 +260,8 @@ def _chat_body(body: Mapping[str, Any], messages: list[dict[str, Any]], include:
     if _one_of(body, "truncation", ("auto", "disabled", None), "disabled") == "auto":
         chat["truncate_prompt_tokens"] = -1  # vLLM's: the prompt's last tokens that fit
     last = body["input"][-1] if isinstance(body["input"], list) else None
-    if isinstance(last, Mapping) and last.get("role") == "assistant" and last.get("status") in _PARTIAL:
+    if isinstance(last, Mapping) and last.get("type", "message") == "message" and last.get("role") == "assistant" \
+            and last.get("status") in _PARTIAL:
         chat.update(add_generation_prompt=False, continue_final_message=True)  # the answer goes on
     if effort is not None:
         chat["reasoning_effort"] = effort  # the chat path's, as vLLM's build_chat_params gives it the template
