@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -658,8 +659,8 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
                    enable_lora=False, skip_tokenizer_init=False, task="generate", runner="auto",
                    disable_async_output_proc=True, async_scheduling=False, served_model_name="x",
                    distributed_executor_backend=None, enable_sleep_mode=False, mm_processor_kwargs=None,
-                   enable_prefix_caching=None, limit_mm_per_prompt={"image": 0}, hf_token=True,
-                   speculative_config=None, kv_transfer_config=None, structured_outputs_config=None, max_lora_rank=16,
+                   enable_prefix_caching=None, limit_mm_per_prompt={"image": 0, "video": {"count": 0}}, hf_token=True,
+                   speculative_config=None, kv_transfer_config={}, structured_outputs_config=None, max_lora_rank=16,
                    model_impl="auto", config_format="auto", worker_extension_cls="", override_pooler_config=None,
                    allowed_local_media_path="", logits_processors=None)
     assert llm.llm_engine.args.enable_prefix_caching is True
@@ -686,7 +687,8 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
             call()
     for kw in ({"pipeline_parallel_size": 2}, {"enable_lora": True}, {"cpu_offload_gb": 4}, {"task": "embed"},
                {"speculative_config": {"method": "ngram"}}, {"model_impl": "transformers"},
-               {"logits_processors": ["my.Processor"]}):
+               {"logits_processors": ["my.Processor"]}, {"limit_mm_per_prompt": {"image": {"count": 1}}},
+               {"pipeline_parallel_size": np.array([1, 2])}):  # a value the check cannot read is named too
         with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* is not supported"):
             tiny_llm(llama_path, **kw)
 

@@ -337,10 +337,11 @@ VLLM_ONLY_ARGS: dict[str, tuple[Any, str]] = {
     # True: the token of `hf auth login`, which the Hub client reads anyway.
     "hf_token": (lambda v: v is None or v is True, "give another Hub token as $HF_TOKEN"),
     "mm_processor_kwargs": (lambda v: not v, "ferrokv takes text only"),
-    "limit_mm_per_prompt": (lambda v: not v or (isinstance(v, dict) and not any(v.values())),
-                            "ferrokv takes text only"),
+    # {"image": 0}, or vLLM's newer {"image": {"count": 0}}
+    "limit_mm_per_prompt": (lambda v: not v or (isinstance(v, dict) and not any(
+        c.get("count") if isinstance(c, dict) else c for c in v.values())), "ferrokv takes text only"),
     "speculative_config": (lambda v: not v, "ferrokv has no speculative decoding"),
-    "kv_transfer_config": (lambda v: v is None, "ferrokv transfers no KV cache between engines"),
+    "kv_transfer_config": (lambda v: not v, "ferrokv transfers no KV cache between engines"),
     "structured_outputs_config": (lambda v: not v, "ferrokv's structured outputs use llguidance, unconfigured"),
     "max_lora_rank": (_any, "ferrokv has no LoRA"),
     "max_loras": (_any, "ferrokv has no LoRA"),
@@ -363,7 +364,11 @@ def without_vllm_only_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     for name, value in kwargs.items():
         if name in VLLM_ONLY_ARGS:
             fits, what = VLLM_ONLY_ARGS[name]
-            if not fits(value):
+            try:
+                neutral = bool(fits(value))
+            except Exception:  # noqa: BLE001  a value the check cannot read (an array's truth) is no neutral one
+                neutral = False
+            if not neutral:
                 raise ValueError(f"{name}={value!r} is not supported: {what}")
         elif not (name == "enable_prefix_caching" and value is None):
             out[name] = value
