@@ -79,8 +79,9 @@ def _renamed(e: OpenAIError, origins: list[str]) -> OpenAIError:
         # A replayed call is one message of one call; its output a tool message.
         s = re.sub(r"(input\[\d+\])\.tool_calls\[0\]\.function\.", r"\1.", s)
         s = re.sub(r"(input\[\d+\])\.tool_call_id", r"\1.call_id", s)
-        s = s.replace("{'type': 'function', 'function': {'name': ...}}", "{'type': 'function', 'name': ...}")
-        s = s.replace('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
+        # Chat's named tool_choice shape (a placeholder or a real name) in this API's flat one.
+        s = re.sub(r"""\{(['"])type\1: \1function\1, \1function\1: \{\1name\1: ([^{}]*?)\}\}""",
+                   r"{\1type\1: \1function\1, \1name\1: \2}", s)
         s = re.sub(r"\bmax_tokens\b", "max_output_tokens", s)
         s = re.sub(r"response_format(\.json_schema)?", "text.format", s)
         return re.sub(r"(tools\[\d+\]|tool_choice)\.function\b", r"\1", s)
