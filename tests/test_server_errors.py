@@ -344,7 +344,7 @@ def test_400_malformed_json(http, path, raw):
 
 @pytest.mark.parametrize("path, field", [("/v1/responses", "reasoning"), ("/v1/responses", "metadata"),
                                          (_CH, "tools"), (_C, "logit_bias")])
-@pytest.mark.parametrize("depth", [300, 950])
+@pytest.mark.parametrize("depth", [700, 950])
 def test_400_json_nested_too_deep(http, path, field, depth):
     """Nesting Python's parser takes but the recursive checks and renderers after it would not
     survive (a 500 before): refused up front, naming the limit; a string of brackets is no nesting."""
@@ -352,7 +352,7 @@ def test_400_json_nested_too_deep(http, path, field, depth):
             "max_tokens": 2, "max_output_tokens": 2}
     raw = json.dumps(body)[:-1] + f', "{field}": ' + "[" * depth + "]" * depth + "}"
     r = http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
-    assert_openai_error(r, 400, f"nests {depth + 1} levels", "at most 256")
+    assert_openai_error(r, 400, f"nests {depth + 1} levels", "at most 640")
     ok = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "metadata": {"note": "[[[[" * 100}} \
         if path == "/v1/responses" else {**body, "user": "[" * 400}
     assert http.post(path, json=ok).status_code == 200

@@ -186,7 +186,9 @@ async def _json(request: Request) -> Any:
         raise OpenAIError(400, f"the request body is not valid JSON ({type(e).__name__}: {shown(str(e))})") from None
 
 
-MAX_JSON_DEPTH = 256  # far past any real request; far below where Python's recursion stops
+# Past any real request (a JSON schema deep enough for the grammar compiler to refuse by name
+# included); well below the ~950 levels where the recursive checks after the parse overflow.
+MAX_JSON_DEPTH = 640
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 
 
