@@ -359,6 +359,17 @@ def test_400_json_nested_too_deep(http, path, field, depth):
     assert_still_serves(http)
 
 
+def test_json_is_parsed_before_its_depth_is_scanned(http):
+    """Invalid JSON is told as invalid (an unclosed string full of escaped quotes and brackets is
+    no nesting), and the depth scan treats an unclosed string as running to the end."""
+    from ferrokv.entrypoints.openai.api_server import json_depth
+    raw = b'{"model": "x", "prompt": "' + b'\\"' * 2000 + b"[" * 1000
+    assert_openai_error(http.post(_C, content=raw, headers={"content-type": "application/json"}), 400,
+                        "not valid JSON")
+    assert json_depth(b'{"a": "[[[\\"[[') == 1 and json_depth(b'[["x]]"]]') == 2
+    assert_still_serves(http)
+
+
 def test_400_prompt_too_long(http):
     text = "the cat " * 2500  # ~5000 tokens (> 4096), ~20 KB (< the 64 KiB body limit)
     cases = [

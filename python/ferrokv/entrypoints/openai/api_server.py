@@ -176,20 +176,22 @@ async def _json(request: Request) -> Any:
         raise OpenAIError(415, f"Unsupported Media Type: only 'application/json' is allowed "
                                f"(the request's Content-Type is {shown(content_type) if content_type else 'missing'})")
     raw = await request.body()
-    depth = json_depth(raw)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON ({type(e).__name__}: {shown(str(e))})") from None
+    depth = json_depth(raw)  # valid JSON: its strings are closed, so the scan is linear
     if depth > MAX_JSON_DEPTH:  # the checks and renderers after the parse recurse as deep
         raise OpenAIError(400, f"the request body nests {depth} levels of arrays and objects; at most "
                                f"{MAX_JSON_DEPTH} are allowed")
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise OpenAIError(400, f"the request body is not valid JSON ({type(e).__name__}: {shown(str(e))})") from None
+    return body
 
 
 # Past any real request (a JSON schema deep enough for the grammar compiler to refuse by name
 # included); well below the ~950 levels where the recursive checks after the parse overflow.
 MAX_JSON_DEPTH = 640
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+# A string, or an unclosed one to the end (so no input makes the match start over and over).
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\Z)', re.S)
 
 
 def json_depth(raw: bytes) -> int:

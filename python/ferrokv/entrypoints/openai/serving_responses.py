@@ -41,6 +41,7 @@ from ferrokv.entrypoints.openai.protocol import (REASONING_EFFORTS, ChatRequest,
 from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
                                                dumps, generate_checked, run_generation, to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_chat import ChatAnswer
+from ferrokv.inputs import message_text
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
 __all__ = ["create_response", "parse_responses_request"]
@@ -125,13 +126,24 @@ def _input_item(item: Any, where: str) -> dict[str, Any] | None:
                              "arguments": _string(item.get("arguments"), f"{where}.arguments")}}
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
-        output = item.get("output")  # a string, or a list of content parts (checked as a message's)
+        output = item.get("output")  # a string, or a list of text parts
         return {"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{where}.call_id"),
-                "content": output if isinstance(output, list) else _string(output, f"{where}.output")}
+                "content": _output_parts(output, f"{where}.output") if isinstance(output, list)
+                else _string(output, f"{where}.output")}
     if kind == "reasoning":
         return None  # as vLLM: earlier reasoning does not reach the template
     raise bad(f"{where}.type", f"{where}.type must be 'message', 'function_call', 'function_call_output' or "
                                f"'reasoning', got {shown(kind)}")
+
+
+def _output_parts(parts: list[Any], where: str) -> Any:
+    """A ``function_call_output``'s list of text parts, checked as a message's content is; an
+    error names the part (``input[2].output[0]``)."""
+    try:
+        return message_text(parts, where, "tool")
+    except ValueError as e:
+        field = re.match(r"input\[\d+\]\.output(\[\d+\])?", str(e))
+        raise bad(field.group(0) if field else where, str(e)) from None
 
 
 def _conversation(instructions: Any, value: Any) -> tuple[list[dict[str, Any]], list[str]]:
