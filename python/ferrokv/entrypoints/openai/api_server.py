@@ -180,7 +180,8 @@ async def _json(request: Request) -> Any:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise OpenAIError(400, f"the request body is not valid JSON ({type(e).__name__}: {shown(str(e))})") from None
-    depth = json_depth(raw)  # valid JSON: its strings are closed, so the scan is linear
+    # Fewer opening brackets than the cap (nearly every body) cannot nest past it: no scan.
+    depth = json_depth(raw) if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH else 0
     if depth > MAX_JSON_DEPTH:  # the checks and renderers after the parse recurse as deep
         raise OpenAIError(400, f"the request body nests {depth} levels of arrays and objects; at most "
                                f"{MAX_JSON_DEPTH} are allowed")
