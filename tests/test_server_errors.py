@@ -396,10 +396,11 @@ def test_400_prompt_fills_the_context(http):
         err = assert_openai_error(http.post(path, json=body), 400, str(MAX_MODEL_LEN), "is too large", field)
         assert err["param"] == field, err
     assert "the prompt has 3, so at most" in err["message"], err
-    # A prompt to truncate keeps at least one token: no max_tokens of the whole context fits.
+    # A prompt to truncate keeps at least one token: no max_tokens of the whole context fits, and
+    # the message tells the prompt's own length and what truncation kept.
     err = assert_openai_error(http.post(_CH, json=chat_body(max_tokens=MAX_MODEL_LEN, truncate_prompt_tokens=-1)),
-                              400, f"max_tokens={MAX_MODEL_LEN} is too large", "keeps at least one")
-    assert err["param"] == "max_tokens", err
+                              400, f"max_tokens={MAX_MODEL_LEN} is too large", "truncated to 1, so at most")
+    assert err["param"] == "max_tokens" and int(re.search(r"the prompt has (\d+)", err["message"])[1]) > 1, err
 
 
 # ------------------------------------------------------------------------------------------------

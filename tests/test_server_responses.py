@@ -260,7 +260,8 @@ def test_a_named_function_that_is_not_a_tool_is_told_in_this_apis_shape(http):
     err = assert_openai_error(r, 400, "nope")
     assert err["param"].startswith("tool_choice") and "'function': {" not in err["message"], err
     # The request's own choice, shown back when it names a function with no tools at all.
-    r = http.post("/v1/responses", json={"model": MODEL, "input": USER, "tool_choice": {"type": "function", "name": "f"}})
+    r = http.post("/v1/responses", json={"model": MODEL, "input": USER,
+                                         "tool_choice": {"type": "function", "name": "f"}})
     err = assert_openai_error(r, 400, "{'type': 'function', 'name': 'f'}")
     assert "'function': {" not in err["message"], err
 

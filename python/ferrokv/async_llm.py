@@ -43,7 +43,7 @@ from typing import Any
 
 from ferrokv.checks import PoolingUnsupportedError, check_text, shown
 from ferrokv.engine import LLMEngine
-from ferrokv.engine_args import EngineArgs, without_vllm_only_args
+from ferrokv.engine_args import EngineArgs, vllm_only_method, without_vllm_only_args
 from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
 from ferrokv.inputs import (check_no_lora, is_text_prompt, request_id_str, tokenization_options, tokenized_prompt,
                             with_truncation)
@@ -356,25 +356,25 @@ class AsyncLLM:
         return False
 
     async def sleep(self, level: int = 1) -> None:
-        raise NotImplementedError("AsyncLLM.sleep: ferrokv has no sleep mode (enable_sleep_mode is False)")
+        raise vllm_only_method("AsyncLLM", "sleep")
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        raise NotImplementedError("AsyncLLM.wake_up: ferrokv has no sleep mode (enable_sleep_mode is False)")
+        raise vllm_only_method("AsyncLLM", "wake_up")
 
     async def pause_generation(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("AsyncLLM.pause_generation: ferrokv does not pause (abort requests instead)")
+        raise vllm_only_method("AsyncLLM", "pause_generation")
 
     async def resume_generation(self) -> None:
-        raise NotImplementedError("AsyncLLM.resume_generation: ferrokv does not pause generation")
+        raise vllm_only_method("AsyncLLM", "resume_generation")
 
     async def start_profile(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("AsyncLLM.start_profile: ferrokv has no built-in profiler (use torch.profiler)")
+        raise vllm_only_method("AsyncLLM", "start_profile")
 
     async def stop_profile(self) -> None:
-        raise NotImplementedError("AsyncLLM.stop_profile: ferrokv has no built-in profiler (use torch.profiler)")
+        raise vllm_only_method("AsyncLLM", "stop_profile")
 
     async def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("AsyncLLM.collective_rpc: ferrokv runs in this process, with no workers")
+        raise vllm_only_method("AsyncLLM", "collective_rpc")
 
     async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (ValueError when it is not Unicode text: a lone surrogate)."""

@@ -16,8 +16,8 @@ import re
 from typing import Any
 
 __all__ = [
-    "DeviceMismatchError", "PoolingUnsupportedError", "as_float", "check_finite", "check_int", "check_same_device", "check_text", "is_text",
-    "rename_field", "shown",
+    "DeviceMismatchError", "PoolingUnsupportedError", "as_float", "check_finite", "check_int", "check_same_device",
+    "check_text", "is_text", "rename_field", "shown",
 ]
 
 _SHOWN = 60  # characters of a bad value quoted in a message

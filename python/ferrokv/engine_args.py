@@ -31,7 +31,7 @@ from ferrokv.checks import check_int, rename_field
 from ferrokv.generation_defaults import check_generation_args
 
 __all__ = ["ALIASES", "DTYPE_ALIASES", "AsyncEngineArgs", "EngineArgs", "VLLM_ONLY_ARGS", "engine_arg_help",
-           "help_with_default", "without_vllm_only_args"]
+           "help_with_default", "VLLM_ONLY_METHODS", "vllm_only_method", "without_vllm_only_args"]
 
 # Accepted dtype names -> canonical torch dtype names ("half"/"float" as in vLLM and torch).
 DTYPE_ALIASES: dict[str, str] = {
@@ -355,6 +355,23 @@ VLLM_ONLY_ARGS: dict[str, tuple[Any, str]] = {
     "logits_processors": (lambda v: not v, "ferrokv runs no custom logits processors (SamplingParams has "
                                            "logit_bias, allowed_token_ids, bad_words)"),
 }
+
+
+_NO_SLEEP = "ferrokv has no sleep mode (enable_sleep_mode is False)"
+_NO_PROFILER = "ferrokv has no built-in profiler (use torch.profiler)"
+# vLLM's LLM / AsyncLLM methods for what ferrokv has none of -> why they are refused.
+VLLM_ONLY_METHODS: dict[str, str] = {
+    "sleep": _NO_SLEEP, "wake_up": _NO_SLEEP, "start_profile": _NO_PROFILER, "stop_profile": _NO_PROFILER,
+    "collective_rpc": "ferrokv runs in this process, with no workers",
+    "apply_model": "ferrokv has no workers (llm.llm_engine.model is the model, in this process)",
+    "pause_generation": "ferrokv does not pause generation (abort requests instead)",
+    "resume_generation": "ferrokv does not pause generation",
+}
+
+
+def vllm_only_method(owner: str, name: str) -> NotImplementedError:
+    """The refusal of ``owner.name``, a vLLM method for what ferrokv has none of."""
+    return NotImplementedError(f"{owner}.{name}: {VLLM_ONLY_METHODS[name]}")
 
 
 def without_vllm_only_args(kwargs: dict[str, Any]) -> dict[str, Any]:

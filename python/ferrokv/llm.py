@@ -30,10 +30,11 @@ from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.chat_content_format import with_content_format
 from ferrokv.checks import PoolingUnsupportedError, check_int, check_text, shown
 from ferrokv.engine import LLMEngine
-from ferrokv.engine_args import EngineArgs, without_vllm_only_args
+from ferrokv.engine_args import EngineArgs, vllm_only_method, without_vllm_only_args
 from ferrokv.engine_loop import EngineLoop, StreamItem
 from ferrokv.inputs import (batch_prompts, check_documents, check_no_lora, check_tools, message_text,
-                            message_tool_fields, template_kwargs, tokenization_options, tokenized_prompt, with_truncation)
+                            message_tool_fields, template_kwargs, tokenization_options, tokenized_prompt,
+                            with_truncation)
 from ferrokv.metrics_reader import Metric, engine_metrics, engine_stats
 from ferrokv.outputs import Logprob, RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
@@ -239,23 +240,22 @@ class LLM:
         """Nothing to reset: ferrokv takes text only."""
 
     def sleep(self, level: int = 1) -> None:
-        raise NotImplementedError("LLM.sleep: ferrokv has no sleep mode (enable_sleep_mode is False)")
+        raise vllm_only_method("LLM", "sleep")
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        raise NotImplementedError("LLM.wake_up: ferrokv has no sleep mode (enable_sleep_mode is False)")
+        raise vllm_only_method("LLM", "wake_up")
 
     def start_profile(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("LLM.start_profile: ferrokv has no built-in profiler (use torch.profiler)")
+        raise vllm_only_method("LLM", "start_profile")
 
     def stop_profile(self) -> None:
-        raise NotImplementedError("LLM.stop_profile: ferrokv has no built-in profiler (use torch.profiler)")
+        raise vllm_only_method("LLM", "stop_profile")
 
     def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("LLM.collective_rpc: ferrokv runs in this process, with no workers")
+        raise vllm_only_method("LLM", "collective_rpc")
 
     def apply_model(self, func: Any) -> Any:
-        raise NotImplementedError("LLM.apply_model: ferrokv has no workers (llm.llm_engine.model is "
-                                  "the model, in this process)")
+        raise vllm_only_method("LLM", "apply_model")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of a call that gives none: the model's generation config's

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
@@ -77,6 +77,10 @@ class OpenAIError(Exception):
         self.message = message
         self.param = param
         self.type = type or _ERROR_TYPES.get(status, "InternalServerError")
+
+    def renamed(self, fix: Callable[[str], str]) -> OpenAIError:
+        """This error told in other names: ``fix`` applied to its message and its param."""
+        return OpenAIError(self.status, fix(self.message), None if self.param is None else fix(self.param), self.type)
 
 
 def error_body(err: OpenAIError) -> dict[str, Any]:
@@ -410,10 +414,10 @@ class _Common:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the choices' token ids too
 
-    def engine_error(self, e: ValueError) -> Exception:
+    def engine_error(self, e: Exception) -> Exception:
         """The engine's ``ValueError`` about this request's constraint (a grammar that does not
         compile), told in the request's names; any other error as it is."""
-        if self.structured is not None and str(e).startswith("structured_outputs"):
+        if self.structured is not None and isinstance(e, ValueError) and str(e).startswith("structured_outputs"):
             return self.structured.error(str(e))
         return e
 
@@ -538,14 +542,14 @@ def _tools(body: Mapping[str, Any], auto_parser: str | None = None) -> tuple[lis
         raise bad(e.param, str(e)) from None
 
 
-def _content(i: int, content: Any, role: str) -> str | tuple[str, ...]:
-    """A message's content (``message_text``: a string, text parts, or null), its error a 400
-    naming the field."""
+def checked_content(content: Any, where: str, role: str) -> str | tuple[str, ...]:
+    """A message's content (``message_text``: a string, text parts, or null) at the request's
+    field ``where`` (``messages[2].content``), its error a 400 naming the field or its bad part."""
     try:
-        return message_text(content, f"messages[{i}].content", role)
+        return message_text(content, where, role)
     except ValueError as e:
-        field = re.match(r"messages\[\d+\]\.content(\[\d+\])?", str(e))
-        raise bad(field.group(0) if field else f"messages[{i}].content", str(e)) from None
+        field = re.match(re.escape(where) + r"(\[\d+\])?", str(e))
+        raise bad(field.group(0) if field else where, str(e)) from None
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
@@ -562,7 +566,9 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             tool_fields = message_tool_fields(m, f"messages[{i}]")
         except ValueError as e:  # its message starts with the field's path
             raise bad(str(e).split(" ", 1)[0], str(e)) from None
-        out.append({"role": m["role"], "content": _content(i, m.get("content"), m["role"]),
+        content = checked_content(m.get("content"), f"messages[{i}].content", m["role"])
+        # The arguments of replayed tool_calls stay JSON text here: chat_token_ids decodes them, once.
+        out.append({"role": m["role"], "content": content,
                     **{key: m[key] if key == "tool_calls" else value for key, value in tool_fields.items()}})
     return out
 

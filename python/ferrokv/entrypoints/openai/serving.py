@@ -214,17 +214,21 @@ def engine_request_id(response_id: str) -> str:
     return f"{response_id}-{uuid.uuid4().hex[:8]}"
 
 
-def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, field: str) -> None:
-    """The prompt and the tokens asked for fit in the context (vLLM's 400; the engine itself
-    would cut the output short instead): an error of the prompt's ``field`` when it leaves no
-    room at all, else of ``max_tokens`` (chat's ``max_completion_tokens`` too)."""
+def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, field: str,
+               keep: int | None = None) -> None:
+    """The prompt (its last ``keep`` tokens when it is truncated) and the tokens asked for fit in
+    the context (vLLM's 400; the engine itself would cut the output short instead): an error of
+    the prompt's ``field`` when it leaves no room at all, else of ``max_tokens`` (chat's
+    ``max_completion_tokens`` too)."""
     wanted = max_tokens if max_tokens is not None else 1
-    if num_prompt_tokens + wanted <= max_model_len:
+    kept = num_prompt_tokens if keep is None else min(num_prompt_tokens, keep)
+    if kept + wanted <= max_model_len:
         return
-    if num_prompt_tokens < max_model_len:
+    if kept < max_model_len:
+        cut = f", truncated to {kept}" if kept < num_prompt_tokens else ""
         raise OpenAIError(400, f"max_tokens={wanted} is too large: the context is max_model_len={max_model_len} "
-                               f"tokens and the prompt has {num_prompt_tokens}, so at most "
-                               f"{max_model_len - num_prompt_tokens} can be generated", "max_tokens")
+                               f"tokens and the prompt has {num_prompt_tokens}{cut}, so at most "
+                               f"{max_model_len - kept} can be generated", "max_tokens")
     raise OpenAIError(400, f"{field}: the context is max_model_len={max_model_len} tokens, but the request "
                            f"needs {num_prompt_tokens + wanted} ({num_prompt_tokens} in the prompt, {wanted} "
                            f"to generate)", field)
@@ -241,14 +245,8 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
     except ValueError as e:
         raise _prompt_error(e, field)
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
-        n = len(prompt["prompt_token_ids"])  # of which the engine keeps the last `keep`
         keep = truncation_length(params.truncate_prompt_tokens, llm.max_model_len, params.max_tokens)
-        if keep is not None and params.max_tokens is not None and params.max_tokens >= llm.max_model_len:
-            raise OpenAIError(400, f"max_tokens={params.max_tokens} is too large: the context is max_model_len="
-                                   f"{llm.max_model_len} tokens, and a truncated prompt keeps at least one", "max_tokens")
-        if keep is not None:
-            n = min(n, keep)
-        check_room(n, params.max_tokens, llm.max_model_len, field)
+        check_room(len(prompt["prompt_token_ids"]), params.max_tokens, llm.max_model_len, field, keep)
     stream = llm.generate(prompt, params, request_id, **kw)
     async with contextlib.aclosing(stream):
         try:
@@ -399,17 +397,18 @@ class Generation:
 
 async def run_generation(request: Request, state: ServerState, gens: list[AsyncIterator[RequestOutput]],
                          params: Any, respond: Callable[[Generation], Awaitable[Any]],
-                         engine_error: Callable[[ValueError], Exception] | None = None) -> Any:
+                         engine_error: Callable[[Exception], Exception] | None = None) -> Any:
     """Starts the requests (watched for a disconnect) and hands them to ``respond``, which
     returns the response; errors become OpenAI errors and every generator is closed. ``params``:
     the requests' ``SamplingParams`` (their ``n`` and ``max_tokens`` go to the metrics).
-    ``engine_error`` renames the engine's errors it knows (a grammar that does not compile, told
-    as the request's ``guided_regex``...); prompt errors were named by ``generate_checked``."""
+    ``engine_error`` renames the errors of the start it knows (a grammar that does not compile,
+    told as the request's ``guided_regex``...; the room check's, in the request's own names);
+    prompt errors were named by ``generate_checked``."""
     gen = Generation(gens, state, params)
     try:
         try:
             await watched(request, gen.start())
-        except ValueError as e:
+        except (ValueError, OpenAIError) as e:
             if engine_error is not None:
                 raise engine_error(e) from None
             raise

@@ -164,11 +164,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
         stream = generate_checked(state.llm, {"prompt_token_ids": ids}, req.params, rid, "messages",
                                   priority=req.priority, cache_salt=req.cache_salt)
         async with contextlib.aclosing(stream):  # closed at once when this one is (the abort)
-            try:
-                async for out in stream:
-                    yield out
-            except OpenAIError as e:  # the room check's
-                raise _as_asked(req, e) from None
+            async for out in stream:
+                yield out
 
     async def respond(gen: Generation) -> Any:
         if req.stream:
@@ -183,7 +180,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
         return JSONBody({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
                              "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs), **ids})
 
-    def engine_error(e: ValueError) -> Exception:
+    def engine_error(e: Exception) -> Exception:
         return _as_asked(req, req.engine_error(e))
 
     return await run_generation(request, state, [prompt_then_generate()], req.params, respond, engine_error)
@@ -193,11 +190,7 @@ def _as_asked(req: ChatRequest, e: Exception) -> Exception:
     """An error about ``max_tokens`` in the name the request gave it (``max_completion_tokens``)."""
     if req.max_tokens_field == "max_tokens" or not isinstance(e, (OpenAIError, ValueError)):
         return e
-    e = to_openai_error(e)
-
-    def fix(s: str | None) -> str | None:
-        return None if s is None else re.sub(r"\bmax_tokens\b", req.max_tokens_field, s)
-    return OpenAIError(e.status, fix(e.message) or e.message, fix(e.param), e.type)
+    return to_openai_error(e).renamed(lambda s: re.sub(r"\bmax_tokens\b", req.max_tokens_field, s))
 
 
 def _stream(gen: Generation, call: ChatAnswer) -> Any:

@@ -37,11 +37,11 @@ from fastapi import Request
 
 from ferrokv.checks import is_text, shown
 from ferrokv.entrypoints.openai.protocol import (REASONING_EFFORTS, ChatRequest, OpenAIError, _bool, _lax_numbers,
-                                                 _logprobs, _object, bad, error_body, parse_chat_request)
+                                                 _logprobs, _object, bad, checked_content, error_body,
+                                                 parse_chat_request)
 from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
                                                dumps, generate_checked, run_generation, to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_chat import ChatAnswer
-from ferrokv.inputs import message_text
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
 __all__ = ["create_response", "parse_responses_request"]
@@ -72,9 +72,7 @@ class ResponsesRequest:
 
 def _renamed(e: OpenAIError, origins: list[str]) -> OpenAIError:
     """An error of the chat path, told in the Responses API's names."""
-    def fix(s: str | None) -> str | None:
-        if s is None:
-            return None
+    def fix(s: str) -> str:
         s = re.sub(r"messages\[(\d+)\]", lambda m: origins[int(m[1])] if int(m[1]) < len(origins) else m[0], s)
         s = re.sub(r"\bmessages\b", "input", s)
         # A replayed call is one message of one call; its output a tool message.
@@ -86,7 +84,7 @@ def _renamed(e: OpenAIError, origins: list[str]) -> OpenAIError:
         s = re.sub(r"\bmax_tokens\b", "max_output_tokens", s)
         s = re.sub(r"response_format(\.json_schema)?", "text.format", s)
         return re.sub(r"(tools\[\d+\]|tool_choice)\.function\b", r"\1", s)
-    return OpenAIError(e.status, fix(e.message) or e.message, fix(e.param), e.type)
+    return e.renamed(fix)
 
 
 def _string(value: Any, where: str) -> str:
@@ -128,22 +126,12 @@ def _input_item(item: Any, where: str) -> dict[str, Any] | None:
     if kind == "function_call_output":
         output = item.get("output")  # a string, or a list of text parts
         return {"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{where}.call_id"),
-                "content": _output_parts(output, f"{where}.output") if isinstance(output, list)
+                "content": checked_content(output, f"{where}.output", "tool") if isinstance(output, list)
                 else _string(output, f"{where}.output")}
     if kind == "reasoning":
         return None  # as vLLM: earlier reasoning does not reach the template
     raise bad(f"{where}.type", f"{where}.type must be 'message', 'function_call', 'function_call_output' or "
                                f"'reasoning', got {shown(kind)}")
-
-
-def _output_parts(parts: list[Any], where: str) -> Any:
-    """A ``function_call_output``'s list of text parts, checked as a message's content is; an
-    error names the part (``input[2].output[0]``)."""
-    try:
-        return message_text(parts, where, "tool")
-    except ValueError as e:
-        field = re.match(r"input\[\d+\]\.output(\[\d+\])?", str(e))
-        raise bad(field.group(0) if field else where, str(e)) from None
 
 
 def _conversation(instructions: Any, value: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -387,13 +375,9 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
 
     async def prompt_then_generate() -> Any:
         ids = await state.llm.encode_chat(chat.messages, chat.add_generation_prompt, **template)
-        try:
-            outputs = generate_checked(state.llm, {"prompt_token_ids": ids}, chat.params, engine_id, "input",
-                                       priority=chat.priority, cache_salt=chat.cache_salt)
-            async for out in outputs:
-                yield out
-        except OpenAIError as e:  # the room check's, told as max_output_tokens
-            raise _renamed(e, req.origins) from None
+        async for out in generate_checked(state.llm, {"prompt_token_ids": ids}, chat.params, engine_id, "input",
+                                          priority=chat.priority, cache_salt=chat.cache_salt):
+            yield out
 
     async def respond(gen: Generation) -> Any:
         if chat.stream:
@@ -404,7 +388,7 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
         output = resp.output(c)
         return JSONBody(resp.body(_status(c), output))
 
-    def engine_error(e: ValueError) -> Exception:
+    def engine_error(e: Exception) -> Exception:
         return req.renamed(chat.engine_error(e))
 
     return await run_generation(request, state, [prompt_then_generate()], chat.params, respond, engine_error)
