@@ -201,6 +201,25 @@ def test_helpers(tok):
     assert decode_token(tok, TINY_VOCAB_SIZE + 1) == ""
 
 
+def test_added_tokens_flagged_special_are_skipped_as_the_tokenizer_skips_them(tmp_path):
+    """A token added with ``special=True`` (Llama 3's reserved tokens) is not in ``all_special_ids``,
+    yet a fast tokenizer's decode skips it: so must the detokenizer and its stop-string search."""
+    from tokenizers import AddedToken
+
+    tok = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path / "tok"))  # a copy to change
+    tok.add_tokens([AddedToken("[RESERVED_0]", special=True, normalized=False),
+                    AddedToken("<plain>", special=False, normalized=False)])
+    reserved, plain = tok.convert_tokens_to_ids(["[RESERVED_0]", "<plain>"])
+    assert reserved not in tok.all_special_ids and reserved in special_token_ids(tok)
+    assert plain not in special_token_ids(tok)
+    ids = tok.encode("the ca", add_special_tokens=False) + [reserved, plain] + tok.encode("t runs", add_special_tokens=False)
+    for skip in (True, False):
+        d, deltas = stream(tok, ids, skip_special_tokens=skip)
+        assert d.text == "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+    d, _ = stream(tok, ids, stop=["RESERVED"])
+    assert not d.stopped and "RESERVED" not in d.text
+
+
 @pytest.mark.parametrize("text", ["The cat 🦀 runs today.", "naïve 中文 text 😀😀 again!"])
 def test_prompt_ending_inside_a_character(tok, text):
     """A prompt may end in the middle of a UTF-8 character (its tokens split one): the output

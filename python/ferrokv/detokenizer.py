@@ -24,8 +24,10 @@ Invariants:
 * Stop strings: once the text contains one (searched only after more than ``min_tokens`` tokens, as
   in vLLM), :attr:`stop_reason` is that string, :attr:`text` is cut just before it (or just after
   it with ``include_stop_str_in_output``) and the detokenizer refuses further tokens. When several
-  stop strings complete in one delta, the first of them in the caller's list wins (vLLM's
-  ``check_stop_strings``). A stop string may span any number of tokens.
+  stop strings complete in one delta, the one that ends first wins, as if the delta came one
+  character at a time, so the text never holds a stop string (vLLM's ``check_stop_strings`` takes
+  the first of the caller's list found, which may leave an earlier-ending one in the text); the
+  list's order breaks ties. A stop string may span any number of tokens.
 * Emitted text is final: without ``include_stop_str_in_output`` the last ``max_stop_len - 1``
   characters are held back from deltas (a partial stop string must not be streamed and then
   retracted); :meth:`flush` releases them when the sequence ends for another reason.
@@ -68,11 +70,17 @@ def _completes(new_text: str, pending: int) -> bool:
 
 
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
-    """``tokenizer.all_special_ids`` as a frozenset, cached per tokenizer (the property is slow)."""
+    """The ids ``skip_special_tokens`` skips, as the tokenizer's own ``decode`` does, as a frozenset
+    cached per tokenizer (the properties are slow): ``all_special_ids``, and for a fast tokenizer
+    also every added token flagged special (its backend skips those; ``all_special_ids`` lists
+    only the named and additional special tokens, not e.g. reserved tokens added as special)."""
     try:
         return _special_cache[tokenizer]
     except (KeyError, TypeError):
         ids = frozenset(int(i) for i in tokenizer.all_special_ids if i is not None)
+        if getattr(tokenizer, "is_fast", False):
+            added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+            ids |= {int(i) for i, t in added.items() if getattr(t, "special", False)}
         try:
             _special_cache[tokenizer] = ids
         except TypeError:  # not weak-referenceable: just don't cache

@@ -7,8 +7,8 @@
 //!   else the model's `id_to_token`. Ids with neither (padded embedding rows) are *unknown* and
 //!   decode to nothing. An id is *special* when its token string is in the added vocabulary's
 //!   special set (the `special` flag in tokenizer.json) -- exactly what `decode` skips with
-//!   `skip_special_tokens`. (The Python path skips transformers' `all_special_ids`, which is the
-//!   same set for tokenizer.json files whose special tokens are flagged, as HF's are.)
+//!   `skip_special_tokens`. (The Python path skips the same set: transformers' `all_special_ids`
+//!   plus the added tokens flagged special, see `special_token_ids` in detokenizer.py.)
 //! * Byte-level fast path: when the decoder is exactly `ByteLevel` (GPT-2, SmolLM2, Qwen, Llama 3),
 //!   every id's bytes are precomputed at load with the GPT-2 byte<->unicode table; a token with a
 //!   char outside the table keeps its UTF-8 bytes (as the `ByteLevel` decoder does). Decoding a
