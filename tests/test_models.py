@@ -245,9 +245,14 @@ def test_window_config_resolution():
     # vLLM's default max_model_len: the positions times a linear/dynamic/yarn factor.
     for rope, want in (({"rope_type": "linear", "factor": 4.0}, 64), ({"rope_type": "dynamic", "factor": 2.0}, 32),
                        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}, 32),
-                       ({"rope_type": "yarn", "original_max_position_embeddings": 8}, 16), (LLAMA3, 16), ({}, 16)):
+                       (LLAMA3, 16), ({}, 16)):
         cfg = llama.parse_config({**base, "max_position_embeddings": 16, "rope_scaling": rope})
         assert cfg.rope.default_max_model_len == want, rope
+    for rope, kind in (({"rope_type": "yarn", "original_max_position_embeddings": 8}, "yarn"),
+                       ({"type": "dynamic"}, "dynamic")):
+        # transformers refuses these too (and would fail loading the tokenizer, which reads config.json)
+        with pytest.raises(ValueError, match=f"config.json: rope_type '{kind}' needs a 'factor'"):
+            llama.parse_config({**base, "rope_scaling": rope})
     # llama3 and yarn: a top-level original_max_position_embeddings wins (transformers'
     # standardize_rope_params); none anywhere: the model's positions.
     for rope in (LLAMA3, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}):

@@ -109,13 +109,11 @@ def parse_rope(d: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:
     if prf not in (None, 1, 1.0):
         raise ValueError(f"config.json: partial_rotary_factor={prf} is not supported")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
+    if rope_type != "default" and "factor" not in params:  # as transformers and vLLM require it
         raise ValueError(f"config.json: rope_type {rope_type!r} needs a 'factor'")
     orig = params.get("original_max_position_embeddings")
     if rope_type in ("llama3", "yarn"):  # transformers: a top-level value wins; default: the model's positions
         orig = d.get("original_max_position_embeddings") or orig or max_pos
-        if rope_type == "yarn" and params.get("factor") is None:
-            params = {**params, "factor": max_pos / orig}
     factor = _positive(params.get("factor", 1.0), "rope factor")
     theta = _positive(theta, "rope_theta")
     if rope_type == "llama3":
