@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from ferrokv.sampling_params import GREEDY_EPS, MIN_TEMPERATURE, SamplingParams
+from ferrokv.sampling_params import (GREEDY_EPS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE,
+                                     SamplingParams)
 
 
 def test_defaults_match_vllm():
@@ -38,6 +39,21 @@ def test_positional_arguments_mean_what_they_mean_in_vllm():
     assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.temperature) == (2, 0.1, 0.2, 1.3, 0.7)
     assert (p.top_p, p.top_k, p.min_p, p.seed, p.stop, p.stop_token_ids) == (0.9, 5, 0.05, 7, ["x"], [3])
     assert (p.ignore_eos, p.max_tokens, p.min_tokens, p.logprobs) == (True, 9, 1, 2)
+
+
+def test_stops_are_deduplicated_and_bounded():
+    """A repeat stops nothing more but costs every step (each token is searched for every stop
+    string; under min_tokens every stop id is banned per row): repeats go, as vLLM drops repeated
+    stop ids, and what is left is bounded, naming the field."""
+    p = SamplingParams(stop=["b", "a", "b"], stop_token_ids=[7, 3, 7, 7] * 100_000)
+    assert (p.stop, p.stop_token_ids) == (["b", "a"], [7, 3])
+    SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)], stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    SamplingParams(stop=["x" * MAX_STOP_CHARS])
+    for kw, needle in (({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop: at most"),
+                       ({"stop": ["x" * MAX_STOP_CHARS, "y"]}, f"of {MAX_STOP_CHARS + 1}"),
+                       ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids: at most")):
+        with pytest.raises(ValueError, match=needle):
+            SamplingParams(**kw)
 
 
 def test_normalisation():

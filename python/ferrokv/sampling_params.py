@@ -74,6 +74,12 @@ logger = logging.getLogger("ferrokv")
 # Below this temperature a request is treated as greedy: dividing logits by ~0 would overflow, and
 # vLLM uses the same threshold, so requests behave the same on both engines.
 GREEDY_EPS: float = 1e-5
+# What one request may ask of every step: each generated token is searched for every stop string
+# (its cost grows with their number and length), and under min_tokens every stop id is banned in
+# each of its rows. Far above real use (OpenAI allows 4 stop strings, vLLM's server now too).
+MAX_STOP_STRINGS = 256
+MAX_STOP_CHARS = 65_536  # all stop strings together
+MAX_STOP_TOKEN_IDS = 1024  # distinct
 # vLLM's _MAX_TEMP: the smallest temperature used as given (above 0).
 MIN_TEMPERATURE: float = 1e-2
 
@@ -228,11 +234,15 @@ class SamplingParams:
             for s in stop:
                 if not isinstance(s, str):
                     raise ValueError(f"stop must contain only strings, got {s!r}")
-            self.stop = stop
+            self.stop = list(dict.fromkeys(stop))  # a repeat stops nothing more, and costs every token
         for s in self.stop:
             check_text("stop", s)
             if s == "":
                 raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
+        chars = sum(map(len, self.stop))
+        if len(self.stop) > MAX_STOP_STRINGS or chars > MAX_STOP_CHARS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} distinct strings of {MAX_STOP_CHARS} characters in "
+                             f"all, got {len(self.stop)} of {chars}")
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
 
         if self.stop_token_ids is not None and not _is_list_like(self.stop_token_ids):
@@ -241,7 +251,10 @@ class SamplingParams:
         for t in ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
-        self.stop_token_ids = [int(t) for t in ids]
+        self.stop_token_ids = list(dict.fromkeys(int(t) for t in ids))  # vLLM's de-duplication
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} distinct ids, "
+                             f"got {len(self.stop_token_ids)}")
 
     def _validate_token_rules(self) -> None:
         """``prompt_logprobs``, ``logit_bias``, ``allowed_token_ids``, ``bad_words`` and
