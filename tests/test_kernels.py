@@ -313,6 +313,11 @@ def test_launchers_validate_arguments():
         paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc[:1], meta.seq_lens, 1, 1.0)
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="sliding_window must be None or an int, got 4.5"):
+        paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0, sliding_window=4.5)
+    for scale in (torch.tensor(1.0), 0.0, float("nan"), True):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 3, scale)
     with pytest.raises(ValueError, match="block_mapping"):
         copy_blocks([k_cache], [v_cache], torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE))
 

@@ -10,6 +10,8 @@ context (flash-decoding) yet: long contexts with few sequences underuse a large 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -78,9 +80,14 @@ def _paged_attention_decode_kernel(
 
 def check_attention_args(
     query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-    sliding_window: int | None,
+    sliding_window: int | None, scale: float,
 ) -> tuple[int, int, int, int, int]:
-    """Shared validation; returns (num_heads, num_kv_heads, head_dim, block_size, group)."""
+    """Shared validation; returns (num_heads, num_kv_heads, head_dim, block_size, group). ``scale``
+    and ``sliding_window`` are host numbers (a tensor would be a kernel argument of another kind)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)):
+        raise ValueError(f"sliding_window must be None or an int, got {sliding_window!r}")
     check_cache_pair(k_cache, v_cache)
     dev = k_cache.device
     check_tensor("query", query, ndim=3, dtypes=(k_cache.dtype,), device=dev)
@@ -111,7 +118,8 @@ def paged_attention_decode(
 ) -> Tensor:
     """``query`` [S, H, D] (one token per sequence) → output [S, H, D]; the cache already holds the
     new tokens' K/V. ``block_tables`` int32 [S, max_blocks], ``seq_lens`` int32 [S] (>= 1)."""
-    h, hkv, d, block_size, group = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, sliding_window)
+    h, hkv, d, block_size, group = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, sliding_window,
+                                                        scale)
     S = query.shape[0]
     if seq_lens.shape[0] != S:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries for {S} query rows")

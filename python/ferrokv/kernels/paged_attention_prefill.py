@@ -108,9 +108,11 @@ def paged_attention_prefill(
     """``query`` [T, H, D] (ragged, sequences back to back) → output [T, H, D].
 
     ``query_start_loc`` int32 [S+1], ``seq_lens`` int32 [S], ``block_tables`` int32 [S, max_blocks];
-    ``max_query_len`` (host int) sizes the grid, so no device sync happens here.
+    ``max_query_len`` (host int) sizes the grid, so no device sync happens here; it must be at least the
+    longest query (rows past it are left unwritten: the caller, AttentionMetadata.build, computes it).
     """
-    h, hkv, d, block_size, group = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, sliding_window)
+    h, hkv, d, block_size, group = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, sliding_window,
+                                                        scale)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=query.device,
                  contiguous=True)
     S = seq_lens.shape[0]
