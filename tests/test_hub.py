@@ -224,8 +224,8 @@ def test_tokenizer_revision_picks_the_tokenizers_branch(cache, model, tmp_path):
         (bare / p.name).unlink()
     add_to_hub_cache(cache, "org/split", bare, ref="weights")
     add_to_hub_cache(cache, "org/split", tmp_path / "v2", ref="main")
-    with pytest.raises(ValueError, match="model: .* has no tokenizer"):
-        LLM("org/split", revision="weights", download_dir=str(cache), **LLM_ARGS)
+    with pytest.raises(ValueError, match=r"model: 'org/split' \(at '.*snapshots.*'\) has no tokenizer"):
+        LLM("org/split", revision="weights", download_dir=str(cache), **LLM_ARGS)  # the id, then its snapshot
     split = LLM("org/split", revision="weights", tokenizer_revision="main", download_dir=str(cache), **LLM_ARGS)
     assert split.get_tokenizer().model_max_length == 2222
 

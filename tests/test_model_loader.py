@@ -5,6 +5,7 @@ import importlib.util
 import json
 import pickle
 import os
+import time
 
 import pytest
 import torch
@@ -152,13 +153,13 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(model_loader, "_convert_gguf", broken)
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(ValueError, match=r"m.gguf' cannot be read \(RuntimeError: boom\)"):
         load_or_convert_gguf(tmp_path, "m.gguf")
     assert list((tmp_path / "cache").iterdir()) == []
 
     def ok(folder, gguf_file, out):
         (out / "config.json").write_text("{}")
-        (out / "model.safetensors").write_bytes(b"")
+        _tiny_safetensors(out)
 
     monkeypatch.setattr(model_loader, "_convert_gguf", ok)
     out = load_or_convert_gguf(tmp_path, "m.gguf")
@@ -255,7 +256,7 @@ def test_gguf_cache_keys_on_the_files_path_and_drops_a_replaced_versions_convers
     def convert(folder, gguf_file, out):
         converted.append(str(folder / gguf_file))
         (out / "config.json").write_text(json.dumps({"from": str(folder / gguf_file)}))
-        (out / "model.safetensors").write_bytes(b"")
+        _tiny_safetensors(out)
 
     monkeypatch.setattr(model_loader, "_convert_gguf", convert)
     a, b = tmp_path / "a", tmp_path / "b"
@@ -271,6 +272,136 @@ def test_gguf_cache_keys_on_the_files_path_and_drops_a_replaced_versions_convers
     new_a = load_or_convert_gguf(a, "m.gguf")
     assert new_a not in (out_a, out_b) and not out_a.exists() and out_b.exists(), "only a's old version goes"
     assert load_or_convert_gguf(a, "m.gguf") == new_a and len(converted) == 3
+
+
+def _tiny_safetensors(folder) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))
+
+
+def _counting_converter(monkeypatch) -> list[str]:
+    converted: list[str] = []
+
+    def convert(folder, gguf_file, out):
+        converted.append(gguf_file)
+        (out / "config.json").write_text("{}")
+        _tiny_safetensors(out)
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", convert)
+    return converted
+
+
+def test_a_damaged_conversion_is_converted_again(tmp_path, monkeypatch):
+    """A cached conversion whose weights were truncated or removed is converted again (it failed
+    every later load, or every later conversion's rename, before)."""
+    monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
+    converted = _counting_converter(monkeypatch)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF v1")
+    out = load_or_convert_gguf(tmp_path, "m.gguf")
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3])  # truncated
+    assert load_or_convert_gguf(tmp_path, "m.gguf") == out and len(converted) == 2
+    weights.unlink()
+    assert load_or_convert_gguf(tmp_path, "m.gguf") == out and len(converted) == 3
+    assert load_or_convert_gguf(tmp_path, "m.gguf") == out and len(converted) == 3  # whole again: cached
+
+
+def test_a_replacement_keeping_size_and_mtime_is_converted_and_odd_names_drop_their_old_conversion(tmp_path,
+                                                                                                   monkeypatch):
+    """``cp -p`` of another model of the same size over the file: the ctime tells them apart; a
+    name with glob characters still finds its old conversion to drop."""
+    monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
+    converted = _counting_converter(monkeypatch)
+    gguf = tmp_path / "m[1].gguf"
+    gguf.write_bytes(b"GGUF model A")
+    old = load_or_convert_gguf(tmp_path, gguf.name)
+    st = gguf.stat()
+    time.sleep(0.01)
+    gguf.write_bytes(b"GGUF model B")  # same size
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    new = load_or_convert_gguf(tmp_path, gguf.name)
+    assert new != old and len(converted) == 2 and not old.exists()
+    gguf.chmod(0o600)  # metadata only: the same conversion
+    os.link(gguf, tmp_path / "hard-link.gguf")
+    assert load_or_convert_gguf(tmp_path, gguf.name) == new and len(converted) == 2
+
+
+def test_a_damaged_conversion_is_only_replaced_while_it_is_damaged(tmp_path, monkeypatch):
+    """Another process may rename a complete conversion into place between the check and the
+    removal: the removal checks again (and a complete one is kept)."""
+    aside = tmp_path / "aside"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert not model_loader._set_aside_if_damaged(out, aside) and not out.exists() and not aside.exists()
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    _tiny_safetensors(out)
+    assert model_loader._set_aside_if_damaged(out, aside) and out.exists()
+    real = model_loader._is_complete
+    calls = iter([False, True])  # damaged at the first look, complete (replaced) at the second
+    monkeypatch.setattr(model_loader, "_is_complete", lambda folder: next(calls))
+    monkeypatch.setattr(model_loader.os, "rename", lambda a, b: (_ for _ in ()).throw(OSError("raced")))
+    assert model_loader._set_aside_if_damaged(out, aside) and real(out)
+
+
+def test_malformed_gguf_files_and_an_unwritable_cache_are_value_errors_naming_them(tmp_path, monkeypatch):
+    from helpers.tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "whole.gguf")
+    data = (tmp_path / "whole.gguf").read_bytes()
+    for name, content in (("cut.gguf", data[: len(data) // 2]), ("header.gguf", data[:24]), ("empty.gguf", b"")):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=rf"model: GGUF file '.*{name}' cannot be read \("):
+            load_or_convert_gguf(tmp_path, name)
+    import numpy
+    import transformers
+
+    with monkeypatch.context() as m:
+        denied = PermissionError(13, "Permission denied", str(tmp_path / "whole.gguf"))
+        m.setattr(numpy, "memmap", lambda *a, **k: (_ for _ in ()).throw(denied))
+        with pytest.raises(ValueError, match=r"whole.gguf' cannot be read \(\[Errno 13\] Permission denied"):
+            load_or_convert_gguf(tmp_path, "whole.gguf")  # the source, not the cache, is to blame
+    with monkeypatch.context() as m:  # a failure that is not the tokenizer's kind: nothing is cached
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
+        with pytest.raises(MemoryError):
+            load_or_convert_gguf(tmp_path, "whole.gguf")
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("whole")]
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "a-file" / "cache"))
+    with pytest.raises(ValueError, match=r"whole.gguf' cannot be converted into the cache .*a-file/cache.*FERROKV_"):
+        load_or_convert_gguf(tmp_path, "whole.gguf")
+
+
+def test_a_tiny_gguf_generates_as_its_source_and_a_gguf_by_content_or_reference(tmp_path, monkeypatch):
+    """The GGUF path end to end (float32, so exactly): as vLLM, a GGUF file is known by its magic
+    bytes whatever its name; a GGUF without a tokenizer transformers can build takes tokenizer=;
+    vLLM's 'repo:quantization' references and other files are refused by name."""
+    from ferrokv import LLM, SamplingParams
+    from helpers.tiny_gguf import write_tiny_gguf
+    from helpers.tiny_tokenizer import save_tiny_tokenizer
+
+    monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
+    hf = write_tiny_gguf(tmp_path / "model")  # no .gguf suffix
+    write_tiny_gguf(tmp_path / "bare.gguf", tokenizer=False)
+    ids, kw = [5, 17, 42, 99, 3], dict(device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks_override=32)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    llm = LLM(str(tmp_path / "model"), **kw)
+    assert list(llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids) == want
+    with pytest.raises(ValueError, match=r"model: '.*bare.gguf' \(at '.*cache.*'\) has no tokenizer"):
+        LLM(str(tmp_path / "bare.gguf"), **kw)  # the file the caller gave, then its conversion
+    llm = LLM(str(tmp_path / "bare.gguf"), tokenizer=str(save_tiny_tokenizer(tmp_path / "tok")), **kw)
+    assert list(llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids) == want
+    (tmp_path / "notes.txt").write_text("hello")
+    for model, needle in ((tmp_path / "missing.gguf", "GGUF file .* does not exist"),
+                          ("unsloth/Qwen3-0.6B-GGUF:Q4_K_M", "'repo:quantization' GGUF reference"),
+                          (tmp_path / "notes.txt", "is a file but not a GGUF file")):
+        with pytest.raises(ValueError, match=needle):
+            model_loader.resolve_model_path(str(model))
 
 
 def _save_pt(hf, folder, shards: int = 1) -> None:

