@@ -16,7 +16,7 @@ from helpers.server import serve
 from ferrokv import SamplingParams
 from ferrokv.engine_args import EngineArgs
 from ferrokv.entrypoints.openai.protocol import parse_chat_request, parse_completion_request
-from ferrokv.generation_defaults import check_generation_args, load_generation_defaults
+from ferrokv.generation_defaults import check_generation_args, defaults_source, load_generation_defaults
 
 QWEN_LIKE = {"bos_token_id": 1, "eos_token_id": [2, 3], "do_sample": True, "temperature": 0.7, "top_p": 0.8,
              "top_k": 20, "repetition_penalty": 1.05, "transformers_version": "4.37.0"}
@@ -68,6 +68,18 @@ def test_folder_source_and_overrides_on_top(tmp_path):
     assert load_generation_defaults(str(other), None, model) == {"temperature": 0.2, "top_p": 0.5}
     got = load_generation_defaults("auto", {"temperature": 0.0, "max_new_tokens": 5}, model)
     assert got == {"temperature": 0.0, "max_tokens": 5}
+
+
+def test_the_source_is_named_as_given(tmp_path):
+    """What the engine's log line and errors say the defaults come from."""
+    model, other = _folder(tmp_path, {"temperature": 0.9}, "model"), _folder(tmp_path, {"top_k": 2}, "other")
+    assert defaults_source("auto", None, model) == f"{model}/generation_config.json"
+    assert defaults_source("auto", {"top_k": 5}, model) == f"{model}/generation_config.json with override_generation_config"
+    assert defaults_source(str(other), None, model) == f"{other}/generation_config.json"
+    assert defaults_source("vllm", {"top_k": 5}, model) == "override_generation_config"
+    assert defaults_source("auto", {"top_k": 5}, tmp_path / "no-file") == "override_generation_config"
+    with pytest.raises(ValueError, match="generation_config: override_generation_config recommends"):
+        load_generation_defaults("vllm", {"temperature": -1.0}, model)
 
 
 @pytest.mark.parametrize("config, needle", [

@@ -24,7 +24,7 @@ import torch
 
 from ferrokv._core import Scheduler
 from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, DTYPE_ALIASES, EngineArgs
-from ferrokv.generation_defaults import generation_config_file, load_generation_defaults
+from ferrokv.generation_defaults import defaults_source, generation_config_file, load_generation_defaults
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
 
 logger = logging.getLogger("ferrokv")
@@ -263,7 +263,9 @@ def _load_tokenizer(args: EngineArgs, model_path: Path) -> Any:
         else model_path
     where = "tokenizer" if args.tokenizer else "model"
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-        raise ValueError(f"{where}: {str(path)!r} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
+        given = args.tokenizer or args.model  # as the caller wrote it (a Hub id, a .gguf file), then where it is
+        shown = repr(str(path)) if not given or str(given) == str(path) else f"{str(given)!r} (at {str(path)!r})"
+        raise ValueError(f"{where}: {shown} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
                          f"give tokenizer= a folder or Hub id that has one")
     try:
         return AutoTokenizer.from_pretrained(str(path))
@@ -296,8 +298,8 @@ def load_engine(args: EngineArgs) -> EngineParts:
     eos = eos_token_ids(tokenizer, config, generation_config_file(args.generation_config, model_path), vocab_size)
     defaults = load_generation_defaults(args.generation_config, args.override_generation_config, model_path)
     if defaults:
-        logger.info("default sampling parameters from the model's generation config: %s (generation_config='vllm' "
-                    "turns them off)", defaults)
+        logger.info("default sampling parameters from %s: %s (generation_config='vllm' turns the model's off)",
+                    defaults_source(args.generation_config, args.override_generation_config, model_path), defaults)
     auto = args.max_model_len == AUTO_MAX_MODEL_LEN
     max_len = checked_max_model_len(None if auto else args.max_model_len, mc.rope.default_max_model_len)
     spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,

@@ -64,14 +64,20 @@ def load_generation_defaults(source: str, overrides: Mapping[str, Any] | None, m
         config = _read(path)
     config.update(overrides or {})
     out = {name: config[key] for key, name in _KEYS.items() if config.get(key) is not None}
-    what = f"{source if source != 'auto' else model_path}/{_FILE}"
-    if overrides:
-        what += " with override_generation_config"
     try:
         SamplingParams(**out)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"generation_config: {what} recommends {out}, which is not valid: {e}") from None
+        raise ValueError(f"generation_config: {defaults_source(source, overrides, model_path)} recommends {out}, "
+                         f"which is not valid: {e}") from None
     return out
+
+
+def defaults_source(source: str, overrides: Mapping[str, Any] | None, model_path: Path) -> str:
+    """Where ``load_generation_defaults(source, overrides, model_path)`` takes them from, in words."""
+    path = None if source == "vllm" else generation_config_file(source, model_path)
+    if path is None:
+        return "override_generation_config"
+    return f"{path} with override_generation_config" if overrides else str(path)
 
 
 def _read(path: Path) -> dict[str, Any]:
