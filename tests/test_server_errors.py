@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import warnings
+
 import pytest
 from helpers.server import assert_openai_error, serve, sse_events, wait_for_metrics
 
@@ -712,6 +714,9 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--allowed-methods", "[1]"], ["--allowed-methods", "a JSON list of strings"]),
     (["--allowed-headers", "{}"], ["--allowed-headers", "a JSON list of strings"]),
     (["--allow-credentials=1"], ["--allow-credentials"]),
+    (["--disable-fastapi-docs=1"], ["--disable-fastapi-docs"]),
+    (["--enable-prompt-tokens-details=1"], ["--enable-prompt-tokens-details"]),
+    (["--disable-frontend-multiprocessing=1"], ["--disable-frontend-multiprocessing"]),
     (["--trust-request-chat-template=1"], ["--trust-request-chat-template"]),
     (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser", "hermes"]),
     (["--chat-template", "/no/such/template.jinja"], ["--chat-template", "/no/such/template.jinja"]),
@@ -861,8 +866,8 @@ def test_an_engine_whose_steps_keep_failing_is_unhealthy_and_says_so(llama_path)
 
 def test_https_several_api_keys_and_a_root_path_as_vllms_flags(llama_path, tmp_path):
     """``--ssl-keyfile/--ssl-certfile`` serve HTTPS; ``--api-key k1 k2`` accepts either key; under
-    ``--root-path`` (the prefix a proxy strips) the routes and the open health checks stay where
-    they were."""
+    ``--root-path`` the routes and the open health checks are served with the prefix (a proxy
+    that keeps it) or without it (one that strips it), as vLLM's app root path serves them."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True, timeout=60)
@@ -870,11 +875,14 @@ def test_https_several_api_keys_and_a_root_path_as_vllms_flags(llama_path, tmp_p
                "--root-path", "/proxy", "--uvicorn-log-level", "warning", "--served-model-name", MODEL) as s:
         assert s.url.startswith("https://")
         with httpx.Client(base_url=s.url, timeout=TIMEOUT, verify=False) as c:
-            assert c.get("/health").status_code == 200 and c.get("/ping").status_code == 200
-            for k in ("k1", "k2"):
-                r = c.post(_C, json=completion_body(), headers={"Authorization": f"Bearer {k}"})
-                assert r.status_code == 200, r.text
-            assert_openai_error(c.post(_C, json=completion_body(), headers={"Authorization": "Bearer k3"}), 401)
+            for prefix in ("", "/proxy"):
+                assert c.get(f"{prefix}/health").status_code == 200 and c.get(f"{prefix}/ping").status_code == 200
+                for k in ("k1", "k2"):
+                    r = c.post(prefix + _C, json=completion_body(), headers={"Authorization": f"Bearer {k}"})
+                    assert r.status_code == 200, r.text
+                bad_key = {"Authorization": "Bearer k3"}
+                assert_openai_error(c.post(prefix + _C, json=completion_body(), headers=bad_key), 401)
+            assert c.get("/proxyx/health", headers={"Authorization": "Bearer k1"}).status_code == 404
         with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
             httpx.get(s.url.replace("https", "http") + "/health", timeout=10)
 
@@ -968,8 +976,8 @@ def test_a_server_chat_template_replaces_the_tokenizers(tiny_model_dir, tmp_path
 
 
 def test_served_model_aliases_are_accepted_and_listed_as_vllms(llama_path):
-    """vLLM's --served-model-name a b: clients may send either name; a response shows the one sent
-    (the first when the request names none)."""
+    """vLLM's --served-model-name a b: clients may send either name; a response shows the first
+    (vLLM's ``model_name()``), whichever was sent."""
     import asyncio
 
     from ferrokv import AsyncLLM
@@ -978,10 +986,13 @@ def test_served_model_aliases_are_accepted_and_listed_as_vllms(llama_path):
     llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
     try:
         async def main():
-            config = ServerConfig(served_model_name="main", served_model_aliases=("alias",))
-            transport = httpx.ASGITransport(app=build_app(llm, config))
+            config = ServerConfig(served_model_name="main", served_model_aliases=("alias",), root_path="/proxy")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # FastAPI's root_path argument is deprecated: vLLM sets the attribute
+                app = build_app(llm, config)
+            transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-                listed = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+                listed = [m["id"] for m in (await c.get("/proxy/v1/models")).json()["data"]]
                 body = {"prompt": "The cat", "max_tokens": 1}
                 ok = await c.post("/v1/completions", json={**body, "model": "alias"})
                 unnamed = await c.post("/v1/completions", json=body)
@@ -990,7 +1001,7 @@ def test_served_model_aliases_are_accepted_and_listed_as_vllms(llama_path):
 
         listed, ok, unnamed, unknown = asyncio.run(main())
         assert listed == ["main", "alias"]
-        assert ok.status_code == 200 and ok.json()["model"] == "alias", ok.text
+        assert ok.status_code == 200 and ok.json()["model"] == "main", ok.text  # vLLM's model_name(): the first
         assert unnamed.status_code == 200 and unnamed.json()["model"] == "main", unnamed.text
         assert_openai_error(unknown, 404, "'main', 'alias'")
     finally:

@@ -155,7 +155,7 @@ def test_dependencies_admit_the_tested_pins(metadata):
     pins = _pins()
     reqs = {canonicalize_name(r.name): r for r in _requires(metadata)}
     needed = {"torch", "transformers", "tokenizers", "safetensors", "tqdm", "gguf", "numpy", "huggingface-hub",
-              "fastapi", "uvicorn", "prometheus-client", "llguidance"}
+              "fastapi", "uvicorn", "prometheus-client", "llguidance", "pyyaml"}
     if sys.platform == "linux" and platform.machine() == "x86_64":
         needed.add("triton")
     assert set(reqs) == needed

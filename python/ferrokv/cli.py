@@ -7,7 +7,8 @@ default, help) and the sampling flags from ``SamplingParams``' fields, so the CL
 default of theirs. A sampling flag not given takes the model's recommendation (its generation
 config, as vLLM applies it), else the CLI's own default (greedy, 128 tokens: ``_SAMPLING_FLAGS``).
 Every flag's help ends with its default. A bad value exits with status 2 and a message naming
-the flag or field. ``chat`` never exits on a message: one that is refused (too long, bad) is
+the flag or field. vLLM's conventions hold (``ferrokv.cli_argv``): underscores in flag names,
+``-tp``, and ``--config FILE.yaml``. ``chat`` never exits on a message: one that is refused (too long, bad) is
 reported on stderr and the conversation goes on, trimmed of its oldest turns when it outgrows
 ``max_model_len`` (``fit_conversation``; the system prompt always stays). Importing this module imports neither torch nor transformers: ``--help`` and
 ``--version`` stay fast.
@@ -29,6 +30,7 @@ from typing import Any
 
 from ferrokv import __version__
 from ferrokv.chat_content_format import CONTENT_FORMATS
+from ferrokv.cli_argv import vllm_argv
 from ferrokv.checks import check_text
 from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, EngineArgs, engine_arg_help, help_with_default
 from ferrokv.inputs import template_kwargs
@@ -297,7 +299,7 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' (any of the keys given) on every path but the health "
                         "checks and /metrics (default: none, else $FERROKV_API_KEY, else $VLLM_API_KEY)")
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
-                   help="the model name(s) clients may send; a response shows the one sent (default: the model "
+                   help="the model name(s) clients may send; a response shows the first, as vLLM's (default: the model "
                         "argument)")
     g.add_argument("--max-body-bytes", type=human_readable_int, default=d.max_body_bytes,
                    help=f"largest request body accepted; larger ones get 413 (default: {BODY_BYTES_PER_TOKEN} "
@@ -327,7 +329,12 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-uvicorn-access-log", dest="uvicorn_access_log", action="store_false",
                    help="vLLM's flag: no line per HTTP request (default: no lines)")
     g.add_argument("--root-path", default=d.root_path, metavar="PATH",
-                   help="the path prefix a proxy serves the server under (default: none)")
+                   help="the path prefix a proxy serves the server under; requests are served with or without it "
+                        "(default: none)")
+    for flag, already in (("--disable-fastapi-docs", "no /docs, /redoc or /openapi.json is served"),
+                          ("--enable-prompt-tokens-details", "usage always has prompt_tokens_details"),
+                          ("--disable-frontend-multiprocessing", "the server and the engine share one process")):
+        g.add_argument(flag, action="store_true", help=f"vLLM's flag, accepted: {already} (default: always so)")
     for name, what in (("keyfile", "the TLS private key"), ("certfile", "the TLS certificate: serve HTTPS"),
                        ("ca-certs", "CA certificates that verify clients' certificates")):
         g.add_argument(f"--ssl-{name}", default=None, metavar="FILE", help=f"{what} (default: none)")
@@ -486,8 +493,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, read with vLLM's conventions (``ferrokv.cli_argv``); a flag no command
+    has is reported with the command's usage."""
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+    def actions_of(command: str) -> dict[str, argparse.Action] | None:
+        sub = commands.get(command)
+        return None if sub is None else sub._option_string_actions | {str(a.metavar): a for a in sub._actions
+                                                                        if not a.option_strings}
+
+    try:
+        argv = vllm_argv(sys.argv[1:] if argv is None else list(argv), actions_of)
+    except ValueError as e:
+        parser.error(str(e))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)} (not a flag of 'ferrokv "
+                                     f"{args.command}'; its --help lists them)")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     if args.verbose:
         logging.getLogger(LOGGER_NAME).setLevel(logging.DEBUG)
     try:

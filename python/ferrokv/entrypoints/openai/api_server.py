@@ -65,6 +65,16 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(OpenAIError(status, message, param)), status_code=status)
 
 
+def _route_path(scope: Any) -> str:
+    """The path the routes see: under ``--root-path`` (the app's root path, as vLLM sets it) a
+    request's path with the prefix or without it (a proxy that strips it) is the same route
+    (Starlette's rule: the prefix counts only when a ``/`` or the end follows it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
 class _Gate:
     """The ASGI layer in front of the app (module docs)."""
 
@@ -77,9 +87,7 @@ class _Gate:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, root = scope["path"], scope.get("root_path", "")
-        if root and path.startswith(root):  # uvicorn prepends --root-path; the routes are below it
-            path = path[len(root):]
+        path = _route_path(scope)
         if self.state.draining and path != "/metrics":
             return await _error(503, "the server is shutting down")(scope, receive, send)
         if self.keys and path not in _OPEN_PATHS and not self._authorized(scope):
@@ -220,6 +228,7 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
                         response_role=config.response_role, max_log_len=config.max_log_len)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.root_path = config.root_path  # as vLLM sets it (the constructor's argument is deprecated)
     app.state.ferrokv = state
     _errors(app)
     _routes(app, state)
@@ -431,7 +440,7 @@ def run_server(llm: Any, config: ServerConfig) -> int:
         llm.shutdown()  # a configuration the model cannot serve (a ValueError naming the flag)
         raise
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                               access_log=config.uvicorn_access_log, root_path=config.root_path,
+                               access_log=config.uvicorn_access_log,
                                ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                                ssl_ca_certs=config.ssl_ca_certs, timeout_graceful_shutdown=5, lifespan="off")
     server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)

@@ -32,7 +32,7 @@ def body_limit(max_body_bytes: int | None, max_model_len: int) -> int:
 @dataclass(slots=True)
 class ServerConfig:
     """``served_model_name``: the name clients send and see (``served_model_aliases``: other names
-    they may send, listed by ``/v1/models`` too; a response shows the name its request sent). ``max_waiting_requests``: engine
+    they may send, listed by ``/v1/models`` too; a response shows the first name, as vLLM's do). ``max_waiting_requests``: engine
     requests accepted beyond the ``max_num_seqs`` running ones. ``drain_timeout``: seconds
     requests in flight may run on after SIGTERM/SIGINT. ``allowed_*`` and ``allow_credentials``:
     the CORS policy browsers are told (vLLM's flags and defaults: any origin, method and header).
@@ -42,7 +42,8 @@ class ServerConfig:
     model's calls read in that format (vLLM's flags; one needs the other). ``chat_template``: the
     Jinja template chats use instead of the tokenizer's (vLLM's ``--chat-template``, its text);
     ``chat_template_content_format``: how it reads a message's content (``ferrokv.chat_content_format``).
-    ``uvicorn_*``, ``root_path`` and ``ssl_*``: uvicorn's settings (vLLM's flags of those names)."""
+    ``uvicorn_*`` and ``ssl_*``: uvicorn's settings; ``root_path``: the app's (a request is served with
+    or without the prefix, as vLLM's ``--root-path``)."""
 
     served_model_name: str = DEFAULT_MODEL_NAME
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (vLLM's later --served-model-name values)
@@ -67,7 +68,7 @@ class ServerConfig:
     max_log_len: int | None = None  # characters of a prompt --log-prompts logs (None: all)
     uvicorn_log_level: str = "info"
     uvicorn_access_log: bool = False
-    root_path: str = ""  # the path prefix a proxy serves the app under (uvicorn's, vLLM's --root-path)
+    root_path: str = ""  # the path prefix a proxy serves the app under (vLLM's --root-path)
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None

@@ -69,12 +69,12 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: str | None) -> str:
-        """The name a response shows: the one the request sent (vLLM's), else (none, or "") the
-        first served."""
+        """The name a response shows: the first served, whichever of them the request sent (vLLM's
+        ``model_name()``); a name not served is a 404 (none, or "": the model)."""
         if model and model not in self.model_names:
             raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
                                    f"{', '.join(map(repr, self.model_names))}", "model", "NotFoundError")
-        return model or self.model_names[0]
+        return self.model_names[0]
 
     def check_chat_template(self, template: Mapping[str, Any]) -> None:
         """A request's own chat template (``template``: ``protocol._template``'s keywords) is

@@ -1,0 +1,83 @@
+"""vLLM's command-line conventions (ferrokv.cli_argv), read through the real ``ferrokv`` parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferrokv.cli import _parse
+
+
+def test_underscored_flag_names_and_short_flags_are_vllms():
+    args = _parse(["serve", "m", "--max_model_len", "64", "--gpu_memory_utilization=0.5", "-tp", "1",
+                   "--served_model_name", "my_model", "--enable_prefix_caching"])
+    assert (args.max_model_len, args.gpu_memory_utilization, args.tensor_parallel_size) == (64, 0.5, 1)
+    assert args.served_model_name == ["my_model"] and args.enable_prefix_caching is True  # values keep theirs
+    args = _parse(["generate", "--max_tokens=3", "--stop", "a_b", "--", "--not_a_flag"])
+    assert args.sampling_max_tokens == 3 and args.sampling_stop == ["a_b"] and args.prompts == ["--not_a_flag"]
+
+
+def test_free_text_that_looks_like_a_flag_keeps_its_underscores():
+    """argparse reads a token with a space as a value: a prompt, a stop string or a system prompt
+    starting with dashes is text, never renamed."""
+    args = _parse(["generate", "-- select user_id from t", "--stop", "-- end_of section"])
+    assert args.prompts == ["-- select user_id from t"] and args.sampling_stop == ["-- end_of section"]
+    assert _parse(["chat", "--system", "--- you are a_b helper"]).system == "--- you are a_b helper"
+
+
+def test_a_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: from-config\nmax_model_len: 128\nenable-prefix-caching: false\nserved_model_name: [a, b]\n"
+                   "api_key: k\nhf_overrides: {max_position_embeddings: 256}\nenable_auto_tool_choice: false\n"
+                   "tool_call_parser: hermes\nport: 9000\n")
+    args = _parse(["serve", "--config", str(cfg), "--port", "9001"])
+    assert (args.model, args.model_pos, args.max_model_len, args.enable_prefix_caching) == ("from-config", None, 128,
+                                                                                           False)
+    assert args.served_model_name == ["a", "b"] and args.api_key == ["k"] and args.port == 9001
+    assert args.hf_overrides == {"max_position_embeddings": 256} and args.enable_auto_tool_choice is False
+    args = _parse(["serve", "m", f"--config={cfg}", "--max-model-len", "64", "--enable-prefix-caching"])
+    assert (args.model_pos, args.max_model_len, args.enable_prefix_caching) == ("m", 64, True)
+    # vLLM's documented file names the model; a positional one wins (vLLM: "keep CLI version").
+    both = tmp_path / "both.yaml"
+    both.write_text("model: from-config\nport: 9002\napi_key: -Xk3y_abc\n")
+    args = _parse(["serve", "cli-model", "--config", str(both)])
+    assert (args.model_pos, args.model, args.port, args.api_key) == ("cli-model", None, 9002, ["-Xk3y_abc"])
+    gen = tmp_path / "gen.yml"
+    gen.write_text("stop: [x, y]\nmax_tokens: 5\n")
+    args = _parse(["generate", "--config", str(gen), "hi", "there"])
+    assert (args.sampling_stop, args.sampling_max_tokens, args.prompts) == (["x", "y"], 5, ["hi", "there"])
+
+
+@pytest.mark.parametrize("content, name, needle", [
+    (None, "missing.yaml", "cannot be read"),
+    ("max_model_len: 64\n", "cfg.json", "is not a .yaml or .yml file"),
+    ("- a\n- b\n", "cfg.yaml", "must hold a mapping"),
+    ("a: [\n", "cfg.yaml", "is not valid YAML"),
+])
+def test_a_bad_config_file_is_a_usage_error_naming_it(tmp_path, capsys, content, name, needle):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        _parse(["serve", "--config", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--config" in err and needle in err and name in err
+
+
+def test_an_unknown_flag_is_reported_with_the_commands_usage(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("reasoning_parser: qwen3\n")
+    for argv in (["serve", "m", "--reasoning_parser", "qwen3"], ["serve", "--config", str(cfg)]):
+        with pytest.raises(SystemExit) as e:
+            _parse(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "ferrokv serve: error: unrecognized arguments: --reasoning-parser" in err
+        assert "usage: ferrokv serve" in err
+    with pytest.raises(SystemExit):
+        _parse(["serve", "--config"])
+    assert "--config needs a YAML file" in capsys.readouterr().err
+
+
+def test_vllm_flags_for_what_ferrokv_always_does_are_accepted():
+    args = _parse(["serve", "m", "--disable-fastapi-docs", "--enable-prompt-tokens-details",
+                   "--disable-frontend-multiprocessing"])
+    assert args.model_pos == "m"
