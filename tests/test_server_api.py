@@ -501,6 +501,26 @@ def test_models(client, model_dir):
     assert perm["object"] == "model_permission" and perm["allow_sampling"] and perm["id"].startswith("modelperm-")
 
 
+def test_models_retrieve_as_openai(client, http):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model" and card == client.models.list().data[0]
+    for unknown in ("other", "org/other", ""):
+        r = http.get(f"/v1/models/{unknown}")
+        assert r.status_code == 404, (unknown, r.text)
+        if unknown:
+            assert r.json()["error"]["param"] == "model" and repr(unknown) in r.json()["error"]["message"]
+
+
+def test_completion_max_tokens_null_fills_the_context_as_vllm(client, http):
+    """vLLM's 16 is the default of a field left out; an explicit null means no limit but the context."""
+    body = {"model": MODEL, "prompt": PROMPT, "ignore_eos": True}
+    left_out = http.post("/v1/completions", json=body).json()
+    assert left_out["usage"]["completion_tokens"] == 16
+    null = http.post("/v1/completions", json={**body, "max_tokens": None}).json()
+    assert null["usage"]["completion_tokens"] == MAX_MODEL_LEN - null["usage"]["prompt_tokens"]
+    assert null["choices"][0]["finish_reason"] == "length"
+
+
 def test_invocations_serves_a_chat_or_a_completion_body_as_vllm(http):
     """vLLM's (SageMaker's) /invocations: a body with messages is a chat request, one with a
     prompt a completion request; the answers equal those of the OpenAI routes."""

@@ -99,7 +99,11 @@ BAD_PARAMS = [
     (_C, "seed", "abc", "abc"),
     (_C, "seed", 2 ** 64, str(2 ** 64)),
     (_C, "n", 129, "129"),
-    (_C, "n", -2 ** 63 - 5, "at least"),  # below the core's range: the bound it broke is the lower one
+    # Below the core's range: the message names the field's own minimum, not the range's.
+    (_C, "n", -2 ** 63 - 5, "n must be an int >= 1"),
+    (_C, "top_k", -2 ** 64, "top_k must be an int >= -1"),
+    (_C, "min_tokens", -2 ** 64, "min_tokens must be an int >= 0"),
+    (_C, "seed", -2 ** 63 - 1, "[-2**63, "),
     (_C, "logprobs", 21, "21"),
     (_C, "stop", [1, 2], None),
     (_C, "stop", "", None),
@@ -259,16 +263,22 @@ def test_a_request_whose_worst_case_never_fits_the_kv_cache_is_a_400_on_max_toke
 
     from ferrokv import CacheCapacityError
     from ferrokv._core import Scheduler
-    from ferrokv.entrypoints.openai.serving import to_openai_error
+    from ferrokv.checks import rename_field
+    from ferrokv.entrypoints.openai.serving import _prompt_error, to_openai_error
 
     s = Scheduler(8, block_size=4, max_model_len=1024)  # 7 usable blocks
-    for prompt_len, max_tokens, param, needle in ((20, 20, "max_tokens", "20-token prompt + max_tokens=20"),
-                                                  (40, 1, None, "prompt of 40 tokens alone")):
+    for prompt_len, max_tokens, param, start in ((20, 20, "max_tokens", "the request needs up to 10 KV blocks"),
+                                                 (40, 1, None, "its prompt of 40 tokens alone needs 10 KV blocks")):
         with pytest.raises(CacheCapacityError) as e:
             s.add_request(1, np.arange(1, prompt_len + 1, dtype=np.int64), max_tokens)
+        rename_field(e.value, "request_id", "request_id", "1", repr("cmpl-engine id: 0"))  # as the engine does
         err = to_openai_error(e.value)
-        assert (err.status, err.param, err.message) == (400, param, str(e.value))
-        assert needle in err.message and e.value.field == (param or "prompt_token_ids")
+        assert (err.status, err.param) == (400, param) and e.value.field == (param or "prompt_token_ids")
+        assert err.message.startswith(start) and "cmpl-engine" not in err.message  # the engine's id is internal
+        # The server's prompt errors name the request's field for the prompt (prompt[1], messages, ...).
+        told = to_openai_error(_prompt_error(e.value, "prompt[1]"))
+        assert (told.param, told.message) == (("prompt[1]", f"prompt[1]: {err.message}") if param is None
+                                              else ("max_tokens", err.message))
 
 
 def test_400_top_logprobs_without_logprobs(http):

@@ -291,12 +291,19 @@ def _routes(app: FastAPI, state: ServerState) -> None:
                   "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                   "organization": "*", "group": None, "is_blocking": False}
 
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "ferrokv", "root": root,
+                "parent": None, "max_model_len": llm.max_model_len, "permission": [permission]}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "ferrokv", "root": root,
-             "parent": None, "max_model_len": llm.max_model_len, "permission": [permission]}
-            for name in state.model_names]}
+        return {"object": "list", "data": [card(name) for name in state.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve (client.models.retrieve); ids may hold '/'
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id not in state.model_names:
+            state.check_model(model_id or "''")  # the 404 naming the served models
+        return card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

@@ -229,9 +229,8 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
     if cap is not None:
         max_tokens = cap if max_tokens is None else min(max_tokens, cap)
     for name, hi in (("seed", _I64), ("top_k", _I32), ("min_tokens", _I32), ("n", 128)):
-        if name in kw and _is_int(kw[name]) and not -_I64 - 1 <= kw[name] <= hi:
-            bound = f"at most {hi}" if kw[name] > hi else f"at least {-_I64 - 1}"
-            raise bad(name, f"{name} must be {bound}, got {kw[name]}")
+        if name in kw and _is_int(kw[name]) and kw[name] > hi:  # too low: SamplingParams names the real minimum
+            raise bad(name, f"{name} must be at most {hi}, got {kw[name]}")
     if "stop" in kw and not isinstance(kw["stop"], (str, list)):
         raise bad("stop", f"stop must be a string or a list of strings, got {shown(kw['stop'])}")
     for name, what in (("stop_token_ids", "integers"), ("allowed_token_ids", "token ids"), ("bad_words", "strings")):
@@ -486,8 +485,10 @@ def parse_completion_request(body: Any, stream_kind: RequestOutputKind = Request
     # vLLM's echo: the prompt leads each choice's text (and its logprobs, the prompt's); with
     # max_tokens 0 (what lm-eval's loglikelihood sends) the choice is the prompt alone.
     echo = _bool(body, "echo", False)
-    max_tokens = _max_tokens(body, 16, lo=0 if echo else 1)
-    params, source = sampling_params(body, max_tokens or 1, logprobs, kind, defaults, max_logprobs)
+    # vLLM's default of 16 holds only when the field is left out: an explicit null fills the context.
+    max_tokens = _max_tokens(body, None if "max_tokens" in body else 16, lo=0 if echo else 1)
+    params, source = sampling_params(body, 1 if max_tokens == 0 else max_tokens, logprobs, kind, defaults,
+                                     max_logprobs)
     if echo and logprobs is not None and params.prompt_logprobs is None:
         params.prompt_logprobs = logprobs
     return CompletionRequest(**_common(body, params, source), prompts=prompts, logprobs=logprobs,

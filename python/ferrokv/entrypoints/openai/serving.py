@@ -149,7 +149,10 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         return OpenAIError(503, "the engine failed and stopped; see the server log" if e.failed
                            else "the server is shutting down")
     if isinstance(e, CacheCapacityError):  # its worst case (prompt + max_tokens, times n), or its prompt, never fits
-        return OpenAIError(400, str(e), "max_tokens" if e.field == "max_tokens" else None)
+        # Told without the engine's request id ("request_id='cmpl-...-0' needs"): the client knows its own.
+        message = re.sub(r"^request_id=.*?(: (?=its prompt of )| (?=needs up to ))",
+                         lambda m: "" if m[1] == ": " else "the request ", str(e), count=1, flags=re.S)
+        return OpenAIError(400, message, "max_tokens" if e.field == "max_tokens" else None)
     if isinstance(e, ValueError):  # the engine's checks name the field first ("prompt_token_ids[3]=...")
         m = re.match(r"[A-Za-z_]+", str(e))
         return OpenAIError(400, str(e), m.group(0) if m else None)
@@ -261,7 +264,10 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
 
 
 def _prompt_error(e: ValueError, field: str) -> Exception:
-    """A prompt error ("prompt_token_ids[3]=...") as a 400 naming ``field``; others as they are."""
+    """A prompt error ("prompt_token_ids[3]=...", a prompt the KV cache cannot hold) as a 400
+    naming ``field``; others as they are."""
+    if isinstance(e, CacheCapacityError) and e.field == "prompt_token_ids":
+        return OpenAIError(400, f"{field}: {to_openai_error(e).message}", field)
     if re.match(r"(prompts?|prompt_token_ids)\b", str(e)):  # not prompt_logprobs
         return OpenAIError(400, f"{field}: {e}", field)
     return e
