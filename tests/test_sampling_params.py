@@ -313,3 +313,19 @@ def test_vllm_spellings_logprobs_true_extra_args_and_from_optional():
         5: 100.0, 6: -100.0, 7: 0.5}
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams.from_optional(logit_bias={"x": 1.0})
+
+
+def test_sampling_type_and_logits_processors_as_vllm():
+    from ferrokv.sampling_params import SamplingType
+
+    assert SamplingParams(temperature=0).sampling_type is SamplingType.GREEDY
+    assert SamplingParams(temperature=0, seed=3).sampling_type is SamplingType.GREEDY
+    assert SamplingParams(temperature=0.7).sampling_type is SamplingType.RANDOM
+    assert SamplingParams(temperature=0.7, seed=3).sampling_type is SamplingType.RANDOM_SEED
+    assert SamplingParams(logits_processors=[]).logits_processors == []  # vLLM V1 takes an empty list too
+    with pytest.raises(ValueError, match="logits_processors: per-request logits processors are not supported"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    p = SamplingParams()
+    p.logits_processors = [print]  # assigned after construction: refused when the engine takes it
+    with pytest.raises(ValueError, match="logits_processors"):
+        p.validate()

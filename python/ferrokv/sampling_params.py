@@ -15,6 +15,8 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
 * ``logprobs`` is ``None``, ``-1`` (the whole vocabulary, as vLLM) or ``>= 0`` (how many top alternatives to return *in addition to* the
   sampled token's own logprob); ``True`` (vLLM's) becomes 1, for both logprobs fields.
 * ``extra_args`` is ``None`` or a dict with str keys, carried as given (vLLM's, for plugins).
+* ``logits_processors`` is ``None`` or empty: vLLM's field, whose per-request callables vLLM V1
+  refuses too.
 * ``prompt_logprobs`` is ``None``, ``-1`` or ``>= 0``: the prompt's logprobs (each prompt token's own,
   plus that many top alternatives), computed from every prompt position, never a cache hit.
 * ``detokenize`` is a bool; without it no text is made, so ``stop`` must be empty.
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import logging
 import math
 import numbers
@@ -64,11 +67,18 @@ from ferrokv.structured_outputs import StructuredOutputsParams  # stdlib-only at
 
 # vLLM exports BeamSearchParams, RequestOutputKind and StructuredOutputsParams here too.
 __all__ = ["GREEDY_EPS", "MIN_TEMPERATURE", "BeamSearchParams", "GuidedDecodingParams", "RequestOutputKind",
-           "SamplingParams", "StructuredOutputsParams"]
+           "SamplingParams", "SamplingType", "StructuredOutputsParams"]
 
 GuidedDecodingParams = StructuredOutputsParams
 """vLLM's former name of ``StructuredOutputsParams`` (its ``backend`` options aside: llguidance)."""
 
+
+class SamplingType(enum.IntEnum):
+    """vLLM's kinds of sampling (``SamplingParams.sampling_type``)."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
 logger = logging.getLogger("ferrokv")
 
 # Below this temperature a request is treated as greedy: dividing logits by ~0 would overflow, and
@@ -129,6 +139,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     skip_reading_prefix_cache: bool | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's former name of structured_outputs
+    logits_processors: Any = None  # vLLM's field; per-request callables are refused, as vLLM V1 does
     # Not a user knob: cached len(longest stop string), used by the detokenizer to size its search
     # window; kept in sync by validate().
     _max_stop_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -291,6 +302,10 @@ class SamplingParams:
                     raise ValueError(f"bad_words must contain non-empty strings, got {w!r}")
                 check_text("bad_words", w)
             self.bad_words = words
+        if self.logits_processors:
+            raise ValueError(f"logits_processors: per-request logits processors are not supported (nor by vLLM V1), "
+                             f"got {shown(self.logits_processors)}; logit_bias, allowed_token_ids, bad_words and "
+                             f"structured_outputs shape the logits")
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
                 raise ValueError("give structured_outputs or guided_decoding (its former name), not both")
@@ -313,6 +328,13 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the request samples by argmax (temperature below ``GREEDY_EPS``)."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """vLLM's: greedy, seeded random or random."""
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
     def max_stop_len(self) -> int:
