@@ -96,7 +96,13 @@ class _Gate:
             return await response(scope, receive, send)
         replay = receive
         if scope["method"] not in ("GET", "HEAD"):
-            body = await self._read_body(scope, receive)
+            try:
+                body = await self._read_body(scope, receive)
+            except asyncio.CancelledError:
+                if not self.state.draining:
+                    raise
+                # uvicorn's shutdown cancels a client still sending its body: answered, not a traceback.
+                return await _error(503, "the server is shutting down")(scope, receive, send)
             if body is None:
                 return await _error(413, f"the request body is larger than --max-body-bytes={self.limit}")(
                     scope, receive, send)
