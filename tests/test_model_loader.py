@@ -64,6 +64,30 @@ def test_dtype_and_tied_embeddings(tmp_path):
     assert _logits(m, [1, 2, 3]).dtype == torch.float32
 
 
+def test_a_tied_config_with_another_head_in_its_checkpoint_warns(tmp_path):
+    """vLLM's rule (the embedding is the head) with a warning, where transformers would use the
+    checkpoint's head; a head equal to the embedding, or none saved, is silent."""
+    import warnings
+
+    for name, same in (("other", False), ("same", True)):
+        hf = make_tiny_hf_model("llama", tie_word_embeddings=False)
+        if same:
+            hf.lm_head.weight.data.copy_(hf.model.embed_tokens.weight.data)
+        hf.save_pretrained(tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m = load_model(tmp_path / name)
+        told = [str(w.message) for w in caught if "lm_head.weight" in str(w.message)]
+        assert m.lm_head.weight is m.model.embed_tokens.weight
+        assert (told == []) == same, told
+    make_tiny_hf_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(tmp_path / "tied")
+
+
 def test_unknown_path_error(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(ValueError, match="model") as e:
@@ -95,6 +119,19 @@ def test_the_first_supported_architecture_is_used():
         resolve_model_class({"architectures": "LlamaForCausalLM"})
     with pytest.raises(ValueError, match=r"\['LlamaModel', 7\]"):
         resolve_model_class({"architectures": ["LlamaModel", 7]})
+
+
+def test_without_architectures_the_model_type_names_the_class_as_in_transformers():
+    from ferrokv.models import resolve_model_class
+
+    for config in ({"model_type": "qwen3"}, {"model_type": "qwen3", "architectures": None},
+                   {"model_type": "qwen3", "architectures": []}):
+        assert resolve_model_class(config) is MODEL_REGISTRY["Qwen3ForCausalLM"]
+    assert resolve_model_class({"model_type": "mistral"}) is MODEL_REGISTRY["MistralForCausalLM"]
+    for model_type in ("gpt2", None):
+        with pytest.raises(ValueError, match=rf"names no 'architectures' and its model_type is {model_type!r}; "
+                                             r"supported model types: llama, mistral, qwen2, qwen3"):
+            resolve_model_class({} if model_type is None else {"model_type": model_type})
 
 
 def test_missing_weight_error(tmp_path):

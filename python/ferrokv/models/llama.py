@@ -116,11 +116,13 @@ class LlamaForCausalLM(nn.Module):
         expected = set(self.expected_weight_names())
         seen: set[str] = set()
         unexpected: list[str] = []
+        head_rows: Tensor | None = None  # a tied config's own lm_head, its first rows: checked against the embedding
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # tied: the embedding is the head
+                head_rows = tensor[:8].clone()
+                continue  # tied: the embedding is the head (vLLM's rule)
             p = params.get(name)
             if p is None:
                 unexpected.append(name)
@@ -135,3 +137,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weight(s): {shown}")
         if unexpected:
             warnings.warn(f"ignored {len(unexpected)} unexpected checkpoint tensor(s), e.g. {unexpected[:4]}", stacklevel=2)
+        embed = params["model.embed_tokens.weight"]
+        if head_rows is not None and not torch.equal(head_rows.to(embed.dtype), embed[:8].to(head_rows.device)):
+            warnings.warn("config.json ties the output head to the embedding (tie_word_embeddings), but the checkpoint "
+                          "has a different lm_head.weight: the embedding is the head, as in vLLM (transformers uses "
+                          "the checkpoint's); set tie_word_embeddings to false to use it", stacklevel=2)
