@@ -89,6 +89,34 @@ def test_concurrent_generate_gets_each_thread_its_sequential_outputs(llama_path,
     assert_idle(llm.llm_engine)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_stepping_the_engine_from_another_thread_during_generate_is_refused(llama_path, overlap):
+    """vLLM's ``llm.llm_engine.step()`` while ``generate`` runs in another thread would take the
+    loop's outputs (and hang generate): a RuntimeError, and generate goes on unharmed; once the
+    loop holds nothing, stepping the engine by hand works again."""
+    llm = tiny_llm(llama_path, overlap=overlap)
+    prompts, params = rand_prompts(31, [9, 14]), greedy(60)
+    expected = token_ids(tiny_llm(llama_path).generate(prompts, params, use_tqdm=False))
+    RunnerHook(llm.llm_engine, lambda n, out: time.sleep(0.02))  # generate lasts over a second
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(llm.generate(prompts, params, use_tqdm=False)), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not llm.engine_loop.holding({"1", "2"}) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="another thread while the engine loop drives this engine"):
+        llm.llm_engine.step()
+    worker.join(120)
+    assert not worker.is_alive(), "generate lost its outputs to the other thread's step"
+    assert token_ids(result[0]) == expected
+    assert_idle(llm.llm_engine)
+    llm.llm_engine.add_request("by-hand", prompts[0], params)  # the idle loop leaves the engine to its caller
+    finals = [o for _ in range(200) if llm.llm_engine.has_unfinished_requests() for o in llm.llm_engine.step()
+              if o.finished]
+    assert [o.outputs[0].token_ids for o in finals] == [expected[0][0]]
+    assert_idle(llm.llm_engine)
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. aborts from another thread, in the middle of a step
 # ------------------------------------------------------------------------------------------------

@@ -166,6 +166,9 @@ class LLMEngine:
         self.on_abort: Callable[[RequestOutput], None] | None = None
         """Called with the final output of each request ``abort_request`` or a failed step ended, once
         the engine lock is released, on the thread that applied it or ``report_aborts_here``'s."""
+        self.before_step: Callable[[], None] | None = None
+        """Called by ``step`` before it changes anything; raises to refuse the step (an EngineLoop
+        refuses another thread's while its requests run: their outputs are the loop's to route)."""
         self._stats: dict[str, int] = self.scheduler.stats()
         self._stats_wanted = False
         self._num_free_blocks: int = self.scheduler.num_free_blocks
@@ -395,6 +398,8 @@ class LLMEngine:
         prev, out, job, undo = self._pending, None, None, _StepUndo()
         outputs: list[RequestOutput] = []
         finishing_prev = False
+        if self.before_step is not None:
+            self.before_step()
         # Nothing changes before the try: an interrupt anywhere leaves the engine recoverable.
         try:
             out = self.scheduler.schedule()

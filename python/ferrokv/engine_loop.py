@@ -36,7 +36,7 @@ Invariants:
   (none for ``FINAL_ONLY``: the engine builds none).
 * Only the loop's thread adds requests and steps. It starts on the first submit as a daemon
   thread, so it never keeps the interpreter alive; ``shutdown`` ends it (``LLM`` calls it when
-  collected, without waiting) and an ``atexit`` hook joins every loop still running. A child of
+  collected, and joins the thread) and an ``atexit`` hook joins every loop still running. A child of
   ``os.fork()`` has no copy of a started loop's thread: there every such loop is dead (a clear
   ``EngineDeadError``, not a caller waiting forever on a sink). On CUDA
   its current device is the model's (the current device is per thread, and kernels launch on it). A caller waits on its sink, so a ``KeyboardInterrupt`` lands in the
@@ -50,7 +50,8 @@ Invariants:
   exception, so nobody waits for a request the failure left behind, and the loop goes on; after
   ``MAX_FAILED_STEPS`` such steps in a row it ends (``EngineDeadError``, the failure its cause). An error
   in the loop itself ends every request with ``EngineDeadError`` and the loop with it.
-* Requests added to the engine directly while a loop drives it are stepped but reported nowhere.
+* Requests added to the engine directly while a loop drives it are stepped but reported nowhere;
+  another thread's ``engine.step()`` is refused (``RuntimeError``) while the loop holds requests.
 
 Costs: per step one ``put`` per output the engine built, one ``flush`` per distinct flush of
 those sinks, and O(1) per command; an idle loop sleeps on its inbox (a ``queue.SimpleQueue``).
@@ -208,6 +209,7 @@ class EngineLoop:
         self._failed_steps = 0  # in a row
         self._dead: EngineDeadError | None = None
         engine.on_abort = self._on_abort
+        engine.before_step = self._refuse_foreign_step
 
     # ------------------------------------------------------------------------------------------
     # Callers (any thread)
@@ -370,6 +372,15 @@ class EngineLoop:
             self._apply(_Aborted(output))
         else:  # as a step ended: after the step's outputs are routed (or before the loop reported)
             self._inbox.put(_Aborted(output))
+
+    def _refuse_foreign_step(self) -> None:
+        """Another thread's ``engine.step()`` would take the outputs of this loop's requests,
+        whose callers would then wait forever: refused while any is claimed (an idle loop leaves
+        the engine to whoever steps it)."""
+        if self._claims and threading.current_thread() is not self._thread:
+            raise RuntimeError("LLMEngine.step() was called from another thread while the engine loop drives this "
+                               "engine (LLM.generate/chat/beam_search or AsyncLLM requests are running): their "
+                               "outputs are the loop's; step the engine yourself only when those calls have returned")
 
     # ------------------------------------------------------------------------------------------
     # The loop's thread
