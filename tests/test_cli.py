@@ -331,3 +331,17 @@ def test_the_demo_reports_bad_flags_as_usage_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         demo(argv + ["--requests", "3"] if "--requests" not in argv else argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, status, told", [("chat", 0, ""), ("generate", 130, "ferrokv: interrupted")])
+def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys, command, status, told):
+    """vLLM's chat ends on Ctrl-C with status 0; the other commands with 128 + SIGINT and a line."""
+    from ferrokv import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, f"_{command}", interrupted)
+    argv = [command, "--model", "unused"] if command == "chat" else [command, "hi", "--model", "unused"]
+    assert cli.main(argv) == status
+    assert capsys.readouterr().err.strip() == told

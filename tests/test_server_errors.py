@@ -1143,3 +1143,26 @@ def test_the_default_model_is_served_when_none_is_given():
         assert answer.status_code == 200 and answer.json()["model"] == DEFAULT_MODEL_NAME, answer.text
     finally:
         llm.shutdown()
+
+
+def test_a_ctrl_c_during_the_startup_collection_is_not_lost():
+    """Python drops a KeyboardInterrupt raised in a finalizer or weakref callback, which a full
+    collection runs: the server's startup collection holds a Ctrl-C until it is done. A gc
+    callback stands in for the finalizers (it runs inside the collection likewise)."""
+    script = """if True:
+        import gc, os, signal
+        from ferrokv.entrypoints.openai.api_server import _freeze_startup_heap
+        def ctrl_c(phase, info):
+            if phase == "start":
+                os.kill(os.getpid(), signal.SIGINT)
+        gc.callbacks.append(ctrl_c)
+        gc.collect()  # a plain collection: Python drops the interrupt
+        print("plain collection: lost", flush=True)
+        try:
+            _freeze_startup_heap()
+        except KeyboardInterrupt:
+            print("startup collection: raised", flush=True)
+        """
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == ["plain collection: lost", "startup collection: raised"], (proc.stdout,
+                                                                                                  proc.stderr)

@@ -524,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ferrokv: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: ends chat as vLLM's does (status 0), else 128 + SIGINT, no traceback
+        if args.command == "chat":
+            print(file=sys.stderr)
+            return 0
+        print("\nferrokv: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import signal
+import threading
 import uuid
 from typing import Any
 
@@ -461,13 +462,30 @@ def run_server(llm: Any, config: ServerConfig) -> int:
     logger.info("serving %r on %s://%s:%s%s (API key %s)", config.served_model_name,
                 "https" if config.ssl_certfile else "http", host, config.port or "<a free port, see uvicorn's line>",
                 config.root_path, "required" if config.api_keys() else "off")
-    # The model, the tokenizer and the app live as long as the process. A full collection walks
-    # every tracked object (the tokenizer's alone are hundreds of thousands), stalling every
-    # stream: as vLLM does, what startup made leaves the collector's view.
-    gc.collect()
-    gc.freeze()
     try:
+        _freeze_startup_heap()
         server.run()
     finally:
         llm.shutdown()
     return 0
+
+
+def _freeze_startup_heap() -> None:
+    """The model, the tokenizer and the app live as long as the process. A full collection walks
+    every tracked object (the tokenizer's alone are hundreds of thousands), stalling every
+    stream: as vLLM does, what startup made leaves the collector's view. A Ctrl-C during the
+    collection would land in a finalizer or weakref callback, where Python drops it: it is held
+    until the collection is done, then raised."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        gc.collect()
+        gc.freeze()
+        return
+    interrupted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda sig, frame: interrupted.append(sig))
+    try:
+        gc.collect()
+        gc.freeze()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
