@@ -106,6 +106,11 @@ def test_stepping_the_engine_from_another_thread_during_generate_is_refused(llam
         time.sleep(0.001)
     with pytest.raises(RuntimeError, match="another thread while the engine loop drives this engine"):
         llm.llm_engine.step()
+    if not overlap:  # in a fork child the loop is dead: the engine is the child's to step
+        from helpers.fork import in_fork_child
+
+        code, said = in_fork_child(lambda: repr(llm.llm_engine.before_step()))
+        assert (code, said) == (0, "None"), said
     worker.join(120)
     assert not worker.is_alive(), "generate lost its outputs to the other thread's step"
     assert token_ids(result[0]) == expected

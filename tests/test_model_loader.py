@@ -71,8 +71,9 @@ def test_a_tied_config_with_another_head_in_its_checkpoint_warns(tmp_path):
 
     for name, same in (("other", False), ("same", True)):
         hf = make_tiny_hf_model("llama", tie_word_embeddings=False)
-        if same:
-            hf.lm_head.weight.data.copy_(hf.model.embed_tokens.weight.data)
+        hf.lm_head.weight.data.copy_(hf.model.embed_tokens.weight.data)
+        if not same:
+            hf.lm_head.weight.data[-1] += 1.0  # one row differs, the last
         hf.save_pretrained(tmp_path / name)
         config = json.loads((tmp_path / name / "config.json").read_text())
         (tmp_path / name / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))

@@ -504,11 +504,12 @@ def test_models(client, model_dir):
 def test_models_retrieve_as_openai(client, http):
     card = client.models.retrieve(MODEL)
     assert card.id == MODEL and card.object == "model" and card == client.models.list().data[0]
-    for unknown in ("other", "org/other", ""):
+    for unknown in ("other", "org/other", f"{MODEL}/"):
         r = http.get(f"/v1/models/{unknown}")
         assert r.status_code == 404, (unknown, r.text)
-        if unknown:
-            assert r.json()["error"]["param"] == "model" and repr(unknown) in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "model" and repr(unknown) in r.json()["error"]["message"]
+    listed = http.get("/v1/models/")  # a trailing slash: the list (vLLM's redirects to it)
+    assert listed.status_code == 200 and listed.json() == http.get("/v1/models").json()
 
 
 def test_completion_max_tokens_null_fills_the_context_as_vllm(client, http):

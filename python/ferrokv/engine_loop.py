@@ -375,9 +375,9 @@ class EngineLoop:
 
     def _refuse_foreign_step(self) -> None:
         """Another thread's ``engine.step()`` would take the outputs of this loop's requests,
-        whose callers would then wait forever: refused while any is claimed (an idle loop leaves
-        the engine to whoever steps it)."""
-        if self._claims and threading.current_thread() is not self._thread:
+        whose callers would then wait forever: refused while any is claimed (an idle or dead loop,
+        e.g. in a forked child, leaves the engine to whoever steps it)."""
+        if self._dead is None and self._claims and threading.current_thread() is not self._thread:
             raise RuntimeError("LLMEngine.step() was called from another thread while the engine loop drives this "
                                "engine (LLM.generate/chat/beam_search or AsyncLLM requests are running): their "
                                "outputs are the loop's; step the engine yourself only when those calls have returned")

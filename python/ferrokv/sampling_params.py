@@ -79,6 +79,8 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
 logger = logging.getLogger("ferrokv")
 
 # Below this temperature a request is treated as greedy: dividing logits by ~0 would overflow, and

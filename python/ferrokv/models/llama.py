@@ -116,12 +116,12 @@ class LlamaForCausalLM(nn.Module):
         expected = set(self.expected_weight_names())
         seen: set[str] = set()
         unexpected: list[str] = []
-        head_rows: Tensor | None = None  # a tied config's own lm_head, its first rows: checked against the embedding
+        head_rows: Tensor | None = None  # a tied config's own lm_head, sampled rows: checked against the embedding
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                head_rows = tensor[:8].clone()
+                head_rows = _spread_rows(tensor).clone()
                 continue  # tied: the embedding is the head (vLLM's rule)
             p = params.get(name)
             if p is None:
@@ -138,7 +138,12 @@ class LlamaForCausalLM(nn.Module):
         if unexpected:
             warnings.warn(f"ignored {len(unexpected)} unexpected checkpoint tensor(s), e.g. {unexpected[:4]}", stacklevel=2)
         embed = params["model.embed_tokens.weight"]
-        if head_rows is not None and not torch.equal(head_rows.to(embed.dtype), embed[:8].to(head_rows.device)):
+        if head_rows is not None and not torch.equal(head_rows.to(embed.dtype), _spread_rows(embed).to(head_rows.device)):
             warnings.warn("config.json ties the output head to the embedding (tie_word_embeddings), but the checkpoint "
                           "has a different lm_head.weight: the embedding is the head, as in vLLM (transformers uses "
                           "the checkpoint's); set tie_word_embeddings to false to use it", stacklevel=2)
+
+
+def _spread_rows(weight: Tensor) -> Tensor:
+    """9 rows spread over ``weight``, its first and last included: enough to tell two heads apart."""
+    return weight[torch.linspace(0, weight.shape[0] - 1, 9, device=weight.device).long()]

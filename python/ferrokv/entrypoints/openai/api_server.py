@@ -269,6 +269,35 @@ def _errors(app: FastAPI) -> None:
         return error_response(e)
 
 
+def _model_routes(app: FastAPI, state: ServerState) -> None:
+    """``/v1/models`` and OpenAI's retrieve, ``/v1/models/{id}`` (ids may hold '/'; with no id,
+    the list, where vLLM's redirects to it)."""
+    llm = state.llm
+    # vLLM's root: the model as given to the server (its path or Hub id), whatever it is served as.
+    root = llm.engine.args.model or state.model_names[0]  # the default model: its served name
+    # vLLM's model card, its permission entry included (clients written against vLLM read it).
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": state.created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
+
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "ferrokv", "root": root,
+                "parent": None, "max_model_len": llm.max_model_len, "permission": [permission]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card(name) for name in state.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if not model_id:
+            return await models()
+        if model_id not in state.model_names:
+            state.check_model(model_id)  # the 404 naming the served models
+        return card(model_id)
+
+
 def _routes(app: FastAPI, state: ServerState) -> None:
     llm = state.llm
 
@@ -289,28 +318,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         body, content_type = state.metrics.render(request.headers.get("accept"))
         return Response(body, headers={"content-type": content_type})
 
-    # vLLM's root: the model as given to the server (its path or Hub id), whatever it is served as.
-    root = llm.engine.args.model or state.model_names[0]  # the default model: its served name
-
-    # vLLM's model card, its permission entry included (clients written against vLLM read it).
-    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": state.created,
-                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                  "organization": "*", "group": None, "is_blocking": False}
-
-    def card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": state.created, "owned_by": "ferrokv", "root": root,
-                "parent": None, "max_model_len": llm.max_model_len, "permission": [permission]}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card(name) for name in state.model_names]}
-
-    @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve (client.models.retrieve); ids may hold '/'
-    async def model(model_id: str) -> dict[str, Any]:
-        if model_id not in state.model_names:
-            state.check_model(model_id or "''")  # the 404 naming the served models
-        return card(model_id)
+    _model_routes(app, state)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

@@ -228,9 +228,12 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
     cap = defaults.get("max_tokens")
     if cap is not None:
         max_tokens = cap if max_tokens is None else min(max_tokens, cap)
-    for name, hi in (("seed", _I64), ("top_k", _I32), ("min_tokens", _I32), ("n", 128)):
-        if name in kw and _is_int(kw[name]) and kw[name] > hi:  # too low: SamplingParams names the real minimum
-            raise bad(name, f"{name} must be at most {hi}, got {kw[name]}")
+    # vLLM's int64 seed; a value too low for the others: SamplingParams names their own minimum.
+    for name, lo, hi in (("seed", -_I64 - 1, _I64), ("top_k", None, _I32), ("min_tokens", None, _I32), ("n", None, 128)):
+        v = kw.get(name)
+        if _is_int(v) and (v > hi or (lo is not None and v < lo)):
+            raise bad(name, f"{name} must be in [{lo}, {hi}], got {v}" if lo is not None
+                      else f"{name} must be at most {hi}, got {v}")
     if "stop" in kw and not isinstance(kw["stop"], (str, list)):
         raise bad("stop", f"stop must be a string or a list of strings, got {shown(kw['stop'])}")
     for name, what in (("stop_token_ids", "integers"), ("allowed_token_ids", "token ids"), ("bad_words", "strings")):
