@@ -392,3 +392,19 @@ def test_service_tier_and_max_tool_calls_are_echoed(http):
     assert r.status_code == 200 and (r.json()["service_tier"], r.json()["max_tool_calls"]) == ("flex", 3)
     default = http.post("/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 2}).json()
     assert (default["service_tier"], default["max_tool_calls"]) == ("auto", None)
+
+
+def test_a_capacity_error_is_told_in_this_apis_names():
+    """The core's "lower max_tokens or n" as a response's: it has max_output_tokens and no n."""
+    import numpy as np
+
+    from ferrokv import CacheCapacityError
+    from ferrokv._core import Scheduler
+    from ferrokv.entrypoints.openai.serving import to_openai_error
+    from ferrokv.entrypoints.openai.serving_responses import _renamed
+
+    with pytest.raises(CacheCapacityError) as e:
+        Scheduler(8, block_size=4, max_model_len=1024).add_request(1, np.arange(1, 21, dtype=np.int64), 20)
+    told = _renamed(to_openai_error(e.value), ["input[0]"])
+    assert told.param == "max_output_tokens" and "max_output_tokens=20" in told.message
+    assert told.message.endswith("lower max_output_tokens, or enlarge the KV cache"), told.message

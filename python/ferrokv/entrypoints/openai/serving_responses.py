@@ -82,6 +82,7 @@ def _renamed(e: OpenAIError, origins: list[str]) -> OpenAIError:
         s = re.sub(r"""\{(['"])type\1: \1function\1, \1function\1: \{\1name\1: ([^{}]*?)\}\}""",
                    r"{\1type\1: \1function\1, \1name\1: \2}", s)
         s = re.sub(r"\bmax_tokens\b", "max_output_tokens", s)
+        s = s.replace("lower max_output_tokens or n,", "lower max_output_tokens,")  # a response has no n
         s = re.sub(r"response_format(\.json_schema)?", "text.format", s)
         return re.sub(r"(tools\[\d+\]|tool_choice)\.function\b", r"\1", s)
     return e.renamed(fix)
