@@ -57,7 +57,7 @@ def test_unset_sampling_flags_take_the_models_generation_config(model, capsys, t
                           (raised, 128 - 3)):
         assert main(common + extra) == 0
         out = capsys.readouterr().out
-        assert f"1 requests, {tokens} tokens generated" in out, (extra, out)
+        assert f"1 request, {tokens} tokens generated" in out, (extra, out)
 
 
 def test_generate_reports_bad_flags_as_errors(model, capsys):

@@ -208,7 +208,8 @@ def _print_stats(engine: Any, outs: list[Any], dt: float) -> None:
     kv_total = st["num_blocks"] - 1
     hits, queried = st["first_admission_cached_tokens"], st["prefix_cache_queried_tokens"]
     print(
-        f"\n--- {len(outs)} requests, {gen} tokens generated in {dt:.1f}s: {gen / dt:.1f} tokens/s "
+        f"\n--- {len(outs)} request{'' if len(outs) == 1 else 's'}, {gen} tokens generated in {dt:.1f}s: "
+        f"{gen / dt:.1f} tokens/s "
         f"({(gen + st['prompt_tokens']) / dt:.1f} tokens/s with prompts)\n"
         f"--- KV cache: peak {engine.peak_used_blocks}/{kv_total} blocks "
         f"({engine.peak_used_blocks / kv_total:.1%}) of {st['block_size']} tokens, "

@@ -225,7 +225,7 @@ def validate_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, tok
     if len(ids) >= max_model_len:
         more = "more than" if len(ids) > max_model_len else "as many as"
         raise ValueError(f"{field}: the prompt has {len(ids)} tokens, {more} max_model_len={max_model_len}, "
-                         "which leaves no room for the at least one output token")
+                         "which leaves no room for an output token")
 
 
 def request_id_str(request_id: Any) -> str:
