@@ -219,7 +219,8 @@ def test_a_prompt_too_long_is_named_as_the_caller_gave_it(llm):
         llm.generate("the cat " * 80, params, use_tqdm=False)
     with pytest.raises(ValueError, match=r"^prompt: the prompt has \d+ tokens"):
         llm.generate({"prompt": "the cat " * 80}, params, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"^prompt_token_ids: the prompt has 70 tokens, more than max_model_len=64, which leaves no room for an output token$"):
+    with pytest.raises(ValueError, match=r"^prompt_token_ids: the prompt has 70 tokens, more than max_model_len=64, "
+                                         r"which leaves no room for an output token$"):
         llm.generate({"prompt_token_ids": [5] * 70}, params, use_tqdm=False)
     with pytest.raises(ValueError, match=r"^prompt: its token 1 is 999, which is outside the vocabulary \[0, 50\)"):
         validate_prompt_ids([1, 999], 50, 8, tokenized=True)
