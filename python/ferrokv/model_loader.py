@@ -270,19 +270,8 @@ def _drop_stale_conversions(source: dict[str, Any], keep: Path) -> None:
         except (OSError, ValueError):
             continue  # not ours to judge (an older layout, or being written)
         if isinstance(old, dict) and isinstance(old.get("path"), str) and (
-                old["path"] == source["path"] or _is_gone(old["path"])):
+                old["path"] == source["path"] or not Path(old["path"]).exists()):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _is_gone(path: str) -> bool:
-    """True only when ``path`` surely does not exist (an unreadable parent folder is no proof)."""
-    try:
-        os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def _is_complete(folder: Path) -> bool:
