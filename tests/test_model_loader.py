@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
-import shutil
 import os
 import time
 
@@ -288,8 +287,7 @@ def test_a_bad_config_number_is_a_value_error_naming_it(tmp_path, field, value):
 
 def test_gguf_cache_keys_on_the_files_path_and_drops_a_replaced_versions_conversion(tmp_path, monkeypatch):
     """Two files with one name, size and mtime (cp -p, a tarball) never share a conversion; a file
-    replaced in place (a reinstalled package) gets a new one and its old one is removed, as is
-    the conversion of a file that is gone."""
+    replaced in place (a reinstalled package) gets a new one and its old one is removed."""
     monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
     converted: list[str] = []
 
@@ -312,10 +310,6 @@ def test_gguf_cache_keys_on_the_files_path_and_drops_a_replaced_versions_convers
     new_a = load_or_convert_gguf(a, "m.gguf")
     assert new_a not in (out_a, out_b) and not out_a.exists() and out_b.exists(), "only a's old version goes"
     assert load_or_convert_gguf(a, "m.gguf") == new_a and len(converted) == 3
-    shutil.rmtree(b)  # its file is gone (a removed virtualenv): its conversion goes with the next one made
-    (a / "m.gguf").write_bytes(b"first model, v3")
-    newest = load_or_convert_gguf(a, "m.gguf")
-    assert sorted(p.name for p in newest.parent.iterdir()) == [newest.name], "only the loadable conversion stays"
 
 
 def _tiny_safetensors(folder) -> None:

@@ -259,9 +259,8 @@ def _gguf_cache_dir(source: dict[str, Any]) -> Path:
 
 
 def _drop_stale_conversions(source: dict[str, Any], keep: Path) -> None:
-    """Removes the conversions nothing can load again (the key holds the file's path): of earlier
-    versions of the same file (same path, other size or mtime: a reinstalled package, an edited
-    file), and of a file of the same name that is gone (a removed virtualenv or clone)."""
+    """Removes the conversions of earlier versions of the same file (same path, other size or
+    mtime: a reinstalled package, an edited file), which nothing can load again."""
     for folder in keep.parent.glob(f"{glob.escape(Path(source['path']).stem)}-*"):
         if folder == keep or not folder.is_dir():
             continue
@@ -269,8 +268,7 @@ def _drop_stale_conversions(source: dict[str, Any], keep: Path) -> None:
             old = json.loads((folder / _GGUF_SOURCE).read_text())
         except (OSError, ValueError):
             continue  # not ours to judge (an older layout, or being written)
-        if isinstance(old, dict) and isinstance(old.get("path"), str) and (
-                old["path"] == source["path"] or not Path(old["path"]).exists()):
+        if isinstance(old, dict) and old.get("path") == source["path"]:
             shutil.rmtree(folder, ignore_errors=True)
 
 
