@@ -277,9 +277,13 @@ def test_a_request_whose_worst_case_never_fits_the_kv_cache_is_a_400_on_max_toke
         err = to_openai_error(e.value)
         assert (err.status, err.param) == (400, param) and e.value.field == (param or "prompt_token_ids")
         assert err.message.startswith(start) and "cmpl-engine" not in err.message  # the engine's id is internal
-        # The server's prompt errors name the request's field for the prompt (prompt[1], messages, ...).
+        # The server's prompt errors name the request's field for the prompt (prompt[1], messages, ...);
+        # max_tokens errors name the prompt only in a batch.
         told = to_openai_error(_prompt_error(e.value, "prompt[1]"))
         assert (told.param, told.message) == (param or "prompt[1]", f"prompt[1]: {err.message}")
+        alone = to_openai_error(_prompt_error(e.value, "messages"))
+        assert (alone.param, alone.message) == (param or "messages", f"messages: {err.message}" if param is None
+                                                else err.message)
 
 
 def test_400_top_logprobs_without_logprobs(http):

@@ -266,9 +266,11 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
 def _prompt_error(e: ValueError, field: str) -> Exception:
     """A prompt error ("prompt_token_ids[3]=...", a prompt the KV cache cannot hold) as a 400
     naming ``field``; others as they are."""
-    if isinstance(e, CacheCapacityError):  # which prompt of a batch, and the field to change
+    if isinstance(e, CacheCapacityError):  # the field to change; for max_tokens, which prompt of a batch
         err = to_openai_error(e)
-        return OpenAIError(400, f"{field}: {err.message}", field if e.field == "prompt_token_ids" else err.param)
+        if e.field == "prompt_token_ids":
+            return OpenAIError(400, f"{field}: {err.message}", field)
+        return OpenAIError(400, f"{field}: {err.message}" if field.endswith("]") else err.message, err.param)
     if re.match(r"(prompts?|prompt_token_ids)\b", str(e)):  # not prompt_logprobs
         return OpenAIError(400, f"{field}: {e}", field)
     return e
