@@ -138,7 +138,8 @@ class LlamaForCausalLM(nn.Module):
         if unexpected:
             warnings.warn(f"ignored {len(unexpected)} unexpected checkpoint tensor(s), e.g. {unexpected[:4]}", stacklevel=2)
         embed = params["model.embed_tokens.weight"]
-        if head_rows is not None and not torch.equal(head_rows.to(embed.dtype), _spread_rows(embed).to(head_rows.device)):
+        if head_rows is not None and not torch.equal(head_rows.to(embed.dtype),
+                                                     _spread_rows(embed).to(head_rows.device)):
             warnings.warn("config.json ties the output head to the embedding (tie_word_embeddings), but the checkpoint "
                           "has a different lm_head.weight: the embedding is the head, as in vLLM (transformers uses "
                           "the checkpoint's); set tie_word_embeddings to false to use it", stacklevel=2)

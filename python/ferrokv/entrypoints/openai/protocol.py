@@ -229,7 +229,8 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
     if cap is not None:
         max_tokens = cap if max_tokens is None else min(max_tokens, cap)
     # vLLM's int64 seed; a value too low for the others: SamplingParams names their own minimum.
-    for name, lo, hi in (("seed", -_I64 - 1, _I64), ("top_k", None, _I32), ("min_tokens", None, _I32), ("n", None, 128)):
+    bounds = (("seed", -_I64 - 1, _I64), ("top_k", None, _I32), ("min_tokens", None, _I32), ("n", None, 128))
+    for name, lo, hi in bounds:
         v = kw.get(name)
         if _is_int(v) and (v > hi or (lo is not None and v < lo)):
             raise bad(name, f"{name} must be in [{lo}, {hi}], got {v}" if lo is not None
