@@ -166,9 +166,8 @@ class LLMEngine:
         self.on_abort: Callable[[RequestOutput], None] | None = None
         """Called with the final output of each request ``abort_request`` or a failed step ended, once
         the engine lock is released, on the thread that applied it or ``report_aborts_here``'s."""
+        # Called by step() before it changes anything, to refuse it by raising (EngineLoop's guard).
         self.before_step: Callable[[], None] | None = None
-        """Called by ``step`` before it changes anything; raises to refuse the step (an EngineLoop
-        refuses another thread's while its requests run: their outputs are the loop's to route)."""
         self._stats: dict[str, int] = self.scheduler.stats()
         self._stats_wanted = False
         self._num_free_blocks: int = self.scheduler.num_free_blocks

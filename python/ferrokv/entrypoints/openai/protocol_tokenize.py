@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrokv.checks import shown
-from ferrokv.entrypoints.openai.protocol import _bool, _is_int, _messages, _object, _str, _template, _tools, bad
+from ferrokv.entrypoints.openai.protocol import _messages, _template, _tools
+from ferrokv.entrypoints.openai.protocol_fields import _bool, _is_int, _object, _str, bad
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "parse_detokenize_request", "parse_tokenize_request"]
 

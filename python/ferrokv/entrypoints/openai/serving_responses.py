@@ -36,13 +36,13 @@ from typing import Any
 from fastapi import Request
 
 from ferrokv.checks import is_text, shown
-from ferrokv.entrypoints.openai.protocol import (REASONING_EFFORTS, ChatRequest, OpenAIError, _bool, _lax_numbers,
-                                                 _logprobs, _object, bad, checked_content, error_body,
-                                                 parse_chat_request)
+from ferrokv.entrypoints.openai.protocol import REASONING_EFFORTS, ChatRequest, checked_content, parse_chat_request
+from ferrokv.entrypoints.openai.protocol_fields import (OpenAIError, _bool, _lax_numbers, _logprobs, _object, bad,
+                                                        error_body)
 from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
                                                dumps, generate_checked, run_generation, to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_chat import ChatAnswer
-from ferrokv.outputs import CompletionOutput, RequestOutput
+from ferrokv.outputs import CompletionOutput
 
 __all__ = ["create_response", "parse_responses_request"]
 
