@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import traceback
 
 import pytest
 
 from ferrokv import AsyncLLM, SamplingParams
 from ferrokv.engine_loop import EngineDeadError
 from ferrokv.outputs import RequestOutputKind as Kind
-from helpers.engine_faults import engine_kwargs, greedy, rand_prompts, tiny_llm, token_ids
+from helpers.engine_faults import RunnerHook, engine_kwargs, greedy, raise_on, rand_prompts, tiny_llm, token_ids
 
 
 def make_async_llm(path, **kw) -> AsyncLLM:
@@ -529,6 +530,54 @@ def test_a_chat_template_that_refuses_the_conversation_is_a_value_error(allm):
         assert asyncio.run(allm.encode_chat([{"role": "user", "content": "the cat"}])) == tok.encode("the cat")
     finally:
         tok.chat_template = template
+
+
+def test_a_failed_step_ends_each_request_with_an_engine_generate_error_of_its_own(llama_path, sequential):
+    """vLLM's ``EngineGenerateError`` from the step's exception; each caller raises its own
+    object, so no traceback collects the other callers' frames; the engine goes on."""
+    from ferrokv.engine_loop import EngineGenerateError
+
+    llm = make_async_llm(llama_path)
+    RunnerHook(llm.engine, raise_on(2, RuntimeError("boom")))
+    prompts = rand_prompts(53, [5, 6, 7, 8])
+
+    async def one(i: int) -> BaseException:
+        with pytest.raises(EngineGenerateError, match=r"failed engine step \(RuntimeError: boom\)") as info:
+            await collect(llm, prompts[i], greedy(4), f"f{i}")
+        return info.value
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    try:
+        errors = asyncio.run(main())
+        assert len({id(e) for e in errors}) == len(prompts)
+        assert all(isinstance(e.__cause__, RuntimeError) and str(e.__cause__) == "boom" for e in errors)
+        assert all(sum(f.name == "one" for f in traceback.extract_tb(e.__traceback__)) == 1 for e in errors)
+        assert asyncio.run(collect(llm, prompts[0], greedy(4), "after"))[-1].outputs[0].token_ids == \
+            sequential(prompts[:1], 4)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+def test_shutdown_gives_each_waiter_an_engine_dead_error_of_its_own(llama_path):
+    llm = make_async_llm(llama_path)
+    started = threading.Event()
+    RunnerHook(llm.engine, lambda n, out: started.set())
+
+    async def one(i: int) -> BaseException:
+        with pytest.raises(EngineDeadError, match="shut down") as info:
+            await collect(llm, rand_prompts(60 + i, [5])[0], greedy(200), f"d{i}")
+        return info.value
+
+    async def main():
+        tasks = [asyncio.create_task(one(i)) for i in range(3)]
+        await asyncio.get_running_loop().run_in_executor(None, started.wait)
+        await asyncio.get_running_loop().run_in_executor(None, functools.partial(llm.shutdown, timeout=30.0))
+        return await asyncio.gather(*tasks)
+
+    errors = asyncio.run(main())
+    assert len({id(e) for e in errors}) == 3
 
 
 def test_unknown_engine_argument_is_a_type_error():

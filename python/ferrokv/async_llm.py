@@ -11,7 +11,9 @@ Invariants:
   ``output_kind`` asks (``DELTA``: pieces that concatenate to the whole, a consumer that falls
   behind getting the unread ones merged into one; ``CUMULATIVE``: a consumer that falls behind
   gets the newest output only; both as in vLLM; ``FINAL_ONLY``: one output); the last one has
-  ``finished`` set. The request's error (a bad prompt, a failed step, shutdown) is raised.
+  ``finished`` set. The request's error is raised, as vLLM raises it: a bad request's own
+  ``ValueError``; ``EngineGenerateError`` (its ``__cause__`` the step's exception) for a failed
+  step; ``EngineDeadError`` once the engine loop has ended (each caller its own exception object).
 * A generator that is closed or cancelled before its last output (the client went away) aborts
   its request: the engine frees its blocks when the step in progress ends.
 * ``num_in_flight`` counts the requests submitted and not yet ended (the server's admission
@@ -38,13 +40,13 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
 from ferrokv.checks import PoolingUnsupportedError, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, vllm_only_method, without_vllm_only_args
-from ferrokv.engine_loop import EngineDeadError, EngineLoop, StreamItem
+from ferrokv.engine_loop import EngineDeadError, EngineGenerateError, EngineLoop, StreamItem, caller_error
 from ferrokv.inputs import (check_no_lora, is_text_prompt, request_id_str, tokenization_options, tokenized_prompt,
                             with_truncation)
 from ferrokv.llm import chat_token_ids
@@ -53,7 +55,7 @@ from ferrokv.outputs import RequestOutput, RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.stats_log import StatsLog
 
-__all__ = ["AsyncLLM", "EngineDeadError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineGenerateError"]
 
 logger = logging.getLogger("ferrokv")
 
@@ -446,7 +448,7 @@ class AsyncLLM:
                 item = await stream.get()
                 ended = item.finished
                 if item.error is not None:
-                    raise item.error
+                    raise caller_error(item)
                 yield item.output
         finally:
             with self._lock:
@@ -458,11 +460,12 @@ class AsyncLLM:
                 self.engine_loop.abandon(rid, stream)
             del grammar  # (held until here)
 
-    def abort(self, request_id: str | list[str]) -> Coroutine[Any, Any, None]:
+    def abort(self, request_id: str | Iterable[str], internal: bool = False) -> Coroutine[Any, Any, None]:
         """Ends the requests (unknown or finished ids are ignored); each one's generator then
         yields its final output, ``finish_reason`` "abort". The abort is queued at once, from
         any thread; the result is a coroutine, as vLLM's abort is one (``await llm.abort(rid)``,
-        ``create_task``, ``run_coroutine_threadsafe``)."""
+        ``create_task``, ``run_coroutine_threadsafe``). ``internal`` (vLLM's): ids are the
+        caller's either way (ferrokv never renames them)."""
         self.engine_loop.abort(request_id)
         return _Done()
 

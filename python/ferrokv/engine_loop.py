@@ -47,7 +47,8 @@ Invariants:
   aborts reach their sinks through ``LLMEngine.on_abort``, called on the loop's thread only
   (``LLMEngine.report_aborts_here``: an interrupt in the aborting thread cannot lose one).
 * A step that raises (the engine has cancelled it) ends every request of the loop with that
-  exception, so nobody waits for a request the failure left behind, and the loop goes on; after
+  exception (a waiter raises ``EngineGenerateError`` from it: ``caller_error``), so nobody waits
+  for a request the failure left behind, and the loop goes on; after
   ``MAX_FAILED_STEPS`` such steps in a row it ends (``EngineDeadError``, the failure its cause). An error
   in the loop itself ends every request with ``EngineDeadError`` and the loop with it.
 * Requests added to the engine directly while a loop drives it are stepped but reported nowhere;
@@ -77,7 +78,7 @@ from ferrokv.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["EngineDeadError", "EngineLoop", "OutputSink", "StreamItem"]
+__all__ = ["EngineDeadError", "EngineGenerateError", "EngineLoop", "OutputSink", "StreamItem"]
 
 
 class EngineDeadError(FerrokvError, RuntimeError):
@@ -86,6 +87,11 @@ class EngineDeadError(FerrokvError, RuntimeError):
     def __init__(self, message: str, failed: bool = False) -> None:
         super().__init__(message)
         self.failed = failed
+
+
+class EngineGenerateError(FerrokvError, RuntimeError):
+    """A request ended by a failed engine step (vLLM's name); the step's exception is its
+    ``__cause__``, and its message repeats it."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +106,26 @@ class StreamItem:
     @property
     def finished(self) -> bool:
         return self.error is not None or self.output is None or self.output.finished
+
+
+def caller_error(item: StreamItem) -> BaseException:
+    """What a caller waiting on a sink raises for its error ``item``: a refusal (bad input) as it
+    is; a failure shared by many requests (a failed step, the loop's end) as an exception of the
+    caller's own, so that raising it in each caller never chains every caller's frames onto one
+    object's traceback (and never races one across threads)."""
+    e = item.error
+    assert e is not None
+    if item.refused or not isinstance(e, Exception):
+        return e
+    own: Exception
+    if isinstance(e, EngineDeadError):
+        own = EngineDeadError(str(e), e.failed)
+        own.__cause__ = e.__cause__
+    else:
+        own = EngineGenerateError(f"request {item.request_id!r} ended by a failed engine step "
+                                  f"({type(e).__name__}: {e})")
+        own.__cause__ = e
+    return own
 
 
 class OutputSink(Protocol):
@@ -308,7 +334,7 @@ class EngineLoop:
                 item = sink.get()
                 done = item.finished
                 if item.error is not None:
-                    raise item.error
+                    raise caller_error(item)
                 assert item.output is not None
                 yield item.output
         finally:

@@ -36,7 +36,7 @@ from fastapi import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ferrokv._core import CacheCapacityError
-from ferrokv.engine_loop import EngineDeadError
+from ferrokv.engine_loop import EngineDeadError, EngineGenerateError
 from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
 from ferrokv.inputs import truncation_length
@@ -157,7 +157,9 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         m = re.match(r"[A-Za-z_]+", str(e))
         return OpenAIError(400, str(e), m.group(0) if m else None)
     logger.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
-    return OpenAIError(500, f"internal error ({type(e).__name__}); see the server log")
+    # A failed step's own exception type, not the wrapper every request of the step got.
+    cause = e.__cause__ if isinstance(e, EngineGenerateError) and e.__cause__ is not None else e
+    return OpenAIError(500, f"internal error ({type(cause).__name__}); see the server log")
 
 
 def error_response(e: BaseException) -> JSONResponse:
