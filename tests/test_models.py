@@ -205,6 +205,34 @@ def test_sliding_window_is_exercised(models, name):
     assert (with_window[8:] - without[8:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("arch, key", [
+    *((arch, "tie_word_embeddings") for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                                  "MistralForCausalLM")),
+    ("LlamaForCausalLM", "attention_bias"), ("LlamaForCausalLM", "mlp_bias"), ("Qwen3ForCausalLM", "attention_bias"),
+    ("Qwen2ForCausalLM", "use_sliding_window"), ("Qwen3ForCausalLM", "use_sliding_window"),
+])
+def test_a_flag_that_is_not_a_bool_is_refused_naming_it(arch, key):
+    """The string "false" would be truthy: a flag the architecture reads must be true, false or
+    null (its default)."""
+    from ferrokv.models import MODEL_REGISTRY
+
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2)
+    cls = MODEL_REGISTRY[arch]
+    with pytest.raises(ValueError, match=f"{key} must be true or false, got 'false'"):
+        cls.parse_config({**base, key: "false"})
+    assert cls.parse_config({**base, key: None}) == cls.parse_config({**base, key: False})
+    assert cls.parse_config({**base, "tie_word_embeddings": True}).tie_word_embeddings is True
+
+
+def test_swish_is_silu():
+    from ferrokv.models import MODEL_REGISTRY
+
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2)
+    assert MODEL_REGISTRY["LlamaForCausalLM"].parse_config({**base, "hidden_act": "swish"}).hidden_act == "swish"
+    with pytest.raises(ValueError, match="hidden_act 'gelu_new' is not supported"):
+        MODEL_REGISTRY["LlamaForCausalLM"].parse_config({**base, "hidden_act": "gelu_new"})
+
+
 def test_window_config_resolution():
     """Which layers get a window, as transformers resolves it."""
     from ferrokv.models import MODEL_REGISTRY

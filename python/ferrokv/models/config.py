@@ -15,6 +15,9 @@ from typing import Any
 from ferrokv.checks import shown
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# hidden_act names (transformers' ACT2FN names; "swish" is its other name for silu): the one list
+# the loader checks and ``layers`` implements.
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 
 
 @dataclass(slots=True, frozen=True)
@@ -150,7 +153,18 @@ def _yarn(params: dict[str, Any]) -> dict[str, Any]:
 
     return dict(attention_factor=opt("attention_factor"), beta_fast=opt("beta_fast") or 32.0,
                 beta_slow=opt("beta_slow") or 1.0, mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
-                truncate=bool(params.get("truncate", True)))
+                truncate=config_flag(params, "truncate", True, "rope truncate"))
+
+
+def config_flag(d: dict[str, Any], key: str, default: bool = False, name: str | None = None) -> bool:
+    """A true/false field; absent or null is ``default``, as transformers reads it. Anything else
+    (the string "false" is truthy) is refused, as transformers' strict config validation does."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"config.json: {name or key} must be true or false, got {v!r}")
+    return v
 
 
 def parse_common(
@@ -179,8 +193,8 @@ def parse_common(
     if head_dim % 2:  # RoPE rotates pairs of dimensions (transformers refuses it too)
         raise ValueError(f"config.json: head_dim must be even for rotary embeddings, got {head_dim}")
     act = d.get("hidden_act", "silu")
-    if act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
-        raise ValueError(f"config.json: hidden_act {act!r} is not supported")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
     if sliding_windows is None:
         sliding_windows = (None,) * layers
     max_pos = _count(d, "max_position_embeddings", default_max_positions)
@@ -196,7 +210,7 @@ def parse_common(
         rms_norm_eps=_positive(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         hidden_act=act,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_word_embeddings=config_flag(d, "tie_word_embeddings"),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
@@ -214,10 +228,7 @@ def qwen_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     marks ``sliding_attention`` (default: layers >= ``max_window_layers``), exactly as
     transformers resolves it."""
     layers = _count(d, "num_hidden_layers")
-    use = d.get("use_sliding_window") or False  # null: off, as transformers reads it
-    if not isinstance(use, bool):
-        raise ValueError(f"config.json: use_sliding_window must be true or false, got {use!r}")
-    if not use or d.get("sliding_window", 4096) is None:  # absent: Qwen2Config's and Qwen3Config's 4096
+    if not config_flag(d, "use_sliding_window") or d.get("sliding_window", 4096) is None:  # absent: Qwen2Config's and Qwen3Config's 4096
         return (None,) * layers
     first = _count(d, "max_window_layers", 28) if d.get("max_window_layers") != 0 else 0
     return _windows_by_layer_type(d, _count(d, "sliding_window", 4096),

@@ -12,15 +12,17 @@ from torch import Tensor, nn
 
 from ..attention import AttentionBackend
 from ..attention.metadata import AttentionMetadata
-from .config import ModelConfig
+from .config import ACTIVATIONS, ModelConfig
 from .rope import apply_rope
 
 _ACTS = {
     "silu": F.silu,
+    "swish": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
+assert tuple(_ACTS) == ACTIVATIONS, "models.config.ACTIVATIONS lists what the loader accepts"
 
 
 class RMSNorm(nn.Module):

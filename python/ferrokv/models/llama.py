@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..attention import AttentionBackend, get_attention_backend
 from ..attention.metadata import AttentionMetadata
-from .config import ModelConfig, parse_common
+from .config import ModelConfig, config_flag, parse_common
 from .layers import DecoderLayer, RMSNorm
 from .rope import RotaryEmbedding
 
@@ -44,10 +44,10 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def parse_config(cls, d: dict[str, Any]) -> ModelConfig:
-        bias = bool(d.get("attention_bias", False))
+        bias = config_flag(d, "attention_bias")
         # Only Llama's MLP has the option; Qwen2/Qwen3/Mistral ignore the key, as transformers does.
         return parse_common(d, architecture=cls.architecture, qkv_bias=bias, o_bias=bias, qk_norm=False,
-                            mlp_bias=bool(d.get("mlp_bias", False)))
+                            mlp_bias=config_flag(d, "mlp_bias"))
 
     def __init__(self, config: ModelConfig | dict[str, Any], attn_backend: str | AttentionBackend = "auto") -> None:
         super().__init__()

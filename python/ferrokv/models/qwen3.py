@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import ModelConfig, parse_common, qwen_sliding_windows
+from .config import ModelConfig, config_flag, parse_common, qwen_sliding_windows
 from .llama import LlamaForCausalLM
 
 
@@ -14,7 +14,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def parse_config(cls, d: dict[str, Any]) -> ModelConfig:
-        bias = bool(d.get("attention_bias", False))
+        bias = config_flag(d, "attention_bias")
         return parse_common(
             d, architecture=cls.architecture, qkv_bias=bias, o_bias=bias, qk_norm=True,
             sliding_windows=qwen_sliding_windows(d), default_head_dim=128, default_max_positions=32768,
