@@ -85,14 +85,15 @@ class PenaltyState:
                 self.owner[slots[j]] = -1 if scratch[j] else seqs[j]
                 self.num_counted[slots[j]] = nout[j]
         idx = torch.from_numpy(slots).to(self.device)
-        logit_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        host_rows = rows.astype(np.int64)
+        logit_rows = torch.from_numpy(host_rows).to(self.device)
         kept = ~scratch
         if kept.all():
             self._last = (slots, idx, logit_rows)
         else:
             keep = torch.from_numpy(kept).to(self.device)
             self._last = (slots[kept], idx[keep], logit_rows[keep])
-        return PenaltyInputs(logit_rows, self.counts.index_select(0, idx), self.seen.index_select(0, idx))
+        return PenaltyInputs(logit_rows, host_rows, self.counts.index_select(0, idx), self.seen.index_select(0, idx))
 
     def _move_rows(self, cand: np.ndarray, held: np.ndarray, slots: np.ndarray, seqs: np.ndarray,
                    nout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

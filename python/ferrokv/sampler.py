@@ -169,6 +169,7 @@ class PenaltyInputs:
     across steps; ``penalty_inputs`` builds them from histories)."""
 
     rows: torch.Tensor  # int64 [P]: batch rows with a non-neutral penalty
+    row_index: np.ndarray  # int64 [P]: the same rows on the host (reading them back would wait for the device)
     output_counts: torch.Tensor | None  # float32 [P, V]: occurrences in the output so far
     seen_mask: torch.Tensor | None  # bool [P, V]: in the prompt or the output
 
@@ -195,7 +196,8 @@ def penalty_inputs(rows: Sequence[SamplingRow], vocab_size: int, device: torch.d
             seen[j, ids] = True
         if prompt:
             seen[j, torch.tensor(prompt, dtype=torch.int64, device=device)] = True
-    return PenaltyInputs(torch.tensor(pen, dtype=torch.int64, device=device), counts, seen)
+    idx = np.asarray(pen, dtype=np.int64)
+    return PenaltyInputs(torch.from_numpy(idx).to(device), idx, counts, seen)
 
 
 @dataclass(slots=True)
@@ -270,7 +272,7 @@ class SamplingMetadata:
 
         pen_rows = presence = frequency = repetition = counts = seen = None
         if penalties is not None:
-            idx = penalties.rows.cpu().numpy() if penalties.rows.device.type != "cpu" else penalties.rows.numpy()
+            idx = penalties.row_index
             pen_rows = penalties.rows.to(dev)
             presence = tensor(a.row_presence[idx]).unsqueeze(1)
             frequency = tensor(a.row_frequency[idx]).unsqueeze(1)
