@@ -150,7 +150,7 @@ class LLMEngine:
         self._plp_wanted = PromptLogprobRequests()
         self.grammars = LazyGrammarCompiler(self.tokenizer, self.vocab_size,
                                             self.eos_token_ids[0] if self.eos_token_ids else None)
-        self.grammar_rows = GrammarRows(max(self.vocab_size, len(self.tokenizer)),
+        self.grammar_rows = GrammarRows(self.grammars.vocab_width,
                                         pin_memory=self.device.type == "cuda", on_failed_grammar=self.grammars.forget)
         self.profile: StepProfile | None = None
         """Set to a ``StepProfile`` to time each step's stages (benches/engine_overhead.py)."""

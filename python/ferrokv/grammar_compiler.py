@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from ferrokv.structured_outputs import StructuredOutputsParams
 
-__all__ = ["GRAMMAR_CACHE_SIZE", "CompiledGrammar", "GrammarCompiler", "LazyGrammarCompiler"]
+__all__ = ["GRAMMAR_CACHE_SIZE", "CompiledGrammar", "GrammarCompiler", "LazyGrammarCompiler", "grammar_vocab_width"]
 
 _MAX_ERROR = 2000  # characters of an llguidance error message kept in ours
 # Compiled grammars kept: each holds its template's lexer, which grows as masks are computed (up to
@@ -104,8 +104,7 @@ class GrammarCompiler:
         cache_size = GRAMMAR_CACHE_SIZE if cache_size is None else cache_size
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
-        # The logits may be wider than the tokenizer (padding ids) and, rarely, narrower.
-        n_vocab = max(int(vocab_size), len(tokenizer))
+        n_vocab = grammar_vocab_width(tokenizer, vocab_size)
         self.tokenizer: llguidance.LLTokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=n_vocab, eos_token=eos_token_id)
         self.vocab_size = self.tokenizer.vocab_size
@@ -222,6 +221,12 @@ class GrammarCompiler:
                              f"{error[:_MAX_ERROR].rstrip()}")
 
 
+def grammar_vocab_width(tokenizer: Any, vocab_size: int) -> int:
+    """The width of a grammar's token mask: the logits may be wider than the tokenizer (padding
+    ids) and, rarely, narrower. The one source for the compiler and the engine's mask rows."""
+    return max(int(vocab_size), len(tokenizer))
+
+
 def _not_valid(kind: str, error: str) -> ValueError:
     error = error if len(error) <= _MAX_ERROR else error[:_MAX_ERROR] + "..."
     return ValueError(f"structured_outputs.{kind} is not a valid grammar: {error.rstrip()}")
@@ -238,6 +243,12 @@ class LazyGrammarCompiler:
         self._compiler: GrammarCompiler | None = None
         self._error: str | None = None  # the tokenizer llguidance cannot take: told to every request
         self._lock = threading.Lock()
+
+    @property
+    def vocab_width(self) -> int:
+        """The mask width of the grammars it will compile (``grammar_vocab_width``), without
+        making the compiler."""
+        return grammar_vocab_width(self._args[0], self._args[1])
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         return self._made().compile(params)
