@@ -106,6 +106,14 @@ pub(crate) fn token_id_lists(field: &'static str, obj: &Bound<'_, PyAny>) -> PyR
 /// A request's `SamplingSpec` from its keywords; `knobs` are temperature, top_p, min_p and the
 /// presence, frequency and repetition penalties (the core validates them at admission).
 pub(crate) fn sampling_spec(knobs: [f64; 6], top_k: i64, logprobs: Option<i64>) -> PyResult<ferrokv_core::SamplingSpec> {
+    const NAMES: [&str; 6] =
+        ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"];
+    for (name, v) in NAMES.into_iter().zip(knobs) {
+        // A finite f64 beyond f32 would reach the core's check as inf, misreporting the value.
+        if v.is_finite() && !(v as f32).is_finite() {
+            return Err(invalid(name, format!("{v:e}"), "is out of float32 range"));
+        }
+    }
     let [temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty] = knobs.map(|v| v as f32);
     Ok(ferrokv_core::SamplingSpec {
         temperature,
