@@ -27,7 +27,9 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
 * ``logit_bias`` is ``None`` or a ``dict[int, float]`` of token ids ``>= 0`` to finite biases added
   to their logits; ``allowed_token_ids`` is ``None`` or a non-empty ``list[int]`` of ids ``>= 0``
   (every other token is masked); ``bad_words`` is ``None`` or a ``list[str]`` of non-empty words
-  never generated (as vLLM, each word with and without a leading space). Ids are checked
+  never generated (as vLLM: each word's tokens, and those after a leading space when that
+  gives as many tokens with another first one; a word whose spaced form tokenizes otherwise,
+  " dog" as one token where "dog" is two, is not banned in that form). Ids are checked
   against the vocabulary when the engine takes the request.
 * ``structured_outputs`` is ``None`` or a ``StructuredOutputsParams`` (a dict is converted);
   ``guided_decoding`` is its former vLLM name (``GuidedDecodingParams``), moved into it and reset
