@@ -155,7 +155,26 @@ class SamplingParams:
         """Checks every field (and normalises ``top_k``, ``stop``, ``stop_token_ids`` and the greedy
         knobs) as the module docstring says. Runs on construction, and again when the engine takes
         a request, since fields may have been assigned since (``params.temperature = nan``)."""
-        # --- integers -------------------------------------------------------------------------
+        self._validate_ints()
+        self._validate_floats()
+        self._validate_stops()
+        self._validate_flags()
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop strings need detokenize=True, got stop={self.stop!r} with detokenize=False")
+        self._validate_token_rules()
+
+        kind = self.output_kind
+        if isinstance(kind, bool) or not isinstance(kind, (RequestOutputKind, numbers.Integral)) \
+                or kind not in tuple(RequestOutputKind):
+            names = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be a RequestOutputKind ({names}), got {kind!r}")
+        self.output_kind = RequestOutputKind(kind)
+
+        if self.is_greedy:
+            # These cannot change an argmax; neutralising them lets the sampler take fast paths.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _validate_ints(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -181,7 +200,8 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
             raise ValueError(f"logprobs must be None, -1 (the whole vocabulary) or an int >= 0, got {self.logprobs!r}")
 
-        # --- floats: written as `not (lo <= x <= hi)` so NaN fails every check ----------------
+    def _validate_floats(self) -> None:
+        """Written as ``not (lo <= x <= hi)`` so that NaN fails every check."""
         self._check_real("temperature")
         if not (0.0 <= self.temperature < math.inf):
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
@@ -209,8 +229,7 @@ class SamplingParams:
                 f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty!r}"
             )
 
-        self._validate_stops()
-
+    def _validate_flags(self) -> None:
         if self.extra_args is not None and not (isinstance(self.extra_args, dict)
                                                 and all(isinstance(k, str) for k in self.extra_args)):
             raise ValueError(f"extra_args must be None or a dict with str keys, got {self.extra_args!r}")
@@ -220,21 +239,6 @@ class SamplingParams:
                      "spaces_between_special_tokens", "skip_reading_prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-
-        if not self.detokenize and self.stop:
-            raise ValueError(f"stop strings need detokenize=True, got stop={self.stop!r} with detokenize=False")
-        self._validate_token_rules()
-
-        kind = self.output_kind
-        if isinstance(kind, bool) or not isinstance(kind, (RequestOutputKind, numbers.Integral)) \
-                or kind not in tuple(RequestOutputKind):
-            names = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
-            raise ValueError(f"output_kind must be a RequestOutputKind ({names}), got {kind!r}")
-        self.output_kind = RequestOutputKind(kind)
-
-        if self.is_greedy:
-            # These cannot change an argmax; neutralising them lets the sampler take fast paths.
-            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _validate_stops(self) -> None:
         """``stop`` as a list of non-empty strings, ``stop_token_ids`` as a list of ids >= 0."""
