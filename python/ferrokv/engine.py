@@ -39,7 +39,7 @@ the lock held (``ferrokv.engine_lock``) or a step in flight (one between ``sched
 and the step holding its output is cancelled too); an engine call from inside another on the same
 thread is a ``RuntimeError``.
 Costs per step: the model forward, plus O(1) Python calls for scheduling, inputs, sampling
-metadata and ``update`` (array operations and the core: no Python per row), O(1) Python per
+metadata and ``update`` (arrays and the core; with the Rust text layer no Python per row), O(1) Python per
 streaming row, logprobs row and penalty row that joined or moved, and O(its output) once per
 ending sequence; nothing that grows with output length, or with the number of waiting or
 finished requests (the ``stats()`` snapshot's counters are refreshed as each step ends; its

@@ -102,7 +102,8 @@ class LogitBiasState:
 
     def register(self, core_id: int, params: SamplingParams) -> None:
         """Keeps the request's params (``has_logit_bias(params)``); its row is built when a step
-        first has its rows, so that a waiting request holds no V-wide row."""
+        first has its rows, so that a request not yet scheduled holds no V-wide row (one that ran
+        keeps it until it ends, preempted or not)."""
         self._params[core_id] = params
 
     def release(self, core_id: int) -> None:

@@ -9,7 +9,7 @@ view its batch matrix (``block_tables_is_view``) included, so they are valid unt
 scheduler's thread) reads the step, ``forward`` reads only what ``prepare`` made, so it may run on
 another thread (rows a stop or an abort ends meanwhile are only marked dead, never moved); the attention
 metadata is built once per step and shared by every layer; logits are computed only for the rows
-that sample.
+that sample, then for the prompt positions whose logprobs a request asked for (after them).
 Costs per step on the CPU: O(tokens + sequences) host work, independent of the sequences' lengths
 and of the number of requests waiting or finished; a GPU upload adds O(sequences * max_blocks)
 bytes copied.
