@@ -1,5 +1,5 @@
 //! Per-sequence block tables over the physical pools: allocation, copy-on-write, prefix
-//! caching, swapping to the CPU pool.
+//! caching, swapping to the CPU pool (`swap`).
 //!
 //! A sequence's KV state has two parts. Its GPU block ids exist only while it runs, and live
 //! in one place: its row of the batch matrix that the runner reads (any `BlockIdsMut`; tests
@@ -30,7 +30,8 @@
 use crate::block_pool::{BlockId, BlockMath, BlockPool};
 use crate::error::{CoreError, CoreResult};
 use crate::prefix_cache::{hash_block, BlockHash, ParentLink, PrefixCache};
-use std::collections::HashMap;
+
+mod swap;
 
 /// Where a sequence's GPU block ids live (its batch row, or a `Vec`): read access.
 pub trait BlockIds {
@@ -486,85 +487,6 @@ impl KvCacheManager {
             let keep = self.cache.as_ref().is_some_and(|c| c.is_cached(b));
             self.gpu.decref(b, keep);
         }
-    }
-
-    /// Moves all GPU blocks of one request's running sequences (`tables[i]` with block ids
-    /// `ids[i]`, which the caller then drops with their rows) to the CPU pool. Blocks shared
-    /// between them move once. Returns false, changing nothing, if the CPU pool is too small.
-    pub fn swap_out<I: BlockIds>(&mut self, tables: &mut [&mut SeqKv], ids: &[I]) -> bool {
-        debug_assert_eq!(tables.len(), ids.len());
-        let mut map: HashMap<u32, BlockId> = HashMap::new();
-        let unique = {
-            let mut seen = std::collections::HashSet::new();
-            ids.iter().flat_map(|t| (0..t.len()).map(|i| t.at(i))).filter(|b| seen.insert(b.0)).count()
-        };
-        if self.cpu.num_free() < unique {
-            return false;
-        }
-        for (t, gpu) in tables.iter_mut().zip(ids) {
-            debug_assert!(!t.is_swapped());
-            for i in 0..gpu.len() {
-                let g = gpu.at(i);
-                let c = match map.get(&g.0) {
-                    Some(&c) => {
-                        self.cpu.incref(c);
-                        c
-                    }
-                    None => {
-                        let c = self.cpu.allocate().expect("capacity was checked");
-                        map.insert(g.0, c);
-                        self.ops.swap_out.push((g.0, c.0));
-                        self.stats.blocks_swapped_out += 1;
-                        c
-                    }
-                };
-                t.cpu_blocks.push(c);
-            }
-            self.release_gpu(gpu);
-            t.num_registered = 0;
-            t.last_link = None;
-        }
-        true
-    }
-
-    /// Brings swapped sequences back into fresh GPU blocks, keeping `watermark` blocks free:
-    /// the block ids of each, for the rows they are about to get. `None`, changing nothing, if
-    /// they do not fit.
-    pub fn swap_in(&mut self, tables: &mut [&mut SeqKv], watermark: usize) -> Option<Vec<Vec<BlockId>>> {
-        let mut map: HashMap<u32, BlockId> = HashMap::new();
-        let unique = {
-            let mut seen = std::collections::HashSet::new();
-            tables.iter().flat_map(|t| t.cpu_blocks.iter()).filter(|b| seen.insert(b.0)).count()
-        };
-        if self.gpu.num_free() < unique + watermark {
-            return None;
-        }
-        let mut out = Vec::with_capacity(tables.len());
-        for t in tables.iter_mut() {
-            let mut blocks = Vec::with_capacity(t.cpu_blocks.len());
-            for &c in &t.cpu_blocks {
-                let g = match map.get(&c.0) {
-                    Some(&g) => {
-                        self.gpu.incref(g);
-                        g
-                    }
-                    None => {
-                        let g = self.pop_block().expect("capacity was checked");
-                        map.insert(c.0, g);
-                        self.ops.swap_in.push((c.0, g.0));
-                        self.stats.blocks_swapped_in += 1;
-                        g
-                    }
-                };
-                blocks.push(g);
-            }
-            for &c in t.cpu_blocks.iter().rev() {
-                self.cpu.decref(c, false);
-            }
-            t.cpu_blocks.clear();
-            out.push(blocks);
-        }
-        Some(out)
     }
 
     /// True when every block covering token positions `from..to` has exactly one reference.

@@ -7,9 +7,10 @@
 //! prefix lookup, O(new blocks) per allocation; the waiting queue is only read at its head.
 
 use super::{NewRequest, Policy, Scheduler};
-use crate::batch::NO_ROW;
+use crate::batch::{Batch, NO_ROW};
+use crate::block_pool::BlockId;
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache_manager::SeqKv;
+use crate::kv_cache_manager::{KvCacheManager, SeqKv};
 use crate::request::{FinishReason, Request, RequestState, Sequence, StopParams};
 use crate::sampling::{rng_key, SamplingSpec};
 
@@ -258,27 +259,11 @@ impl Scheduler {
             self.plan.push((start, 0));
         }
         let full = total <= budget;
-        let mut left = budget;
-        let mut sum = 0;
-        for (i, s) in req.seqs.iter().enumerate() {
-            let start = self.plan[i].0;
-            let remaining = s.tokens.len() - start;
-            let chunk = if full { remaining } else { remaining.saturating_sub(1).min(left) };
-            left -= chunk;
-            sum += chunk;
-            self.plan[i].1 = chunk;
-        }
+        let sum = Self::split_budget(&mut self.plan, &req.seqs, full, budget);
         if sum == 0 {
             return Attempt::NoBudget;
         }
-        let needed = if n == 1 {
-            kv.blocks_needed(&batch.ids(req.seqs[0].row as usize), self.plan[0].0, self.plan[0].1, &self.hits[0])
-        } else {
-            let items: Vec<_> = req.seqs.iter().enumerate()
-                .map(|(i, s)| (batch.ids(s.row as usize), self.plan[i].0, self.plan[i].1, &self.hits[i][..]))
-                .collect();
-            kv.blocks_needed_together(&items)
-        };
+        let needed = Self::plan_blocks_needed(kv, batch, &req.seqs, &self.plan, &self.hits);
         if kv.num_free_blocks() < needed + watermark {
             return Attempt::NoSpace;
         }
@@ -312,6 +297,42 @@ impl Scheduler {
             batch.rows[row].computed = (start + chunk) as u32;
         }
         Attempt::Scheduled { tokens: sum, full }
+    }
+
+    /// Each sequence's chunk (`plan[i].1`, from its start `plan[i].0`) out of `budget`: all its
+    /// remaining tokens when the whole request fits (`full`), else each stops one token short
+    /// (no sample gets its logits row before its siblings). Returns the tokens planned.
+    fn split_budget(plan: &mut [(usize, usize)], seqs: &[Sequence], full: bool, budget: usize) -> usize {
+        let mut left = budget;
+        let mut sum = 0;
+        for (i, s) in seqs.iter().enumerate() {
+            let start = plan[i].0;
+            let remaining = s.tokens.len() - start;
+            let chunk = if full { remaining } else { remaining.saturating_sub(1).min(left) };
+            left -= chunk;
+            sum += chunk;
+            plan[i].1 = chunk;
+        }
+        sum
+    }
+
+    /// Free blocks that allocating the plan of one request's `seqs` (chunks in `plan`, cache
+    /// hits in `hits`) consumes; siblings are counted together, as they share blocks.
+    fn plan_blocks_needed(
+        kv: &KvCacheManager,
+        batch: &Batch,
+        seqs: &[Sequence],
+        plan: &[(usize, usize)],
+        hits: &[Vec<BlockId>],
+    ) -> usize {
+        if seqs.len() == 1 {
+            kv.blocks_needed(&batch.ids(seqs[0].row as usize), plan[0].0, plan[0].1, &hits[0])
+        } else {
+            let items: Vec<_> = seqs.iter().enumerate()
+                .map(|(i, s)| (batch.ids(s.row as usize), plan[i].0, plan[i].1, &hits[i][..]))
+                .collect();
+            kv.blocks_needed_together(&items)
+        }
     }
 
     /// Writes the plan just allocated for `slot` into its sequences' rows, and registers the

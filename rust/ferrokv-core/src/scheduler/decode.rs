@@ -15,6 +15,7 @@ use super::{Scheduler, StepCounts};
 use crate::batch::{RowState, TableRef};
 use crate::block_pool::{BlockId, BlockMath};
 use crate::kv_cache_manager::KvCacheManager;
+use crate::output::SchedulerOutput;
 
 /// How the row pass planned the step's decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +74,34 @@ fn decode_block(h: &mut RowState, table: &TableRef<'_>, r: usize, kv: &KvCacheMa
     owned_write_block(h, table, r, kv, bm)
 }
 
+/// The row pass's lists, kept in the scheduler's scratch buffers between steps (no allocation
+/// per step once they have grown).
+struct RowPass {
+    /// Rows whose token starts a new block (to allocate once the plan stands).
+    new_block: Vec<u32>,
+    /// Rows whose token completes a block (to register).
+    completing: Vec<u32>,
+    /// Requests left to the ordered walk, each once (marked in `Scheduler::mark` meanwhile).
+    others: Vec<u32>,
+}
+
+impl RowPass {
+    /// Plans row `r`'s decode token into block `blk`, listing the row when that token starts
+    /// or completes a block. Returns the token's position.
+    #[inline]
+    fn plan(&mut self, h: &mut RowState, r: usize, blk: i32, bm: BlockMath) -> usize {
+        let c = h.computed as usize;
+        if blk == NEW_BLOCK {
+            self.new_block.push(r as u32);
+        }
+        if bm.offset(c + 1) == 0 {
+            self.completing.push(r as u32);
+        }
+        advance(h, r);
+        c
+    }
+}
+
 impl Scheduler {
     /// The row pass: plans one decode token for every row that decodes on its own, and writes
     /// the step's arrays for the leading rows in the same pass (while every row so far is in
@@ -87,87 +116,35 @@ impl Scheduler {
         if n == 0 {
             return DecodePlan::None;
         }
-        let bm = self.bm;
-        let mut new_block_rows = std::mem::take(&mut self.scratch_rows);
-        new_block_rows.clear();
-        let mut completing = std::mem::take(&mut self.completing);
-        let mut others = std::mem::take(&mut self.scratch_slots);
-        others.clear();
+        let mut pass = self.take_row_pass();
         let mut o = Self::decode_output(n);
-        let mut max_blocks = 0u32;
-        let mut emitted = 0usize;
-        {
-            let (kv, mark) = (&self.kv, &mut self.mark);
-            let (rows, table, owner) = self.batch.rows_and_table();
-            // The leading rows while each decodes on its own: planned and written in one pass
-            // (sequence i = row i), through zipped iterators over presized columns.
-            let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
-            for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
-                let Some(blk) = decode_block(h, &table, r, kv, bm) else { break };
-                let c = h.computed as usize;
-                if blk == NEW_BLOCK {
-                    new_block_rows.push(r as u32);
-                }
-                if bm.offset(c + 1) == 0 {
-                    completing.push(r as u32);
-                }
-                advance(h, r);
-                (*len, *pos, *slot) = Self::decode_columns(bm, c, blk); // a new block's slot follows
-                max_blocks = max_blocks.max(h.num_blocks + u32::from(blk == NEW_BLOCK));
-                emitted = r + 1;
-            }
-            // The rest (a step that also plans prefill chunks): the same rule, written later.
-            for r in emitted..n {
-                let h = &mut rows[r];
-                match decode_block(h, &table, r, kv, bm) {
-                    Some(blk) => {
-                        if blk == NEW_BLOCK {
-                            new_block_rows.push(r as u32);
-                        }
-                        if bm.offset(h.computed as usize + 1) == 0 {
-                            completing.push(r as u32);
-                        }
-                        advance(h, r);
-                    }
-                    None => {
-                        (h.new_tokens, h.samples, h.fan_out) = (0, false, 0); // left to the ordered walk
-                        let req = owner[r].slot as usize;
-                        if !std::mem::replace(&mut mark[req], true) {
-                            others.push(req as u32);
-                        }
-                    }
-                }
-            }
-        }
+        let (mut emitted, mut max_blocks) = self.emit_leading_decodes(&mut o, &mut pass);
+        self.plan_other_decodes(emitted, &mut pass);
         let mut decodes = emitted + self.batch.rows[emitted..].iter().filter(|h| h.new_tokens > 0).count();
-        if !others.is_empty() {
-            (decodes, emitted) = self.unplan_partial_requests(&mut new_block_rows, decodes, emitted);
-            completing.retain(|&r| self.batch.rows[r as usize].new_tokens > 0);
+        if !pass.others.is_empty() {
+            (decodes, emitted) = self.unplan_partial_requests(&mut pass.new_block, decodes, emitted);
+            pass.completing.retain(|&r| self.batch.rows[r as usize].new_tokens > 0);
         }
-        let k = others.len();
+        let k = pass.others.len();
         let len = self.running.len();
         let stands = decodes <= budget
-            && self.kv.num_free_blocks() >= new_block_rows.len()
-            && others.iter().all(|&slot| self.running_index(slot) >= len - k);
-        for &slot in &others {
+            && self.kv.num_free_blocks() >= pass.new_block.len()
+            && pass.others.iter().all(|&slot| self.running_index(slot) >= len - k);
+        for &slot in &pass.others {
             self.mark[slot as usize] = false;
         }
-        self.scratch_slots = others;
         if !stands {
-            for h in self.batch.rows.iter_mut().filter(|h| h.new_tokens > 0) {
-                (h.computed, h.new_tokens, h.samples) = (h.computed - 1, 0, false);
-            }
-            self.scratch_rows = new_block_rows;
-            completing.clear();
-            self.completing = completing;
+            self.unplan_all_decodes();
+            pass.completing.clear();
+            self.put_back_row_pass(pass);
             return DecodePlan::None;
         }
-        self.completing = completing;
-        self.append_new_blocks(&new_block_rows);
-        self.new_block_slots(&mut o, &new_block_rows, emitted);
-        self.scratch_rows = new_block_rows;
+        self.append_new_blocks(&pass.new_block);
+        self.new_block_slots(&mut o, &pass.new_block, emitted);
+        self.put_back_row_pass(pass);
         if emitted > 0 {
             if emitted < n {
+                // The pass's maximum may count rows put back since; the tables have their new blocks.
                 max_blocks = self.batch.rows[..emitted].iter().map(|h| h.num_blocks).max().unwrap_or(0);
             }
             self.finish_decode_output(&mut o, emitted);
@@ -176,6 +153,72 @@ impl Scheduler {
         self.step = StepCounts { seqs: decodes, tokens: decodes, logits_rows: decodes, decode_tokens: decodes };
         self.stats.decode_tokens += decodes as u64;
         if k == 0 { DecodePlan::All } else { DecodePlan::Front { generic_from: len - k } }
+    }
+
+    /// The row pass's lists, emptied, out of their scratch buffers.
+    fn take_row_pass(&mut self) -> RowPass {
+        let mut pass = RowPass {
+            new_block: std::mem::take(&mut self.scratch_rows),
+            completing: std::mem::take(&mut self.completing),
+            others: std::mem::take(&mut self.scratch_slots),
+        };
+        pass.new_block.clear();
+        pass.others.clear();
+        pass
+    }
+
+    /// Returns the row pass's lists to their scratch buffers (`completing` for registration).
+    fn put_back_row_pass(&mut self, pass: RowPass) {
+        (self.scratch_rows, self.completing, self.scratch_slots) = (pass.new_block, pass.completing, pass.others);
+    }
+
+    /// The leading rows while each decodes on its own: planned and written in one pass
+    /// (sequence i = row i), through zipped iterators over presized columns. Returns the rows
+    /// emitted and the widest of their tables (a block to allocate counted).
+    fn emit_leading_decodes(&mut self, o: &mut SchedulerOutput, pass: &mut RowPass) -> (usize, u32) {
+        let (kv, bm) = (&self.kv, self.bm);
+        let (rows, table, _) = self.batch.rows_and_table();
+        let mut max_blocks = 0u32;
+        let mut emitted = 0usize;
+        let outs = o.seq_lens.iter_mut().zip(o.positions.iter_mut()).zip(o.slot_mapping.iter_mut());
+        for (r, (h, ((len, pos), slot))) in rows.iter_mut().zip(outs).enumerate() {
+            let Some(blk) = decode_block(h, &table, r, kv, bm) else { break };
+            let c = pass.plan(h, r, blk, bm);
+            (*len, *pos, *slot) = Self::decode_columns(bm, c, blk); // a new block's slot follows
+            max_blocks = max_blocks.max(h.num_blocks + u32::from(blk == NEW_BLOCK));
+            emitted = r + 1;
+        }
+        (emitted, max_blocks)
+    }
+
+    /// The rows from `emitted` on (a step that also plans prefill chunks): the same rule, their
+    /// columns written later. A row that cannot decode on its own is left to the ordered walk,
+    /// and its request is marked and listed in `pass.others`.
+    fn plan_other_decodes(&mut self, emitted: usize, pass: &mut RowPass) {
+        let (kv, mark, bm) = (&self.kv, &mut self.mark, self.bm);
+        let (rows, table, owner) = self.batch.rows_and_table();
+        for r in emitted..rows.len() {
+            let h = &mut rows[r];
+            match decode_block(h, &table, r, kv, bm) {
+                Some(blk) => {
+                    pass.plan(h, r, blk, bm);
+                }
+                None => {
+                    (h.new_tokens, h.samples, h.fan_out) = (0, false, 0); // left to the ordered walk
+                    let req = owner[r].slot as usize;
+                    if !std::mem::replace(&mut mark[req], true) {
+                        pass.others.push(req as u32);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A row pass that does not stand: every decode it planned is put back.
+    fn unplan_all_decodes(&mut self) {
+        for h in self.batch.rows.iter_mut().filter(|h| h.new_tokens > 0) {
+            (h.computed, h.new_tokens, h.samples) = (h.computed - 1, 0, false);
+        }
     }
 
     /// After the row pass: a request the pass left to the ordered walk (marked) is planned

@@ -114,22 +114,56 @@ impl Scheduler {
     /// the step, the block tables are the batch matrix itself (no copy); otherwise the planned
     /// rows are gathered.
     pub(super) fn build_output(&mut self, preempted: Vec<i64>) -> SchedulerOutput {
-        let bs = self.cfg.block_size;
-        let StepCounts { seqs: s_count, tokens: t_count, logits_rows: r_count, decode_tokens } = self.step;
+        let StepCounts { seqs: s_count, tokens: t_count, logits_rows: r_count, .. } = self.step;
         let n = self.batch.len();
         // The decode row pass emitted the leading rows; the others follow in row order.
         let (mut o, start, mut max_blocks) = match self.emitted.take() {
             Some(e) => e,
             None => (Self::empty_output(s_count, t_count, r_count), 0, 0),
         };
+        self.fill_step_fields(&mut o, preempted);
+        Self::reserve_rest(&mut o, self.step);
+        let mut num_tokens = o.input_ids.len();
+        for r in start..n {
+            let k = self.batch.rows[r].new_tokens as usize;
+            if k == 0 {
+                continue;
+            }
+            self.push_row_tokens(&mut o, r, k);
+            num_tokens += k;
+            o.query_start_loc.push(num_tokens as i32);
+            max_blocks = max_blocks.max(self.batch.rows[r].num_blocks as usize);
+            if self.batch.rows[r].samples {
+                self.push_logits_rows(&mut o, r, num_tokens as i64 - 1);
+            }
+        }
+        debug_assert_eq!((o.seq_ids.len(), num_tokens, o.logits_indices.len()), (s_count, t_count, r_count));
+        debug_assert_eq!(o.sampling.len(), r_count);
+        o.sampling.finish();
+        o.max_blocks = max_blocks;
+        o.block_tables = if s_count == n {
+            BlockTables::Batch
+        } else {
+            Self::gather_block_tables(&self.batch, s_count, max_blocks)
+        };
+        self.finish_output(o)
+    }
+
+    /// The step's scalars, and the requests that ended or were preempted since the last output.
+    fn fill_step_fields(&mut self, o: &mut SchedulerOutput, preempted: Vec<i64>) {
+        let StepCounts { tokens, decode_tokens, .. } = self.step;
         o.step_id = self.step_id;
-        o.block_size = bs;
+        o.block_size = self.cfg.block_size;
         o.finished_req_ids = std::mem::take(&mut self.ended_ids);
         o.preempted_req_ids = std::mem::take(&mut self.pending_preempted);
         o.preempted_req_ids.extend(preempted);
         o.num_decode_tokens = decode_tokens;
-        o.num_prefill_tokens = t_count - decode_tokens;
-        // A decode prefix was sized for its rows: room for the rest of the step, once.
+        o.num_prefill_tokens = tokens - decode_tokens;
+    }
+
+    /// A decode prefix was sized for its rows: room for the rest of the step, once.
+    fn reserve_rest(o: &mut SchedulerOutput, step: StepCounts) {
+        let StepCounts { seqs: s_count, tokens: t_count, logits_rows: r_count, .. } = step;
         let (seqs, tokens, rows) = (o.seq_ids.len(), o.input_ids.len(), o.logits_indices.len());
         if s_count > seqs {
             for v in [&mut o.req_ids, &mut o.seq_ids] {
@@ -146,74 +180,71 @@ impl Scheduler {
             }
             o.row_sample_index.reserve(r_count - rows);
         }
+    }
+
+    /// Appends planned row `r`'s sequence columns and its `k` new tokens (ids, positions, KV
+    /// slots). A chunk that starts at the row's last token (a decode) finds it in the batch;
+    /// any other reads its sequence's tokens.
+    #[inline]
+    fn push_row_tokens(&mut self, o: &mut SchedulerOutput, r: usize, k: usize) {
+        let (b, bm) = (&self.batch, self.bm);
+        let after = b.rows[r].computed as usize;
+        let before = after - k;
+        o.req_ids.push(b.req_id[r]);
+        o.seq_ids.push(b.seq_id[r]);
+        o.seq_lens.push(after as i32);
+        o.prompt_lens.push(b.rows[r].prompt_len as i32);
+        if before + 1 == b.rows[r].num_tokens as usize {
+            o.input_ids.push(b.last_token[r]);
+        } else {
+            let s = Self::seq_of(&mut self.requests, b.owner[r]);
+            o.input_ids.extend(s.tokens[before..after].iter().map(|&t| t as i64));
+        }
+        for p in before..after {
+            o.positions.push(p as i64);
+            o.slot_mapping.push(bm.slot(b.block(r, bm.block(p)), p));
+        }
+    }
+
+    /// Appends the logits rows of sampling row `r`, whose last token is token `last` of the
+    /// step: its own, then one per child of a fan-out (seq ids taken now, forked at update).
+    #[inline]
+    fn push_logits_rows(&mut self, o: &mut SchedulerOutput, r: usize, last: i64) {
         let b = &mut self.batch;
-        let bm = self.bm;
-        let mut num_tokens = o.input_ids.len();
-        for r in start..n {
-            let k = b.rows[r].new_tokens as usize;
-            if k == 0 {
-                continue;
-            }
-            let after = b.rows[r].computed as usize;
-            let before = after - k;
-            o.req_ids.push(b.req_id[r]);
-            o.seq_ids.push(b.seq_id[r]);
-            o.seq_lens.push(after as i32);
-            o.prompt_lens.push(b.rows[r].prompt_len as i32);
-            if before + 1 == b.rows[r].num_tokens as usize {
-                o.input_ids.push(b.last_token[r]);
-            } else {
-                let s = Self::seq_of(&mut self.requests, b.owner[r]);
-                o.input_ids.extend(s.tokens[before..after].iter().map(|&t| t as i64));
-            }
-            for p in before..after {
-                o.positions.push(p as i64);
-                o.slot_mapping.push(bm.slot(b.block(r, bm.block(p)), p));
-            }
-            num_tokens += k;
-            o.query_start_loc.push(num_tokens as i32);
-            max_blocks = max_blocks.max(b.rows[r].num_blocks as usize);
-            if b.rows[r].samples {
-                b.rows[r].logits_row = o.logits_indices.len() as u32;
-                o.logits_indices.push(num_tokens as i64 - 1);
+        b.rows[r].logits_row = o.logits_indices.len() as u32;
+        o.logits_indices.push(last);
+        o.row_req_ids.push(b.req_id[r]);
+        o.row_seq_ids.push(b.seq_id[r]);
+        o.row_sample_index.push(b.sample_index[r]);
+        let f = b.rows[r].fan_out;
+        let sample_index = b.sample_index[r] as u32;
+        if f > 0 {
+            // The samples of an n > 1 request: children 1..n, forked at update.
+            let first = self.next_seq_id;
+            self.next_seq_id += f as u64;
+            b.fan_out_first[r] = first;
+            for j in 0..f {
+                o.logits_indices.push(last);
                 o.row_req_ids.push(b.req_id[r]);
-                o.row_seq_ids.push(b.seq_id[r]);
-                o.row_sample_index.push(b.sample_index[r]);
-                let f = b.rows[r].fan_out;
-                let sample_index = b.sample_index[r] as u32;
-                if f > 0 {
-                    // The samples of an n > 1 request: children 1..n, forked at update.
-                    let first = self.next_seq_id;
-                    self.next_seq_id += f as u64;
-                    b.fan_out_first[r] = first;
-                    for j in 0..f {
-                        o.logits_indices.push(num_tokens as i64 - 1);
-                        o.row_req_ids.push(b.req_id[r]);
-                        o.row_seq_ids.push((first + j as u64) as i64);
-                        o.row_sample_index.push(j as i32 + 1);
-                    }
-                }
-                Self::push_sampling_row(b, &self.requests, &mut o.sampling, r, sample_index, r as i32);
-                for j in 0..f {
-                    Self::push_sampling_row(b, &self.requests, &mut o.sampling, r, j + 1, -1);
-                }
+                o.row_seq_ids.push((first + j as u64) as i64);
+                o.row_sample_index.push(j as i32 + 1);
             }
         }
-        debug_assert_eq!((o.seq_ids.len(), num_tokens, o.logits_indices.len()), (s_count, t_count, r_count));
-        debug_assert_eq!(o.sampling.len(), r_count);
-        o.sampling.finish();
-        o.max_blocks = max_blocks;
-        o.block_tables = if s_count == n {
-            BlockTables::Batch
-        } else {
-            let mut bt = Vec::with_capacity(s_count * max_blocks);
-            for r in (0..n).filter(|&r| b.rows[r].new_tokens > 0) {
-                // Entries past a row's blocks are the null block already.
-                bt.extend((0..max_blocks).map(|i| b.block(r, i)));
-            }
-            BlockTables::Owned(bt)
-        };
-        self.finish_output(o)
+        Self::push_sampling_row(b, &self.requests, &mut o.sampling, r, sample_index, r as i32);
+        for j in 0..f {
+            Self::push_sampling_row(b, &self.requests, &mut o.sampling, r, j + 1, -1);
+        }
+    }
+
+    /// The planned rows' block tables, `max_blocks` wide, copied out of the batch matrix (a
+    /// step that leaves rows out, so the matrix itself is not the step's tables).
+    fn gather_block_tables(b: &Batch, seqs: usize, max_blocks: usize) -> BlockTables {
+        let mut bt = Vec::with_capacity(seqs * max_blocks);
+        for r in (0..b.len()).filter(|&r| b.rows[r].new_tokens > 0) {
+            // Entries past a row's blocks are the null block already.
+            bt.extend((0..max_blocks).map(|i| b.block(r, i)));
+        }
+        BlockTables::Owned(bt)
     }
 
     /// Block ops queued by the step go last.
