@@ -12,7 +12,7 @@ import pytest
 
 import ferrokv.engine
 
-from ferrokv._core import Scheduler, TextModel, UnknownRequestError
+from ferrokv._core import Scheduler, SchedulerStateError, TextModel, UnknownRequestError
 from ferrokv.outputs import RequestOutputKind
 from ferrokv.sampling_params import SamplingParams
 from ferrokv.text import PythonText, RustText
@@ -313,6 +313,43 @@ def assert_text_idle(s: Scheduler) -> None:
     assert not s.has_unfinished()
     assert s.num_free_blocks == s.num_blocks - 1
     assert s.text_state() == (0, 0)
+
+
+def test_update_without_defer_text_gives_the_deferred_paths_records_and_refuses_untaken_results():
+    """One path: ``update`` alone runs the step's text work before it returns, ending sequences on
+    their stop strings with the same records as ``defer_text`` + ``take_step_results``."""
+    def run(defer: bool) -> list[tuple]:
+        tok, s = text_scheduler()
+        ids = tok.encode(" the cat sees the red ball today.", add_special_tokens=False)
+        prompt = tok.encode("Hello", add_special_tokens=False)
+        s.add_request(1, prompt, 20, stop=["cat"])
+        s.add_request(2, prompt, len(ids))
+        outputs = {1: ids + ids, 2: ids}
+        records = []
+        while s.has_unfinished():
+            out = s.schedule()
+            if defer:
+                assert s.update(out, sample(out, outputs), defer_text=True) == []
+                records += s.take_step_results()[0]
+            else:
+                records += s.update(out, sample(out, outputs))
+        assert_text_idle(s)
+        return sorted((r.request_id, r.reason, r.stop_reason, r.output_token_ids, r.text) for r in records)
+
+    inline = run(False)
+    assert inline == run(True)
+    assert [(r[0], r[1], r[2]) for r in inline] == [(1, "stop", "cat"), (2, "length", None)]
+    assert inline[0][4] == " the " and inline[1][4] == " the cat sees the red ball today."
+
+    tok, s = text_scheduler()
+    s.add_request(1, tok.encode("Hello", add_special_tokens=False), 4)
+    out = s.schedule()
+    s.update(out, sample(out, {1: [5] * 4}), defer_text=True)
+    nxt = s.schedule()
+    with pytest.raises(SchedulerStateError, match="take_step_results"):
+        s.update(nxt, sample(nxt, {1: [5] * 4}))
+    assert len(s.take_step_results()[0]) == 0
+    assert s.update(nxt, sample(nxt, {1: [5] * 4})) == []
 
 
 def test_a_stop_string_in_deferred_text_ends_its_sequence_while_the_next_step_is_in_flight():

@@ -219,7 +219,7 @@ class Scheduler:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
-        stream_text: bool = False,  # text deltas every step (text_deltas)
+        stream_text: bool = False,  # text deltas every step (take_step_results)
         # Sampling (validated; handed out per logits row as SchedulerOutput.row_*):
         temperature: float = 0.0,  # 0 = greedy
         top_k: int = 0,  # <= 0 = off
@@ -241,9 +241,6 @@ class Scheduler:
         """Gives the scheduler a text layer: requests added from now on are detokenized in
         ``update`` (GIL released), which ends sequences on their stop strings; every ended
         sequence's record then carries its text."""
-    def text_deltas(self) -> tuple[npt.NDArray[np.int64], list[str]]:
-        """The last ``update``'s streaming rows (``stream_text`` requests whose sequence got a
-        token and goes on) and their text deltas; taken once."""
     @property
     def clock_ts(self) -> float:
         """The core's clock (``time.monotonic()`` scale) at its last schedule, update,
@@ -263,8 +260,9 @@ class Scheduler:
 
         With ``defer_text`` the tokens are appended and the step's text work (detokenization,
         stop strings, streaming deltas) and its records wait for ``take_step_results``; it
-        returns []. It raises ``SchedulerStateError`` while an earlier deferred step's results
-        are untaken. Any call that changes sequences (update, cancel_step, abort, stop_sequence,
+        returns []. Without it the text work runs before it returns (its streaming deltas are
+        dropped: a streaming caller defers). It raises ``SchedulerStateError`` while an earlier
+        deferred step's results are untaken. Any call that changes sequences (update, cancel_step, abort, stop_sequence,
         fork_sequence, drop_sequence) runs the deferred text work first; ``schedule`` does not."""
     def take_step_results(self) -> tuple[list[FinishedSequence], npt.NDArray[np.int64], list[str]]:
         """The deferred step's ended sequences (with their text), its streaming rows (indices

@@ -5,7 +5,7 @@
 
 use ferrokv_core::{CoreError, FinishedSeq, Named, NewRequest, Policy, PreemptionMode, SamplingSpec, Scheduler, SchedulerConfig,
                    STEP_TOKEN_BOUNDS};
-use ferrokv_text::{EndedText, SchedulerText, StepDeltas, StopStrings};
+use ferrokv_text::{EndedText, SchedulerText, StopStrings};
 
 use crate::*;
 
@@ -19,14 +19,10 @@ use pyo3::types::{PyDict, PyString};
 #[pyclass(module = "ferrokv._core", name = "Scheduler")]
 pub(crate) struct PyScheduler {
     pub(crate) inner: Scheduler,
-    /// Reused buffer for `update`'s sampled ids (no allocation per step).
-    sampled: Vec<i64>,
-    /// The text layer (`attach_text`), its last step's streaming deltas, and reused row buffers.
+    /// The text layer (`attach_text`).
     text: Option<SchedulerText>,
-    deltas: StepDeltas,
-    row_reqs: Vec<i64>,
-    row_seqs: Vec<i64>,
-    /// A step whose text work `update(defer_text=True)` deferred, or its untaken results.
+    /// A step whose text work `update` deferred, or its untaken results (and the row buffers
+    /// reused from step to step).
     deferred: Deferred,
 }
 
@@ -34,26 +30,35 @@ pub(crate) struct PyScheduler {
 type StepResultsTuple<'py> = (Vec<PyFinishedSequence>, Bound<'py, numpy::PyArray1<i64>>, Vec<String>);
 
 impl PyScheduler {
-    /// `update(defer_text=True)`: the tokens are appended now, the text work deferred.
+    /// Appends the step's tokens now (GIL released) and defers its text work, in the buffers
+    /// the previous step gave back.
     fn update_deferred(
         &mut self,
         py: Python<'_>,
         output: PyRef<'_, PySchedulerOutput>,
         sampled_token_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<PyFinishedSequence>> {
+    ) -> PyResult<()> {
         let step_id = output.step_id;
-        let (mut row_reqs, mut row_seqs) = (Vec::new(), Vec::new());
+        let mut step = self.deferred.spare_step();
         if self.text.is_some() {
-            output.row_req_ids.copy_into(py, &mut row_reqs);
-            output.row_seq_ids.copy_into(py, &mut row_seqs);
+            output.row_req_ids.copy_into(py, &mut step.row_reqs);
+            output.row_seq_ids.copy_into(py, &mut step.row_seqs);
         }
         drop(output);
-        let mut sampled = Vec::new();
-        token_ids_into("sampled_token_ids", sampled_token_ids, &mut sampled)?;
+        let taken = token_ids_into("sampled_token_ids", sampled_token_ids, &mut step.sampled);
         let inner = &mut self.inner;
-        let done = py.detach(|| inner.update(step_id, &sampled)).map_err(to_py_err)?;
-        self.deferred.defer(DeferredStep { row_reqs, row_seqs, sampled, done });
-        Ok(Vec::new())
+        let done = taken.and_then(|()| py.detach(|| inner.update(step_id, &step.sampled)).map_err(to_py_err));
+        match done {
+            Ok(done) => {
+                step.done = done;
+                self.deferred.defer(step);
+                Ok(())
+            }
+            Err(e) => {
+                self.deferred.give_back(step);
+                Err(e)
+            }
+        }
     }
 
     /// Records as Python objects, with their text when the text layer gave some.
@@ -125,11 +130,7 @@ impl PyScheduler {
         };
         Ok(PyScheduler {
             inner: Scheduler::new(cfg).map_err(to_py_err)?,
-            sampled: Vec::new(),
             text: None,
-            deltas: StepDeltas::default(),
-            row_reqs: Vec::new(),
-            row_seqs: Vec::new(),
             deferred: Deferred::default(),
         })
     }
@@ -235,13 +236,6 @@ impl PyScheduler {
         self.text = Some(SchedulerText::new(model.inner.clone()));
     }
 
-    /// The last `update`'s streaming rows (of `stream_text` requests whose sequence got a
-    /// token and goes on) and their text deltas.
-    fn text_deltas<'py>(&mut self, py: Python<'py>) -> (Bound<'py, numpy::PyArray1<i64>>, Vec<String>) {
-        let d = std::mem::take(&mut self.deltas);
-        (numpy::IntoPyArray::into_pyarray(d.rows, py), d.deltas)
-    }
-
     /// The core's clock at its last `schedule`/`update`/`cancel_step`/`abort`.
     #[getter]
     fn clock_ts(&self) -> f64 {
@@ -264,8 +258,9 @@ impl PyScheduler {
         Ok(PySchedulerOutput::from_core(out, slf.clone().unbind()))
     }
 
-    /// Appends one sampled token per logits row of `output` (GIL released). With `defer_text`
-    /// the step's text work and records wait for `take_step_results` (and it returns []).
+    /// Appends one sampled token per logits row of `output` (GIL released); the step's text
+    /// work (the text layer's) is deferred: to `take_step_results` with `defer_text`, else done
+    /// here, its records returned. One path either way.
     #[pyo3(signature = (output, sampled_token_ids, *, defer_text=false))]
     fn update(
         &mut self,
@@ -274,38 +269,18 @@ impl PyScheduler {
         sampled_token_ids: &Bound<'_, PyAny>,
         defer_text: bool,
     ) -> PyResult<Vec<PyFinishedSequence>> {
-        if defer_text && self.deferred.is_untaken() {
+        if self.deferred.is_untaken() {
             return Err(to_py_err(CoreError::InvalidState {
-                message: "update(defer_text=True) before the previous step's take_step_results()".into(),
+                message: "update before the previous step's take_step_results() (it used defer_text=True)".into(),
             }));
         }
-        self.flush_deferred(py);
+        self.update_deferred(py, output, sampled_token_ids)?;
         if defer_text {
-            return self.update_deferred(py, output, sampled_token_ids);
+            return Ok(Vec::new());
         }
-        let step_id = output.step_id;
-        if self.text.is_some() {
-            output.row_req_ids.copy_into(py, &mut self.row_reqs);
-            output.row_seq_ids.copy_into(py, &mut self.row_seqs);
-        }
-        drop(output);
-        let mut sampled = std::mem::take(&mut self.sampled);
-        sampled.clear();
-        token_ids_into("sampled_token_ids", sampled_token_ids, &mut sampled)?;
-        let (inner, text) = (&mut self.inner, &mut self.text);
-        let (rows, seqs) = (&self.row_reqs, &self.row_seqs);
-        let done = py.detach(|| {
-            let mut done = inner.update(step_id, &sampled)?;
-            let step = text.as_mut().map(|t| t.after_update(inner, rows, seqs, &sampled, &mut done));
-            Ok::<_, CoreError>((done, step))
-        });
-        self.sampled = sampled;
-        let (done, step) = done.map_err(to_py_err)?;
-        let texts = step.map(|(deltas, texts)| {
-            self.deltas = deltas; // taken by text_deltas()
-            texts
-        });
-        Ok(Self::with_text(done, texts))
+        self.flush_deferred(py);
+        let r = self.deferred.take();
+        Ok(Self::with_text(r.records, r.texts))
     }
 
     /// The deferred step's records (with their texts), its streaming rows (indices into its

@@ -1,7 +1,7 @@
-//! Deferred step results: `update(..., defer_text=True)` appends a step's tokens and keeps what
-//! its text layer needs (the rows' ids, the sampled ids, the ended sequences' records); the
-//! text work runs later, in `take_step_results`, which an overlapped engine calls while the
-//! next step's forward pass runs.
+//! Deferred step results: `update` appends a step's tokens and keeps what its text layer needs
+//! (the rows' ids, the sampled ids, the ended sequences' records); the text work runs later: in
+//! `take_step_results` (`defer_text=True`: an overlapped engine calls it while the next step's
+//! forward pass runs), or before `update` returns. One path either way.
 //!
 //! Invariants: at most one step is deferred and at most one processed result waits to be
 //! taken; any call that changes the scheduler's sequences (update, cancel_step, abort,
@@ -34,12 +34,34 @@ pub(crate) struct StepResults {
 pub(crate) struct Deferred {
     step: Option<DeferredStep>,
     ready: Option<StepResults>,
+    /// The last processed step's row buffers, reused by the next (no allocation per step).
+    spare: Option<DeferredStep>,
 }
 
 impl Deferred {
     /// A step's results are deferred or processed and not taken yet.
     pub(crate) fn is_untaken(&self) -> bool {
         self.step.is_some() || self.ready.is_some()
+    }
+
+    /// An empty step in reused buffers, to fill and `defer` (or `give_back`).
+    pub(crate) fn spare_step(&mut self) -> DeferredStep {
+        let mut s = self.spare.take().unwrap_or(DeferredStep {
+            row_reqs: Vec::new(),
+            row_seqs: Vec::new(),
+            sampled: Vec::new(),
+            done: Vec::new(),
+        });
+        s.row_reqs.clear();
+        s.row_seqs.clear();
+        s.sampled.clear();
+        s.done.clear();
+        s
+    }
+
+    /// Keeps an unused step's buffers for the next one.
+    pub(crate) fn give_back(&mut self, step: DeferredStep) {
+        self.spare = Some(step);
     }
 
     pub(crate) fn defer(&mut self, step: DeferredStep) {
@@ -52,15 +74,17 @@ impl Deferred {
         let Some(mut s) = self.step.take() else {
             return;
         };
-        let results = match text.as_mut() {
+        let (deltas, texts) = match text.as_mut() {
             Some(t) => {
                 let (deltas, texts) = t.after_update(sched, &s.row_reqs, &s.row_seqs, &s.sampled, &mut s.done);
-                StepResults { records: s.done, texts: Some(texts), deltas }
+                (deltas, Some(texts))
             }
-            None => StepResults { records: s.done, texts: None, deltas: StepDeltas::default() },
+            None => (StepDeltas::default(), None),
         };
+        let records = std::mem::take(&mut s.done);
         debug_assert!(self.ready.is_none());
-        self.ready = Some(results);
+        self.ready = Some(StepResults { records, texts, deltas });
+        self.spare = Some(s);
     }
 
     /// The processed results (flush first); empty when no step was deferred.
