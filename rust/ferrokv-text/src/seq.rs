@@ -71,12 +71,13 @@ pub struct SeqText {
 /// Whether `new_text`, the text `pending` tokens add to a prefix, is emitted now: it adds a
 /// character and does not end mid-character (unless `MAX_PENDING` tokens pend).
 fn completes(new_text: &str, pending: usize) -> bool {
-    !new_text.is_empty() && !(new_text.ends_with(REPLACEMENT) && pending < MAX_PENDING)
+    !(new_text.is_empty() || new_text.ends_with(REPLACEMENT) && pending < MAX_PENDING)
 }
 
 /// Whether the bytes a byte-level decode (lossy UTF-8) returned `text` for end clean: their last
 /// chunk has no invalid tail. Conservative: valid text, or text not ending in U+FFFD (an invalid
 /// tail always decodes to a final U+FFFD; a literal one ends valid bytes).
+#[allow(clippy::ptr_arg)] // the Cow itself is the signal: borrowed means the bytes were valid UTF-8
 fn ends_clean(text: &Cow<'_, str>) -> bool {
     matches!(text, Cow::Borrowed(_)) || !text.ends_with(REPLACEMENT)
 }

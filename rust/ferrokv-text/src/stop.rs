@@ -154,7 +154,7 @@ impl StopScan {
             let from = back_chars(&s[..base_bytes], back);
             if let Some(i) = s[from..].find(stop.as_str()) {
                 let end = from + i + stop.len();
-                if best.map_or(true, |(pos, j)| end < pos + p.stop[j].len()) {
+                if best.is_none_or(|(pos, j)| end < pos + p.stop[j].len()) {
                     best = Some((from + i, idx));
                 }
             }
