@@ -162,16 +162,80 @@ def test_online_the_model_is_downloaded_once(model, tmp_path, monkeypatch):
 
     main, v2 = _copy(model, tmp_path / "main"), _copy(model, tmp_path / "v2")
     (main / "pytorch_model.bin").write_bytes(b"not wanted")  # with safetensors there, never fetched
+    (main / "consolidated.safetensors").write_bytes(b"not wanted")  # Mistral's other layout (vLLM skips it)
     (v2 / "generation_config.json").write_text("{}")
     hub = FakeHub({"org/tiny": {"main": main, "v2": v2}})
     out = _run_online(hub, DOWNLOAD_SCRIPT, tmp_path, monkeypatch)
-    assert "config.json" in out["files"] and "model.safetensors" in out["files"] and "tokenizer.json" in out["files"]
-    assert "pytorch_model.bin" not in out["files"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(out["files"])
+    assert "pytorch_model.bin" not in out["files"] and "consolidated.safetensors" not in out["files"]
     assert out["again"] and "generation_config.json" in out["v2"]
     assert hub.requests.count(("GET", "/api/models/org/tiny/revision/main")) == 1
     assert "'org/absent' is neither a local directory nor a model on the Hugging Face Hub" in out["absent"]
     assert "revision: 'nope' does not exist in model 'org/tiny'" in out["bad_rev"]
     assert not (tmp_path / "home" / "hub").exists()  # download_dir, not HF_HOME, held the downloads
+
+
+PARTIAL_SCRIPT = """
+import json, sys
+from ferrokv.model_loader import resolve_model_path, resolve_tokenizer_path
+cache = sys.argv[1]
+print(json.dumps({"model": sorted(p.name for p in resolve_model_path("org/tiny", download_dir=cache).iterdir()),
+                  "tokenizer": sorted(p.name for p in resolve_tokenizer_path("org/tok", download_dir=cache).iterdir())}))
+"""
+
+
+def _partial_snapshot(cache, repo_id: str, source, names) -> None:
+    """The cache as a single-file fetcher (transformers' ``AutoTokenizer``/``AutoModel``) leaves it:
+    ``names`` of ``source`` at the commit FakeHub serves as main, no file list."""
+    import os
+
+    from helpers.fake_hub import FakeHub
+
+    root = repo_folder(cache, repo_id)
+    snap = root / "snapshots" / FakeHub.commit("main")
+    snap.mkdir(parents=True)
+    (root / "blobs").mkdir()
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(FakeHub.commit("main"))
+    for name in names:
+        (root / "blobs" / name).write_bytes((source / name).read_bytes())
+        os.symlink(f"../../blobs/{name}", snap / name)
+
+
+def test_online_a_partly_cached_snapshot_is_filled_in(model, tmp_path, monkeypatch):
+    """A cache that AutoTokenizer (no weights) or AutoModel (no tokenizer) filled is completed
+    from the Hub, not used as it is."""
+    from helpers.fake_hub import FakeHub
+
+    _partial_snapshot(tmp_path / "cache", "org/tiny", model, ["config.json", "tokenizer.json", "tokenizer_config.json"])
+    _partial_snapshot(tmp_path / "cache", "org/tok", model, ["config.json", "model.safetensors"])
+    hub = FakeHub({"org/tiny": {"main": model}, "org/tok": {"main": model}})
+    out = _run_online(hub, PARTIAL_SCRIPT, tmp_path, monkeypatch)
+    for files in out.values():
+        assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(files), out
+
+
+def test_offline_a_snapshot_missing_only_files_ferrokv_does_not_need_loads(model, tmp_path, monkeypatch):
+    """``hf download --include`` of what ferrokv reads leaves the Hub's file list (with another
+    file) in the cache: offline, the snapshot is still used."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers.fake_hub import FakeHub
+
+    repo = _copy(model, tmp_path / "repo")
+    (repo / "training_metrics.json").write_text("{}")
+    hub = FakeHub({"org/tiny": {"main": repo}})
+    fetch = ("import sys; from huggingface_hub import snapshot_download as s; "
+             "s('org/tiny', cache_dir=sys.argv[1], allow_patterns=['config.json', 'model.safetensors', 'tokenizer*'])")
+    env = {**{k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}, "HF_ENDPOINT": hub.url}
+    try:
+        subprocess.run([sys.executable, "-c", fetch, str(tmp_path / "cache")], env=env, check=True, timeout=120)
+    finally:
+        hub.close()
+    path = resolve_model_path("org/tiny", download_dir=tmp_path / "cache")  # HF_HUB_OFFLINE=1 (autouse)
+    assert (path / "model.safetensors").is_file() and not (path / "training_metrics.json").exists()
 
 
 BIN_SCRIPT = """

@@ -1,15 +1,20 @@
 """Models and tokenizers by Hugging Face Hub id (``org/name``), through ``huggingface_hub``.
 
 Invariants:
-- The local Hugging Face cache comes first: a snapshot already there is used without any network
-  request, so a cached model loads the same online and offline. Only then, and only when
-  ``HF_HUB_OFFLINE`` is unset, is the snapshot downloaded (``snapshot_download``).
+- The local Hugging Face cache comes first: a snapshot already there that holds everything ferrokv
+  reads (its config, weights and tokenizer; nothing missing from the file list the cache keeps)
+  is used without any network request, so a cached model loads the same online and offline.
+  Otherwise, online, ``snapshot_download`` fills in what is missing (a cache that transformers'
+  ``AutoTokenizer`` or ``AutoModel`` left half filled, an interrupted download); offline
+  (``HF_HUB_OFFLINE``), a partial snapshot is used as it is when it holds the config and weights.
 - The cache is ``download_dir`` when given, else what ``huggingface_hub`` reads from the environment
   (``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``); ``revision`` is a
   branch, tag or commit hash (default: ``main``).
 - Only the files ferrokv reads are fetched (``ALLOW_PATTERNS``: configs, safetensors, tokenizer
-  files), never ``.gguf``/``.onnx`` duplicates of the weights; PyTorch ``.bin`` weights only for
-  a model that has no safetensors (``PT_PATTERNS``, vLLM's fallback).
+  files, chat templates), never ``.gguf``/``.onnx`` duplicates of the weights, nor what
+  ``IGNORE_PATTERNS`` leaves out (subfolders such as Llama's ``original/`` checkpoint, Mistral's
+  ``consolidated.safetensors``: vLLM skips both); PyTorch ``.bin`` weights only for a model that
+  has no safetensors (``PT_PATTERNS``, vLLM's fallback).
 - Every failure is a ``ValueError`` naming the field (``model``/``tokenizer``) and the id, and, when
   nothing is cached offline, the command that fetches it.
 Costs: a cache hit is a few ``stat`` calls; a download is the size of the allowed files.
@@ -23,10 +28,13 @@ from pathlib import Path
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["ALLOW_PATTERNS", "PT_PATTERNS", "hub_offline", "looks_like_hub_id", "snapshot"]
+__all__ = ["ALLOW_PATTERNS", "IGNORE_PATTERNS", "PT_PATTERNS", "hub_offline", "looks_like_hub_id", "snapshot"]
 
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+IGNORE_PATTERNS = ["*/*", "consolidated*.safetensors"]  # ferrokv reads top-level HF-layout files only
 PT_PATTERNS = ["*.bin"]
+# A tokenizer folder holds one of these (or a *.tiktoken file).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -67,17 +75,36 @@ def _how_to_get(repo_id: str, revision: str | None, download_dir: str | os.PathL
     return f"`{cmd}`"
 
 
-def _cached(repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None) -> Path | None:
-    """The cached snapshot, or None when it is missing or incomplete."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def _cached(repo_id: str, revision: str | None,
+            download_dir: str | os.PathLike[str] | None) -> tuple[Path | None, bool]:
+    """The cached snapshot folder of the revision (None: there is none) and whether it is
+    complete, as far as the file list the cache keeps tells."""
+    from huggingface_hub import errors, snapshot_download
 
+    incomplete = getattr(errors, "IncompleteSnapshotError", None)  # huggingface_hub >= 2
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                      allow_patterns=ALLOW_PATTERNS, local_files_only=True))
-    except LocalEntryNotFoundError:  # IncompleteSnapshotError included
-        return None
-    return path
+        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=ALLOW_PATTERNS,
+                                      ignore_patterns=IGNORE_PATTERNS, local_files_only=True))
+    except errors.LocalEntryNotFoundError as e:
+        if incomplete is not None and isinstance(e, incomplete) and getattr(e, "snapshot_path", None):
+            return Path(e.snapshot_path), False
+        return None, False
+    return path, True
+
+
+def _has_weights(path: Path) -> bool:
+    return any(not p.name.startswith("consolidated") for p in path.glob("*.safetensors")) or any(path.glob("*.bin"))
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in _TOKENIZER_FILES) or any(path.glob("*.tiktoken"))
+
+
+def _holds_everything(path: Path, what: str, required: str | None) -> bool:
+    """What a snapshot must hold to be used without asking the Hub: ``required``, a tokenizer,
+    and for a model its weights."""
+    return (required is None or (path / required).is_file()) and _has_tokenizer(path) \
+        and (what != "model" or _has_weights(path))
 
 
 def _download(repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
@@ -93,7 +120,7 @@ def _download(repo_id: str, revision: str | None, download_dir: str | os.PathLik
     logger.info("%s %s: downloading from the Hugging Face Hub to %s", what, repo_id, _cache_dir(download_dir))
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                      allow_patterns=patterns))
+                                      allow_patterns=patterns, ignore_patterns=IGNORE_PATTERNS))
     except RevisionNotFoundError:
         raise ValueError(f"revision: {revision!r} does not exist in {what} {repo_id!r} on the Hugging Face Hub") \
             from None
@@ -115,13 +142,19 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
     ``what`` names the field in errors; ``required`` is a file a usable snapshot must hold;
     ``hint`` is appended to the offline error (another way to get the model).
     """
-    path = _cached(repo_id, revision, download_dir)
-    # A snapshot folder without config.json is a download that stopped before it, or no model.
-    if path is not None and (required is None or (path / required).is_file()):
+    path, complete = _cached(repo_id, revision, download_dir)
+    if path is not None and complete and _holds_everything(path, what, required):
         logger.debug("%s %s: cached snapshot %s", what, repo_id, path)
         return _with_pt_weights(path, repo_id, revision, download_dir, what)
     if hub_offline():
         at = f" at revision {revision!r}" if revision is not None else ""
+        # A snapshot folder without config.json is a download that stopped before it, or no model;
+        # one missing other files may still serve (the loader names what it cannot find).
+        if path is not None and (required is None or (path / required).is_file()):
+            log = logger.debug if complete else logger.info
+            log("%s %s: using the cached snapshot %s as it is (HF_HUB_OFFLINE is set%s)", what, repo_id, path,
+                "" if complete else "; files the Hub lists are missing from it")
+            return path
         if path is not None:
             raise ValueError(
                 f"{what}: {repo_id!r}{at} is in the Hugging Face cache ({path}) but has no {required} (a download "
