@@ -70,6 +70,15 @@ def test_folder_source_and_overrides_on_top(tmp_path):
     assert got == {"temperature": 0.0, "max_tokens": 5}
 
 
+def test_a_folder_source_expands_the_home_directory(tmp_path, monkeypatch):
+    from ferrokv.generation_defaults import check_generation_args
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _folder(tmp_path, {"top_p": 0.5}, "gen")
+    check_generation_args("~/gen", None)
+    assert load_generation_defaults("~/gen", None, tmp_path) == {"top_p": 0.5}
+
+
 def test_the_source_is_named_as_given(tmp_path):
     """What the engine's log line and errors say the defaults come from."""
     model, other = _folder(tmp_path, {"temperature": 0.9}, "model"), _folder(tmp_path, {"top_k": 2}, "other")

@@ -298,8 +298,9 @@ def load_engine(args: EngineArgs) -> EngineParts:
     eos = eos_token_ids(tokenizer, config, generation_config_file(args.generation_config, model_path), vocab_size)
     defaults = load_generation_defaults(args.generation_config, args.override_generation_config, model_path)
     if defaults:
-        logger.info("default sampling parameters from %s: %s (generation_config='vllm' turns the model's off)",
-                    defaults_source(args.generation_config, args.override_generation_config, model_path), defaults)
+        logger.info("default sampling parameters from %s: %s%s",
+                    defaults_source(args.generation_config, args.override_generation_config, model_path), defaults,
+                    "" if args.generation_config == "vllm" else " (generation_config='vllm' turns the model's off)")
     auto = args.max_model_len == AUTO_MAX_MODEL_LEN
     max_len = checked_max_model_len(None if auto else args.max_model_len, mc.rope.default_max_model_len)
     spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,

@@ -40,7 +40,7 @@ def check_generation_args(source: Any, overrides: Any) -> None:
     """``EngineArgs.generation_config`` and ``override_generation_config``, before anything loads."""
     if not isinstance(source, str) or not source:
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
-    if source not in SOURCES and not (Path(source) / _FILE).is_file():
+    if source not in SOURCES and not (Path(source).expanduser() / _FILE).is_file():
         raise ValueError(f"generation_config={source!r}: not 'auto' or 'vllm', and no folder with a {_FILE}")
     if overrides is not None:
         if not isinstance(overrides, Mapping) or not all(isinstance(k, str) for k in overrides):
@@ -51,7 +51,7 @@ def generation_config_file(source: str, model_path: Path) -> Path | None:
     """The generation_config.json vLLM reads for ``source``, if it exists: the model's for
     ``"auto"`` and ``"vllm"`` (whose sampling defaults are then ignored, but not its EOS ids),
     else the named folder's."""
-    path = (model_path if source in SOURCES else Path(source)) / _FILE
+    path = (model_path if source in SOURCES else Path(source).expanduser()) / _FILE
     return path if path.is_file() else None
 
 
