@@ -548,6 +548,33 @@ def test_chat_without_template_is_value_error(tmp_path, llama_path):
         llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
 
 
+def test_a_named_template_set_renders_the_entry_vllm_picks_in_its_content_format(tmp_path, llama_path):
+    """A tokenizer's named set: "default", or "tool_use" with tools, or the one chat_template names;
+    "auto" reads that entry, so one looping over content parts gets the user's text."""
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(llama_path, path)
+    for f in path.glob("chat_template.*"):
+        f.unlink()
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "default", "template": PARTS_TEMPLATE},
+                            {"name": "tool_use", "template": "TOOLS" + PARTS_TEMPLATE},
+                            {"name": "plain", "template": "{% for m in messages %}({{ m.content }}){% endfor %}"}]
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    llm = tiny_llm(path)
+    conv = [{"role": "user", "content": "hello"}]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    assert llm.chat(conv, params, use_tqdm=False)[0].prompt == "[user]hello"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert llm.chat(conv, params, use_tqdm=False, tools=tools)[0].prompt == "TOOLS[user]hello"
+    assert llm.chat(conv, params, use_tqdm=False, chat_template="plain")[0].prompt == "(hello)"
+    del cfg["chat_template"][0]
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no default specified"):
+        tiny_llm(path).chat(conv, params, use_tqdm=False)
+
+
 def test_generate_priority_orders_admission_under_the_priority_policy(llama_path):
     """vLLM's ``generate(..., priority=[...])``: lower runs first; one sequence at a time, so the
     first-scheduled times follow the priorities, not the prompt order."""

@@ -134,13 +134,14 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
         if not chat_template.strip():
             raise ValueError("chat_template must be a non-empty Jinja template string")
     elif not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{name}: the tokenizer has no chat template")
+        raise ValueError(f"{name}: the tokenizer has no chat template; give one (chat_template=, or the server's "
+                         f"--chat-template)")
     check_tools(tools)
-    conversation = with_content_format(conversation, content_format,
-                                       chat_template if chat_template is not None else tokenizer.chat_template)
     which = "chat_template" if chat_template is not None else f"{name}: the model's chat template"
+    template = _one_template(tokenizer, chat_template, tools, which)
+    conversation = with_content_format(conversation, content_format, template)
     try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, tools=tools,
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, tools=tools,
                                              documents=documents, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **extra)
     except TemplateError as e:
@@ -154,6 +155,19 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
         raise ValueError(f"{which} rendered text with a lone surrogate (from chat_template_kwargs?), "
                          "which is not valid Unicode") from None
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _one_template(tokenizer: Any, chat_template: str | None, tools: Any, which: str) -> str:
+    """The one template string that renders, as vLLM resolves it (transformers'
+    ``get_chat_template``): ``chat_template`` itself or the entry of the tokenizer's named set it
+    names; none given, the set's "tool_use" entry when there are tools, else its "default"."""
+    get = getattr(tokenizer, "get_chat_template", None)
+    if get is None:
+        return chat_template if chat_template is not None else tokenizer.chat_template
+    try:
+        return get(chat_template, tools=tools)
+    except ValueError as e:  # a named set without a default entry
+        raise ValueError(f"{which}: {e}") from None
 
 
 def _escaped(e: BaseException) -> str:
