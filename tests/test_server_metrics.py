@@ -76,3 +76,25 @@ def test_max_tokens_not_asked_counts_what_the_context_leaves_and_a_tokenless_req
     assert _sample(m, "request_generation_tokens_sum") == 1
     assert _sample(m, "request_time_per_output_token_seconds_count") == 1
     assert _sample(m, "request_time_per_output_token_seconds_sum") == 0.0
+
+
+def test_a_request_whose_client_left_counts_its_unfinished_choices_as_aborted():
+    """vLLM records aborted requests by finish reason too (its request_success_total "abort"); one
+    that never had an output (refused, or gone while queued) counts nothing, one that finished
+    counts once."""
+    m = ServerMetrics(_Engine(), "m", lambda: 0)
+    stats = RequestStateStats(1, 0.0, queued_ts=1.0, scheduled_ts=1.0, first_token_ts=1.1, last_token_ts=1.1)
+    timer = RequestTimer(n=3)
+    m.on_output(RequestOutput("r", None, [1], None, [CompletionOutput(0, "x", [5]),
+                                                       CompletionOutput(1, "x", [5], finish_reason="stop")],
+                              False, metrics=stats), timer)
+    m.on_close(timer)
+    m.on_close(timer)  # closing is idempotent
+    assert (_sample(m, "request_success_total", finished_reason="abort"),
+            _sample(m, "request_success_total", finished_reason="stop")) == (2, 1)
+    m.on_close(RequestTimer())
+    done = RequestTimer(n=2)
+    m.on_output(_finished([1, 2], stats), done)
+    m.on_close(done)
+    assert (_sample(m, "request_success_total", finished_reason="abort"),
+            _sample(m, "request_success_total", finished_reason="length")) == (2, 2)

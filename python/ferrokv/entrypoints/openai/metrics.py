@@ -10,7 +10,9 @@ time). TTFT is observed with the first output that has a token (a stream's first
 queue time at the end; inter-token latency once per decode step of each choice, however the
 client reads it (streamed or not), the request's mean gap between steps (the core keeps the first
 and latest token times, not each gap), and also for a stream whose client left before its end.
-A request that never got a token observes nothing. At a request's end, vLLM's per-request
+A request that never got a token observes nothing. A request whose client left counts its
+unfinished choices as finished by "abort" once it had an output (one gone while queued, before
+any, is not counted). At a request's end, vLLM's per-request
 histograms too: per choice its prompt and generated tokens and its prefill (scheduled to first
 token), decode (first to latest token), inference (scheduled to latest token) and mean
 time-per-output-token and the request's ``max_tokens`` (none asked: what ``max_model_len`` leaves
@@ -227,6 +229,7 @@ class ServerMetrics:
                 self.ttft.observe(max(m.first_token_ts - m.queued_ts, 0.0), len(timer.tokens))
         if not output.finished:
             return
+        timer.outcome_counted = True
         for reason in timer.finish_reasons.values():
             self._success.inc(reason)
         self._observe_steps(timer)
@@ -259,9 +262,14 @@ class ServerMetrics:
 
     def on_close(self, timer: RequestTimer) -> None:
         """A request whose client went away before its end: its decode steps so far still count
-        (vLLM observes each as it happens)."""
+        (vLLM observes each as it happens), and once it had an output (it was the engine's), each
+        choice counts as finished by its own reason, or "abort" (the server aborts it)."""
         if not timer.steps_counted:
             self._observe_steps(timer)
+        if timer.seen and not timer.outcome_counted:
+            timer.outcome_counted = True
+            for choice in range(timer.n):
+                self._success.inc(timer.finish_reasons.get(choice, "abort"))
 
     def _observe_steps(self, timer: RequestTimer) -> None:
         # The request's mean gap between decode steps, once per step of each choice (the core
@@ -287,8 +295,11 @@ class RequestTimer:
     last: RequestStateStats | None = None  # the timestamps of the latest output
     ttft_seen: bool = False
     steps_counted: bool = False
+    seen: bool = False  # an output came: the request is the engine's
+    outcome_counted: bool = False  # its choices are in request_success_total
 
     def on_output(self, output: RequestOutput) -> None:
+        self.seen = True
         for c in output.outputs:
             self.tokens[c.index] = self.tokens.get(c.index, 0) + len(c.token_ids)
             if c.finish_reason is not None:
