@@ -274,6 +274,16 @@ def _load_tokenizer(args: EngineArgs, model_path: Path) -> Any:
                          f"({type(e).__name__}: {e})") from e
 
 
+def _check_backend(backend: str, device: torch.device) -> None:
+    """Before the weights load: Triton kernels launch on a CUDA device, or in Triton's CPU
+    interpreter (``TRITON_INTERPRET=1``)."""
+    from ferrokv.kernels._common import interpreting
+
+    if backend == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(f"attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1, Triton's CPU "
+                         f"interpreter), got device={str(device)!r}; use 'torch' or 'auto' on a CPU")
+
+
 def load_engine(args: EngineArgs) -> EngineParts:
     """Validates ``args``, resolves the model (a folder or a Hub id) and the tokenizer, loads the
     weights, sizes and allocates the KV cache and builds the scheduler; logs what it made."""
@@ -290,6 +300,7 @@ def load_engine(args: EngineArgs) -> EngineParts:
     backend = args.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
+    _check_backend(backend, device)
     model = load_model(model_path, dtype=dtype, device=device, attn_backend=backend, load_format=args.load_format,
                        config_overrides=args.hf_overrides)
     mc = model.config
