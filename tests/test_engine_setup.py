@@ -366,3 +366,24 @@ def test_the_sampler_fits_the_activation_estimates_allowance(params):
     md = SamplingMetadata.build(rows, V)
     peak = _peak_bytes(lambda: sample_async(logits, md).result())
     assert peak <= R * V * SAMPLER_FP32_BUFFERS * 4
+
+
+def test_the_triton_backend_on_a_cpu_without_the_interpreter_is_refused_before_the_weights_load(
+        llama_path, monkeypatch):
+    """Not a server that starts healthy and fails every step: the setting is refused at load,
+    naming it and what it needs."""
+    from ferrokv import model_loader
+    from ferrokv.engine_setup import load_engine
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(model_loader, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA device .* got device='cpu'"):
+        load_engine(EngineArgs(model=str(llama_path), device="cpu", attention_backend="triton"))
+
+
+def test_too_many_sequences_is_named_before_max_model_len_is_known():
+    from ferrokv._core import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"max_num_seqs=300000000: must be <= 2\^28") as e:
+        EngineArgs(model="x", max_num_seqs=300_000_000, max_num_batched_tokens=300_000_000).validate()
+    assert e.value.field == "max_num_seqs"

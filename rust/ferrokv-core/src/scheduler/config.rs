@@ -138,12 +138,20 @@ impl SchedulerConfig {
         }
         // The batch matrix holds max_num_seqs rows of ceil(max_model_len / block_size) blocks
         // (committed lazily by the OS, but its address space is reserved up front): at most 1 GiB.
+        if self.max_num_seqs > 1 << 28 {
+            // Too many rows whatever the length (the one to blame when max_model_len is not known yet).
+            return Err(CoreError::invalid("max_num_seqs", self.max_num_seqs, "must be <= 2^28 (block-table rows)"));
+        }
         let entries = self.max_num_seqs as u128 * self.max_model_len.div_ceil(self.block_size) as u128;
         if entries > 1 << 28 {
             return Err(CoreError::invalid(
                 "max_model_len",
                 self.max_model_len,
-                format!("max_num_seqs ({}) * max_model_len / block_size must be <= 2^28 block-table entries", self.max_num_seqs),
+                format!(
+                    "max_num_seqs ({}) * max_model_len / block_size must be <= 2^28 block-table entries \
+                     (lower max_num_seqs or max_model_len)",
+                    self.max_num_seqs
+                ),
             ));
         }
         if !(0.0..1.0).contains(&self.watermark) {
@@ -218,6 +226,9 @@ mod tests {
         assert_eq!(field_of(SchedulerConfig { max_model_len: 0, ..d() }), "max_model_len");
         // max_num_seqs * max_model_len / block_size block-table entries: at most 2^28.
         assert_eq!(field_of(SchedulerConfig { max_num_seqs: 1 << 12, max_model_len: 1 << 21, ..d() }), "max_model_len");
+        let rows = (1 << 28) + 1;
+        assert_eq!(field_of(SchedulerConfig { max_num_seqs: rows, max_num_batched_tokens: rows, max_model_len: 1, ..d() }),
+                   "max_num_seqs");
         assert_eq!(field_of(SchedulerConfig { watermark: 1.0, ..d() }), "watermark");
         assert_eq!(field_of(SchedulerConfig { watermark: f64::NAN, ..d() }), "watermark");
         assert_eq!(field_of(SchedulerConfig { admission_headroom: -1.0, ..d() }), "admission_headroom");
