@@ -777,6 +777,21 @@ def test_serve_bad_flags_exit_2_naming_the_flag(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_serve_refuses_unusable_tls_files_and_a_template_that_does_not_parse_before_loading(tmp_path, capsys):
+    from ferrokv.cli import main
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    assert main(["serve", "--ssl-keyfile", str(junk), "--ssl-certfile", str(junk)]) == 2
+    assert "--ssl-certfile" in capsys.readouterr().err
+    assert main(["serve", "--chat-template", "{% for m in messages %}{{ m.content }"]) == 2
+    assert "--chat-template: not a valid Jinja template (unexpected '}', line 1)" in capsys.readouterr().err
+    # transformers' own tags parse (then the next check fails, before the model loads).
+    ok = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    assert main(["serve", "--chat-template", ok, "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
+
+
 def test_event_loops_that_used_the_engine_are_freed_when_they_end(allm):
     """One asyncio.run per call (sync wrappers, a loop per thread): each loop, and the engine's
     dispatcher for it, is freed once it ends; the dispatcher must not keep its loop alive."""

@@ -385,6 +385,39 @@ def _check_files(**paths: str | None) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {path!r}: no such file")
 
 
+def _check_tls(keyfile: str | None, certfile: str | None, ca_certs: str | None) -> None:
+    """Loads the certificate chain (and CA file) once, as uvicorn will, so that a file that is
+    not PEM, or a key that does not match its certificate, is told naming the flags before the
+    model loads."""
+    import ssl
+
+    if certfile is None:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+        if ca_certs is not None:
+            context.load_verify_locations(ca_certs)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r}"
+                         f"{f' / --ssl-ca-certs {ca_certs!r}' if ca_certs else ''}: not a usable certificate and key "
+                         f"({e})") from None
+
+
+def _check_template_syntax(template: str | None) -> None:
+    """``--chat-template`` parses as Jinja (as transformers renders it), or the flag is refused;
+    not a 400 blaming each client later."""
+    if template is None:
+        return
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # its environment and tags
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template ({e.message}, line {e.lineno})") from None
+
+
 def _chat_template(value: str | None) -> str | None:
     """``--chat-template``: a file's text, or the template itself when it is one (vLLM's rule)."""
     from pathlib import Path
@@ -449,6 +482,8 @@ def _serve(args: argparse.Namespace) -> int:
     _check_files(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    _check_tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
+    _check_template_syntax(chat_template)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.validate()  # a bad flag fails before torch is imported
     from ferrokv.async_llm import AsyncLLM
