@@ -100,7 +100,9 @@ def test_llm_by_id_generates_what_llm_by_path_does(cache, model):
     from ferrokv import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    by_id = LLM(REPO, download_dir=str(cache), tokenizer=REPO, **LLM_ARGS).generate(["the cat"], params, use_tqdm=False)
+    llm = LLM(REPO, download_dir=str(cache), tokenizer=REPO, **LLM_ARGS)
+    assert llm.llm_engine.model_config.model == REPO  # as the caller named it (vLLM's), not the snapshot folder
+    by_id = llm.generate(["the cat"], params, use_tqdm=False)
     by_path = LLM(str(model), **LLM_ARGS).generate(["the cat"], params, use_tqdm=False)
     assert by_id[0].outputs[0].token_ids == by_path[0].outputs[0].token_ids
     assert len(by_id[0].outputs[0].token_ids) == 8

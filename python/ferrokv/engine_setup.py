@@ -365,7 +365,10 @@ class ModelConfigView:
 
     @property
     def model(self) -> str:
-        return str(self._engine.model_path)
+        """The model as the caller named it (a Hub id stays an id, as in vLLM); the default
+        model's folder when none was named."""
+        given = self._engine.args.model
+        return str(given) if given is not None else str(self._engine.model_path)
 
     @property
     def tokenizer(self) -> str:
