@@ -179,10 +179,17 @@ def test_online_the_model_is_downloaded_once(model, tmp_path, monkeypatch):
 
 PARTIAL_SCRIPT = """
 import json, sys
+from ferrokv import LLM
 from ferrokv.model_loader import resolve_model_path, resolve_tokenizer_path
 cache = sys.argv[1]
-print(json.dumps({"model": sorted(p.name for p in resolve_model_path("org/tiny", download_dir=cache).iterdir()),
-                  "tokenizer": sorted(p.name for p in resolve_tokenizer_path("org/tok", download_dir=cache).iterdir())}))
+files = lambda path: sorted(p.name for p in path.iterdir())
+out = {"model": files(resolve_model_path("org/tiny", download_dir=cache)),
+       "tokenizer": files(resolve_tokenizer_path("org/tok", download_dir=cache)),
+       "new_tokenizer": files(resolve_tokenizer_path("org/fresh", download_dir=cache)),
+       "weights_only": files(resolve_model_path("org/wonly", download_dir=cache))}
+llm = LLM("org/weights", download_dir=cache, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+out["llm"] = files(llm.llm_engine.model_path)
+print(json.dumps(out))
 """
 
 
@@ -211,10 +218,19 @@ def test_online_a_partly_cached_snapshot_is_filled_in(model, tmp_path, monkeypat
 
     _partial_snapshot(tmp_path / "cache", "org/tiny", model, ["config.json", "tokenizer.json", "tokenizer_config.json"])
     _partial_snapshot(tmp_path / "cache", "org/tok", model, ["config.json", "model.safetensors"])
-    hub = FakeHub({"org/tiny": {"main": model}, "org/tok": {"main": model}})
+    _partial_snapshot(tmp_path / "cache", "org/weights", model, ["config.json", "model.safetensors"])
+    _partial_snapshot(tmp_path / "cache", "org/wonly", model, ["config.json", "model.safetensors"])
+    hub = FakeHub({repo: {"main": model} for repo in ("org/tiny", "org/tok", "org/fresh", "org/weights", "org/wonly")})
     out = _run_online(hub, PARTIAL_SCRIPT, tmp_path, monkeypatch)
-    for files in out.values():
-        assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(files), out
+    everything = {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"}
+    for name in ("model", "tokenizer", "llm"):  # the LLM's model cached, its tokenizer fetched
+        assert everything <= set(out[name]), (name, out)
+    # A tokenizer by id gets the tokenizer's files, never the repo's weights.
+    assert "tokenizer.json" in out["new_tokenizer"] and "model.safetensors" not in out["new_tokenizer"], out
+    assert ("GET", "/org/fresh/resolve/" + FakeHub.commit("main") + "/model.safetensors") not in hub.requests
+    # A model with its config and weights cached (a tokenizer given elsewhere) asks the Hub nothing.
+    assert out["weights_only"] == ["config.json", "model.safetensors"]
+    assert not [r for r in hub.requests if "org/wonly" in r[1]], hub.requests
 
 
 def test_offline_a_snapshot_missing_only_files_ferrokv_does_not_need_loads(model, tmp_path, monkeypatch):

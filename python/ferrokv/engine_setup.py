@@ -225,7 +225,6 @@ class EngineParts:
 
 
 # What AutoTokenizer can build a tokenizer from (fast, SentencePiece, BPE vocab).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 # As vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN (either name): a max_model_len beyond the model's positions.
@@ -251,21 +250,22 @@ def _load_tokenizer(args: EngineArgs, model_path: Path) -> Any:
     a tokenizer, or one that does not load, is a ValueError naming the argument and the path."""
     from transformers import AutoTokenizer
 
-    from ferrokv.hub import looks_like_hub_id
+    from ferrokv.hub import TOKENIZER_FILES, looks_like_hub_id
     from ferrokv.model_loader import resolve_tokenizer_path
 
     tok_revision = args.tokenizer_revision if args.tokenizer_revision is not None else args.revision
     source = args.tokenizer
-    if not source and tok_revision != args.revision and args.model and not Path(args.model).expanduser().exists() \
-            and looks_like_hub_id(args.model):
-        source = args.model  # the model's Hub id at another revision
+    if not source and args.model and not Path(args.model).expanduser().exists() and looks_like_hub_id(args.model):
+        # The model's Hub id as a tokenizer (its snapshot; at tokenizer_revision when given):
+        # tokenizer files a cached snapshot lacks are fetched, and no weights.
+        source = args.model
     path = resolve_tokenizer_path(source, revision=tok_revision, download_dir=args.download_dir) if source \
         else model_path
     where = "tokenizer" if args.tokenizer else "model"
-    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
         given = args.tokenizer or args.model  # as the caller wrote it (a Hub id, a .gguf file), then where it is
         shown = repr(str(path)) if not given or str(given) == str(path) else f"{str(given)!r} (at {str(path)!r})"
-        raise ValueError(f"{where}: {shown} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
+        raise ValueError(f"{where}: {shown} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
                          f"give tokenizer= a folder or Hub id that has one")
     try:
         return AutoTokenizer.from_pretrained(str(path))

@@ -1,17 +1,18 @@
 """Models and tokenizers by Hugging Face Hub id (``org/name``), through ``huggingface_hub``.
 
 Invariants:
-- The local Hugging Face cache comes first: a snapshot already there that holds everything ferrokv
-  reads (its config, weights and tokenizer; nothing missing from the file list the cache keeps)
-  is used without any network request, so a cached model loads the same online and offline.
-  Otherwise, online, ``snapshot_download`` fills in what is missing (a cache that transformers'
-  ``AutoTokenizer`` or ``AutoModel`` left half filled, an interrupted download); offline
-  (``HF_HUB_OFFLINE``), a partial snapshot is used as it is when it holds the config and weights.
+- The local Hugging Face cache comes first: a snapshot already there that holds what ferrokv
+  reads (a model's config and weights, a tokenizer's files; nothing missing from the file list
+  the cache keeps) is used without any network request, so a cached model loads the same online
+  and offline. Otherwise, online, ``snapshot_download`` fills in what is missing (a cache that
+  transformers' ``AutoTokenizer`` or ``AutoModel`` left half filled, an interrupted download),
+  and a Hub that does not answer leaves the cached snapshot in use if it holds those; offline
+  (``HF_HUB_OFFLINE``), a partial snapshot with a config is used as it is.
 - The cache is ``download_dir`` when given, else what ``huggingface_hub`` reads from the environment
   (``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``); ``revision`` is a
   branch, tag or commit hash (default: ``main``).
 - Only the files ferrokv reads are fetched (``ALLOW_PATTERNS``: configs, safetensors, tokenizer
-  files, chat templates), never ``.gguf``/``.onnx`` duplicates of the weights, nor what
+  files, chat templates; for a tokenizer, ``TOKENIZER_PATTERNS``: no weights), never ``.gguf``/``.onnx`` duplicates of the weights, nor what
   ``IGNORE_PATTERNS`` leaves out (subfolders such as Llama's ``original/`` checkpoint, Mistral's
   ``consolidated.safetensors``: vLLM skips both); PyTorch ``.bin`` weights only for a model that
   has no safetensors (``PT_PATTERNS``, vLLM's fallback).
@@ -28,13 +29,15 @@ from pathlib import Path
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["ALLOW_PATTERNS", "IGNORE_PATTERNS", "PT_PATTERNS", "hub_offline", "looks_like_hub_id", "snapshot"]
+__all__ = ["ALLOW_PATTERNS", "IGNORE_PATTERNS", "PT_PATTERNS", "TOKENIZER_FILES", "TOKENIZER_PATTERNS", "hub_offline",
+           "looks_like_hub_id", "snapshot"]
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+TOKENIZER_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]  # a tokenizer's: no weights
 IGNORE_PATTERNS = ["*/*", "consolidated*.safetensors"]  # ferrokv reads top-level HF-layout files only
 PT_PATTERNS = ["*.bin"]
-# A tokenizer folder holds one of these (or a *.tiktoken file).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# A folder holds a tokenizer when it has one of these (AutoTokenizer reads the rest from them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -96,15 +99,15 @@ def _has_weights(path: Path) -> bool:
     return any(not p.name.startswith("consolidated") for p in path.glob("*.safetensors")) or any(path.glob("*.bin"))
 
 
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / f).is_file() for f in _TOKENIZER_FILES) or any(path.glob("*.tiktoken"))
-
-
 def _holds_everything(path: Path, what: str, required: str | None) -> bool:
-    """What a snapshot must hold to be used without asking the Hub: ``required``, a tokenizer,
-    and for a model its weights."""
-    return (required is None or (path / required).is_file()) and _has_tokenizer(path) \
-        and (what != "model" or _has_weights(path))
+    """What a snapshot must hold to be used without asking the Hub: ``required``, and a model's
+    weights or a tokenizer's files (a model's own tokenizer is asked for on its own, as a
+    tokenizer: ``engine_setup``)."""
+    if required is not None and not (path / required).is_file():
+        return False
+    if what == "model":
+        return _has_weights(path)
+    return any((path / f).is_file() for f in TOKENIZER_FILES) or any(path.glob("*.tiktoken"))
 
 
 def _download(repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
@@ -166,7 +169,15 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
             f"({_cache_dir(download_dir)}), and HF_HUB_OFFLINE is set, so it cannot be downloaded; "
             f"download it once with network access ({_how_to_get(repo_id, revision, download_dir)}), "
             f"unset HF_HUB_OFFLINE{hint}, or pass a local folder")
-    return _with_pt_weights(_download(repo_id, revision, download_dir, what), repo_id, revision, download_dir, what)
+    try:
+        got = _download(repo_id, revision, download_dir, what, ALLOW_PATTERNS if what == "model" else TOKENIZER_PATTERNS)
+    except ValueError:
+        if path is None or not _holds_everything(path, what, required):
+            raise
+        logger.warning("%s %s: the Hugging Face Hub did not answer; using the cached snapshot %s as it is",
+                       what, repo_id, path)
+        return path
+    return _with_pt_weights(got, repo_id, revision, download_dir, what)
 
 
 def _with_pt_weights(path: Path, repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
