@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import subprocess
 import threading
 import traceback
 
@@ -784,6 +785,12 @@ def test_serve_refuses_unusable_tls_files_and_a_template_that_does_not_parse_bef
     junk.write_text("not a certificate\n")
     assert main(["serve", "--ssl-keyfile", str(junk), "--ssl-certfile", str(junk)]) == 2
     assert "--ssl-certfile" in capsys.readouterr().err
+    key, cert = tmp_path / "enc.key", tmp_path / "enc.crt"
+    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-passout", "pass:secret", "-keyout",
+                           str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost"], capture_output=True)
+    if made.returncode == 0:  # (openssl is on every CI image we use; skip the case where it is not)
+        assert main(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]) == 2
+        assert "the key is encrypted" in capsys.readouterr().err
     assert main(["serve", "--chat-template", "{% for m in messages %}{{ m.content }"]) == 2
     assert "--chat-template: not a valid Jinja template (unexpected '}', line 1)" in capsys.readouterr().err
     # transformers' own tags parse (then the next check fails, before the model loads).

@@ -393,15 +393,26 @@ def _check_tls(keyfile: str | None, certfile: str | None, ca_certs: str | None) 
 
     if certfile is None:
         return
+
+    class _Encrypted(Exception):
+        pass
+
+    def no_passphrase() -> str:  # OpenSSL would prompt on the terminal (uvicorn gets no passphrase)
+        raise _Encrypted
+
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.load_cert_chain(certfile, keyfile)
-        if ca_certs is not None:
-            context.load_verify_locations(ca_certs)
+        context.load_cert_chain(certfile, keyfile, password=no_passphrase)
+    except _Encrypted:
+        raise ValueError(f"--ssl-keyfile {keyfile!r}: the key is encrypted; give an unencrypted key") from None
     except (ssl.SSLError, OSError) as e:
-        raise ValueError(f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r}"
-                         f"{f' / --ssl-ca-certs {ca_certs!r}' if ca_certs else ''}: not a usable certificate and key "
+        raise ValueError(f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r}: not a usable certificate and key "
                          f"({e})") from None
+    if ca_certs is not None:
+        try:
+            context.load_verify_locations(ca_certs)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"--ssl-ca-certs {ca_certs!r}: not a usable CA certificate file ({e})") from None
 
 
 def _check_template_syntax(template: str | None) -> None:
@@ -410,12 +421,16 @@ def _check_template_syntax(template: str | None) -> None:
     if template is None:
         return
     from jinja2 import TemplateSyntaxError
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # its environment and tags
 
+    try:  # transformers' own environment and tags (private: without it, rendering reports errors)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return
     try:
         _compile_jinja_template(template)
     except TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: not a valid Jinja template ({e.message}, line {e.lineno})") from None
+        raise ValueError(f"--chat-template: not a valid Jinja template ({(e.message or '').rstrip('.')}, "
+                         f"line {e.lineno})") from None
 
 
 def _chat_template(value: str | None) -> str | None:
