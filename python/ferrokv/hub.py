@@ -12,10 +12,11 @@ Invariants:
   (``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``); ``revision`` is a
   branch, tag or commit hash (default: ``main``).
 - Only the files ferrokv reads are fetched (``ALLOW_PATTERNS``: configs, safetensors, tokenizer
-  files, chat templates; for a tokenizer, ``TOKENIZER_PATTERNS``: no weights), never ``.gguf``/``.onnx`` duplicates of the weights, nor what
-  ``IGNORE_PATTERNS`` leaves out (subfolders such as Llama's ``original/`` checkpoint, Mistral's
-  ``consolidated.safetensors``: vLLM skips both); PyTorch ``.bin`` weights only for a model that
-  has no safetensors (``PT_PATTERNS``, vLLM's fallback).
+  files, chat templates; for a tokenizer, ``TOKENIZER_PATTERNS``: no weights), never
+  ``.gguf``/``.onnx`` duplicates of the weights, nor what ``IGNORE_PATTERNS`` leaves out
+  (subfolders such as Llama's ``original/`` checkpoint, Mistral's ``consolidated.safetensors``:
+  vLLM skips both); PyTorch ``.bin`` weights only for a model that has no safetensors
+  (``PT_PATTERNS``, vLLM's fallback).
 - Every failure is a ``ValueError`` naming the field (``model``/``tokenizer``) and the id, and, when
   nothing is cached offline, the command that fetches it.
 Costs: a cache hit is a few ``stat`` calls; a download is the size of the allowed files.
@@ -170,7 +171,8 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
             f"download it once with network access ({_how_to_get(repo_id, revision, download_dir)}), "
             f"unset HF_HUB_OFFLINE{hint}, or pass a local folder")
     try:
-        got = _download(repo_id, revision, download_dir, what, ALLOW_PATTERNS if what == "model" else TOKENIZER_PATTERNS)
+        patterns = ALLOW_PATTERNS if what == "model" else TOKENIZER_PATTERNS
+        got = _download(repo_id, revision, download_dir, what, patterns)
     except ValueError:
         if path is None or not _holds_everything(path, what, required):
             raise

@@ -228,7 +228,8 @@ def qwen_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
     marks ``sliding_attention`` (default: layers >= ``max_window_layers``), exactly as
     transformers resolves it."""
     layers = _count(d, "num_hidden_layers")
-    if not config_flag(d, "use_sliding_window") or d.get("sliding_window", 4096) is None:  # absent: Qwen2Config's and Qwen3Config's 4096
+    # An absent sliding_window is Qwen2Config's and Qwen3Config's 4096.
+    if not config_flag(d, "use_sliding_window") or d.get("sliding_window", 4096) is None:
         return (None,) * layers
     first = _count(d, "max_window_layers", 28) if d.get("max_window_layers") != 0 else 0
     return _windows_by_layer_type(d, _count(d, "sliding_window", 4096),

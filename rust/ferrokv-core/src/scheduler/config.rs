@@ -227,8 +227,8 @@ mod tests {
         // max_num_seqs * max_model_len / block_size block-table entries: at most 2^28.
         assert_eq!(field_of(SchedulerConfig { max_num_seqs: 1 << 12, max_model_len: 1 << 21, ..d() }), "max_model_len");
         let rows = (1 << 28) + 1;
-        assert_eq!(field_of(SchedulerConfig { max_num_seqs: rows, max_num_batched_tokens: rows, max_model_len: 1, ..d() }),
-                   "max_num_seqs");
+        let too_many = SchedulerConfig { max_num_seqs: rows, max_num_batched_tokens: rows, max_model_len: 1, ..d() };
+        assert_eq!(field_of(too_many), "max_num_seqs");
         assert_eq!(field_of(SchedulerConfig { watermark: 1.0, ..d() }), "watermark");
         assert_eq!(field_of(SchedulerConfig { watermark: f64::NAN, ..d() }), "watermark");
         assert_eq!(field_of(SchedulerConfig { admission_headroom: -1.0, ..d() }), "admission_headroom");
