@@ -636,7 +636,7 @@ def test_chat_template_fields_shape_the_prompt_as_in_vllm(http):
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", (path, bad, r.text)
     for body, field in [({"continue_final_message": True}, "continue_final_message"),
                         ({"chat_template_kwargs": 5}, "chat_template_kwargs"),
-                        ({"add_special_tokens": True}, "add_special_tokens")]:
+                        ({"add_special_tokens": [1]}, "add_special_tokens")]:
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": conv, "max_tokens": 1, **body})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
 

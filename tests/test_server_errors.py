@@ -976,10 +976,23 @@ def test_completions_honour_add_special_tokens(bos_model_dir):
                     assert r.status_code == 200, r.text
                     got[add] = r.json()["usage"]["prompt_tokens"]
                 plain = (await c.post("/tokenize", json={"prompt": "The cat runs", "add_special_tokens": False})).json()
-            return got, plain["count"]
+                # Chat (vLLM's): off by default (the template has them); on, the BOS comes on top.
+                chat = {}
+                for add in (None, True, False):
+                    body = {"messages": [{"role": "user", "content": "The cat runs"}], "max_tokens": 1}
+                    if add is not None:
+                        body["add_special_tokens"] = add
+                    r = await c.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    ids = (await c.post("/tokenize", json={k: v for k, v in body.items() if k != "max_tokens"})).json()
+                    chat[add] = (r.json()["usage"]["prompt_tokens"], ids["tokens"][0], ids["count"])
+            return got, plain["count"], chat
 
-        got, plain = asyncio.run(main())
+        got, plain, chat = asyncio.run(main())
         assert got == {None: plain + 1, True: plain + 1, False: plain}
+        templated = chat[None][0]
+        assert chat[False] == chat[None] and chat[None][2] == templated
+        assert chat[True] == (templated + 1, 1, templated + 1)  # id 1: the BOS
     finally:
         llm.shutdown()
 

@@ -105,10 +105,11 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
                 name: str = "messages", *, chat_template: str | None = None, continue_final_message: bool = False,
                 chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[Any] | None = None,
                 documents: list[Mapping[str, str]] | None = None,
-                content_format: str = "auto") -> tuple[str, list[int]]:
+                content_format: str = "auto", add_special_tokens: bool = False) -> tuple[str, list[int]]:
     """One conversation (checked by ``checked_messages``) through the chat template (the
     tokenizer's, or ``chat_template``): the rendered text and its token ids (tokenized without
-    special tokens of the tokenizer's own, as transformers and vLLM do: the template has them);
+    special tokens of the tokenizer's own, as transformers and vLLM do: the template has them;
+    ``add_special_tokens``, vLLM's chat field, adds them on top);
     ``name`` is what errors call it. A template's own refusal or syntax error is a ``ValueError``
     naming it. ``chat_template_kwargs``: extra variables for the template (vLLM's; e.g.
     ``enable_thinking``); ``tools``: OpenAI's tool definitions, for a template that shows them;
@@ -154,7 +155,7 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
     except UnicodeEncodeError:
         raise ValueError(f"{which} rendered text with a lone surrogate (from chat_template_kwargs?), "
                          "which is not valid Unicode") from None
-    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text, list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def _one_template(tokenizer: Any, chat_template: str | None, tools: Any, which: str) -> str:

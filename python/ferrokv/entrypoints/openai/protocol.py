@@ -387,16 +387,16 @@ def _template(body: Mapping[str, Any], tools: list[Any] | None) -> dict[str, Any
                       f"reasoning_effort must be one of {list(REASONING_EFFORTS)}, got {shown(effort)}")
         # vLLM's: the template sees the effort, and thinks unless it is "none"; the caller's own kwargs win.
         kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none", **(kwargs or {})}
-    if _bool(body, "add_special_tokens", False):  # vLLM's default for chat: the template has them
-        raise bad("add_special_tokens", "add_special_tokens: true is not supported for chat (the template adds them)")
     documents = body.get("documents")
     try:
         check_documents(documents)
     except ValueError as e:
         raise bad("documents", str(e)) from None
+    # add_special_tokens: vLLM's, off by default for chat (the template has them); on, the
+    # tokenizer's own (a BOS) come on top of the template's.
     return dict(chat_template=_str(body, "chat_template"),
                 continue_final_message=_bool(body, "continue_final_message", False), chat_template_kwargs=kwargs,
-                tools=tools, documents=documents)
+                tools=tools, documents=documents, add_special_tokens=_bool(body, "add_special_tokens", False))
 
 
 def _tools(body: Mapping[str, Any], auto_parser: str | None = None) -> tuple[list[Any] | None, ToolChoice | None]:
