@@ -224,9 +224,6 @@ class EngineParts:
     scheduler: Scheduler
 
 
-# What AutoTokenizer can build a tokenizer from (fast, SentencePiece, BPE vocab).
-
-
 # As vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN (either name): a max_model_len beyond the model's positions.
 _ALLOW_LONG_ENV = ("FERROKV_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
 
@@ -250,7 +247,7 @@ def _load_tokenizer(args: EngineArgs, model_path: Path) -> Any:
     a tokenizer, or one that does not load, is a ValueError naming the argument and the path."""
     from transformers import AutoTokenizer
 
-    from ferrokv.hub import TOKENIZER_FILES, looks_like_hub_id
+    from ferrokv.hub import TOKENIZER_FILES, has_tokenizer, looks_like_hub_id
     from ferrokv.model_loader import resolve_tokenizer_path
 
     tok_revision = args.tokenizer_revision if args.tokenizer_revision is not None else args.revision
@@ -262,7 +259,7 @@ def _load_tokenizer(args: EngineArgs, model_path: Path) -> Any:
     path = resolve_tokenizer_path(source, revision=tok_revision, download_dir=args.download_dir) if source \
         else model_path
     where = "tokenizer" if args.tokenizer else "model"
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+    if not has_tokenizer(path):
         given = args.tokenizer or args.model  # as the caller wrote it (a Hub id, a .gguf file), then where it is
         shown = repr(str(path)) if not given or str(given) == str(path) else f"{str(given)!r} (at {str(path)!r})"
         raise ValueError(f"{where}: {shown} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "

@@ -30,8 +30,8 @@ from pathlib import Path
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["ALLOW_PATTERNS", "IGNORE_PATTERNS", "PT_PATTERNS", "TOKENIZER_FILES", "TOKENIZER_PATTERNS", "hub_offline",
-           "looks_like_hub_id", "snapshot"]
+__all__ = ["ALLOW_PATTERNS", "IGNORE_PATTERNS", "PT_PATTERNS", "TOKENIZER_FILES", "TOKENIZER_PATTERNS", "has_tokenizer",
+           "hub_offline", "looks_like_hub_id", "snapshot"]
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 TOKENIZER_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]  # a tokenizer's: no weights
@@ -100,15 +100,18 @@ def _has_weights(path: Path) -> bool:
     return any(not p.name.startswith("consolidated") for p in path.glob("*.safetensors")) or any(path.glob("*.bin"))
 
 
+def has_tokenizer(path: Path) -> bool:
+    """A folder AutoTokenizer can build a tokenizer from (``TOKENIZER_FILES``, or a tiktoken file)."""
+    return any((path / f).is_file() for f in TOKENIZER_FILES) or any(path.glob("*.tiktoken"))
+
+
 def _holds_everything(path: Path, what: str, required: str | None) -> bool:
     """What a snapshot must hold to be used without asking the Hub: ``required``, and a model's
     weights or a tokenizer's files (a model's own tokenizer is asked for on its own, as a
     tokenizer: ``engine_setup``)."""
     if required is not None and not (path / required).is_file():
         return False
-    if what == "model":
-        return _has_weights(path)
-    return any((path / f).is_file() for f in TOKENIZER_FILES) or any(path.glob("*.tiktoken"))
+    return _has_weights(path) if what == "model" else has_tokenizer(path)
 
 
 def _download(repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
@@ -185,7 +188,7 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
 def _with_pt_weights(path: Path, repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
                      what: str) -> Path:
     """A model snapshot with no safetensors (and no .bin yet): its PyTorch weights, fetched."""
-    if what != "model" or hub_offline() or any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
+    if what != "model" or hub_offline() or _has_weights(path):
         return path
     logger.info("model %s has no safetensors weights: fetching its PyTorch .bin files", repo_id)
     return _download(repo_id, revision, download_dir, what, PT_PATTERNS)
