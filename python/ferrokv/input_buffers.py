@@ -9,8 +9,11 @@ Invariants: the host buffer is rewritten only after the previous step's copy has
 step waits for its sampled tokens, which the stream orders after the copy; ``stage`` also waits
 on the copy's event, which costs nothing then); the device buffer is rewritten by a copy queued
 on the same stream after the previous step's kernels, so those never read the next step's data.
-Costs per step: one numpy copy per array into pinned memory and one host-to-device copy on a GPU;
-one ``from_numpy`` per array on the CPU.
+That stream is the one current at the first step (the engine's steps all run on one: its lock
+makes its device current, and nothing in it switches streams); the copy's event is recorded there.
+Costs per step: on a GPU, one numpy copy per array into pinned memory, one host-to-device copy,
+one event record and one tensor slice per array (typed views of the device buffer are made once
+per buffer); on the CPU one ``from_numpy`` per array.
 """
 
 from __future__ import annotations
@@ -46,13 +49,18 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
 class InputBuffers:
     """Stages a step's arrays on the device (see the module docs)."""
 
-    __slots__ = ("device", "_host", "_dev", "_event")
+    __slots__ = ("device", "_host", "_host_np", "_dev", "_dev_typed", "_copied", "_stream")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host: torch.Tensor | None = None  # uint8, pinned
-        self._dev: torch.Tensor | None = None  # uint8, on the device
-        self._event: torch.cuda.Event | None = None
+        self._host: torch.Tensor | None = None  # uint8 [size], pinned
+        self._host_np: np.ndarray | None = None  # its numpy view
+        self._dev: torch.Tensor | None = None  # uint8 [size], on the device
+        self._dev_typed: dict[np.dtype, torch.Tensor] = {}  # _dev viewed as each dtype, made once
+        # The copy's completion, recorded on the stream the engine runs on. One event, made once,
+        # and the stream looked up once: per step, each lookup costs host time on a GPU.
+        self._copied: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None
 
     def stage(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """The arrays as tensors on the device, same shapes and dtypes."""
@@ -63,23 +71,38 @@ class InputBuffers:
             offsets.append(total)
             total += -(-a.nbytes // _ALIGN) * _ALIGN
         self._reserve(total)
-        assert self._host is not None and self._dev is not None
-        if self._event is not None:
-            self._event.synchronize()
-        host = self._host.numpy()
+        assert self._host is not None and self._host_np is not None and self._dev is not None
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the host buffer
+        host = self._host_np
         for a, off in zip(arrays, offsets):
             host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a  # one (strided) copy
         self._dev[:total].copy_(self._host[:total], non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
-        return [self._dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-                for a, off in zip(arrays, offsets)]
+        if self._copied is None:
+            self._copied, self._stream = torch.cuda.Event(), torch.cuda.current_stream(self.device)
+        self._copied.record(self._stream)
+        # One slice of a typed view per array (a reshape only for the 2-D block tables).
+        staged = []
+        for a, off in zip(arrays, offsets):
+            flat = self._typed(a.dtype)[off // a.itemsize:off // a.itemsize + a.size]
+            staged.append(flat if a.ndim == 1 else flat.view(a.shape))
+        return staged
+
+    def _typed(self, dtype: np.dtype) -> torch.Tensor:
+        typed = self._dev_typed.get(dtype)
+        if typed is None:
+            assert self._dev is not None
+            typed = self._dev_typed[dtype] = self._dev.view(_TORCH_DTYPES[dtype])
+        return typed
 
     def _reserve(self, nbytes: int) -> None:
         if self._host is not None and self._host.numel() >= nbytes:
             return
         size = max(nbytes, 2 * (0 if self._host is None else self._host.numel()), 1 << 16)
-        if self._event is not None:
-            self._event.synchronize()  # the old buffers may still be read by a queued copy
+        size = -(-size // _ALIGN) * _ALIGN  # every typed view of it is whole
+        if self._copied is not None:
+            self._copied.synchronize()  # the old buffers may still be read by a queued copy
         self._host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self._host_np = self._host.numpy()
         self._dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._dev_typed = {}
