@@ -31,6 +31,11 @@ Per N, reported (µs per step and per sequence-step, p50 over ``--window`` steps
   fully hidden), and ``ratio_measured_forward`` with the forward pass as the step job timed it
   (the sleep's overshoot and the worker thread's wake-up are the machine's).
 
+``--device cuda`` runs the same engines on a GPU: the stub's logits live there (sampling is device
+work), and the sleeping forward pass is a kernel that spins on the GPU while the host goes on (its
+own length is the forward's). ``--tokenizer DIR`` hands a machine without the embedded GGUF the
+SmolLM2 tokenizer files.
+
 The short and long windows run on engines side by side, timed interleaved in blocks (each engine
 in turn: 2 untimed steps that bring its data back into the caches, then 5 timed ones), so drift
 of a shared machine falls on all alike while every timed step finds its engine warm.
@@ -43,6 +48,7 @@ Usage::
 
     python benches/engine_overhead.py --sizes 64,256 --quick
     python benches/engine_overhead.py --json --sizes 256,1024
+    python benches/engine_overhead.py --json --sizes 256,1024 --device cuda --tokenizer tok/
 """
 
 from __future__ import annotations
@@ -172,14 +178,16 @@ def core_alone(n: int, steps: int) -> float:
     return statistics.median(times) * 1e6 / n
 
 
-def run_size(model_dir: Path, n: int, kind: str, long_len: int, window: int, seed: int, sleep_ms: float) -> dict:
+def run_size(model_dir: Path, n: int, kind: str, long_len: int, window: int, seed: int, sleep_ms: float,
+             device: str = "cpu") -> dict:
     # Two engines side by side, one at the short output length and one at the long, timed
     # interleaved; then the sleeping forward pass beside a zero-time one, also interleaved.
-    long_stub, prefill_steps = _setup(model_dir, n, kind, long_len, window, seed, overlap=True)
+    long_stub, prefill_steps = _setup(model_dir, n, kind, long_len, window, seed, overlap=True, device=device)
     _advance(long_stub, max(0, long_len - prefill_steps))
-    short_stub, prefill_steps = _setup(model_dir, n, kind, long_len, window, seed, overlap=True)
+    short_stub, prefill_steps = _setup(model_dir, n, kind, long_len, window, seed, overlap=True, device=device)
     _advance(short_stub, max(0, engine_step.SHORT_START - prefill_steps))
-    serial_stub, prefill_steps = _setup(model_dir, n, kind, long_len, window, seed, overlap=False)
+    serial_stub, prefill_steps = _setup(model_dir, n, kind, long_len, window, seed, overlap=False,
+                                  device=device)
     _advance(serial_stub, max(0, engine_step.SHORT_START - prefill_steps))
     (short_t, short_st), (long_t, long_st), (serial_t, serial_st) = _windows(
         [short_stub, long_stub, serial_stub], n, window)
@@ -189,7 +197,7 @@ def run_size(model_dir: Path, n: int, kind: str, long_len: int, window: int, see
     gc.collect()
 
     slept, _ = _setup(model_dir, n, kind, engine_step.SHORT_START + 2 * _steps_per_window(window) + 1, window, seed,
-                      overlap=True, sleep_s=sleep_ms / 1000)
+                      overlap=True, sleep_s=sleep_ms / 1000, device=device)
     (ov_t, ov_st), (host_t, _) = _windows([slept, short_stub], n, window)
     del slept, short_stub
     gc.collect()
@@ -197,8 +205,9 @@ def run_size(model_dir: Path, n: int, kind: str, long_len: int, window: int, see
     host = statistics.median(host_t) * 1e6
     bound = max(sleep_ms * 1000, host)
     # What the sleeping forward pass took, timed in the step job: the timer's overshoot and the
-    # thread's wake-up are the machine's, not host work (both ratios are reported).
-    forward_measured = ov_st["forward"]
+    # thread's wake-up are the machine's, not host work (both ratios are reported). On a GPU the
+    # job only queues the spinning kernel, so its own length stands.
+    forward_measured = ov_st["forward"] if device == "cpu" else sleep_ms * 1000
     return {
         "size": n, "kind": kind, "short": short, "long": long_, "serial": serial,
         "host_cpu_per_seq_step_us": serial["per_seq_step_us"],
@@ -219,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep-ms", type=float, default=5.0, help="the sleeping forward pass of the overlap variant")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", default="cpu", help="the engine's device (cuda: the stub's logits and the sleeping "
+                    "forward pass are on the GPU)")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the embedded SmolLM2's)")
     add_threads_option(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -236,9 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ferrokv-engine-overhead-") as tmp:
         model_dir = Path(tmp)
         max_tokens = max(engine_step.max_tokens_for(n, long_len, _steps_per_window(window)) for n in sizes)
-        tokenizer = engine_step.build_model_dir(model_dir, max_positions=max(4096, engine_step.PROMPT_LEN + max_tokens))
+        max_positions = max(4096, engine_step.PROMPT_LEN + max_tokens)
+        tokenizer = engine_step.build_model_dir(model_dir, max_positions, args.tokenizer)
         for n in sizes:
-            row = run_size(model_dir, n, args.kind, long_len, window, args.seed, args.sleep_ms)
+            row = run_size(model_dir, n, args.kind, long_len, window, args.seed, args.sleep_ms, args.device)
+            row["device"] = args.device
             row["tokenizer"] = tokenizer
             if args.json:
                 print(json.dumps(row), flush=True)

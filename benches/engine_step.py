@@ -107,15 +107,19 @@ def _smollm2_tokenizer():
     return None
 
 
-def build_model_dir(directory: Path, max_positions: int) -> str:
-    """Writes the tiny Llama and a tokenizer into ``directory``; returns which tokenizer."""
+def build_model_dir(directory: Path, max_positions: int, tokenizer_dir: str | None = None) -> str:
+    """Writes the tiny Llama and a tokenizer into ``directory`` (``tokenizer_dir``'s when given:
+    a machine without the embedded GGUF can be handed its tokenizer files); returns which."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(max_position_embeddings=max_positions, **TINY_LLAMA)
     LlamaForCausalLM(config).save_pretrained(str(directory))
-    found = _smollm2_tokenizer()
+    if tokenizer_dir is not None:
+        found = AutoTokenizer.from_pretrained(tokenizer_dir), f"given ({tokenizer_dir})"
+    else:
+        found = _smollm2_tokenizer()
     if found is not None:
         tok, name = found
         tok.save_pretrained(str(directory))
@@ -145,19 +149,36 @@ def output_kind_param(kind: str) -> tuple[str, dict]:
     return kind, {"output_kind": RequestOutputKind[kind.upper()]}
 
 
+def gpu_cycles_for(seconds: float) -> int:
+    """GPU clock cycles that ``torch.cuda._sleep`` spins for ``seconds`` (measured with events)."""
+    import torch
+
+    probe = 10_000_000
+    torch.cuda._sleep(probe)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * seconds * 1000 / start.elapsed_time(end))
+
+
 class StubModel:
     """Stands in for the model inside the runner (the same on every build): its forward pass
     returns a ``[T, 1]`` hidden tensor at once (or after ``sleep_s``, without the GIL, as a GPU
     would), ``compute_logits`` rows of one preallocated ``[n, VOCAB]`` tensor. Records each
-    step's token counts: prefill (a query longer than one token) or decode."""
+    step's token counts: prefill (a query longer than one token) or decode. On a CUDA device the
+    tensors live there and the sleep is a kernel that spins ``sleep_s`` on the GPU while the host
+    goes on, as a real forward pass would."""
 
-    def __init__(self, n: int, seed: int, sleep_s: float = 0.0) -> None:
+    def __init__(self, n: int, seed: int, sleep_s: float = 0.0, device: str = "cpu") -> None:
         import torch
 
         gen = torch.Generator().manual_seed(seed)
-        self.logits = torch.randn(n, VOCAB, generator=gen, dtype=torch.float32)
-        self.hidden = torch.zeros(n + 4096, 1)
+        self.logits = torch.randn(n, VOCAB, generator=gen, dtype=torch.float32).to(device)
+        self.hidden = torch.zeros(n + 4096, 1, device=device)
         self.sleep_s = sleep_s
+        self.gpu_sleep_cycles = gpu_cycles_for(sleep_s) if sleep_s and self.logits.is_cuda else 0
         self.last_prefill_tokens = 0
         self.last_decode_tokens = 0
 
@@ -167,7 +188,11 @@ class StubModel:
         # One token per sequence is a pure decode: the common case costs the stub nothing.
         decode = t if t == len(q) - 1 else int(((q[1:] - q[:-1]) == 1).sum())
         self.last_decode_tokens, self.last_prefill_tokens = decode, t - decode
-        if self.sleep_s:
+        if self.gpu_sleep_cycles:
+            import torch
+
+            torch.cuda._sleep(self.gpu_sleep_cycles)
+        elif self.sleep_s:
             time.sleep(self.sleep_s)
         return self.hidden[:t]
 
@@ -179,18 +204,18 @@ class StubbedEngine:
     """An ``LLMEngine`` whose model is a ``StubModel``; tracks prefill/decode."""
 
     def __init__(self, model_dir: Path, n: int, max_tokens: int, max_model_len: int, seed: int,
-                 sleep_s: float = 0.0, **engine_kwargs) -> None:
+                 sleep_s: float = 0.0, device: str = "cpu", **engine_kwargs) -> None:
         from ferrokv.engine import LLMEngine
         from ferrokv.engine_args import EngineArgs
 
         blocks_per_seq = math.ceil((PROMPT_LEN + max_tokens) / BLOCK_SIZE)
         self.num_kv_blocks = n * blocks_per_seq + 1 + 8  # + the null block + a little slack
         self.engine = LLMEngine(EngineArgs(
-            model=str(model_dir), device="cpu", block_size=BLOCK_SIZE, max_num_seqs=n,
+            model=str(model_dir), device=device, block_size=BLOCK_SIZE, max_num_seqs=n,
             max_num_batched_tokens=n + 2048, num_kv_blocks=self.num_kv_blocks,
             max_model_len=max_model_len, enable_prefix_caching=False, seed=seed, **engine_kwargs,
         ))
-        self.stub = StubModel(n, seed, sleep_s)
+        self.stub = StubModel(n, seed, sleep_s, device)
         self.engine.runner.model = self.stub
 
     @property
