@@ -302,6 +302,11 @@ BAD = [
     (_C, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
      "response_format.json_schema", ["response_format.json_schema.schema", "foo"]),
     (_C, {"structured_outputs": {"regex": 5}}, "structured_outputs", ["structured_outputs.regex", "5"]),
+    # The option's own field is at fault, not the constraint's (found by a probe).
+    (_C, {"guided_json": {"type": "object"}, "guided_whitespace_pattern": "(["}, "guided_whitespace_pattern",
+     ["guided_whitespace_pattern is not a valid regex"]),
+    (_CH, {"response_format": {"type": "json_object"}, "guided_whitespace_pattern": "(["}, "guided_whitespace_pattern",
+     ["guided_whitespace_pattern is not a valid regex"]),
     (_C, {"structured_outputs": {"colour": "red"}}, "structured_outputs", ["structured_outputs.colour"]),
     (_C, {"structured_outputs": "a+"}, "structured_outputs", ["'a+'"]),
     (_C, {"guided_choice": []}, "guided_choice", ["guided_choice", "[]"]),
@@ -349,3 +354,16 @@ def test_logit_bias_clamped_to_openai_range():
     req = parse_completion_request({"prompt": "x", "logit_bias": {"5": 1e9, "6": -250, "7": 2.5, "8": 0}})
     assert req.params.logit_bias == {5: 100.0, 6: -100.0, 7: 2.5, 8: 0.0}
     assert parse_completion_request({"prompt": "x", "logit_bias": {}}).params.logit_bias is None
+
+
+def test_logit_bias_values_are_read_as_vllms_pydantic_reads_a_float():
+    """Lax mode, as for every other numeric field: a numeric string and a bool are numbers; other
+    strings, NaN and an int beyond a float are refused naming the key."""
+    from ferrokv.entrypoints.openai.protocol import OpenAIError, parse_completion_request
+
+    req = parse_completion_request({"prompt": "x", "logit_bias": {"5": "1.5", "6": True, "7": "-1e9", "8": False}})
+    assert req.params.logit_bias == {5: 1.5, 6: 1.0, 7: -100.0, 8: 0.0}
+    for bad in ("big", "nan", float("nan"), 10 ** 400, None, [1]):
+        with pytest.raises(OpenAIError) as e:
+            parse_completion_request({"prompt": "x", "logit_bias": {"5": bad}})
+        assert e.value.param == "logit_bias" and "logit_bias['5']" in e.value.message, bad

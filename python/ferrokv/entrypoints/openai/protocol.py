@@ -19,6 +19,7 @@ Costs: O(size of the body) per request; nothing here touches torch or the engine
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Mapping
@@ -144,14 +145,20 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     for key, bias in value.items():
         if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key):
             raise bad("logit_bias", f"logit_bias keys must be token ids (integers >= 0, as strings), got {shown(key)}")
-        try:
-            b = float(bias) if isinstance(bias, (int, float)) and not isinstance(bias, bool) else math.nan
-        except OverflowError:  # an int too large for a float, as pydantic refuses it in vLLM
-            b = math.nan
+        b = _lax_float(bias)
         if math.isnan(b):
             raise bad("logit_bias", f"logit_bias[{key!r}] must be a number, got {shown(bias)}")
         out[int(key)] = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, b))
     return out
+
+
+def _lax_float(value: Any) -> float:
+    """A number as vLLM's pydantic reads a float field in lax mode (a bool, a numeric string); NaN
+    for anything else, and for an int too large for a float, which pydantic refuses."""
+    if isinstance(value, (bool, int, float, str)):
+        with contextlib.suppress(ValueError, OverflowError):
+            return float(value)
+    return math.nan
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +171,14 @@ class StructuredSource:
     renames: tuple[tuple[str, str], ...] = ()
 
     def error(self, message: str) -> OpenAIError:
-        """A 400 for a ``ValueError`` about the constraint, in the request's names."""
+        """A 400 for a ``ValueError`` about the constraint, in the request's names; one about an
+        option given in a field of its own (``guided_whitespace_pattern``) names that field."""
+        param = self.param
         for old, new in self.renames:
+            if old == "whitespace_pattern" and message.startswith(f"structured_outputs.{old} "):
+                param = new
             message = re.sub(rf"\bstructured_outputs\.{old}\b", new, message)
-        return bad(self.param, message)
+        return bad(param, message)
 
 
 def _structured(body: Mapping[str, Any]) -> tuple[StructuredOutputsParams | None, StructuredSource | None]:
