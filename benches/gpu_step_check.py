@@ -4,9 +4,10 @@
 A random-weight Llama shaped as SmolLM2-135M (30 layers, hidden 576, 9 heads / 3 KV heads, vocab
 49152; the weights do not change the work) runs steady greedy decode on CUDA through
 ``LLMEngine`` (Triton attention, bfloat16) at each ``--sizes`` N running sequences (distinct random
-128-token prompts, ``ignore_eos``, output kind ``--kind``), with overlap on and off. The step job
-is instrumented with two CUDA events per step, recorded on the stream before the forward pass and
-after sampling, so the GPU's own timeline gives, per step:
+128-token prompts, ``ignore_eos``, output kind ``--kind``), with its decode CUDA graphs and
+eagerly (``enforce_eager``; graphs serve batches of up to 512). The step job is instrumented with
+two CUDA events per step, recorded on the stream before the forward pass and after sampling, so
+the GPU's own timeline gives, per step:
 
 - ``device_span_us``: from the step's first kernel to its sampled tokens (the kernels and any
   launch gaps inside the forward pass);
@@ -19,7 +20,7 @@ after sampling, so the GPU's own timeline gives, per step:
 Needs CUDA and transformers; the tokenizer comes from ``--tokenizer`` (a folder; default: the
 embedded SmolLM2's, as ``engine_step.build_model_dir`` finds it). Prints one JSON object per line
 and writes them to ``$OUT/gpu_step_check.json`` when ``OUT`` is set.
-Usage: ``PYTHONPATH=python:tests python benches/gpu_step_check.py --sizes 64,256,1024``.
+Usage: ``PYTHONPATH=python:tests python benches/gpu_step_check.py --sizes 64,256,512``.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class EventTimeline:
         return spans, gaps
 
 
-def run(model_dir: Path, n: int, overlap: bool, steps: int, seed: int, kind: str) -> dict:
+def run(model_dir: Path, n: int, graphs: bool, steps: int, seed: int, kind: str) -> dict:
     import numpy as np
     import torch
     from ferrokv.engine import LLMEngine
@@ -98,7 +99,7 @@ def run(model_dir: Path, n: int, overlap: bool, steps: int, seed: int, kind: str
     budget = max(2048, n)
     engine = LLMEngine(EngineArgs(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend="triton",
                                   max_num_seqs=n, max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
-                                  enable_prefix_caching=False, overlap=overlap, seed=seed,
+                                  enable_prefix_caching=False, enforce_eager=not graphs, seed=seed,
                                   kv_cache_memory_bytes=16 << 30))
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN - PROMPT_LEN, ignore_eos=True,
@@ -127,14 +128,14 @@ def run(model_dir: Path, n: int, overlap: bool, steps: int, seed: int, kind: str
     del engine
     torch.cuda.empty_cache()
     step, span, gap = statistics.median(wall), statistics.median(spans), statistics.median(gaps)
-    return {"size": n, "kind": kind, "overlap": overlap, "step_us": round(step, 1),
+    return {"size": n, "kind": kind, "cuda_graphs": graphs, "step_us": round(step, 1),
             "tokens_per_s": round(n / step * 1e6), "device_span_us": round(span, 1), "gap_us": round(gap, 1),
             "gap_share": round(gap / (span + gap), 3), "gap_per_seq_us": round(gap / n, 3), "steps": steps}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="64,256,1024")
+    ap.add_argument("--sizes", default="64,256,512")
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps per run")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--kind", choices=("final_only", "delta", "cumulative"), default="final_only",
@@ -149,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ferrokv-gpu-step-") as tmp:
         tokenizer = build_model(Path(tmp), args.tokenizer)
         for n in (int(s) for s in args.sizes.split(",") if s.strip()):
-            for overlap in (True, False):
-                row = run(Path(tmp), n, overlap, args.steps, args.seed, args.kind)
+            for graphs in (True, False):
+                row = run(Path(tmp), n, graphs, args.steps, args.seed, args.kind)
                 row["tokenizer"] = tokenizer
                 print(json.dumps(row), flush=True)
                 rows.append(row)

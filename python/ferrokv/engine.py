@@ -138,7 +138,7 @@ class LLMEngine:
         self.kv_cache = parts.kv_cache
         self.scheduler = parts.scheduler
         self.text = make_text_layer(self.tokenizer, self.scheduler)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, parts.decode_graphs)
         self.step_sampler = StepSampler(self.vocab_size, self.device, args.seed)
         self.overlap = args.resolved_overlap(self.device)
         # The forward pass runs on the step worker's thread only where torch would run it on

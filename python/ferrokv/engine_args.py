@@ -13,7 +13,7 @@ Invariants: importing this module does not import torch, so ``ferrokv --help`` s
 ``validate`` raises ``ValueError`` (``InvalidArgumentError`` for the core's rules) naming the field
 and the offending value. vLLM's names are the fields; ``ALIASES`` (ferrokv's former names, e.g.
 ``num_kv_blocks``) are accepted fields too, folded into vLLM's by ``__post_init__`` (both given:
-``ValueError``). ``enforce_eager``, ``tensor_parallel_size``, ``trust_remote_code``,
+``ValueError``). ``tensor_parallel_size``, ``trust_remote_code``,
 ``quantization``, ``swap_space``, ``disable_log_stats``, ``enable_chunked_prefill``,
 ``kv_cache_dtype``, ``load_format``, ``logprobs_mode`` and ``tokenizer_mode`` are vLLM's, accepted at the values
 ferrokv implements (so scripts written for vLLM run unchanged).
@@ -126,7 +126,8 @@ class EngineArgs:
         choices=tuple(SCHEDULER_CHOICES["policy"]))
     seed: int = _arg(0, "seed of the engine's sampler, for requests without a seed of their own")
     enforce_eager: bool = _arg(
-        False, "accepted for vLLM compatibility: ferrokv always runs eagerly (it captures no CUDA graphs)")
+        False, "run every step eagerly: on a GPU, decode steps otherwise replay CUDA graphs of the model's "
+        "forward pass captured at startup (batch sizes 1, 2, 4, 8, 16, ... up to max_num_seqs, at most 512)")
     tensor_parallel_size: int = _arg(1, "GPUs to shard the model over; only 1 is supported yet")
     trust_remote_code: bool = _arg(
         False, "accepted for vLLM compatibility: ferrokv never executes a model's remote code, so a model "
@@ -317,8 +318,8 @@ def _any(value: Any) -> bool:
 # ferrokv does). Such a value is accepted and dropped, so scripts written for vLLM run unchanged;
 # any other is a ValueError naming it.
 VLLM_ONLY_ARGS: dict[str, tuple[Any, str]] = {
-    "compilation_config": (_any, "ferrokv compiles no CUDA graphs"),
-    "max_seq_len_to_capture": (_any, "ferrokv captures no CUDA graphs"),
+    "compilation_config": (_any, "ferrokv compiles nothing; its decode CUDA graphs follow enforce_eager"),
+    "max_seq_len_to_capture": (_any, "ferrokv's decode CUDA graphs serve every sequence length"),
     "disable_custom_all_reduce": (_any, "ferrokv runs on one device"),
     "disable_async_output_proc": (_any, "outputs are made as ferrokv's overlap decides"),
     "served_model_name": (_any, "the offline engine serves no name (ferrokv serve --served-model-name does)"),

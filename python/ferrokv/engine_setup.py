@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrokv._core import Scheduler
+from ferrokv.cuda_graphs import DecodeGraphs
 from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, DTYPE_ALIASES, EngineArgs
 from ferrokv.generation_defaults import defaults_source, generation_config_file, load_generation_defaults
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
@@ -136,14 +137,21 @@ def activation_bytes_estimate(mc: Any, a: EngineArgs, dtype: torch.dtype, device
     """A step's peak working memory beside the weights and the KV cache, estimated (vLLM measures
     it with a profiling forward pass): a full token budget through one layer (the larger of the
     attention and MLP phases, with the residual stream) and the logits rows through the sampler
-    (the model's logits and ``SAMPLER_FP32_BUFFERS`` float32 ``[rows, V]`` buffers). Prompt
-    logprobs over long chunks can need more."""
+    (the model's logits and ``SAMPLER_FP32_BUFFERS`` float32 ``[rows, V]`` buffers); unless
+    ``enforce_eager``, the decode graphs' memory pool too (their largest batch through one layer,
+    and every size's hidden states). Prompt logprobs over long chunks can need more."""
     b = torch.empty((), dtype=dtype).element_size()
     tokens = step_token_budget(a, device)
     rows = min(a.max_num_seqs, tokens)
     attention = (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim + mc.hidden_size
     per_token = b * (2 * mc.hidden_size + max(3 * mc.intermediate_size, attention))
-    return tokens * per_token + rows * mc.vocab_size * (b + SAMPLER_FP32_BUFFERS * 4)
+    graphs = 0
+    if not a.enforce_eager:
+        from ferrokv.cuda_graphs import capture_sizes
+
+        sizes = capture_sizes(a.max_num_seqs)
+        graphs = sizes[-1] * per_token + sum(sizes) * mc.hidden_size * b
+    return tokens * per_token + rows * mc.vocab_size * (b + SAMPLER_FP32_BUFFERS * 4) + graphs
 
 
 def allocate_kv_cache(a: EngineArgs, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> PagedKVCache:
@@ -222,6 +230,7 @@ class EngineParts:
     num_blocks: int
     kv_cache: PagedKVCache
     scheduler: Scheduler
+    decode_graphs: DecodeGraphs | None  # CUDA graphs of decode steps (ferrokv.cuda_graphs)
 
 
 # As vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN (either name): a max_model_len beyond the model's positions.
@@ -346,8 +355,36 @@ def load_engine(args: EngineArgs) -> EngineParts:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request whose prompt + "
                        "max_tokens (times n) needs more is refused (give more KV memory or lower max_model_len)",
                        tokens_capacity, max_len)
+    graphs = capture_decode_graphs(args, model, kv_cache, device, backend, max_len)
     return EngineParts(model_path, device, dtype, model, tokenizer, vocab_size, eos, defaults, max_len, num_blocks,
-                       kv_cache, scheduler)
+                       kv_cache, scheduler, graphs)
+
+
+def uses_decode_graphs(args: EngineArgs, device: torch.device, backend: str, rope: Any, max_model_len: int) -> bool:
+    """Whether decode steps replay CUDA graphs: on a GPU, with the Triton backend (the torch one
+    reads host lengths), unless ``enforce_eager``, and not where dynamic RoPE rescales (its
+    frequencies come from host lengths too)."""
+    from ferrokv.models.rope import dynamic_rope_rescales
+
+    return (device.type == "cuda" and backend == "triton" and not args.enforce_eager
+            and not dynamic_rope_rescales(rope, max_model_len))
+
+
+def capture_decode_graphs(args: EngineArgs, model: Any, kv_cache: PagedKVCache, device: torch.device, backend: str,
+                          max_model_len: int) -> DecodeGraphs | None:
+    """The decode graphs, captured, when ``uses_decode_graphs``; a capture that fails is logged
+    and the engine runs eagerly."""
+    if not uses_decode_graphs(args, device, backend, model.config.rope, max_model_len):
+        return None
+    graphs = DecodeGraphs(model, kv_cache.layers, device, args.max_num_seqs, -(-max_model_len // args.block_size))
+    try:
+        seconds = graphs.capture()
+    except Exception as e:  # noqa: BLE001 - any failure: the eager path serves every step
+        logger.warning("CUDA graphs: capture failed (%s: %s); every step runs eagerly", type(e).__name__, e)
+        return None
+    logger.info("CUDA graphs: decode steps of up to %d sequences replay %d captured batch sizes (%.1f s to capture; "
+                "enforce_eager=True runs them eagerly)", graphs.max_batch, len(graphs.sizes), seconds)
+    return graphs
 
 
 class ModelConfigView:

@@ -10,6 +10,8 @@ scheduler's thread) reads the step, ``forward`` reads only what ``prepare`` made
 another thread (rows a stop or an abort ends meanwhile are only marked dead, never moved); the attention
 metadata is built once per step and shared by every layer; logits are computed only for the rows
 that sample, then for the prompt positions whose logprobs a request asked for (after them).
+On a GPU with decode graphs (``ferrokv.cuda_graphs``), a step whose every sequence decodes one
+token replays the captured forward pass of its batch size; other steps run eagerly.
 Costs per step on the CPU: O(tokens + sequences) host work, independent of the sequences' lengths
 and of the number of requests waiting or finished; a GPU upload adds O(sequences * max_blocks)
 bytes copied.
@@ -27,6 +29,7 @@ from torch import Tensor
 from ferrokv._core import SchedulerOutput
 from ferrokv.attention import AttentionMetadata
 from ferrokv.checks import check_same_device
+from ferrokv.cuda_graphs import DecodeGraphs
 from ferrokv.input_buffers import InputBuffers
 from ferrokv.kv_cache import PagedKVCache
 
@@ -49,7 +52,8 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
+                 graphs: DecodeGraphs | None = None) -> None:
         weight = next(model.parameters(), None)
         if weight is not None:
             check_same_device("the model", weight.device, "the model runner", device)
@@ -59,6 +63,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.buffers = InputBuffers(device)
+        self.graphs = graphs
 
     def prepare(self, out: SchedulerOutput, prompt_indices: np.ndarray | None = None) -> StepInputs:
         """The step's tensors; call between ``schedule()`` and ``update()`` (block tables), on
@@ -113,6 +118,10 @@ class ModelRunner:
         self.kv_cache.apply_block_ops(inputs.swap_out, inputs.swap_in, inputs.copy_ops)
         if inputs.meta is None:
             return None
+        if inputs.every_token_samples and self.graphs is not None:
+            size = self.graphs.size_for(inputs.input_ids.shape[0])
+            if size is not None:
+                return self.model.compute_logits(self.graphs.run(size, inputs.input_ids, inputs.positions, inputs.meta))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
         if inputs.every_token_samples:
             return self.model.compute_logits(hidden)
