@@ -85,6 +85,9 @@ def allowed_of(mask_row: torch.Tensor) -> set[int]:
     ({"regex": "a", "disable_additional_properties": None},
      "structured_outputs.disable_additional_properties must be a bool, got None"),
     ({"regex": "a", "whitespace_pattern": 3}, "structured_outputs.whitespace_pattern must be a string, got 3"),
+    ({"regex": "a", "disable_fallback": "no"}, "structured_outputs.disable_fallback must be a bool, got 'no'"),
+    ({"structural_tag": '{"structures": []}'},
+     """structured_outputs.structural_tag is not supported (got '{"structures": []}')"""),
 ])
 def test_bad_values_name_their_field(kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -114,6 +117,9 @@ def test_kind(kwargs, kind):
 def test_from_dict():
     got = SOP.from_dict({"regex": "a+", "disable_any_whitespace": True})
     assert got == SOP(regex="a+", disable_any_whitespace=True)
+    # vLLM's fields: disable_fallback holds (one backend, nothing to fall back to) and leaves the grammar as it is.
+    strict = SOP.from_dict({"regex": "a+", "disable_fallback": True})
+    assert strict.disable_fallback and strict.cache_key() == SOP(regex="a+").cache_key()
     with pytest.raises(ValueError, match=r"unknown field structured_outputs\.guided_regex"):
         SOP.from_dict({"guided_regex": "a"})
     with pytest.raises(ValueError, match="structured_outputs must be an object"):

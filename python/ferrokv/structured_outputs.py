@@ -93,7 +93,8 @@ class StructuredOutputsParams:
     says so; left False, objects are still strict as vLLM's default backend compiles them, except
     where that would forbid a valid object: in a schema with ``allOf``, or an object that requires
     a key it does not list), ``whitespace_pattern`` (the regex of whitespace between tokens; it wins over
-    ``disable_any_whitespace``)."""
+    ``disable_any_whitespace``). vLLM's ``disable_fallback`` is accepted: there is one backend, so
+    no request ever falls back to another; its ``structural_tag`` is refused (not supported)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -103,11 +104,13 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+    structural_tag: str | None = None
     # The schema as canonical JSON text (keywords sorted, see _canonical), set by validate().
     _schema: str | None = field(default=None, init=False, repr=False, compare=False)
 
     FIELDS: ClassVar[tuple[str, ...]] = (*_KINDS, "disable_any_whitespace", "disable_additional_properties",
-                                         "whitespace_pattern")
+                                         "whitespace_pattern", "disable_fallback", "structural_tag")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -122,7 +125,10 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {_show(c)}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ValueError(f"structured_outputs.grammar must be a non-empty string, got {_show(self.grammar)}")
-        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+        if self.structural_tag is not None:
+            raise ValueError(f"structured_outputs.structural_tag is not supported (got {_show(self.structural_tag)}): "
+                             f"give json, regex, choice, grammar or json_object")
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
             value = getattr(self, name)
             if not (type(value) is bool or (value is None and name == "json_object")):
                 raise ValueError(f"structured_outputs.{name} must be a bool, got {_show(value)}")
