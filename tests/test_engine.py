@@ -296,6 +296,19 @@ def test_samples_that_could_outgrow_the_cache_unshared_are_refused_up_front_in_s
     assert_no_leak(engine)
 
 
+def test_a_beam_search_that_could_never_fit_is_told_in_its_own_terms(llama_path):
+    """A beam search keeps 2 * beam_width - 1 sequences and has no n: the refusal says so (it said
+    "lower max_tokens or n")."""
+    engine = make_engine(llama_path, num_kv_blocks=30, max_model_len=64)
+    with pytest.raises(CacheCapacityError) as e:
+        engine.add_beam_request("b", {"prompt_token_ids": list(range(3, 23))}, beam_width=3, max_tokens=12)
+    message = str(e.value)
+    assert "(5 beam search sequences (2 * beam_width - 1) of its 20-token prompt + max_tokens=12)" in message
+    assert message.endswith("lower max_tokens or beam_width, or enlarge the KV cache"), message
+    assert not engine.has_unfinished_requests()
+    assert_no_leak(engine)
+
+
 def test_no_max_tokens_means_as_many_as_the_samples_worst_case_fits(llama_path, caplog):
     """``max_tokens=None`` (chat's default) with n samples: as many tokens as n whole contexts
     fit in the cache, not a refusal (vLLM runs each sample alone), and a warning says so; an

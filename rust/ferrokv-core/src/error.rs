@@ -19,7 +19,7 @@ pub enum CoreError {
     /// The prompt does not fit in `max_model_len`.
     PromptTooLong { len: usize, max_model_len: usize },
     /// The request could never fit in the KV cache, even alone.
-    /// `seqs`: the sequences it may run at once (n, or a beam search's slots).
+    /// `seqs`: the sequences it may run at once (n, or a beam search's slots: `beam`).
     ExceedsCacheCapacity {
         request_id: u64,
         blocks_needed: usize,
@@ -28,6 +28,7 @@ pub enum CoreError {
         max_tokens: usize,
         seqs: usize,
         block_size: usize,
+        beam: bool,
     },
     /// Calls made out of order (e.g. `schedule()` twice without `update()`).
     InvalidState { message: String },
@@ -83,6 +84,7 @@ impl fmt::Display for CoreError {
                 max_tokens,
                 seqs,
                 block_size,
+                beam,
             } => {
                 if self.field() == Some("prompt_token_ids") {
                     let prompt_blocks = prompt_len.div_ceil((*block_size).max(1));
@@ -93,11 +95,13 @@ impl fmt::Display for CoreError {
                          or enlarge the KV cache"
                     );
                 }
+                let (what, knob) =
+                    if *beam { ("beam search sequences (2 * beam_width - 1)", "beam_width") } else { ("sequence(s)", "n") };
                 write!(
                     f,
                     "request_id={request_id} needs up to {blocks_needed} KV blocks of {block_size} tokens \
-                     ({seqs} sequence(s) of its {prompt_len}-token prompt + max_tokens={max_tokens}) but the \
-                     cache can only ever give it {blocks_available}; lower max_tokens or n, or enlarge the KV cache"
+                     ({seqs} {what} of its {prompt_len}-token prompt + max_tokens={max_tokens}) but the cache \
+                     can only ever give it {blocks_available}; lower max_tokens or {knob}, or enlarge the KV cache"
                 )
             }
             CoreError::InvalidState { message } => write!(f, "{message}"),

@@ -153,6 +153,7 @@ impl Scheduler {
                 max_tokens: r.max_tokens,
                 seqs,
                 block_size: self.cfg.block_size,
+                beam: r.reserve_seqs > r.n,
             });
         }
         Ok(())
