@@ -204,6 +204,21 @@ def test_a_kv_cache_smaller_than_max_model_len_is_warned_about(tiny_model_dir, c
         assert ("the KV cache holds 32 tokens, fewer than max_model_len=64" in caplog.text) == warned, caplog.text
 
 
+def test_swap_preemption_without_a_cpu_pool_is_warned_about(tiny_model_dir, caplog):
+    """vLLM's swap_space does not size ferrokv's pool (num_cpu_blocks does): swap mode without one
+    recomputes, and the startup log says so (a vLLM-style config never swapped, silently)."""
+    from ferrokv import LLM
+
+    path = tiny_model_dir("llama", "llama")
+    common = dict(device="cpu", dtype="float32", max_model_len=64, block_size=4, preemption_mode="swap")
+    for extra, warned in ((dict(swap_space=4), True), (dict(num_cpu_blocks=8), False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ferrokv"):
+            llm = LLM(str(path), **common, **extra)
+        llm.engine_loop.shutdown()
+        assert ("preemption_mode='swap' with num_cpu_blocks=0" in caplog.text) == warned, caplog.text
+
+
 def test_a_model_folder_without_a_tokenizer_says_so_and_names_tokenizer(tiny_model_dir, tmp_path):
     from ferrokv import LLM
 

@@ -332,6 +332,9 @@ def load_engine(args: EngineArgs) -> EngineParts:
         max_len = (num_blocks - 1) * args.block_size  # the longest one sequence can be
         logger.info("max_model_len=auto: %d tokens, what the KV cache holds", max_len)
     kv_cache = allocate_kv_cache(args, spec, num_blocks, device)
+    if args.preemption_mode == "swap" and args.num_cpu_blocks == 0:
+        logger.warning("preemption_mode='swap' with num_cpu_blocks=0: there is no CPU pool to swap to, so a "
+                       "preempted sequence is recomputed; give num_cpu_blocks (swap_space is not read)")
     prefix_caching = args.enable_prefix_caching
     if prefix_caching and dynamic_rope_rescales(mc.rope, max_len):
         logger.warning("prefix caching is off: with dynamic RoPE and max_model_len=%d above the model's %d "
