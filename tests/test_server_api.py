@@ -298,6 +298,21 @@ def test_raw_sse_framing_ends_with_done(http, path):
     assert [line for line in lines if line and not line.startswith("data:")] == []
 
 
+def test_responses_carry_the_fields_vllm_sends_as_null(http):
+    """vLLM dumps its response models whole: fields ferrokv never sets are there as null, so a
+    client indexing a plain dict finds them (a message without tools has no tool_calls, as OpenAI's)."""
+    nulls = {"service_tier": None, "system_fingerprint": None, "kv_transfer_params": None}
+    body = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).json()
+    assert {k: body[k] for k in nulls} == nulls and body["usage"]["completion_tokens"] == 2, body
+    body = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).json()
+    assert {k: body[k] for k in nulls} == nulls, body
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    assert {k: message[k] for k in ("refusal", "annotations", "audio", "function_call", "reasoning_content")} == \
+        dict(refusal=None, annotations=None, audio=None, function_call=None, reasoning_content=None)
+    assert "tool_calls" not in message
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_stream_include_usage(client, endpoint):
     call = complete if endpoint == "completions" else chat

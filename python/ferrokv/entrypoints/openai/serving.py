@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import Request
@@ -205,6 +206,11 @@ class SSEResponse(StreamingResponse):
         finally:
             await self.body_iterator.aclose()  # type: ignore[union-attr]
             await self.gen.close()
+
+
+# Fields of vLLM's completion and chat responses that ferrokv never sets: vLLM sends them as null
+# (its response models are dumped whole), and clients that index a plain dict may read them.
+RESPONSE_NULLS = MappingProxyType({"service_tier": None, "system_fingerprint": None, "kv_transfer_params": None})
 
 
 def response_id(prefix: str, request: Request, request_id: str | None) -> str:

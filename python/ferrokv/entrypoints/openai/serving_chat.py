@@ -19,14 +19,15 @@ import contextlib
 import logging
 import re
 import time
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, OpenAIError, parse_chat_request
-from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
-                                               generate_checked, response_id, run_generation, stream_events,
-                                               to_openai_error, watched)
+from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Generation, JSONBody, ServerState, SSEResponse,
+                                               engine_request_id, generate_checked, response_id, run_generation,
+                                               stream_events, to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, token_text, usage
 from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
 from ferrokv.outputs import CompletionOutput, RequestOutput
@@ -60,6 +61,10 @@ def _calls_kept(parser: ToolCallParser) -> int | None:
     the model wrote."""
     return None if parser.choice.parallel else 1
 
+
+# vLLM's chat message fields that ferrokv never sets (sent as null, as vLLM dumps its message model).
+_MESSAGE_NULLS = MappingProxyType({"refusal": None, "annotations": None, "audio": None, "function_call": None,
+                                   "reasoning_content": None})
 
 class ChatAnswer:
     """One chat call's answer as it is made: its message or stream deltas per choice (tool calls
@@ -101,14 +106,14 @@ class ChatAnswer:
     def message(self, c: CompletionOutput) -> dict[str, Any]:
         """A whole choice's message: its text, and the tool calls it made (``tool_calls``)."""
         if self.req.tool_choice is None:
-            return {"role": self.role, "content": self.echo + c.text}
+            return {"role": self.role, "content": self.echo + c.text, **_MESSAGE_NULLS}  # no tool_calls: OpenAI's
         parser = self._parser(c.index)
         content = parser.feed(c.text)[0] + parser.close()[0]
         if not parser.choice.forced and parser.calls and not content:
             content = None  # vLLM's: a reply that only called tools has no content
         if self.echo:
             content = self.echo + (content or "")
-        return {"role": self.role, "content": content, "tool_calls": self.answered_calls(c.index)}
+        return {"role": self.role, "content": content, **_MESSAGE_NULLS, "tool_calls": self.answered_calls(c.index)}
 
     def delta(self, c: CompletionOutput) -> dict[str, Any]:
         """A streamed choice's next delta (empty: nothing to send yet)."""
@@ -177,8 +182,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
                     **({"token_ids": list(c.token_ids)} if req.token_ids else {})}
                    for c in sorted(out.outputs, key=lambda c: c.index)]
         ids = {"prompt_token_ids": list(out.prompt_token_ids)} if req.token_ids else {}
-        return JSONBody({**call.head, "object": "chat.completion", "choices": choices, "usage": call.usage(),
-                             "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs), **ids})
+        return JSONBody({**call.head, "object": "chat.completion", "choices": choices, **RESPONSE_NULLS,
+                         "usage": call.usage(), "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs), **ids})
 
     def engine_error(e: Exception) -> Exception:
         return _as_asked(req, req.engine_error(e))

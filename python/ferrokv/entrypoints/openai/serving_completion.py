@@ -27,8 +27,9 @@ from typing import Any
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import CompletionRequest, parse_completion_request
-from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
-                                               generate_checked, response_id, run_generation, stream_events, watched)
+from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Generation, JSONBody, ServerState, SSEResponse,
+                                               engine_request_id, generate_checked, response_id, run_generation,
+                                               stream_events, watched)
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
@@ -187,7 +188,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
             plp = prompt_logprobs_json(out.prompt_logprobs)
             choices += [{**call.choice(i, out, c), "prompt_logprobs": plp} for c in out.outputs]
         choices.sort(key=lambda c: c["index"])
-        return JSONBody({**call.head(created), "choices": choices, "usage": call.usage()})
+        return JSONBody({**call.head(created), "choices": choices, **RESPONSE_NULLS, "usage": call.usage()})
 
     return await run_generation(request, state, gens, req.params, respond, req.engine_error)
 
