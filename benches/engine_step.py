@@ -213,7 +213,9 @@ class StubbedEngine:
         self.engine = LLMEngine(EngineArgs(
             model=str(model_dir), device=device, block_size=BLOCK_SIZE, max_num_seqs=n,
             max_num_batched_tokens=n + 2048, num_kv_blocks=self.num_kv_blocks,
-            max_model_len=max_model_len, enable_prefix_caching=False, seed=seed, **engine_kwargs,
+            max_model_len=max_model_len, enable_prefix_caching=False, seed=seed,
+            enforce_eager=True,  # a decode graph would replay the real model, not the stub
+            **engine_kwargs,
         ))
         self.stub = StubModel(n, seed, sleep_s, device)
         self.engine.runner.model = self.stub

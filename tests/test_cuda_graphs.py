@@ -2,6 +2,8 @@
 that replayed decode steps give the eager steps' tokens (and transformers'), padded sizes and
 mixed steps included."""
 
+import os
+
 import pytest
 import torch
 
@@ -87,3 +89,87 @@ def test_replayed_decode_steps_sample_as_the_eager_ones(tiny_model_dir):
     a = _llm(path).generate(inputs, sp, use_tqdm=False)
     b = _llm(path, enforce_eager=True).generate(inputs, sp, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+
+
+# ------------------------------------------------------------------------------------------------
+# On the CPU: everything but the CUDA mechanics. A graph replays the captured kernels on the
+# static buffers into its output; ``EagerReplay`` does that eagerly (Triton interpreted), so
+# the copies into the static buffers, the padding rows and the routing are what is tested.
+# ------------------------------------------------------------------------------------------------
+class EagerReplay:
+    def __init__(self, graphs, size: int, hidden: torch.Tensor) -> None:
+        self.graphs, self.size, self.hidden = graphs, size, hidden
+
+    def replay(self) -> None:
+        self.hidden.copy_(self.graphs._forward(self.size, self.graphs._meta(self.size)))
+
+
+def _cpu_triton_llm(path, **kw):
+    from ferrokv import LLM
+
+    return LLM(str(path), device="cpu", dtype="float32", attention_backend="triton", max_model_len=96,
+               block_size=4, num_kv_blocks=160, max_num_seqs=16, **kw)
+
+
+def _attach_replays(llm):
+    from ferrokv.cuda_graphs import DecodeGraphs
+
+    engine = llm.llm_engine
+    graphs = DecodeGraphs(engine.model, engine.kv_cache.layers, torch.device("cpu"), 16, 96 // 4)
+    hidden = engine.model.config.hidden_size
+    for size in graphs.sizes:
+        replay = EagerReplay(graphs, size, torch.empty(size, hidden))
+        graphs._graphs[size] = (replay, replay.hidden)  # as a capture leaves it: the graph and its output
+    engine.runner.graphs = graphs
+    return graphs
+
+
+def test_replayed_steps_pad_route_and_give_the_eager_tokens_on_the_cpu(tiny_model_dir):
+    from ferrokv import SamplingParams
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on the CPU needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    path = tiny_model_dir("llama", "llama")
+    replayed, eager = _cpu_triton_llm(path), _cpu_triton_llm(path)
+    graphs = _attach_replays(replayed)
+    assert graphs.sizes == [1, 2, 4, 8, 16]
+    # 5 and 3 sequences run in sizes 8 and 4 (padding rows); staggered lengths shrink the batch.
+    prompts = [[(7 * i + 13 * j) % 300 + 3 for j in range(3 + 5 * i)] for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(5)]
+    for batch in (prompts, prompts[:3]):
+        inputs = [{"prompt_token_ids": p} for p in batch]
+        a = replayed.generate(inputs, params[:len(batch)], use_tqdm=False)
+        b = eager.generate(inputs, params[:len(batch)], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert graphs.replays > 0
+    # Padding rows were left writing nothing and attending to nothing.
+    assert graphs.slot_mapping[3:4].tolist() == [-1] and graphs.seq_lens[3:4].tolist() == [0]
+
+
+def test_what_does_not_replay(tiny_model_dir):
+    """Prompt logprobs, a prefill and a batch over the largest size run eagerly; so does a block
+    table wider than captured."""
+    from ferrokv import SamplingParams
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    llm = _cpu_triton_llm(tiny_model_dir("llama", "llama"))
+    graphs = _attach_replays(llm)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert graphs.replays == 0  # a prefill that samples its one token
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, prompt_logprobs=1), use_tqdm=False)
+    assert graphs.replays == 2  # the two decodes after the prefill (prompt logprobs only in the prefill)
+    assert graphs.size_for(16, 24) == 16 and graphs.size_for(17, 24) is None and graphs.size_for(3, 25) is None
+    assert graphs.size_for(0, 1) is None and graphs.size_for(3, 24) == 4
+
+
+def test_a_capture_that_fails_leaves_the_engine_eager(tiny_model_dir, caplog):
+    """Here the failure is real: there is no CUDA device to capture on (or, on a GPU, the CPU
+    model's weights are not on it)."""
+    from ferrokv.engine_setup import capture_decode_graphs
+
+    llm = _cpu_triton_llm(tiny_model_dir("llama", "llama"))
+    engine = llm.llm_engine
+    with caplog.at_level("WARNING", logger="ferrokv"):
+        got = capture_decode_graphs(EngineArgs(), engine.model, engine.kv_cache, torch.device("cuda"), "triton", 96)
+    assert got is None and "CUDA graphs: capture failed" in caplog.text and "every step runs eagerly" in caplog.text

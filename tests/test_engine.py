@@ -905,3 +905,19 @@ def test_every_streamed_output_of_a_cache_hit_carries_its_cached_tokens(llama_pa
         seen += [o.num_cached_tokens for o in engine.step() if o.request_id == "hit"]
     assert seen == [12] * 3
     assert_no_leak(engine)
+
+
+def test_an_engine_made_and_stepped_under_inference_mode_works(llama_path):
+    """The caller's torch.inference_mode() does not make the engine's tensors inference tensors:
+    steps (on the engine loop's thread, outside that mode) write the KV cache in place."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with torch.inference_mode():
+        llm = LLM(str(llama_path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+        got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+        engine = make_engine(llama_path)
+        engine.add_request("a", prompt, sp)
+        stepped = run_engine(engine)["a"].outputs[0].token_ids
+    expected = LLM(str(llama_path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN).generate(
+        [prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(got) == list(expected) == list(stepped)

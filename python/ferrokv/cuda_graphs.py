@@ -12,8 +12,11 @@ tensors, the weights), whose addresses never change; ``run`` copies the step's i
 on the stream the graphs replay on, after the previous step's kernels; the logits are computed
 eagerly from the graph's hidden states (one ``[B, V]`` buffer per size would cost gigabytes).
 Capture runs the forward pass with every row padding, so it writes no KV.
-Costs: at startup, two forward passes per size (warm-up and capture); per replayed step, six
-copies and two fills into the static buffers, one replay and the logits' matmul.
+Capture runs on one stream of the engine's device, in thread-local mode (another engine's thread
+may work meanwhile); a capture that fails leaves the thread's device and stream as they were, and
+the engine runs eagerly.
+Costs: at startup, two forward passes per size (warm-up and capture); per replayed step, a list
+lookup, five copies and two fills into the static buffers, one replay and the logits' matmul.
 """
 
 from __future__ import annotations
@@ -62,33 +65,45 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(b, max(int(max_blocks_per_seq), 1), dtype=torch.int32, device=dev)
+        # The smallest captured size >= T, for each T (0: none), looked up once per step.
+        self._size_of = [0] * (self.max_batch + 1)
+        for t in range(1, self.max_batch + 1):
+            self._size_of[t] = next(s for s in self.sizes if s >= t)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
         self.replays = 0  # decode steps served by a graph
 
     def capture(self) -> float:
         """Captures every size, largest first (the smaller ones reuse its memory pool); returns
-        the seconds it took."""
+        the seconds it took. The thread's current device and stream are as before, whatever
+        happens."""
         t0 = time.perf_counter()
         with torch.cuda.device(self.device):
-            self._capture_all()
+            before = torch.cuda.current_stream(self.device)
+            try:
+                self._capture_all()
+            finally:  # a capture that fails in its end leaves the thread on the capture stream
+                torch.cuda.set_stream(before)
         return time.perf_counter() - t0
 
     def _capture_all(self) -> None:
-        torch.cuda.synchronize(self.device)
+        # One stream of this device for every warm-up and capture: torch's own capture stream is
+        # made once per process on whichever device was current then (another engine's), and
+        # each new stream would keep a cuBLAS workspace of its own.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         for size in reversed(self.sizes):
             meta = self._meta(size)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up: Triton compiles and cuBLAS picks its kernels outside the capture
+            with torch.cuda.stream(stream):  # warm-up: Triton compiles and cuBLAS picks its kernels outside the capture
                 self._forward(size, meta)
-            torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: another engine's thread in this process may sync or pin memory meanwhile.
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                 hidden = self._forward(size, meta)
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[size] = (graph, hidden)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
     def _meta(self, size: int) -> AttentionMetadata:
@@ -103,14 +118,13 @@ class DecodeGraphs:
     def _forward(self, size: int, meta: AttentionMetadata) -> Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_layers, meta)
 
-    def size_for(self, num_tokens: int) -> int | None:
-        """The captured size a decode step of ``num_tokens`` sequences runs in, if any."""
-        if num_tokens > self.max_batch or num_tokens < 1:
+    def size_for(self, num_tokens: int, width: int) -> int | None:
+        """The captured size a decode step of ``num_tokens`` sequences whose block tables are
+        ``width`` wide runs in, if any (a wider table than captured runs eagerly)."""
+        if num_tokens >= len(self._size_of) or width > self.block_tables.shape[1]:
             return None
-        for s in self.sizes:
-            if s >= num_tokens:
-                return s
-        return None
+        size = self._size_of[num_tokens]
+        return size or None
 
     def run(self, size: int, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """Replays the graph of ``size`` rows on this step's ``T`` decode tokens; returns their
@@ -120,10 +134,7 @@ class DecodeGraphs:
         self.positions[:t].copy_(positions)
         self.slot_mapping[:t].copy_(meta.slot_mapping)
         self.seq_lens[:t].copy_(meta.seq_lens)
-        width = meta.block_tables.shape[1]
-        if width > self.block_tables.shape[1]:
-            raise ValueError(f"block_tables has {width} columns, more than the captured {self.block_tables.shape[1]}")
-        self.block_tables[:t, :width].copy_(meta.block_tables)
+        self.block_tables[:t, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         if size > t:  # padding rows: no KV write, no attention
             self.slot_mapping[t:size].fill_(-1)
             self.seq_lens[t:size].zero_()

@@ -122,6 +122,7 @@ def _exclusive(method: _F) -> _F:
 class LLMEngine:
     """Owns the tokenizer, the model runner, the KV cache and the Rust scheduler."""
 
+    @torch.inference_mode(False)  # the engine's tensors are written in place by steps on any thread
     def __init__(self, args: EngineArgs) -> None:
         parts = load_engine(args)  # validates args, loads the model and tokenizer, sizes the KV cache
         self.args = args
@@ -277,11 +278,10 @@ class LLMEngine:
         text = {} if beam is not None else self.text.request_kwargs(
             params, params.output_kind != RequestOutputKind.FINAL_ONLY)
         self.scheduler.add_request(
-            core_id, np.asarray(ids, dtype=np.int64), max_tokens,
-            n=params.n, priority=priority, eos_token_id=eos, stop_token_ids=stop_ids,
-            min_tokens=min(params.min_tokens, max_tokens), ignore_eos=params.ignore_eos or beam is not None,
-            min_tokens_bans=bans,
-            cache_salt=cache_salt, reserve_seqs=beam_seq_slots(beam.beam_width) if beam is not None else 0,
+            core_id, np.asarray(ids, dtype=np.int64), max_tokens, n=params.n, priority=priority, eos_token_id=eos,
+            stop_token_ids=stop_ids, min_tokens=min(params.min_tokens, max_tokens),
+            ignore_eos=params.ignore_eos or beam is not None, min_tokens_bans=bans, cache_salt=cache_salt,
+            reserve_seqs=beam_seq_slots(beam.beam_width) if beam is not None else 0,
             bad_words=bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else None,
             **text, **core_sampling_kwargs(params, self.vocab_size),
         )

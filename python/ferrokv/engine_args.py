@@ -127,7 +127,8 @@ class EngineArgs:
     seed: int = _arg(0, "seed of the engine's sampler, for requests without a seed of their own")
     enforce_eager: bool = _arg(
         False, "run every step eagerly: on a GPU, decode steps otherwise replay CUDA graphs of the model's "
-        "forward pass captured at startup (batch sizes 1, 2, 4, 8, 16, ... up to max_num_seqs, at most 512)")
+        "forward pass captured at startup (batch sizes 1, 2, 4, then every multiple of 8 up to max_num_seqs, at "
+        "most 512)")
     tensor_parallel_size: int = _arg(1, "GPUs to shard the model over; only 1 is supported yet")
     trust_remote_code: bool = _arg(
         False, "accepted for vLLM compatibility: ferrokv never executes a model's remote code, so a model "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrokv._core import Scheduler
-from ferrokv.cuda_graphs import DecodeGraphs
+from ferrokv.cuda_graphs import DecodeGraphs, capture_sizes
 from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, DTYPE_ALIASES, EngineArgs
 from ferrokv.generation_defaults import defaults_source, generation_config_file, load_generation_defaults
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
@@ -133,25 +133,24 @@ def _gpu_kv_budget(utilization: float, device: torch.device, activation_bytes: i
 SAMPLER_FP32_BUFFERS = 12
 
 
-def activation_bytes_estimate(mc: Any, a: EngineArgs, dtype: torch.dtype, device: torch.device) -> int:
+def activation_bytes_estimate(mc: Any, a: EngineArgs, dtype: torch.dtype, device: torch.device,
+                              graphs: bool = False) -> int:
     """A step's peak working memory beside the weights and the KV cache, estimated (vLLM measures
     it with a profiling forward pass): a full token budget through one layer (the larger of the
     attention and MLP phases, with the residual stream) and the logits rows through the sampler
-    (the model's logits and ``SAMPLER_FP32_BUFFERS`` float32 ``[rows, V]`` buffers); unless
-    ``enforce_eager``, the decode graphs' memory pool too (their largest batch through one layer,
-    and every size's hidden states). Prompt logprobs over long chunks can need more."""
+    (the model's logits and ``SAMPLER_FP32_BUFFERS`` float32 ``[rows, V]`` buffers); with decode
+    ``graphs``, their memory pool too (their largest batch through one layer, and every size's
+    hidden states). Prompt logprobs over long chunks can need more."""
     b = torch.empty((), dtype=dtype).element_size()
     tokens = step_token_budget(a, device)
     rows = min(a.max_num_seqs, tokens)
     attention = (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim + mc.hidden_size
     per_token = b * (2 * mc.hidden_size + max(3 * mc.intermediate_size, attention))
-    graphs = 0
-    if not a.enforce_eager:
-        from ferrokv.cuda_graphs import capture_sizes
-
+    pool = 0
+    if graphs:
         sizes = capture_sizes(a.max_num_seqs)
-        graphs = sizes[-1] * per_token + sum(sizes) * mc.hidden_size * b
-    return tokens * per_token + rows * mc.vocab_size * (b + SAMPLER_FP32_BUFFERS * 4) + graphs
+        pool = sizes[-1] * per_token + sum(sizes) * mc.hidden_size * b
+    return tokens * per_token + rows * mc.vocab_size * (b + SAMPLER_FP32_BUFFERS * 4) + pool
 
 
 def allocate_kv_cache(a: EngineArgs, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> PagedKVCache:
@@ -322,7 +321,8 @@ def load_engine(args: EngineArgs) -> EngineParts:
     max_len = checked_max_model_len(None if auto else args.max_model_len, mc.rope.default_max_model_len)
     spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                        head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
-    activation = activation_bytes_estimate(mc, args, dtype, device) if device.type == "cuda" else 0
+    graphs = uses_decode_graphs(args, device, backend, mc.rope, max_len)
+    activation = activation_bytes_estimate(mc, args, dtype, device, graphs) if device.type == "cuda" else 0
     num_blocks = num_kv_blocks(args, spec, device, max_len, activation)
     if activation and args.kv_cache_memory_bytes is None and args.num_gpu_blocks_override is None:
         logger.info("GPU memory: %.2f GiB held (weights), %.2f GiB kept for a step's activations (an estimate), the "
@@ -358,9 +358,9 @@ def load_engine(args: EngineArgs) -> EngineParts:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request whose prompt + "
                        "max_tokens (times n) needs more is refused (give more KV memory or lower max_model_len)",
                        tokens_capacity, max_len)
-    graphs = capture_decode_graphs(args, model, kv_cache, device, backend, max_len)
+    decode_graphs = capture_decode_graphs(args, model, kv_cache, device, backend, max_len)
     return EngineParts(model_path, device, dtype, model, tokenizer, vocab_size, eos, defaults, max_len, num_blocks,
-                       kv_cache, scheduler, graphs)
+                       kv_cache, scheduler, decode_graphs)
 
 
 def uses_decode_graphs(args: EngineArgs, device: torch.device, backend: str, rope: Any, max_model_len: int) -> bool:
@@ -379,11 +379,12 @@ def capture_decode_graphs(args: EngineArgs, model: Any, kv_cache: PagedKVCache, 
     and the engine runs eagerly."""
     if not uses_decode_graphs(args, device, backend, model.config.rope, max_model_len):
         return None
-    graphs = DecodeGraphs(model, kv_cache.layers, device, args.max_num_seqs, -(-max_model_len // args.block_size))
     try:
+        graphs = DecodeGraphs(model, kv_cache.layers, device, args.max_num_seqs, -(-max_model_len // args.block_size))
         seconds = graphs.capture()
     except Exception as e:  # noqa: BLE001 - any failure: the eager path serves every step
         logger.warning("CUDA graphs: capture failed (%s: %s); every step runs eagerly", type(e).__name__, e)
+        logger.debug("CUDA graph capture failure", exc_info=True)
         return None
     logger.info("CUDA graphs: decode steps of up to %d sequences replay %d captured batch sizes (%.1f s to capture; "
                 "enforce_eager=True runs them eagerly)", graphs.max_batch, len(graphs.sizes), seconds)

@@ -119,7 +119,7 @@ class ModelRunner:
         if inputs.meta is None:
             return None
         if inputs.every_token_samples and self.graphs is not None:
-            size = self.graphs.size_for(inputs.input_ids.shape[0])
+            size = self.graphs.size_for(inputs.input_ids.shape[0], inputs.meta.block_tables.shape[1])
             if size is not None:
                 return self.model.compute_logits(self.graphs.run(size, inputs.input_ids, inputs.positions, inputs.meta))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
