@@ -123,13 +123,13 @@ def test_a_failure_in_the_sampler_undoes_the_step(llama_path, clean, overlap):
 def test_a_failure_after_a_beam_step_aborts_that_beam_search(llama_path, clean, monkeypatch):
     """A beam search moves in Python during the step (forks, drops): it cannot be put back, so a
     failure after it aborts that search; the other request goes on unharmed."""
-    import ferrokv.engine
+    import ferrokv.beam_engine
 
     engine = tiny_engine(llama_path)
     beam_prompt, prompt = rand_prompts(6, [9, 17])
     engine.add_beam_request("beam", beam_prompt, beam_width=3, max_tokens=8)
     engine.add_request("0", prompt, greedy(8))
-    beam_step, calls = ferrokv.engine.advance, []
+    beam_step, calls = ferrokv.beam_engine.advance, []
 
     def failing_beam_step(*args):
         done = beam_step(*args)
@@ -138,7 +138,7 @@ def test_a_failure_after_a_beam_step_aborts_that_beam_search(llama_path, clean, 
             raise RuntimeError("failed after a beam step")
         return done
 
-    monkeypatch.setattr(ferrokv.engine, "advance", failing_beam_step)
+    monkeypatch.setattr(ferrokv.beam_engine, "advance", failing_beam_step)
     last = drive(engine, fails=RuntimeError)
     # Aborted: its final output says so (an abort the caller did not ask for is reported).
     assert last["beam"].finished and last["beam"].outputs == []

@@ -1,10 +1,11 @@
 """Beam search mapped onto the scheduler: a step's result applied as forks and drops, and a
 finished search's output.
 
-``advance`` runs ``BeamSearchState.step`` on the request's rows of the step and maps it onto the
-scheduler (a surviving parent keeps its own row and gets its token in ``sampled``, extra children
-are forked with theirs, parents without children are dropped); a search that is done is ended in
-the scheduler at once, so its blocks are freed. Invariants: called between a step's sampling and
+``advance`` (``advance_beams``: each search of a step) runs ``BeamSearchState.step`` on the
+request's rows of the step and maps it onto the scheduler (a surviving parent keeps its own row
+and gets its token in ``sampled``, extra children are forked with theirs, parents without
+children are dropped); a search that is done is ended in the scheduler at once, so its blocks
+are freed. Invariants: called between a step's sampling and
 its ``update`` (the forks carry this step's token). Costs per step: one log_softmax over the
 request's rows and O(beam width) scheduler calls.
 """
@@ -24,7 +25,7 @@ from ferrokv.outputs import CompletionOutput, Logprob, RequestOutput
 from ferrokv.sampler import compute_logprobs
 from ferrokv.sampling_params import SamplingParams
 
-__all__ = ["advance", "beam_output", "beam_request", "beam_seq_slots", "check_beam_width"]
+__all__ = ["advance", "advance_beams", "beam_output", "beam_request", "beam_seq_slots", "check_beam_width"]
 
 
 def check_beam_width(beam_width: int, max_num_seqs: int) -> None:
@@ -48,6 +49,25 @@ def beam_seq_slots(beam_width: int) -> int:
     before the step drops the beams without children (all of them from one parent: width - 1);
     a dropped sequence keeps its batch row until the step's update."""
     return 2 * beam_width - 1
+
+
+def advance_beams(scheduler: Any, requests: dict[int, RequestState], beam_ids: set[int], out: Any,
+                  logits: torch.Tensor, sampled: np.ndarray, moved: list[RequestState]) -> list[RequestState]:
+    """One step of every beam search among the step's rows (``advance``): each request that moved
+    is appended to ``moved``; returns those that are done (ended in the scheduler)."""
+    row_req = out.row_req_ids
+    mask = np.isin(row_req, np.fromiter(beam_ids, dtype=np.int64))
+    if not mask.any():
+        return []
+    rows = np.flatnonzero(mask)
+    row_seq = out.row_seq_ids.tolist()
+    done = []
+    for cid in np.unique(row_req[rows]).tolist():
+        req = requests[cid]
+        moved.append(req)
+        if advance(scheduler, req, rows[row_req[rows] == cid].tolist(), row_seq, logits, sampled):
+            done.append(req)
+    return done
 
 
 def advance(scheduler: Any, req: RequestState, rows: list[int], row_seq: list[int], logits: torch.Tensor,

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from ferrokv._core import SchedulerStateError, UnknownRequestError
-from ferrokv.beam_engine import advance, beam_output, beam_request, beam_seq_slots, check_beam_width
+from ferrokv.beam_engine import advance_beams, beam_output, beam_request, beam_seq_slots, check_beam_width
 from ferrokv.beam_search import BeamSearchState
 from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import rename_field
@@ -513,20 +513,10 @@ class LLMEngine:
             return np.zeros(out.num_rows, dtype=np.int64), None
         so = tokens.result()
         sampled = so.token_ids
-        if self._beam_ids:
-            row_req = out.row_req_ids
-            mask = np.isin(row_req, np.fromiter(self._beam_ids, dtype=np.int64))
-            if mask.any():
-                rows = np.flatnonzero(mask)
-                row_seq = out.row_seq_ids.tolist()
-                for cid in np.unique(row_req[rows]).tolist():
-                    req = self._requests[cid]
-                    undo.beams.append(req)
-                    # One step of the search (ferrokv.beam_engine.advance); one that is done has
-                    # ended in the scheduler and reports at the end of the step.
-                    if advance(self.scheduler, req, rows[row_req[rows] == cid].tolist(), row_seq, logits, sampled):
-                        self._finish(req)
-                        self._beams_done.append(req)
+        if self._beam_ids:  # a search that is done has ended in the scheduler, and reports as the step ends
+            for req in advance_beams(self.scheduler, self._requests, self._beam_ids, out, logits, sampled, undo.beams):
+                self._finish(req)
+                self._beams_done.append(req)
         return sampled, so.logprobs
 
     def _finish_pending(self, p: _Pending) -> list[RequestOutput]:
