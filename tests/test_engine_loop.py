@@ -613,3 +613,40 @@ def test_a_fork_child_gets_engine_dead_not_a_hang(llama_path):
     assert code == 0 and "os.fork()" in said, (code, said)
     assert llm.generate(prompt, greedy(3), use_tqdm=False)[0].outputs[0].token_ids == first
     assert_idle(llm.llm_engine)
+
+
+# ------------------------------------------------------------------------------------------------
+# Delivery overlapped with the forward pass
+# ------------------------------------------------------------------------------------------------
+class _CountingSink:
+    def __init__(self) -> None:
+        self.items: list = []
+        self.arrived = threading.Condition()
+
+    def put(self, item) -> None:
+        with self.arrived:
+            self.items.append(item)
+            self.arrived.notify_all()
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        with self.arrived:
+            return self.arrived.wait_for(lambda: len(self.items) >= count, timeout)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_with_overlap_a_steps_outputs_reach_their_caller_during_the_next_forward_pass(llama_path, overlap):
+    """Forward pass n waits (up to a second) for step n - 1's output to reach the caller. Serial,
+    it came before the step began; with overlap, step n makes it while forward pass n runs, and
+    the loop routes it right then (LLMEngine.deliver), not once the step is over. The stream is
+    the same either way, and ends with the engine idle."""
+    llm = tiny_llm(llama_path, overlap=overlap)
+    sink, seen = _CountingSink(), []
+    RunnerHook(llm.llm_engine, lambda n, out: seen.append(sink.wait_for(n - 1, 1.0)) if 2 <= n <= 5 else None)
+    params = greedy(8, output_kind=RequestOutputKind.DELTA)
+    (prompt,) = rand_prompts(3, [12])
+    llm.engine_loop.submit("r", prompt, params, sink=sink)
+    assert sink.wait_for(8, 60) and sink.items[-1].finished
+    assert seen == [True] * 4
+    streamed = [t for item in sink.items for t in item.output.outputs[0].token_ids]
+    assert streamed == token_ids(tiny_llm(llama_path).generate([prompt], greedy(8), use_tqdm=False))[0][0]
+    assert_idle(llm.llm_engine)

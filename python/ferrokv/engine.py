@@ -12,7 +12,8 @@ is the one home of a sequence's tokens and sampling parameters.
 
 Overlap (``EngineArgs.overlap``, on with a GPU): a step's text and outputs are made during the
 next step's forward pass, so ``step()`` returns the previous step's outputs (one more ``step()``,
-with nothing scheduled, flushes the last; ``has_unfinished_requests`` stays true until then). A
+with nothing scheduled, flushes the last; ``has_unfinished_requests`` stays true until then), or
+hands them to ``deliver`` right then (``EngineLoop``: to their callers while the GPU works). A
 sequence that reached a stop string is then already in the next step: its token there is dropped.
 Outputs are the same with overlap on and off.
 
@@ -169,6 +170,10 @@ class LLMEngine:
         the engine lock is released, on the thread that applied it or ``report_aborts_here``'s."""
         # Called by step() before it changes anything, to refuse it by raising (EngineLoop's guard).
         self.before_step: Callable[[], None] | None = None
+        # With overlap, called inside step() with the previous step's outputs as soon as they are made,
+        # while this step's forward pass runs (an empty step returns them: an engine whose last outputs
+        # are out is idle); step() then returns only the others. Must not raise, nor call the engine.
+        self.deliver: Callable[[list[RequestOutput]], None] | None = None
         self._stats: dict[str, int] = self.scheduler.stats()
         self._stats_wanted = False
         self._num_free_blocks: int = self.scheduler.num_free_blocks
@@ -412,8 +417,11 @@ class LLMEngine:
             job = self.worker.submit(functools.partial(self._forward_and_sample, inputs, md, out.num_rows, plp, grammar))
             if prev is not None:
                 finishing_prev = True
-                outputs = self._finish_step(prev)  # overlapped with the forward pass
+                outputs = self._finish_step(prev)  # overlapped with the forward pass, and so is their delivery
                 self._pending, finishing_prev = None, False
+                if self.deliver is not None and (out.num_rows or out.num_tokens):  # else: no forward pass to hide it
+                    made, outputs = outputs, []
+                    self.deliver(made)
             t3 = time.perf_counter()
             logits, tokens, plp_result = job.wait()
             t4 = time.perf_counter()

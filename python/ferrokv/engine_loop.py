@@ -4,7 +4,8 @@ Why a loop: ``LLMEngine.step()`` returns the outputs of every request in its bat
 threads that each stepped would consume each other's outputs (and a lock alone would not fix
 that). The loop is the engine's one driver: it applies what callers queue (submits, aborts, a
 shutdown) between steps, steps while anything is unfinished, and routes each ``RequestOutput``
-to the sink its request was submitted with, by request id. ``LLM`` runs ``generate`` and
+to the sink its request was submitted with, by request id (with overlap, as soon as it is made:
+during the next step's forward pass, through ``LLMEngine.deliver``). ``LLM`` runs ``generate`` and
 ``beam_search`` through it, from any number of threads; ``AsyncLLM`` is to wrap the same interface.
 
 Interface (every method is safe from any thread):
@@ -234,6 +235,7 @@ class EngineLoop:
         self._stepping = False  # the loop's thread is in engine.step()
         self._failed_steps = 0  # in a row
         self._dead: EngineDeadError | None = None
+        self._to_start: list[str] = []  # ids whose deferred submit starts once the step in progress ends
         engine.on_abort = self._on_abort
         engine.before_step = self._refuse_foreign_step
 
@@ -441,12 +443,15 @@ class EngineLoop:
         self._flush()
         if self.engine.has_unfinished_requests():
             self._stepping = True
+            self.engine.deliver = self._route_made  # this loop's step only (a caller may step an idle engine)
             try:
                 outputs = self.engine.step()
             except BaseException as e:  # the engine cancelled the step (or aborted its requests)
+                self.engine.deliver = None
                 self._stepping = False
                 self._fail_all(e)
                 self._flush()
+                self._start_waiting()
                 self._failed_steps += 1
                 if self._failed_steps < MAX_FAILED_STEPS:
                     return True
@@ -455,10 +460,24 @@ class EngineLoop:
                                                  f"(the last with {type(e).__name__}: {e})", failed=True)
                 raise
             self._failed_steps = 0
+            self.engine.deliver = None
             self._stepping = False
             self._route(outputs)
             self._flush()
+            self._start_waiting()
         return True
+
+    def _route_made(self, outputs: list[RequestOutput]) -> None:
+        """``LLMEngine.deliver``: the previous step's outputs, routed while a forward pass runs (a
+        submit they unblock is started after the step: the engine is busy)."""
+        self._route(outputs)
+        self._flush()
+
+    def _start_waiting(self) -> None:
+        starts, self._to_start = self._to_start, []
+        for rid in starts:
+            if rid in self._deferred and rid not in self._records:
+                self._start_deferred(rid)
 
     def _wake(self) -> None:
         self._inbox.put(_WAKE)
@@ -473,7 +492,10 @@ class EngineLoop:
             self._flushes.add(flush)  # bound methods of one object are equal: one flush each
         rid = item.request_id
         if item.finished and rid in self._deferred and rid not in self._records:
-            self._start_deferred(rid)
+            if self._stepping:
+                self._to_start.append(rid)  # not inside engine.step(): _start_waiting, after it
+            else:
+                self._start_deferred(rid)
 
     def _start_deferred(self, request_id: str) -> None:
         """Adds the next submit that waited for ``request_id``'s earlier request to end; one
