@@ -206,41 +206,54 @@ impl SamplingColumns {
     /// (-1: none yet) with `num_output` tokens generated, sampling the token at `position`.
     #[inline]
     pub fn push(&mut self, spec: &SamplingSpec, sample_index: u32, position: u32, batch_row: i32, num_output: u32) {
-        self.temperature.push(spec.temperature);
-        self.top_k.push(spec.top_k);
-        self.top_p.push(spec.top_p);
-        self.min_p.push(spec.min_p);
-        self.presence.push(spec.presence_penalty);
-        self.frequency.push(spec.frequency_penalty);
-        self.repetition.push(spec.repetition_penalty);
-        self.num_logprobs.push(spec.num_logprobs);
-        let u = if spec.is_greedy() { 0.0 } else { sample_uniform(spec, sample_index, position) };
-        self.uniform.push(u);
-        self.batch_rows.push(batch_row);
-        self.num_output.push(num_output.min(i32::MAX as u32) as i32);
-        if spec.has_logit_bias {
-            self.bias_rows.push(self.temperature.len() as i64 - 1);
+        self.extend(std::slice::from_ref(spec), [(sample_index, position, batch_row, num_output)]);
+    }
+
+    /// Appends one logits row per spec, in bulk: `rows` gives each its sample index, position,
+    /// batch row and output count (as `push`), in the same order.
+    #[inline]
+    pub fn extend(&mut self, specs: &[SamplingSpec], rows: impl IntoIterator<Item = (u32, u32, i32, u32)>) {
+        let first = self.temperature.len();
+        self.temperature.extend(specs.iter().map(|s| s.temperature));
+        self.top_k.extend(specs.iter().map(|s| s.top_k));
+        self.top_p.extend(specs.iter().map(|s| s.top_p));
+        self.min_p.extend(specs.iter().map(|s| s.min_p));
+        self.presence.extend(specs.iter().map(|s| s.presence_penalty));
+        self.frequency.extend(specs.iter().map(|s| s.frequency_penalty));
+        self.repetition.extend(specs.iter().map(|s| s.repetition_penalty));
+        self.num_logprobs.extend(specs.iter().map(|s| s.num_logprobs));
+        for (spec, (sample_index, position, batch_row, num_output)) in specs.iter().zip(rows) {
+            self.uniform.push(if spec.is_greedy() { 0.0 } else { sample_uniform(spec, sample_index, position) });
+            self.batch_rows.push(batch_row);
+            self.num_output.push(num_output.min(i32::MAX as u32) as i32);
+        }
+        debug_assert_eq!(self.uniform.len(), self.temperature.len(), "one row per spec");
+        for (i, spec) in specs.iter().enumerate() {
+            if spec.has_logit_bias {
+                self.bias_rows.push((first + i) as i64);
+            }
         }
     }
 
-    /// Bans `tokens` for the last pushed row.
-    pub fn ban(&mut self, tokens: impl IntoIterator<Item = u32>) {
-        let row = self.len() as i64 - 1;
-        debug_assert!(row >= 0);
+    /// Bans `tokens` for logits row `row`.
+    pub fn ban(&mut self, row: usize, tokens: impl IntoIterator<Item = u32>) {
+        debug_assert!(row < self.len());
         for t in tokens {
-            self.banned_rows.push(row);
+            self.banned_rows.push(row as i64);
             self.banned_tokens.push(t as i64);
         }
     }
 
     /// Sets the flags from the columns (once per step).
     pub fn finish(&mut self) {
-        self.num_greedy_rows = self.temperature.iter().filter(|&&t| t == 0.0).count();
-        self.max_top_k = self.top_k.iter().copied().max().unwrap_or(0).max(0);
-        self.any_top_p = self.top_p.iter().any(|&p| p < 1.0);
-        self.any_min_p = self.min_p.iter().any(|&p| p > 0.0);
-        self.any_penalties = (0..self.len()).any(|i| self.presence[i] != 0.0 || self.frequency[i] != 0.0 || self.repetition[i] != 1.0);
-        self.any_logprobs = self.num_logprobs.iter().any(|&n| n >= 0);
+        // Branch-free folds (they vectorize): the common step has none of these set.
+        self.num_greedy_rows = self.temperature.iter().map(|&t| usize::from(t == 0.0)).sum();
+        self.max_top_k = self.top_k.iter().fold(0, |m, &k| m.max(k));
+        self.any_top_p = self.top_p.iter().fold(false, |a, &p| a | (p < 1.0));
+        self.any_min_p = self.min_p.iter().fold(false, |a, &p| a | (p > 0.0));
+        let penalties = self.presence.iter().zip(&self.frequency).zip(&self.repetition);
+        self.any_penalties = penalties.fold(false, |a, ((&p, &f), &r)| a | (p != 0.0) | (f != 0.0) | (r != 1.0));
+        self.any_logprobs = self.num_logprobs.iter().fold(false, |a, &n| a | (n >= 0));
     }
 }
 
@@ -328,7 +341,7 @@ mod tests {
         assert_eq!(c.uniform, vec![0.0], "a greedy row draws nothing");
         let hot = SamplingSpec { temperature: 0.8, top_k: 5, top_p: 0.9, repetition_penalty: 1.2, num_logprobs: 0, rng_key: 3, ..Default::default() };
         c.push(&hot, 1, 5, -1, 0);
-        c.ban([2, 9]);
+        c.ban(1, [2, 9]);
         c.finish();
         assert_eq!((c.num_greedy_rows, c.max_top_k, c.any_top_p, c.any_penalties, c.any_logprobs), (1, 5, true, true, true));
         assert_eq!((c.banned_rows.clone(), c.banned_tokens.clone()), (vec![1, 1], vec![2, 9]));

@@ -9,7 +9,7 @@ use super::{Scheduler, StepCounts};
 use crate::block_pool::BlockMath;
 use crate::error::{CoreError, CoreResult};
 use crate::output::{BlockTables, SchedulerOutput};
-use crate::batch::Batch;
+use crate::batch::{Batch, RowState};
 use crate::request::Request;
 use crate::sampling::{bad_word_bans, SamplingColumns};
 
@@ -79,8 +79,12 @@ impl Scheduler {
         o.row_sample_index.extend_from_slice(&b.sample_index[..k]);
         o.query_start_loc.extend(1..=k as i32);
         o.logits_indices.extend(0..k as i64);
+        let rows = b.rows[..k].iter().zip(&b.sample_index[..k]).enumerate();
+        o.sampling.extend(&b.sampling[..k], rows.map(|(r, (h, &si))| (si as u32, h.num_tokens, r as i32, Self::num_output(h))));
         for r in 0..k {
-            Self::push_sampling_row(b, &self.requests, &mut o.sampling, r, b.sample_index[r] as u32, r as i32);
+            if Self::has_bans(b, r) {
+                Self::push_bans(b, &self.requests, &mut o.sampling, r, r);
+            }
         }
     }
 
@@ -89,24 +93,44 @@ impl Scheduler {
     #[inline]
     pub(super) fn push_sampling_row(b: &Batch, requests: &[Option<Request>], c: &mut SamplingColumns, r: usize, sample_index: u32, batch_row: i32) {
         let h = &b.rows[r];
-        let num_output = h.num_tokens.saturating_sub(h.prompt_len);
-        c.push(&b.sampling[r], sample_index, h.num_tokens, batch_row, num_output);
+        c.push(&b.sampling[r], sample_index, h.num_tokens, batch_row, Self::num_output(h));
+        if Self::has_bans(b, r) {
+            Self::push_bans(b, requests, c, c.len() - 1, r);
+        }
+    }
+
+    /// Whether batch row `r`'s logits row has bans (`push_bans`): rare, so checked inline.
+    #[inline(always)]
+    fn has_bans(b: &Batch, r: usize) -> bool {
+        let h = &b.rows[r];
+        h.num_tokens < h.stop.min_len || b.sampling[r].has_bad_words
+    }
+
+    #[inline]
+    fn num_output(h: &RowState) -> u32 {
+        h.num_tokens.saturating_sub(h.prompt_len)
+    }
+
+    /// The bans of logits row `row`, of batch row `r`: under `min_tokens`, EOS and the stop
+    /// tokens (vLLM's MinTokens bans every EOS id even under ignore_eos) and the request's other
+    /// bans; and the `bad_words` whose other tokens end its output.
+    #[cold]
+    fn push_bans(b: &Batch, requests: &[Option<Request>], c: &mut SamplingColumns, row: usize, r: usize) {
+        let h = &b.rows[r];
         if h.num_tokens < h.stop.min_len {
-            // Under min_tokens: EOS and the stop tokens are banned (vLLM's MinTokens bans every
-            // EOS id even under ignore_eos), and the request's other bans.
             let req = requests[b.owner[r].slot as usize].as_ref().expect("a live row's request is live");
             let eos = req.stop.eos_token_id;
-            c.ban(eos);
+            c.ban(row, eos);
             if h.stop.has_stop_ids {
-                c.ban(req.stop.stop_token_ids.iter().copied().filter(|&t| Some(t) != eos));
+                c.ban(row, req.stop.stop_token_ids.iter().copied().filter(|&t| Some(t) != eos));
             }
-            c.ban(req.stop.min_tokens_bans.iter().copied());
+            c.ban(row, req.stop.min_tokens_bans.iter().copied());
         }
         if b.sampling[r].has_bad_words {
             let owner = b.owner[r];
             let req = requests[owner.slot as usize].as_ref().expect("a live row's request is live");
             let seq = &req.seqs[req.seq_pos(owner.seq_id).expect("a live row's sequence is live")];
-            c.ban(bad_word_bans(&req.bad_words, &seq.tokens, b.pending(r), req.prompt_len));
+            c.ban(row, bad_word_bans(&req.bad_words, &seq.tokens, b.pending(r), req.prompt_len));
         }
     }
 
