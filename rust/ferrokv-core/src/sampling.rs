@@ -212,7 +212,12 @@ impl SamplingColumns {
     /// Appends one logits row per spec, in bulk: `rows` gives each its sample index, position,
     /// batch row and output count (as `push`), in the same order.
     #[inline]
-    pub fn extend(&mut self, specs: &[SamplingSpec], rows: impl IntoIterator<Item = (u32, u32, i32, u32)>) {
+    pub fn extend<I>(&mut self, specs: &[SamplingSpec], rows: I)
+    where
+        I: IntoIterator<Item = (u32, u32, i32, u32)>,
+        I::IntoIter: Clone,
+    {
+        let rows = rows.into_iter();
         let first = self.temperature.len();
         self.temperature.extend(specs.iter().map(|s| s.temperature));
         self.top_k.extend(specs.iter().map(|s| s.top_k));
@@ -222,11 +227,13 @@ impl SamplingColumns {
         self.frequency.extend(specs.iter().map(|s| s.frequency_penalty));
         self.repetition.extend(specs.iter().map(|s| s.repetition_penalty));
         self.num_logprobs.extend(specs.iter().map(|s| s.num_logprobs));
-        for (spec, (sample_index, position, batch_row, num_output)) in specs.iter().zip(rows) {
-            self.uniform.push(if spec.is_greedy() { 0.0 } else { sample_uniform(spec, sample_index, position) });
-            self.batch_rows.push(batch_row);
-            self.num_output.push(num_output.min(i32::MAX as u32) as i32);
-        }
+        // One exact-size pass per column (no per-row capacity checks).
+        let draw = |(spec, (sample_index, position, _, _)): (&SamplingSpec, (u32, u32, i32, u32))| {
+            if spec.is_greedy() { 0.0 } else { sample_uniform(spec, sample_index, position) }
+        };
+        self.uniform.extend(specs.iter().zip(rows.clone()).map(draw));
+        self.batch_rows.extend(rows.clone().map(|(_, _, batch_row, _)| batch_row));
+        self.num_output.extend(rows.map(|(_, _, _, num_output)| num_output.min(i32::MAX as u32) as i32));
         debug_assert_eq!(self.uniform.len(), self.temperature.len(), "one row per spec");
         for (i, spec) in specs.iter().enumerate() {
             if spec.has_logit_bias {
