@@ -110,7 +110,7 @@ def check(name: str, cfg: dict, dtype: torch.dtype) -> dict:
     return report
 
 
-def main() -> None:
+def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     results, t0 = [], time.perf_counter()
@@ -125,8 +125,10 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "gpu_model_check.json").write_text(json.dumps(results, indent=1))
-    print(json.dumps({"all_ok": all(r["ok"] for r in results), "seconds": time.perf_counter() - t0}), flush=True)
+    all_ok = all(r["ok"] for r in results)
+    print(json.dumps({"all_ok": all_ok, "seconds": time.perf_counter() - t0}), flush=True)
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
