@@ -345,3 +345,14 @@ def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys, command,
     argv = [command, "--model", "unused"] if command == "chat" else [command, "hi", "--model", "unused"]
     assert cli.main(argv) == status
     assert capsys.readouterr().err.strip() == told
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_help_tells_the_conventions_read_before_the_flags(command, capsys):
+    """--config and the short flags are read before argparse (vLLM's), so --help tells them."""
+    from ferrokv.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--config FILE.yaml" in out and "-tp N (--tensor-parallel-size)" in out

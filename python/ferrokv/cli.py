@@ -522,24 +522,30 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(AsyncLLM.from_engine_args(engine_args), config)
 
 
+# What ferrokv.cli_argv reads before argparse, as vLLM does (so it is told here, not as flags).
+_CONVENTIONS = ("also: --config FILE.yaml (its keys as flags; the command line wins), -tp N (--tensor-parallel-size), "
+                "-q (--quantization); a flag may be spelled with '_' or '-', and a value as --flag=value")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrokv", description="ferrokv LLM inference engine")
     parser.add_argument("--version", action="version", version=f"ferrokv {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help=f"log at DEBUG level (default: off: the level is ${LEVEL_ENV}, else INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate completions for prompts (default: a few examples)")
+    g = sub.add_parser("generate", help="generate completions for prompts (default: a few examples)",
+                       epilog=_CONVENTIONS)
     g.add_argument("prompts", nargs="*", help="prompts to complete (default: a batch of example questions)")
     g.add_argument("--raw", action="store_true",
                    help="send prompts as plain text, without the chat template (default: off)")
     g.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
     add_engine_flags(g)
     _sampling_flags(g)
-    c = sub.add_parser("chat", help="interactive chat (reads lines from stdin)")
+    c = sub.add_parser("chat", help="interactive chat (reads lines from stdin)", epilog=_CONVENTIONS)
     c.add_argument("--system", default=None, help="system prompt opening the conversation (default: none)")
     add_engine_flags(c)
     _sampling_flags(c)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)", epilog=_CONVENTIONS)
     _serve_flags(s)
     return parser
 
