@@ -147,6 +147,35 @@ def test_a_failure_after_a_beam_step_aborts_that_beam_search(llama_path, clean, 
     assert_idle(engine)
 
 
+def test_a_beam_search_done_in_a_step_that_then_fails_keeps_its_output(llama_path, monkeypatch):
+    """Two searches in one step: the first ends, then the second's step fails. The first was ended
+    in the scheduler already: its output stands (the failure aborts only the one that moved)."""
+    import ferrokv.beam_engine
+
+    engine = tiny_engine(llama_path)
+    short_prompt, long_prompt = rand_prompts(6, [9, 17])
+    engine.add_beam_request("short", short_prompt, beam_width=2, max_tokens=3)
+    engine.add_beam_request("long", long_prompt, beam_width=2, max_tokens=8)
+    beam_step, state = ferrokv.beam_engine.advance, {}
+
+    def failing_after_short(scheduler, req, *args):
+        done = beam_step(scheduler, req, *args)
+        if req.request_id == "short" and done:
+            state["short_done"] = True
+        elif req.request_id == "long" and state.get("short_done") and not state.get("raised"):
+            state["raised"] = True
+            raise RuntimeError("failed after the other search finished")
+        return done
+
+    monkeypatch.setattr(ferrokv.beam_engine, "advance", failing_after_short)
+    last = drive(engine, fails=RuntimeError)
+    assert state == {"short_done": True, "raised": True}
+    short = last["short"]
+    assert short.finished and len(short.outputs) == 2 and all(len(c.token_ids) == 3 for c in short.outputs)
+    assert last["long"].finished and last["long"].outputs == []  # aborted
+    assert_idle(engine)
+
+
 class _InterruptAfter:
     """Delegates to ``target``; the ``call``-th call of ``method`` runs, then raises
     KeyboardInterrupt, as a SIGINT landing right after it returns (before its caller holds the

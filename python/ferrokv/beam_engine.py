@@ -52,22 +52,22 @@ def beam_seq_slots(beam_width: int) -> int:
 
 
 def advance_beams(scheduler: Any, requests: dict[int, RequestState], beam_ids: set[int], out: Any,
-                  logits: torch.Tensor, sampled: np.ndarray, moved: list[RequestState]) -> list[RequestState]:
+                  logits: torch.Tensor, sampled: np.ndarray, moved: list[RequestState],
+                  on_done: Callable[[RequestState], None]) -> None:
     """One step of every beam search among the step's rows (``advance``): each request that moved
-    is appended to ``moved``; returns those that are done (ended in the scheduler)."""
+    is appended to ``moved`` before it moves; ``on_done`` is called with each that is done (ended
+    in the scheduler) as soon as it is, so a later search that fails loses none of it."""
     row_req = out.row_req_ids
     mask = np.isin(row_req, np.fromiter(beam_ids, dtype=np.int64))
     if not mask.any():
-        return []
+        return
     rows = np.flatnonzero(mask)
     row_seq = out.row_seq_ids.tolist()
-    done = []
     for cid in np.unique(row_req[rows]).tolist():
         req = requests[cid]
         moved.append(req)
         if advance(scheduler, req, rows[row_req[rows] == cid].tolist(), row_seq, logits, sampled):
-            done.append(req)
-    return done
+            on_done(req)
 
 
 def advance(scheduler: Any, req: RequestState, rows: list[int], row_seq: list[int], logits: torch.Tensor,

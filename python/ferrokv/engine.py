@@ -513,8 +513,7 @@ class LLMEngine:
             if req is not None:
                 self._abort_now(req, asked=False)
 
-    def _tokens(self, out: Any, logits: torch.Tensor | None, tokens: Any,
-                undo: _StepUndo) -> tuple[np.ndarray, Any]:
+    def _tokens(self, out: Any, logits: torch.Tensor | None, tokens: Any, undo: _StepUndo) -> tuple[np.ndarray, Any]:
         """The step's tokens, one per logits row, on the host, and the rows' logprobs; beam
         searches replace theirs (forking and dropping sequences)."""
         if tokens is None:
@@ -522,10 +521,13 @@ class LLMEngine:
         so = tokens.result()
         sampled = so.token_ids
         if self._beam_ids:  # a search that is done has ended in the scheduler, and reports as the step ends
-            for req in advance_beams(self.scheduler, self._requests, self._beam_ids, out, logits, sampled, undo.beams):
-                self._finish(req)
-                self._beams_done.append(req)
+            advance_beams(self.scheduler, self._requests, self._beam_ids, out, logits, sampled, undo.beams,
+                          self._beam_done)
         return sampled, so.logprobs
+
+    def _beam_done(self, req: RequestState) -> None:
+        self._finish(req)
+        self._beams_done.append(req)
 
     def _finish_pending(self, p: _Pending) -> list[RequestOutput]:
         """``_finish_step`` outside the overlap window: on failure the step's requests are aborted."""
