@@ -650,3 +650,26 @@ def test_with_overlap_a_steps_outputs_reach_their_caller_during_the_next_forward
     streamed = [t for item in sink.items for t in item.output.outputs[0].token_ids]
     assert streamed == token_ids(tiny_llm(llama_path).generate([prompt], greedy(8), use_tqdm=False))[0][0]
     assert_idle(llm.llm_engine)
+
+
+def test_with_overlap_a_requests_last_output_arrives_after_the_step_that_made_it(llama_path):
+    """Outputs that end a request are held until the step is over (its caller finds the engine as
+    the step left it); the others arrive during the next forward pass."""
+    llm = tiny_llm(llama_path, overlap=True)
+    loop, during_step = llm.engine_loop, []
+
+    class Sink(_CountingSink):
+        def put(self, item) -> None:
+            during_step.append((item.finished, loop._stepping))
+            super().put(item)
+
+    sink = Sink()
+    prompt = rand_prompts(4, [10])[0]
+    llm.engine_loop.submit("delta", prompt, greedy(6, output_kind=RequestOutputKind.DELTA), sink=sink)
+    llm.engine_loop.submit("final", prompt, greedy(3), sink=sink)
+    with sink.arrived:
+        assert sink.arrived.wait_for(lambda: sum(item.finished for item in sink.items) == 2, 60)
+    finals = [stepping for finished, stepping in during_step if finished]
+    assert finals == [False, False], during_step
+    assert any(stepping for finished, stepping in during_step if not finished), during_step
+    assert_idle(llm.llm_engine)

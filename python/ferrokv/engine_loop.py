@@ -4,8 +4,9 @@ Why a loop: ``LLMEngine.step()`` returns the outputs of every request in its bat
 threads that each stepped would consume each other's outputs (and a lock alone would not fix
 that). The loop is the engine's one driver: it applies what callers queue (submits, aborts, a
 shutdown) between steps, steps while anything is unfinished, and routes each ``RequestOutput``
-to the sink its request was submitted with, by request id (with overlap, as soon as it is made:
-during the next step's forward pass, through ``LLMEngine.deliver``). ``LLM`` runs ``generate`` and
+to the sink its request was submitted with, by request id (with overlap, one that does not end
+its request as soon as it is made: during the next step's forward pass, through
+``LLMEngine.deliver``). ``LLM`` runs ``generate`` and
 ``beam_search`` through it, from any number of threads; ``AsyncLLM`` is to wrap the same interface.
 
 Interface (every method is safe from any thread):
@@ -24,7 +25,9 @@ Interface (every method is safe from any thread):
 * ``shutdown()`` ends the loop, and with it every request still in it; idempotent.
 
 A sink is anything with a non-blocking ``put(item: StreamItem)``: a ``queue.SimpleQueue``, or an
-asyncio adapter that calls ``loop.call_soon_threadsafe``. It is called from the loop's thread.
+asyncio adapter that calls ``loop.call_soon_threadsafe``. It is called from the loop's thread,
+for an output that does not end its request possibly inside a step (overlap): it must not call
+the engine.
 A sink may also have a ``flush()``, which the loop calls after each batch of puts it made (a
 step's outputs, the commands applied before it): such a sink may hold its items until then, so
 that an asyncio adapter wakes its event loop once per step rather than once per output.
@@ -235,7 +238,7 @@ class EngineLoop:
         self._stepping = False  # the loop's thread is in engine.step()
         self._failed_steps = 0  # in a row
         self._dead: EngineDeadError | None = None
-        self._to_start: list[str] = []  # ids whose deferred submit starts once the step in progress ends
+        self._held: list[RequestOutput] = []  # final outputs made during a step, routed once it is over
         engine.on_abort = self._on_abort
         engine.before_step = self._refuse_foreign_step
 
@@ -449,9 +452,9 @@ class EngineLoop:
             except BaseException as e:  # the engine cancelled the step (or aborted its requests)
                 self.engine.deliver = None
                 self._stepping = False
+                self._route(self._take_held())  # requests that ended before the failure
                 self._fail_all(e)
                 self._flush()
-                self._start_waiting()
                 self._failed_steps += 1
                 if self._failed_steps < MAX_FAILED_STEPS:
                     return True
@@ -462,22 +465,22 @@ class EngineLoop:
             self._failed_steps = 0
             self.engine.deliver = None
             self._stepping = False
-            self._route(outputs)
+            self._route(self._take_held() + outputs)
             self._flush()
-            self._start_waiting()
         return True
 
     def _route_made(self, outputs: list[RequestOutput]) -> None:
-        """``LLMEngine.deliver``: the previous step's outputs, routed while a forward pass runs (a
-        submit they unblock is started after the step: the engine is busy)."""
-        self._route(outputs)
+        """``LLMEngine.deliver``: the previous step's outputs, routed while a forward pass runs,
+        except those that end a request: held until the step is over, so that a caller told its
+        request ended finds the engine as the step left it (and a submit its id was waiting for
+        starts outside the step)."""
+        self._held += [o for o in outputs if o.finished]
+        self._route([o for o in outputs if not o.finished])
         self._flush()
 
-    def _start_waiting(self) -> None:
-        starts, self._to_start = self._to_start, []
-        for rid in starts:
-            if rid in self._deferred and rid not in self._records:
-                self._start_deferred(rid)
+    def _take_held(self) -> list[RequestOutput]:
+        held, self._held = self._held, []
+        return held
 
     def _wake(self) -> None:
         self._inbox.put(_WAKE)
@@ -492,10 +495,7 @@ class EngineLoop:
             self._flushes.add(flush)  # bound methods of one object are equal: one flush each
         rid = item.request_id
         if item.finished and rid in self._deferred and rid not in self._records:
-            if self._stepping:
-                self._to_start.append(rid)  # not inside engine.step(): _start_waiting, after it
-            else:
-                self._start_deferred(rid)
+            self._start_deferred(rid)
 
     def _start_deferred(self, request_id: str) -> None:
         """Adds the next submit that waited for ``request_id``'s earlier request to end; one
@@ -578,6 +578,7 @@ class EngineLoop:
                     pending.append(c)
         error = EngineDeadError(str(self._dead), self._dead.failed)
         error.__cause__ = cause
+        self._route(self._take_held())  # requests that ended before the loop failed
         records, self._records = self._records, {}
         self.engine.on_abort = None
         self.engine.report_aborts_here(None)
