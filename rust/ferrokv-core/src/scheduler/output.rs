@@ -79,6 +79,7 @@ impl Scheduler {
         o.row_sample_index.extend_from_slice(&b.sample_index[..k]);
         o.query_start_loc.extend(1..=k as i32);
         o.logits_indices.extend(0..k as i64);
+        debug_assert!(o.sampling.is_empty(), "logits row r is batch row r: the step's first rows");
         let rows = b.rows[..k].iter().zip(&b.sample_index[..k]).enumerate();
         o.sampling.extend(&b.sampling[..k], rows.map(|(r, (h, &si))| (si as u32, h.num_tokens, r as i32, Self::num_output(h))));
         for r in 0..k {
