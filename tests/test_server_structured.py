@@ -367,3 +367,25 @@ def test_logit_bias_values_are_read_as_vllms_pydantic_reads_a_float():
         with pytest.raises(OpenAIError) as e:
             parse_completion_request({"prompt": "x", "logit_bias": {"5": bad}})
         assert e.value.param == "logit_bias" and "logit_bias['5']" in e.value.message, bad
+
+
+@pytest.mark.parametrize("field,value,kind", [
+    ("length_penalty", "x", "a number"), ("early_stopping", "maybe", "a boolean"),
+    ("include_reasoning", [1], "a boolean"),
+    ("guided_decoding_backend", 5, "a string"), ("mm_processor_kwargs", "x", "an object"),
+    ("kv_transfer_params", 3, "an object"), ("vllm_xargs", 5, "an object"),
+])
+def test_vllm_fields_that_change_nothing_here_are_still_type_checked(field, value, kind):
+    """As vLLM's pydantic models check them: a wrong type is a 400 naming the field; a right one
+    (read leniently, as every other field) is accepted."""
+    from ferrokv.entrypoints.openai.protocol import OpenAIError, parse_chat_request, parse_completion_request
+
+    with pytest.raises(OpenAIError) as e:
+        parse_completion_request({"prompt": "x", field: value})
+    assert e.value.param == field and e.value.message == f"{field} must be {kind}, got {value!r}"
+    with pytest.raises(OpenAIError):
+        parse_chat_request({"messages": [{"role": "user", "content": "x"}], field: value})
+    good = {"length_penalty": "1.5", "early_stopping": "true", "include_reasoning": False,
+            "guided_decoding_backend": "xgrammar", "mm_processor_kwargs": {}, "kv_transfer_params": {"a": 1},
+            "vllm_xargs": {"k": "v"}}[field]
+    parse_completion_request({"prompt": "x", field: good})

@@ -62,6 +62,13 @@ _UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "functions": (None, 
                 "prompt_embeds": (None,)}
 _INSTEAD = {"functions": "; give them in tools (type 'function')", "function_call": "; use tool_choice",
             "truncation_side": " (only 'left': truncate_prompt_tokens keeps the prompt's last tokens)"}
+# vLLM's request fields that change nothing here (ferrokv has one structured-output backend, no
+# reasoning parser, no multimodal or disaggregated inputs, no beam length penalty on this path):
+# accepted, and refused like vLLM's pydantic models refuse them when their type is wrong.
+_IGNORED_TYPES: Mapping[str, tuple[type, ...]] = MappingProxyType({
+    "length_penalty": (int, float), "early_stopping": (bool,), "include_reasoning": (bool,),
+    "guided_decoding_backend": (str,), "mm_processor_kwargs": (dict,), "kv_transfer_params": (dict,),
+    "vllm_xargs": (dict,)})
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it
 _TOKEN_ID_KEY = re.compile(r"\d{1,18}")
@@ -85,6 +92,11 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
         if body.get(name) not in noop:
             raise bad(name, f"{name} is not supported by this server, got {shown(body.get(name))}"
                             f"{_INSTEAD.get(name, '')}")
+    for name, types in _IGNORED_TYPES.items():
+        v = body.get(name)
+        if v is not None and not isinstance(v, types):  # read leniently first, as the other fields (_lax_numbers)
+            kind = {(int, float): "a number", (bool,): "a boolean", (str,): "a string"}.get(types, "an object")
+            raise bad(name, f"{name} must be {kind}, got {shown(v)}")
     kw: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
     kw.update((k, body[k]) for k in _SAMPLING_FIELDS if body.get(k) is not None)
     cap = defaults.get("max_tokens")

@@ -129,7 +129,7 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 _BOOL_FIELDS = ("stream", "echo", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                 "spaces_between_special_tokens", "add_generation_prompt", "continue_final_message",
                 "add_special_tokens", "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
-                "parallel_tool_calls", "background", "store")
+                "parallel_tool_calls", "background", "store", "early_stopping", "include_reasoning")
 _BOOL_TEXT = {t: True for t in ("1", "on", "t", "true", "y", "yes")} | {f: False for f in ("0", "off", "f", "false",
                                                                                          "n", "no")}
 _INT_TEXT = re.compile(r"\s*[-+]?\d+\s*")
