@@ -340,6 +340,62 @@ mod tests {
     }
 
     #[test]
+    fn rows_appended_in_bulk_equal_a_row_by_row_reference() {
+        use proptest::prelude::*;
+        let knobs = (0u8..4, 0i32..4, 0u8..3, any::<bool>(), any::<bool>(), any::<bool>(), -1i32..3, any::<u64>());
+        let spec = knobs.prop_map(
+            |(t, top_k, p, pen, seeded, bias, lp, key)| SamplingSpec {
+                temperature: [0.0, 0.5, 1.0, 1.7][t as usize],
+                top_k,
+                top_p: [1.0, 0.9, 0.3][p as usize],
+                min_p: if pen { 0.1 } else { 0.0 },
+                presence_penalty: if pen { 0.5 } else { 0.0 },
+                repetition_penalty: if seeded { 1.2 } else { 1.0 },
+                num_logprobs: lp,
+                rng_key: key,
+                seeded,
+                has_logit_bias: bias,
+                ..Default::default()
+            },
+        );
+        let row = (0u32..4, 0u32..5000, -1i32..64, 0u32..3000);
+        let case = (proptest::collection::vec((spec, row), 0..40), 0usize..3);
+        proptest::test_runner::TestRunner::default()
+            .run(&case, |(rows, before)| {
+                let specs: Vec<SamplingSpec> = rows.iter().map(|(s, _)| *s).collect();
+                let (mut bulk, mut one) = (SamplingColumns::with_capacity(0), SamplingColumns::with_capacity(0));
+                for c in [&mut bulk, &mut one] {
+                    for i in 0..before {
+                        c.push(&SamplingSpec { has_logit_bias: i == 1, ..Default::default() }, 0, i as u32, 0, 0);
+                    }
+                }
+                bulk.extend(&specs, rows.iter().map(|(_, r)| *r));
+                for &(ref s, (si, pos, br, no)) in &rows {
+                    // The reference: one row at a time, each column written from its definition.
+                    if s.has_logit_bias {
+                        one.bias_rows.push(one.temperature.len() as i64);
+                    }
+                    one.temperature.push(s.temperature);
+                    one.top_k.push(s.top_k);
+                    one.top_p.push(s.top_p);
+                    one.min_p.push(s.min_p);
+                    one.presence.push(s.presence_penalty);
+                    one.frequency.push(s.frequency_penalty);
+                    one.repetition.push(s.repetition_penalty);
+                    one.num_logprobs.push(s.num_logprobs);
+                    one.uniform.push(if s.temperature == 0.0 { 0.0 } else { sample_uniform(s, si, pos) });
+                    one.batch_rows.push(br);
+                    one.num_output.push(no as i32);
+                }
+                bulk.finish();
+                one.finish();
+                prop_assert_eq!(format!("{bulk:?}"), format!("{one:?}"));
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    #[test]
     fn columns_flags_follow_the_rows() {
         let mut c = SamplingColumns::with_capacity(2);
         c.push(&SamplingSpec::default(), 0, 5, 0, 1);
