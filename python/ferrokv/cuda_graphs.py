@@ -21,7 +21,6 @@ lookup, five copies and two fills into the static buffers, one replay and the lo
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
@@ -30,14 +29,10 @@ from torch import Tensor
 
 from ferrokv.attention.metadata import AttentionMetadata
 
-logger = logging.getLogger("ferrokv")
-
 __all__ = ["DecodeGraphs", "capture_sizes"]
 
-# vLLM's default capture sizes: 1, 2, 4, then every multiple of 8 up to 512.
 MAX_CAPTURE_BATCH = 512
-
-
+# vLLM's default capture sizes: 1, 2, 4, then every multiple of 8 up to 512.
 _VLLM_SIZES = (1, 2, 4, *range(8, MAX_CAPTURE_BATCH + 1, 8))
 
 
@@ -94,7 +89,7 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for size in reversed(self.sizes):
             meta = self._meta(size)
-            with torch.cuda.stream(stream):  # warm-up: Triton compiles and cuBLAS picks its kernels outside the capture
+            with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
                 self._forward(size, meta)
             graph = torch.cuda.CUDAGraph()
             # thread_local: another engine's thread in this process may sync or pin memory meanwhile.
