@@ -255,6 +255,35 @@ def test_abort_ends_the_stream_with_finish_reason_abort(allm, awaited):
     assert_engine_idle(allm)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_an_aborted_delta_streams_pieces_add_up_to_what_it_generated(llama_path, sequential, overlap):
+    """With overlap, the step whose outputs are pending when the abort comes still reports them,
+    before the abort's own output: the pieces add up to the tokens generated (they were one step
+    short), a prefix of the request's greedy output."""
+    llm = make_async_llm(llama_path, overlap=overlap)
+    prompt = rand_prompts(43, [9])[0]
+    expected = token_ids(sequential([prompt], 60))[0][0]
+
+    async def main():
+        outs = []
+        async for o in llm.generate(prompt, greedy(60, output_kind=Kind.DELTA), "cut"):
+            outs.append(o)
+            if len(outs) == 6:
+                await llm.abort("cut")
+        return outs
+
+    try:
+        for _ in range(3):
+            outs = asyncio.run(main())
+            streamed = [t for o in outs for t in o.outputs[0].token_ids]
+            assert outs[-1].outputs[0].finish_reason == "abort"
+            assert len(streamed) == outs[-1].metrics.num_generation_tokens >= 6
+            assert streamed == expected[:len(streamed)]
+        assert_engine_idle(llm)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("ids", [lambda d: d.keys(), lambda d: (k for k in d), lambda d: map(str, d)],
                          ids=["dict_keys", "generator", "map"])
 def test_abort_takes_any_iterable_of_ids(allm, ids):

@@ -166,8 +166,8 @@ class LLMEngine:
         self._guard = EngineLock(self._before_release, lambda o: self.on_abort and self.on_abort(o), self.device)
         self.report_aborts = self._guard.report_queued  # on report_aborts_here's thread: hands out reports
         self.on_abort: Callable[[RequestOutput], None] | None = None
-        """Called with the final output of each request ``abort_request`` or a failed step ended, once
-        the engine lock is released, on the thread that applied it or ``report_aborts_here``'s."""
+        """Called with the final output of each request ``abort_request`` or a failed step ended (after those it
+        still had to report, with overlap), once the lock is released, on its thread or report_aborts_here's."""
         # Called by step() before it changes anything, to refuse it by raising (EngineLoop's guard).
         self.before_step: Callable[[], None] | None = None
         # With overlap, called inside step() with the previous step's outputs as soon as they are made,
@@ -362,17 +362,17 @@ class LLMEngine:
             # (the final output has it); its outputs of aborted requests are dropped below.
             p, self._pending = self._pending, None
             self._unreturned += self._finish_pending(p)
-        aborted = set()
+        aborted = set(inbox)  # finished ones too: a reused id must never get their kept outputs
+        if aborted and self._unreturned:
+            # Reported (on_abort) before the abort's own output, as a serial engine returned them before
+            # the abort came (a DELTA stream's pieces add up); without a reporter, nothing more (vLLM's).
+            if self.on_abort is not None:
+                self._guard.aborted += [o for o in self._unreturned if o.request_id in aborted]
+            self._unreturned = [o for o in self._unreturned if o.request_id not in aborted]
         while inbox:
-            name = inbox.popleft()
-            core_id = self._by_name.get(name)
+            core_id = self._by_name.get(inbox.popleft())
             if core_id is not None:
                 self._abort_now(self._requests[core_id])
-            aborted.add(name)  # finished ones too: a reused id must never get their kept outputs
-        if aborted and self._unreturned:  # as in vLLM, an aborted request reports nothing more...
-            if self.on_abort is not None:  # ...but one that had finished ends with its final output
-                self._guard.aborted += [o for o in self._unreturned if o.request_id in aborted and o.finished]
-            self._unreturned = [o for o in self._unreturned if o.request_id not in aborted]
 
     def _abort_now(self, req: RequestState, asked: bool = True) -> None:
         """Ends a request in Python and in the scheduler (lock held). Its final output goes to

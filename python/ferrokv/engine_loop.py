@@ -536,10 +536,12 @@ class EngineLoop:
             for entry in self._deferred.get(command.request_id, ()):
                 if entry.submit.sink is command.sink:
                     entry.aborted = True
-        elif isinstance(command, _Aborted):
-            rec = self._records.pop(command.output.request_id, None)
+        elif isinstance(command, _Aborted):  # an aborted request's last outputs, its final one last
+            output = command.output
+            records = self._records
+            rec = records.pop(output.request_id, None) if output.finished else records.get(output.request_id)
             if rec is not None:
-                self._deliver(rec.sink, StreamItem(command.output.request_id, command.output))
+                self._deliver(rec.sink, StreamItem(output.request_id, output))
 
     def _add(self, command: _Submit) -> None:
         try:
