@@ -5,9 +5,9 @@ finished search's output.
 request's rows of the step and maps it onto the scheduler (a surviving parent keeps its own row
 and gets its token in ``sampled``, extra children are forked with theirs, parents without
 children are dropped); a search that is done is ended in the scheduler at once, so its blocks
-are freed. Invariants: called between a step's sampling and
-its ``update`` (the forks carry this step's token). Costs per step: one log_softmax over the
-request's rows and O(beam width) scheduler calls.
+are freed. Invariants: called between a step's sampling and its ``update`` (the forks carry this
+step's token). Costs per step: one log_softmax over the request's rows and O(beam width)
+scheduler calls.
 """
 
 from __future__ import annotations

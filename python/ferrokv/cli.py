@@ -545,7 +545,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt opening the conversation (default: none)")
     add_engine_flags(c)
     _sampling_flags(c)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)", epilog=_CONVENTIONS)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+                       epilog=_CONVENTIONS)
     _serve_flags(s)
     return parser
 

@@ -359,7 +359,7 @@ class LLMEngine:
         inbox = self._guard.abort_inbox
         if inbox and self._pending is not None:
             # The pending step's text is made first, as a serial engine made it before the abort
-            # (the final output has it); its outputs of aborted requests are dropped below.
+            # (the final output has it); its outputs of aborted requests are sorted out below.
             p, self._pending = self._pending, None
             self._unreturned += self._finish_pending(p)
         aborted = set(inbox)  # finished ones too: a reused id must never get their kept outputs

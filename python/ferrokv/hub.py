@@ -109,9 +109,13 @@ def _holds_everything(path: Path, what: str, required: str | None) -> bool:
     """What a snapshot must hold to be used without asking the Hub: ``required``, and a model's
     weights or a tokenizer's files (a model's own tokenizer is asked for on its own, as a
     tokenizer: ``engine_setup``)."""
-    if required is not None and not (path / required).is_file():
+    if not _has_required(path, required):
         return False
     return _has_weights(path) if what == "model" else has_tokenizer(path)
+
+
+def _has_required(path: Path, required: str | None) -> bool:
+    return required is None or (path / required).is_file()
 
 
 def _download(repo_id: str, revision: str | None, download_dir: str | os.PathLike[str] | None,
@@ -157,7 +161,7 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
         at = f" at revision {revision!r}" if revision is not None else ""
         # A snapshot folder without config.json is a download that stopped before it, or no model;
         # one missing other files may still serve (the loader names what it cannot find).
-        if path is not None and (required is None or (path / required).is_file()):
+        if path is not None and _has_required(path, required):
             log = logger.debug if complete else logger.info
             log("%s %s: using the cached snapshot %s as it is (HF_HUB_OFFLINE is set%s)", what, repo_id, path,
                 "" if complete else "; files the Hub lists are missing from it")

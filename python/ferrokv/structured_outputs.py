@@ -109,6 +109,7 @@ class StructuredOutputsParams:
     # The schema as canonical JSON text (keywords sorted, see _canonical), set by validate().
     _schema: str | None = field(default=None, init=False, repr=False, compare=False)
 
+    KINDS: ClassVar[tuple[str, ...]] = _KINDS  # the constraint fields; the others are options
     FIELDS: ClassVar[tuple[str, ...]] = (*_KINDS, "disable_any_whitespace", "disable_additional_properties",
                                          "whitespace_pattern", "disable_fallback", "structural_tag")
 

@@ -65,10 +65,12 @@ _INSTEAD = {"functions": "; give them in tools (type 'function')", "function_cal
 # vLLM's request fields that change nothing here (ferrokv has one structured-output backend, no
 # reasoning parser, no multimodal or disaggregated inputs, no beam length penalty on this path):
 # accepted, and refused like vLLM's pydantic models refuse them when their type is wrong.
-_IGNORED_TYPES: Mapping[str, tuple[type, ...]] = MappingProxyType({
-    "length_penalty": (int, float), "early_stopping": (bool,), "include_reasoning": (bool,),
-    "guided_decoding_backend": (str,), "mm_processor_kwargs": (dict,), "kv_transfer_params": (dict,),
-    "vllm_xargs": (dict,)})
+_NUMBER, _BOOLEAN = ((int, float), "a number"), ((bool,), "a boolean")
+_STRING, _OBJECT = ((str,), "a string"), ((dict,), "an object")
+_IGNORED_TYPES: Mapping[str, tuple[tuple[type, ...], str]] = MappingProxyType({
+    "length_penalty": _NUMBER, "early_stopping": _BOOLEAN, "include_reasoning": _BOOLEAN,
+    "guided_decoding_backend": _STRING, "mm_processor_kwargs": _OBJECT, "kv_transfer_params": _OBJECT,
+    "vllm_xargs": _OBJECT})
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it
 _TOKEN_ID_KEY = re.compile(r"\d{1,18}")
@@ -92,11 +94,10 @@ def sampling_params(body: Mapping[str, Any], max_tokens: int | None, logprobs: i
         if body.get(name) not in noop:
             raise bad(name, f"{name} is not supported by this server, got {shown(body.get(name))}"
                             f"{_INSTEAD.get(name, '')}")
-    for name, types in _IGNORED_TYPES.items():
+    for name, (types, described) in _IGNORED_TYPES.items():
         v = body.get(name)
         if v is not None and not isinstance(v, types):  # read leniently first, as the other fields (_lax_numbers)
-            kind = {(int, float): "a number", (bool,): "a boolean", (str,): "a string"}.get(types, "an object")
-            raise bad(name, f"{name} must be {kind}, got {shown(v)}")
+            raise bad(name, f"{name} must be {described}, got {shown(v)}")
     kw: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
     kw.update((k, body[k]) for k in _SAMPLING_FIELDS if body.get(k) is not None)
     cap = defaults.get("max_tokens")
@@ -187,7 +188,7 @@ class StructuredSource:
         option given in a field of its own (``guided_whitespace_pattern``) names that field."""
         param = self.param
         for old, new in self.renames:
-            if old == "whitespace_pattern" and message.startswith(f"structured_outputs.{old} "):
+            if old not in StructuredOutputsParams.KINDS and message.startswith(f"structured_outputs.{old} "):
                 param = new
             message = re.sub(rf"\bstructured_outputs\.{old}\b", new, message)
         return bad(param, message)

@@ -66,6 +66,7 @@ def _calls_kept(parser: ToolCallParser) -> int | None:
 _MESSAGE_NULLS = MappingProxyType({"refusal": None, "annotations": None, "audio": None, "function_call": None,
                                    "reasoning_content": None})
 
+
 class ChatAnswer:
     """One chat call's answer as it is made: its message or stream deltas per choice (tool calls
     read out of the text), logprobs, finish reasons and usage (also the Responses API's)."""
