@@ -141,7 +141,7 @@ def test_an_alias_and_its_name_together_or_bad_values_fail(kw, match):
     (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False is not supported"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of auto; got 'fp8'"),
     (dict(load_format="npcache"), "load_format must be one of auto, safetensors, pt; got 'npcache'"),
-    (dict(tokenizer_mode="slow"), "tokenizer_mode must be one of auto; got 'slow'"),
+    (dict(tokenizer_mode="slow"), "tokenizer_mode must be one of auto, hf; got 'slow'"),
     (dict(logprobs_mode="processed_logprobs"), "logprobs_mode must be one of raw_logprobs; got 'processed_logprobs'"),
     (dict(dtype=torch.float64), "dtype must be one of .*; got 'float64'"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'"),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ferrokv import LLM, BeamSearchParams, SamplingParams
+from ferrokv import LLM, BeamSearchParams, EngineArgs, SamplingParams
 from helpers.engine_faults import engine_kwargs
 from helpers.text_oracle import final_text
 from helpers.tiny_models import TINY_VOCAB
@@ -689,8 +689,16 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
                    enable_prefix_caching=None, limit_mm_per_prompt={"image": 0, "video": {"count": 0}}, hf_token=True,
                    speculative_config=None, kv_transfer_config={}, structured_outputs_config=None, max_lora_rank=16,
                    model_impl="auto", config_format="auto", worker_extension_cls="", override_pooler_config=None,
-                   allowed_local_media_path="", logits_processors=None)
+                   allowed_local_media_path="", logits_processors=None, code_revision=None,
+                   disable_sliding_window=False, use_tqdm_on_load=False, calculate_kv_scales=False,
+                   model_loader_extra_config=None, enable_expert_parallel=False, cuda_graph_sizes=[1, 2],
+                   max_cudagraph_capture_size=64, long_prefill_token_threshold=0, max_num_partial_prefills=1,
+                   max_long_partial_prefills=1, num_scheduler_steps=1, use_v2_block_manager=True,
+                   worker_use_ray=False, max_num_seqs=None, block_size=None, tokenizer_mode="hf")
     assert llm.llm_engine.args.enable_prefix_caching is True
+    defaults = EngineArgs()  # vLLM's None: the default
+    assert (llm.llm_engine.args.max_num_seqs, llm.llm_engine.args.block_size) == (defaults.max_num_seqs,
+                                                                                 defaults.block_size)
     assert llm.model_config is llm.llm_engine.model_config
     assert llm.get_tokenizer(lora_request=None) is llm.get_tokenizer()
     for pooling in (llm.encode, llm.embed, llm.classify, llm.score, llm.reward):
@@ -715,7 +723,8 @@ def test_vllms_arguments_ferrokv_has_no_use_for_are_accepted_at_neutral_values(l
     for kw in ({"pipeline_parallel_size": 2}, {"enable_lora": True}, {"cpu_offload_gb": 4}, {"task": "embed"},
                {"speculative_config": {"method": "ngram"}}, {"model_impl": "transformers"},
                {"logits_processors": ["my.Processor"]}, {"limit_mm_per_prompt": {"image": {"count": 1}}},
-               {"pipeline_parallel_size": np.array([1, 2])}):  # a value the check cannot read is named too
+               {"pipeline_parallel_size": np.array([1, 2])}, {"disable_sliding_window": True},
+               {"num_scheduler_steps": 8}, {"code_revision": "main"}, {"calculate_kv_scales": True}):  # a value the check cannot read is named too
         with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* is not supported"):
             tiny_llm(llama_path, **kw)
 

@@ -43,6 +43,8 @@ DTYPE_ALIASES: dict[str, str] = {
 _CORE_NAMED = {"preemption_mode": "preemption_mode", "scheduling_policy": "policy"}
 # What torch.Generator.manual_seed accepts (the sampler's generator takes the engine seed).
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+# Fields where None is vLLM's "the default" (its EngineArgs types them Optional): folded into ours.
+_NONE_IS_DEFAULT = ("block_size", "max_num_seqs", "enable_prefix_caching")
 # ferrokv's former names -> vLLM's (the fields read everywhere); an alias is None once folded.
 ALIASES: dict[str, str] = {"num_kv_blocks": "num_gpu_blocks_override", "kv_cache_memory": "kv_cache_memory_bytes"}
 
@@ -57,7 +59,7 @@ AUTO_MAX_MODEL_LEN = -1  # max_model_len: the model's, capped at what the KV cac
 def _taking_vllm_only_args(cls: type) -> type:
     """``cls(...)`` also takes vLLM's arguments ferrokv does not have, as ``LLM(...)`` does
     (``without_vllm_only_args``): ``AsyncEngineArgs(model=..., served_model_name=...)`` runs."""
-    init, own = cls.__init__, set(cls.__dataclass_fields__) - {"enable_prefix_caching"}  # type: ignore[attr-defined]
+    init, own = cls.__init__, set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -147,8 +149,8 @@ class EngineArgs:
     logprobs_mode: str = _arg(
         "raw_logprobs", "what logprobs report: the model's own log-probabilities, before temperature, penalties "
         "or masks (vLLM's default and ferrokv's only mode)", choices=("raw_logprobs",))
-    tokenizer_mode: str = _arg("auto", "the model's fast tokenizer (tokenizer.json), as vLLM's 'auto'",
-                               choices=("auto",))
+    tokenizer_mode: str = _arg("auto", "the model's fast tokenizer (tokenizer.json), as vLLM's 'auto' (or "
+                               "'hf', its newer name)", choices=("auto", "hf"))
     max_logprobs: int = _arg(
         20, "most logprobs or prompt_logprobs a request may ask for (-1: no limit; a request's -1 asks for "
         "the whole vocabulary)")
@@ -165,7 +167,11 @@ class EngineArgs:
     def __post_init__(self) -> None:
         """Folds each former name into its vLLM field (``ALIASES``; giving both is an error), a
         ``dtype`` given as a ``torch.dtype`` or in any letter case into its name, as vLLM takes it,
-        and ``max_model_len="auto"`` (the CLI's word) into ``AUTO_MAX_MODEL_LEN``."""
+        ``max_model_len="auto"`` (the CLI's word) into ``AUTO_MAX_MODEL_LEN``, and None into the
+        default where vLLM's None means it (``_NONE_IS_DEFAULT``)."""
+        for name in _NONE_IS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, self.__dataclass_fields__[name].default)  # type: ignore[attr-defined]
         if isinstance(self.max_model_len, str) and self.max_model_len.strip().lower() == "auto":
             self.max_model_len = AUTO_MAX_MODEL_LEN
         dt = self.dtype
@@ -354,6 +360,21 @@ VLLM_ONLY_ARGS: dict[str, tuple[Any, str]] = {
     "pooler_config": (lambda v: v is None, "ferrokv generates text"),
     "allowed_local_media_path": (lambda v: not v, "ferrokv takes text only"),
     "allowed_media_domains": (lambda v: not v, "ferrokv takes text only"),
+    "code_revision": (lambda v: v is None, "ferrokv runs no remote code"),
+    "disable_sliding_window": (lambda v: v is False, "ferrokv runs a model's sliding window as configured"),
+    "use_tqdm_on_load": (_any, "ferrokv shows no progress bar while loading"),
+    "calculate_kv_scales": (lambda v: v is False, "ferrokv's KV cache is in the model's dtype"),
+    "model_loader_extra_config": (lambda v: not v, "ferrokv's loader takes no extra config"),
+    "enable_expert_parallel": (lambda v: v is False, "ferrokv runs on one device"),
+    "cuda_graph_sizes": (_any, "ferrokv captures its own decode graph sizes (enforce_eager)"),
+    "max_cudagraph_capture_size": (_any, "ferrokv captures its own decode graph sizes (enforce_eager)"),
+    "long_prefill_token_threshold": (lambda v: v in (None, 0), "ferrokv chunks prompts by max_num_batched_tokens"),
+    "max_num_partial_prefills": (lambda v: v == 1, "ferrokv chunks prompts by max_num_batched_tokens"),
+    "max_long_partial_prefills": (lambda v: v == 1, "ferrokv chunks prompts by max_num_batched_tokens"),
+    # vLLM's former arguments, at the values its V1 engine behaves as
+    "num_scheduler_steps": (lambda v: v == 1, "ferrokv schedules every step"),
+    "use_v2_block_manager": (_any, "ferrokv has one block manager"),
+    "worker_use_ray": (lambda v: v is False, "ferrokv runs on one device"),
     "logits_processors": (lambda v: not v, "ferrokv runs no custom logits processors (SamplingParams has "
                                            "logit_bias, allowed_token_ids, bad_words)"),
 }
@@ -378,7 +399,7 @@ def vllm_only_method(owner: str, name: str) -> NotImplementedError:
 
 def without_vllm_only_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` less vLLM's arguments ferrokv does not have (``VLLM_ONLY_ARGS``), each checked
-    to mean what ferrokv does; ``enable_prefix_caching=None`` (vLLM's "the default") is dropped."""
+    to mean what ferrokv does."""
     out = {}
     for name, value in kwargs.items():
         if name in VLLM_ONLY_ARGS:
@@ -389,6 +410,6 @@ def without_vllm_only_args(kwargs: dict[str, Any]) -> dict[str, Any]:
                 neutral = False
             if not neutral:
                 raise ValueError(f"{name}={value!r} is not supported: {what}")
-        elif not (name == "enable_prefix_caching" and value is None):
+        else:
             out[name] = value
     return out
