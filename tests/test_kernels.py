@@ -167,6 +167,31 @@ def test_paged_attention_prefill_chunked(dtype, block_size, hkv, group, d, windo
     assert torch.count_nonzero(out[-2:]) == 0  # padding rows
 
 
+def test_prefill_grid_keeps_long_queries_on_the_axis_cuda_lets_past_65535(monkeypatch):
+    """CUDA caps grid axes 1 and 2 at 65,535: a prefill budget of 2^18 tokens with 16 query heads
+    per kv head (4 tokens per program) needs 65,536 tiles, which must ride on axis 0."""
+    import sys
+
+    prefill_module = sys.modules[paged_attention_prefill.__module__]  # the package re-exports its name
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(prefill_module, "_paged_attention_prefill_kernel", Recorder())
+    hkv, group, d, bs = 2, 16, 16, 16
+    meta, nb = _layout([(0, 5), (3, 2)], bs, seed=1)
+    k_cache, v_cache = _caches(nb, bs, hkv, d, torch.float32, seed=2)
+    query = torch.zeros(meta.slot_mapping.shape[0], hkv * group, d, device=DEVICE)
+    paged_attention_prefill(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                            1 << 18, d**-0.5)
+    (grid,) = grids
+    assert all(n <= 65535 for n in grid[1:]), grid
+    assert grid[0] == (1 << 16) * 2  # every tile of both sequences
+
+
 @pytest.mark.parametrize("dtype,block_size,hkv,group,d,window", PREFILL_CASES)
 def test_torch_backend_matches_reference(dtype, block_size, hkv, group, d, window):
     """The CPU backend (block gathers, batched decode SDPA, fresh-prompt shortcut) against the

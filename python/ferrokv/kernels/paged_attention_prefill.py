@@ -5,7 +5,8 @@ Invariant: the new tokens of sequence ``i`` are rows ``query_start_loc[i]:query_
 the cache (``reshape_and_cache`` ran first). Each attends causally to its whole paged prefix plus
 the new tokens before it, optionally within a sliding window. Rows past ``query_start_loc[S]``
 (padding) are left as they are in ``out`` (zero when ``out`` is allocated here).
-Cost: grid (S, Hkv, cdiv(max_query_len, BLOCK_Q)); a program takes BLOCK_Q query tokens times the G
+Cost: grid (cdiv(max_query_len, BLOCK_Q) * S, Hkv) (the tiles ride on axis 0, the one CUDA lets past
+65,535, so a long prefill budget launches); a program takes BLOCK_Q query tokens times the G
 query heads of one kv head as R = BLOCK_Q * pow2(G) rows (>= 16 for ``tl.dot``), and visits only the
 keys its rows can see (causal upper bound, window lower bound).
 """
@@ -32,6 +33,7 @@ def _paged_attention_prefill_kernel(
     block_tables_ptr,  # [S, MAXB] int32
     query_start_loc_ptr,  # [S+1] int32
     seq_lens_ptr,  # [S] int32
+    num_seqs,  # S
     scale_log2,
     stride_ot, stride_oh, stride_od,
     stride_qt, stride_qh, stride_qd,
@@ -49,9 +51,10 @@ def _paged_attention_prefill_kernel(
     DOT_FP32: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    seq = pid % num_seqs
+    tile = pid // num_seqs
     kvh = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if tile * BLOCK_Q >= q_len:
@@ -131,9 +134,9 @@ def paged_attention_prefill(
     block_q = max(1, min(64 // group_pad, next_pow2(max_query_len)))
     block_q = max(block_q, 16 // group_pad if group_pad < 16 else 1)
     interp = interpreting()
-    grid = (S, hkv, triton.cdiv(max_query_len, block_q))
+    grid = (triton.cdiv(max_query_len, block_q) * S, hkv)
     _paged_attention_prefill_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale * LOG2E,
+        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, S, scale * LOG2E,
         *out.stride(), *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_N=32, BLOCK_SIZE=block_size, SLIDING_WINDOW=sliding_window or 0,
