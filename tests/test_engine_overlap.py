@@ -293,3 +293,131 @@ def test_no_step_thread_outlives_its_engine(llama_path):
     for t in started:
         t.join(10)
         assert not t.is_alive()
+
+
+def _every_output(engine, fails: type[BaseException]) -> tuple[dict[str, list], int]:
+    """Steps until idle: (per request, (finished, tokens, finish reason) of each output in order;
+    how many steps raised ``fails``)."""
+    seen: dict[str, list] = {}
+    raised = 0
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outs = engine.step()
+        except fails:
+            raised += 1
+            continue
+        for o in outs:
+            c = o.outputs[0] if o.outputs else None
+            seen.setdefault(o.request_id, []).append(
+                (o.finished, len(c.token_ids) if c else 0, c.finish_reason if c else None))
+    assert_idle(engine)
+    return seen, raised
+
+
+def _ends_last_and_once(seen: dict[str, list]) -> None:
+    for rid, outs in seen.items():
+        assert [f for f, _, _ in outs].count(True) == 1 and outs[-1][0], (rid, outs)
+        counts = [n for _, n, _ in outs]
+        assert counts == sorted(counts), (rid, outs)  # cumulative: nothing reported out of order
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failure_after_update_reports_the_made_outputs_before_the_aborts(llama_path, overlap, monkeypatch):
+    """A step that fails once its update() ran aborts its requests; the previous step's outputs,
+    made during its forward pass (overlap), still come before those aborts' final outputs."""
+    from ferrokv.structured_outputs import GrammarStep, StructuredOutputsParams
+    accept, calls = GrammarStep.accept, []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("accept failed")
+        return accept(self, *args)
+
+    monkeypatch.setattr(GrammarStep, "accept", failing)
+    engine = tiny_engine(llama_path, overlap=overlap)
+    engine.add_request("a", rand_prompts(8, [4])[0], greedy(8))
+    engine.add_request("b", rand_prompts(9, [3])[0], greedy(8, structured_outputs=StructuredOutputsParams(
+        regex="[a-z]{5,20}")))
+    seen, raised = _every_output(engine, RuntimeError)
+    assert raised == 1 and all(outs[-1][2] == "abort" for outs in seen.values())
+    _ends_last_and_once(seen)
+    assert [n for _, n, _ in seen["a"]][:2] == [1, 2]  # step 2's outputs were not lost
+
+
+def test_an_abort_applied_as_a_step_ends_keeps_the_steps_outputs_when_it_fails(llama_path):
+    """An abort queued from another thread during a step is applied as the step ends, making the
+    pending step's text first; an interrupt there raises from step() but loses none of the outputs
+    it was returning (another request's final output among them): the next step() returns them."""
+    engine = tiny_engine(llama_path, overlap=True)
+    engine.add_request("a", rand_prompts(10, [4])[0], greedy(2))
+    engine.add_request("b", rand_prompts(11, [3])[0], greedy(10))
+    armed = []
+
+    def abort_b(n, inputs):
+        if n == 3:  # step 2's outputs (a's final one) are made meanwhile
+            t = threading.Thread(target=engine.abort_request, args=("b",))
+            t.start()
+            t.join()
+            armed.append(1)
+
+    RunnerHook(engine, abort_b)
+    step_results = engine.text.step_results
+
+    def interrupted(*args):
+        if armed and engine._pending is None and threading.current_thread() is threading.main_thread():
+            armed.clear()  # the abort making the pending step's text, at the step's end
+            raise KeyboardInterrupt
+        return step_results(*args)
+
+    engine.text.step_results = interrupted
+    seen, raised = _every_output(engine, KeyboardInterrupt)
+    assert raised == 1 and seen["a"][-1] == (True, 2, "length")
+    _ends_last_and_once({"a": seen["a"]})
+
+
+def test_a_deliver_that_raises_gets_its_outputs_again(llama_path):
+    """``LLMEngine.deliver`` raising once: the step is cancelled, and the outputs it was handed come
+    from the next step() (a request that finished among them included)."""
+    engine = tiny_engine(llama_path, overlap=True)
+    engine.add_request("a", rand_prompts(12, [4])[0], greedy(1))
+    engine.add_request("b", rand_prompts(13, [3])[0], greedy(5))
+    delivered: list = []
+
+    def deliver(outs):
+        if not delivered:
+            delivered.append(None)
+            raise RuntimeError("sink broke")
+        delivered.extend(outs)
+
+    engine.deliver = deliver
+    seen, raised = _every_output(engine, RuntimeError)
+    for o in delivered[1:]:
+        seen.setdefault(o.request_id, []).append((o.finished, len(o.outputs[0].token_ids),
+                                                  o.outputs[0].finish_reason))
+    assert raised == 1 and seen["a"] == [(True, 1, "length")]
+    assert sorted(n for _, n, _ in seen["b"]) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failure_building_a_beam_output_loses_no_other_requests_end(llama_path, overlap, monkeypatch):
+    """A finished beam search's output failing to build: the requests that finished in the same
+    step are not yet released, so they are aborted and reported, never silently dropped."""
+    import ferrokv.engine as engine_module
+    build, calls = engine_module.beam_output, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("beam output failed")
+        return build(*args)
+
+    monkeypatch.setattr(engine_module, "beam_output", failing)
+    engine = tiny_engine(llama_path, overlap=overlap)
+    engine.add_request("r", rand_prompts(14, [5])[0], greedy(3))
+    engine.add_beam_request("beam", rand_prompts(15, [4])[0], beam_width=2, max_tokens=3, ignore_eos=True)
+    seen, raised = _every_output(engine, RuntimeError)
+    assert raised == 1 and calls
+    assert [f for f, _, _ in seen["r"]].count(True) == 1 and seen["r"][-1][0], seen

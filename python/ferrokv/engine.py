@@ -1,50 +1,46 @@
 """LLMEngine: requests in, ``RequestOutput``s out, one scheduler step at a time.
 
-One ``step()``: the Rust scheduler picks the batch and hands out, per logits row, the sampling
-parameters it keeps for each request (``ferrokv.step_sampling``); the model runner's inputs are
-staged (``prepare``); the step job (forward pass + sampler, ``ferrokv.step_worker``) runs; beam
-searches choose their tokens; ``update`` appends the tokens and decides stops. Requests that ask
-for them also get their prompt positions' logprobs (``ferrokv.prompt_logprobs``) and a grammar's
-token mask (``ferrokv.structured_outputs``) in the job; both advance only once ``update`` ran. The text layer
-(``ferrokv.text``) then detokenizes them and ends sequences on stop strings, and
-``ferrokv.output_processor`` builds the outputs each request's ``output_kind`` asks for. The core
-is the one home of a sequence's tokens and sampling parameters.
+One ``step()``: the Rust scheduler picks the batch and hands out, per logits row, the sampling parameters it
+keeps for each request (``ferrokv.step_sampling``); the model runner's inputs are staged (``prepare``); the
+step job (forward pass + sampler, ``ferrokv.step_worker``) runs; beam searches choose their tokens; ``update``
+appends the tokens and decides stops. Requests that ask for them also get their prompt positions' logprobs
+(``ferrokv.prompt_logprobs``) and a grammar's token mask (``ferrokv.structured_outputs``) in the job; both
+advance only once ``update`` ran. The text layer (``ferrokv.text``) then detokenizes them and ends sequences
+on stop strings, and ``ferrokv.output_processor`` builds the outputs each request's ``output_kind`` asks for.
+The core is the one home of a sequence's tokens and sampling parameters.
 
-Overlap (``EngineArgs.overlap``, on with a GPU): a step's text and outputs are made during the
-next step's forward pass, so ``step()`` returns the previous step's outputs (one more ``step()``,
-with nothing scheduled, flushes the last; ``has_unfinished_requests`` stays true until then), or
-hands them to ``deliver`` right then (``EngineLoop``: to their callers while the GPU works). A
-sequence that reached a stop string is then already in the next step: its token there is dropped.
-Outputs are the same with overlap on and off.
+Overlap (``EngineArgs.overlap``, on with a GPU): a step's text and outputs are made during the next step's
+forward pass, so ``step()`` returns the previous step's outputs (one more ``step()``, with nothing scheduled,
+flushes the last; ``has_unfinished_requests`` stays true until then), or hands them to ``deliver`` right then
+(``EngineLoop``: to their callers while the GPU works). A sequence that reached a stop string is then already
+in the next step: its token there is dropped. Outputs are the same with overlap on and off.
 
-Invariants: every request is validated in full before the scheduler sees it, so bad input
-raises ``ValueError`` naming the field and leaves the engine as it was (its ``SamplingParams``
-are checked again and copied: an assignment before ``add_request`` is caught, one after it does
-not reach the request; an error of the core keeps its type, with the caller's request id in it);
-a request ended by the caller (abort) or by a finished beam search is ended in the scheduler at
-once, so its KV blocks are freed.
-Failures: any exception (``KeyboardInterrupt`` included) between ``schedule()`` and ``update()``
-waits for the step job to end, then cancels the step (``Scheduler.cancel_step``): no token is
-appended, the requests go on at the next ``step()`` as if the step had never been planned (a beam
-search that moved in Python during the step is aborted). One while a step's text and outputs are
-made (after its ``update()``) aborts that step's requests, whose Python state is then half-applied;
-the next ``step()`` reports them (finish_reason "abort"). The exception is re-raised.
-Threads: one thread drives the engine (``add_request``/``step``; ``EngineLoop`` is that thread
-for ``LLM``); an engine lock serializes every scheduler call, since the scheduler's methods
-release the GIL while they hold it borrowed; the step job touches no scheduler state.
-``abort_request`` and the getters (``stats()``, ``num_free_blocks``, ``kv_cache_usage``,
-``has_unfinished_requests``) are safe from any thread and never wait for a step: an abort is
-queued and applied when the step in progress ends (before the lock is released), a getter reads
-a snapshot refreshed whenever the lock is released. An interrupt (Ctrl-C) anywhere cannot leave
-the lock held (``ferrokv.engine_lock``) or a step in flight (one between ``schedule()`` returning
-and the step holding its output is cancelled too); an engine call from inside another on the same
-thread is a ``RuntimeError``.
-Costs per step: the model forward, plus O(1) Python calls for scheduling, inputs, sampling
-metadata and ``update`` (arrays and the core; with the Rust text layer no Python per row), O(1) Python per
-streaming row, logprobs row and penalty row that joined or moved, and O(its output) once per
-ending sequence; nothing that grows with output length, or with the number of waiting or
-finished requests (the ``stats()`` snapshot's counters are refreshed as each step ends; its
-O(blocks) usage counts only after someone asked for them).
+Invariants: every request is validated in full before the scheduler sees it, so bad input raises
+``ValueError`` naming the field and leaves the engine as it was (its ``SamplingParams`` are checked again and
+copied: an assignment before ``add_request`` is caught, one after it does not reach the request; an error of
+the core keeps its type, with the caller's request id in it); a request ended by the caller (abort) or by a
+finished beam search is ended in the scheduler at once, so its KV blocks are freed.
+Failures: any exception (``KeyboardInterrupt`` included) between ``schedule()`` and ``update()`` waits for the
+step job to end, then cancels the step (``Scheduler.cancel_step``): no token is appended, the requests go on
+at the next ``step()`` as if the step had never been planned (a beam search that moved in Python during the
+step is aborted). One while a step's text and outputs are made (after its ``update()``) aborts that step's
+requests, whose Python state is then half-applied; the next ``step()`` reports them (finish_reason "abort"),
+after the outputs made before the failure (a ``deliver`` that raised gets its own again). The exception is
+re-raised.
+Threads: one thread drives the engine (``add_request``/``step``; ``EngineLoop`` is that thread for ``LLM``);
+an engine lock serializes every scheduler call, since the scheduler's methods release the GIL while they hold
+it borrowed; the step job touches no scheduler state. ``abort_request`` and the getters (``stats()``,
+``num_free_blocks``, ``kv_cache_usage``, ``has_unfinished_requests``) are safe from any thread and never wait
+for a step: an abort is queued and applied when the step in progress ends (before the lock is released), a
+getter reads a snapshot refreshed whenever the lock is released. An interrupt (Ctrl-C) anywhere cannot leave
+the lock held (``ferrokv.engine_lock``) or a step in flight (one between ``schedule()`` returning and the step
+holding its output is cancelled too); an engine call from inside another on the same thread is a
+``RuntimeError``.
+Costs per step: the model forward, plus O(1) Python calls for scheduling, inputs, sampling metadata and
+``update`` (arrays and the core; with the Rust text layer no Python per row), O(1) Python per streaming row,
+logprobs row and penalty row that joined or moved, and O(its output) once per ending sequence; nothing that
+grows with output length, or with the number of waiting or finished requests (the ``stats()`` snapshot's
+counters are refreshed as each step ends; its O(blocks) usage counts only after someone asked for them).
 """
 
 from __future__ import annotations
@@ -140,6 +136,7 @@ class LLMEngine:
         self.kv_cache = parts.kv_cache
         self.scheduler = parts.scheduler
         self.text = make_text_layer(self.tokenizer, self.scheduler)
+        self._times_of = functools.partial(request_times, self.scheduler)  # an output's metrics
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, parts.decode_graphs)
         self.step_sampler = StepSampler(self.vocab_size, self.device, args.seed)
         self.overlap = args.resolved_overlap(self.device)
@@ -170,9 +167,9 @@ class LLMEngine:
         still had to report, with overlap), once the lock is released, on its thread or report_aborts_here's."""
         # Called by step() before it changes anything, to refuse it by raising (EngineLoop's guard).
         self.before_step: Callable[[], None] | None = None
-        # With overlap, called inside step() with the previous step's outputs as soon as they are made,
-        # while this step's forward pass runs (an empty step returns them: an engine whose last outputs
-        # are out is idle); step() then returns only the others. Must not raise, nor call the engine.
+        # With overlap, called inside step() with the previous step's outputs as soon as they are made, while
+        # this step's forward pass runs (an empty step returns them: an engine whose last outputs are out is
+        # idle); step() then returns only the others. Must not call the engine; raising, it loses nothing.
         self.deliver: Callable[[list[RequestOutput]], None] | None = None
         self._stats: dict[str, int] = self.scheduler.stats()
         self._stats_wanted = False
@@ -363,12 +360,10 @@ class LLMEngine:
             p, self._pending = self._pending, None
             self._unreturned += self._finish_pending(p)
         aborted = set(inbox)  # finished ones too: a reused id must never get their kept outputs
-        if aborted and self._unreturned:
-            # Reported (on_abort) before the abort's own output, as a serial engine returned them before
-            # the abort came (a DELTA stream's pieces add up); without a reporter, nothing more (vLLM's).
+        if aborted and self._unreturned:  # without a reporter, nothing more (vLLM's)
+            taken = self._take_unreturned(aborted)
             if self.on_abort is not None:
-                self._guard.aborted += [o for o in self._unreturned if o.request_id in aborted]
-            self._unreturned = [o for o in self._unreturned if o.request_id not in aborted]
+                self._guard.aborted += taken
         while inbox:
             core_id = self._by_name.get(inbox.popleft())
             if core_id is not None:
@@ -383,9 +378,17 @@ class LLMEngine:
             ended = []  # ended by the scheduler already (a capacity abort, a cancelled reshaped step)
         self._finish(req)
         if self.on_abort is not None:
+            self._guard.aborted += self._take_unreturned({req.request_id})
             self._guard.aborted.append(aborted_output(req, ended, self._times_of))
         elif not asked:
             self._unreturned.append(aborted_output(req, ended, self._times_of))
+
+    def _take_unreturned(self, request_ids: set[str]) -> list[RequestOutput]:
+        """Takes the kept outputs of these requests, to report before their abort's own output (as
+        a serial engine returned them before the abort came)."""
+        taken = [o for o in self._unreturned if o.request_id in request_ids]
+        self._unreturned = [o for o in self._unreturned if o.request_id not in request_ids] if taken else self._unreturned
+        return taken
 
     # ------------------------------------------------------------------------------------------
     @_exclusive
@@ -397,8 +400,7 @@ class LLMEngine:
 
         On any exception the step is cancelled or its requests aborted (module docs), and the
         exception is re-raised."""
-        prof = self.profile
-        t0 = time.perf_counter()
+        prof, t0 = self.profile, time.perf_counter()
         prev, out, job, undo = self._pending, None, None, _StepUndo()
         outputs: list[RequestOutput] = []
         finishing_prev = False
@@ -420,15 +422,14 @@ class LLMEngine:
                 outputs = self._finish_step(prev)  # overlapped with the forward pass, and so is their delivery
                 self._pending, finishing_prev = None, False
                 if self.deliver is not None and (out.num_rows or out.num_tokens):  # else: no forward pass to hide it
-                    made, outputs = outputs, []
-                    self.deliver(made)
+                    self.deliver(outputs)  # (raising, it gets them again from the next step())
+                    outputs = []
             t3 = time.perf_counter()
             logits, tokens, plp_result = job.wait()
             t4 = time.perf_counter()
             sampled, row_lp = self._tokens(out, logits, tokens, undo)
             self.scheduler.update(out, sampled, defer_text=True)
-            # Committed with the step's tokens (a cancelled step adds nothing), and before the
-            # next step plans its prompt positions or masks.
+            # Committed with the step's tokens (a cancelled step adds nothing), before the next step plans.
             if grammar is not None:
                 grammar.accept(sampled)
             if plp is not None and plp_result is not None:
@@ -438,28 +439,30 @@ class LLMEngine:
             self._fail_step(out, job, undo, prev if finishing_prev else None, outputs)
             raise
         t5 = time.perf_counter()
+        self._unreturned += outputs  # from here on, a failure keeps them for the next step()
         pending = _Pending(out, sampled, row_lp)
         if self.overlap and (out.num_rows or out.num_tokens):
             self._pending = pending
-        else:
-            # Serial, or an empty step (no forward pass to overlap with; nothing is left pending,
-            # so an idle engine reports no unfinished work).
-            try:
-                outputs += self._finish_pending(pending)
-            except BaseException:
-                self._unreturned += outputs
-                raise
+        else:  # serial, or an empty step (nothing to overlap with; an idle engine has nothing pending)
+            self._unreturned += self._finish_pending(pending)
         if prof is not None:
             prof.add(out.num_rows, t0, t1, t2, t3, t4, t5, time.perf_counter())
-        outputs, self._unreturned = self._unreturned + outputs, []
+        outputs, self._unreturned = self._unreturned, []
+        if self._guard.abort_inbox:  # applied here, not at release, so that a failure keeps the outputs
+            try:
+                self._apply_aborts()
+            except BaseException:
+                self._unreturned[:0] = outputs
+                raise
         return outputs
 
     def _fail_step(self, out: Any, job: Any, undo: _StepUndo, half_made: _Pending | None,
                    made: list[RequestOutput]) -> None:
-        """Undoes a step that raised: waits for its job, cancels it (also one whose output the
-        interrupt kept from us: ``schedule()`` had returned), aborts the requests of a previous
-        step whose text and outputs were half made, and keeps the outputs made for the next
-        ``step()``; a previous step not yet begun stays pending."""
+        """Undoes a step that raised: keeps the outputs made for the next ``step()`` (before the
+        aborts' below), waits for its job, cancels it (also one whose output the interrupt kept from
+        us: ``schedule()`` had returned), aborts the requests of a previous step whose text and
+        outputs were half made; a previous step not yet begun stays pending."""
+        self._unreturned += made
         if job is not None:
             job.join()
         if out is None:
@@ -469,7 +472,6 @@ class LLMEngine:
         if half_made is not None:
             self._pending = None
             self._abort_step_requests(half_made.out)
-        self._unreturned += made
 
     def _forward_and_sample(self, inputs: Any, md: Any, num_rows: int, plp: PromptLogprobsPlan | None,
                             grammar: GrammarStep | None) -> tuple[torch.Tensor | None, Any, Any]:
@@ -567,16 +569,13 @@ class LLMEngine:
                 req.finished = True  # (its output says so)
                 done.append(req)
         outputs = build_outputs(touched.values(), ended_now, self._times_of)
-        for req in done:
-            self._finish(req)
         outputs += [beam_output(req, self.text.decode) for req in self._beams_done]
         self._beams_done = []
+        for req in done:  # last: a failure before leaves them to be aborted, and so reported
+            self._finish(req)
         if self.profile is not None:
             self.profile.outputs += time.perf_counter() - t0
         return outputs
-
-    def _times_of(self, req: RequestState) -> Any:
-        return request_times(self.scheduler, req)
 
     def _finish(self, req: RequestState) -> None:
         req.finished = True
