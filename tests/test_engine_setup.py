@@ -396,6 +396,34 @@ def test_the_triton_backend_on_a_cpu_without_the_interpreter_is_refused_before_t
         load_engine(EngineArgs(model=str(llama_path), device="cpu", attention_backend="triton"))
 
 
+def test_an_install_without_triton_runs_the_torch_backend_and_names_what_the_triton_one_needs(llama_path):
+    """triton is declared for Linux x86-64 only: elsewhere (a CPU-only torch on another platform)
+    the engine must still load and generate, and asking for Triton must say what is missing."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.modules["triton"] = None  # as if not installed: its import raises ImportError
+from ferrokv import LLM, SamplingParams
+llm = LLM({str(llama_path)!r}, device="cpu", dtype="float32", max_model_len=64, block_size=4,
+          num_gpu_blocks_override=64)
+out = llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(max_tokens=3, ignore_eos=True, n=2),
+                   use_tqdm=False)
+assert [len(c.token_ids) for c in out[0].outputs] == [3, 3]
+assert not any(m == "triton" or m.startswith("triton.") for m, v in sys.modules.items() if v is not None)
+try:
+    LLM({str(llama_path)!r}, device="cpu", attention_backend="triton")
+except ValueError as e:
+    assert "attention_backend='triton' needs the triton package" in str(e), e
+else:
+    raise AssertionError("the triton backend loaded without triton")
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
 def test_too_many_sequences_is_named_before_max_model_len_is_known():
     from ferrokv._core import InvalidArgumentError
 

@@ -155,7 +155,7 @@ def test_dependencies_admit_the_tested_pins(metadata):
     pins = _pins()
     reqs = {canonicalize_name(r.name): r for r in _requires(metadata)}
     needed = {"torch", "transformers", "tokenizers", "safetensors", "tqdm", "gguf", "numpy", "huggingface-hub",
-              "fastapi", "uvicorn", "prometheus-client", "llguidance", "pyyaml"}
+              "fastapi", "starlette", "uvicorn", "prometheus-client", "llguidance", "pyyaml", "jinja2"}
     if sys.platform == "linux" and platform.machine() == "x86_64":
         needed.add("triton")
     assert set(reqs) == needed
@@ -167,6 +167,26 @@ def test_dependencies_admit_the_tested_pins(metadata):
     assert not reqs["torch"].specifier.contains("2.15.0") and not reqs["torch"].specifier.contains("2.13.0")
     if "triton" in reqs:
         assert not reqs["triton"].specifier.contains("3.9.0") and not reqs["triton"].specifier.contains("3.7.1")
+
+
+def test_every_package_ferrokv_imports_is_declared(metadata):
+    """Each third-party module the package imports (at the top or lazily) comes from a declared
+    distribution, not from one that another dependency happens to pull in (jinja2 via torch)."""
+    import ast
+    import importlib.metadata as md
+
+    dists = md.packages_distributions()
+    declared = {canonicalize_name(r.name) for r in _requires(metadata)}
+    missing = {}
+    for path in sorted((REPO / "python" / "ferrokv").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for root in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"ferrokv", "__future__"}:
+                owners = {canonicalize_name(d) for d in dists.get(root, [root])}
+                if not owners & declared:
+                    missing.setdefault(root, path.name)
+    assert not missing, missing
 
 
 def test_dependency_set_resolves_in_the_tested_environment(metadata, venv):

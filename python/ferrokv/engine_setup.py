@@ -281,10 +281,16 @@ def _load_tokenizer(args: EngineArgs, model_path: Path) -> Any:
 
 def _check_backend(backend: str, device: torch.device) -> None:
     """Before the weights load: Triton kernels launch on a CUDA device, or in Triton's CPU
-    interpreter (``TRITON_INTERPRET=1``)."""
-    from ferrokv.kernels._common import interpreting
-
-    if backend == "triton" and device.type != "cuda" and not interpreting():
+    interpreter (``TRITON_INTERPRET=1``). The torch backend never imports triton (an install
+    without it, such as a CPU-only one, runs)."""
+    if backend != "triton":
+        return
+    try:
+        from ferrokv.kernels._common import interpreting
+    except ImportError as e:
+        raise ValueError(f"attention_backend='triton' needs the triton package, which does not import ({e}); "
+                         "install it, or use attention_backend='torch'") from e
+    if device.type != "cuda" and not interpreting():
         raise ValueError(f"attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1, Triton's CPU "
                          f"interpreter), got device={str(device)!r}; use 'torch' or 'auto' on a CPU")
 

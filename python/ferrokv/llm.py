@@ -41,6 +41,9 @@ from ferrokv.sampling_params import SamplingParams
 from ferrokv.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("ferrokv")
+# An OpenAI chat message: role, content (a str, content parts or None), tool calls... (vLLM's
+# ChatCompletionMessageParam); checked at run time by checked_messages.
+ChatMessage = Mapping[str, Any]
 
 
 @dataclass(slots=True)
@@ -95,13 +98,13 @@ def checked_messages(conversation: Any, name: str = "messages") -> list[dict[str
 
 
 
-def chat_token_ids(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+def chat_token_ids(tokenizer: Any, conversation: Sequence[ChatMessage], add_generation_prompt: bool = True,
                    name: str = "messages", **template: Any) -> list[int]:
     """``chat_prompt``'s token ids."""
     return chat_prompt(tokenizer, conversation, add_generation_prompt, name, **template)[1]
 
 
-def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+def chat_prompt(tokenizer: Any, conversation: Sequence[ChatMessage], add_generation_prompt: bool = True,
                 name: str = "messages", *, chat_template: str | None = None, continue_final_message: bool = False,
                 chat_template_kwargs: Mapping[str, Any] | None = None, tools: list[Any] | None = None,
                 documents: list[Mapping[str, str]] | None = None,
@@ -413,7 +416,7 @@ class LLM:
                 raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts (give one per prompt)")
         return self._run(prompts, params, use_tqdm, priority=priority)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True,
              lora_request: Any = None, chat_template: str | None = None,
