@@ -171,5 +171,5 @@ def test_a_capture_that_fails_leaves_the_engine_eager(tiny_model_dir, caplog):
     llm = _cpu_triton_llm(tiny_model_dir("llama", "llama"))
     engine = llm.llm_engine
     with caplog.at_level("WARNING", logger="ferrokv"):
-        got = capture_decode_graphs(EngineArgs(), engine.model, engine.kv_cache, torch.device("cuda"), "triton", 96)
+        got = capture_decode_graphs(EngineArgs(), engine.model, engine.kv_cache, torch.device("cuda"), 96)
     assert got is None and "CUDA graphs: capture failed" in caplog.text and "every step runs eagerly" in caplog.text

@@ -103,6 +103,21 @@ def test_a_kv_cache_the_machine_cannot_hold_is_a_value_error_naming_its_setting(
     assert allocate_kv_cache(EngineArgs(), spec, 4, cpu).num_blocks == 4
 
 
+def test_a_pinned_swap_pool_is_checked_at_the_size_the_host_allocator_gives_it(monkeypatch):
+    """On a GPU the swap pool is pinned, and torch's caching host allocator rounds each of its 2 x
+    num_layers tensors up to a power of two: the memory check counts that, refusing before
+    allocating (no GPU needed: the check comes first)."""
+    from ferrokv import engine_setup
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    exact = 3 * spec.bytes_per_block  # 4 tensors of 6 KiB each, pinned as 8 KiB each
+    assert spec.swap_pool_bytes(3, torch.device("cpu")) == exact
+    assert spec.swap_pool_bytes(3, torch.device("cuda")) == 4 * 8192 > exact
+    monkeypatch.setattr(engine_setup, "_available_cpu_memory", lambda: exact + 1024)
+    with pytest.raises(ValueError, match=r"num_cpu_blocks, 32768 bytes of host memory\) need more memory"):
+        engine_setup.allocate_kv_cache(EngineArgs(num_cpu_blocks=3), spec, 4, torch.device("cuda"))
+
+
 # ------------------------------------------------------------------------------------------------
 # EngineArgs: vLLM's names, ferrokv's former names as aliases, vLLM's arguments accepted as no-ops
 # ------------------------------------------------------------------------------------------------

@@ -161,10 +161,10 @@ def allocate_kv_cache(a: EngineArgs, spec: KVCacheSpec, num_blocks: int, device:
               "kv_cache_memory_bytes" if a.kv_cache_memory_bytes is not None else
               "gpu_memory_utilization" if device.type == "cuda" else "max_num_seqs * max_model_len")
     need = num_blocks * spec.bytes_per_block
-    swap = a.num_cpu_blocks * spec.bytes_per_block
+    swap = spec.swap_pool_bytes(a.num_cpu_blocks, device)
     detail = f"{num_blocks} KV blocks of {spec.bytes_per_block} bytes ({need} bytes, from {source})"
     if swap:
-        detail += f" and {a.num_cpu_blocks} swap blocks (num_cpu_blocks, {swap} bytes)"
+        detail += f" and {a.num_cpu_blocks} swap blocks (num_cpu_blocks, {swap} bytes of host memory)"
     on_cpu = need * (device.type == "cpu") + swap
     available = _available_cpu_memory()
     if available is not None and on_cpu > available:
@@ -364,7 +364,9 @@ def load_engine(args: EngineArgs) -> EngineParts:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request whose prompt + "
                        "max_tokens (times n) needs more is refused (give more KV memory or lower max_model_len)",
                        tokens_capacity, max_len)
-    decode_graphs = capture_decode_graphs(args, model, kv_cache, device, backend, max_len)
+    # Decided once, before the KV cache was sized around the graphs' memory (an auto max_model_len
+    # lowered since may no longer rescale a dynamic RoPE; the estimate did not count them).
+    decode_graphs = capture_decode_graphs(args, model, kv_cache, device, max_len) if graphs else None
     return EngineParts(model_path, device, dtype, model, tokenizer, vocab_size, eos, defaults, max_len, num_blocks,
                        kv_cache, scheduler, decode_graphs)
 
@@ -379,12 +381,10 @@ def uses_decode_graphs(args: EngineArgs, device: torch.device, backend: str, rop
             and not dynamic_rope_rescales(rope, max_model_len))
 
 
-def capture_decode_graphs(args: EngineArgs, model: Any, kv_cache: PagedKVCache, device: torch.device, backend: str,
+def capture_decode_graphs(args: EngineArgs, model: Any, kv_cache: PagedKVCache, device: torch.device,
                           max_model_len: int) -> DecodeGraphs | None:
-    """The decode graphs, captured, when ``uses_decode_graphs``; a capture that fails is logged
+    """The decode graphs, captured (where ``uses_decode_graphs``); a capture that fails is logged
     and the engine runs eagerly."""
-    if not uses_decode_graphs(args, device, backend, model.config.rope, max_model_len):
-        return None
     try:
         graphs = DecodeGraphs(model, kv_cache.layers, device, args.max_num_seqs, -(-max_model_len // args.block_size))
         seconds = graphs.capture()

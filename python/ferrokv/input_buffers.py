@@ -9,8 +9,8 @@ Invariants: the host buffer is rewritten only after the previous step's copy has
 step waits for its sampled tokens, which the stream orders after the copy; ``stage`` also waits
 on the copy's event, which costs nothing then); the device buffer is rewritten by a copy queued
 on the same stream after the previous step's kernels, so those never read the next step's data.
-That stream is the one current at the first step (the engine's steps all run on one: its lock
-makes its device current, and nothing in it switches streams); the copy's event is recorded there.
+The copy's event is recorded on the stream current at each step (the copy's own), so a caller
+that steps the engine under another stream now and then stays ordered.
 Costs per step: on a GPU, one numpy copy per array into pinned memory, one host-to-device copy,
 one event record and one tensor slice per array (typed views of the device buffer are made once
 per buffer); on the CPU one ``from_numpy`` per array.
@@ -49,7 +49,7 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
 class InputBuffers:
     """Stages a step's arrays on the device (see the module docs)."""
 
-    __slots__ = ("device", "_host", "_host_np", "_dev", "_dev_typed", "_copied", "_stream")
+    __slots__ = ("device", "_host", "_host_np", "_dev", "_dev_typed", "_copied")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -57,10 +57,8 @@ class InputBuffers:
         self._host_np: np.ndarray | None = None  # its numpy view
         self._dev: torch.Tensor | None = None  # uint8 [size], on the device
         self._dev_typed: dict[np.dtype, torch.Tensor] = {}  # _dev viewed as each dtype, made once
-        # The copy's completion, recorded on the stream the engine runs on. One event, made once,
-        # and the stream looked up once: per step, each lookup costs host time on a GPU.
+        # The copy's completion: one event, made once (creating one per step costs host time).
         self._copied: torch.cuda.Event | None = None
-        self._stream: torch.cuda.Stream | None = None
 
     def stage(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """The arrays as tensors on the device, same shapes and dtypes."""
@@ -79,8 +77,8 @@ class InputBuffers:
             host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a  # one (strided) copy
         self._dev[:total].copy_(self._host[:total], non_blocking=True)
         if self._copied is None:
-            self._copied, self._stream = torch.cuda.Event(), torch.cuda.current_stream(self.device)
-        self._copied.record(self._stream)
+            self._copied = torch.cuda.Event()
+        self._copied.record(torch.cuda.current_stream(self.device))
         # One slice of a typed view per array (a reshape only for the 2-D block tables).
         staged = []
         for a, off in zip(arrays, offsets):

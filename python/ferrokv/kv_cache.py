@@ -52,6 +52,20 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
 
+    def swap_pool_bytes(self, num_cpu_blocks: int, device: torch.device) -> int:
+        """Host memory the swap pool takes: K and V of each layer, one tensor each; pinned ones
+        (``pins_swap_pool``) come from torch's caching host allocator, which rounds each up to a
+        power of two."""
+        per_tensor = num_cpu_blocks * self.bytes_per_block // (2 * self.num_layers)
+        if pins_swap_pool(device) and per_tensor > 1:
+            per_tensor = 1 << (per_tensor - 1).bit_length()
+        return 2 * self.num_layers * per_tensor
+
+
+def pins_swap_pool(device: torch.device) -> bool:
+    """Pinned host memory lets swap copies to and from a GPU run asynchronously."""
+    return device.type == "cuda"
+
 
 _Layers = list[tuple[Tensor, Tensor]]  # per layer (k, v), each [num_blocks, *block_shape]
 
@@ -65,8 +79,7 @@ class PagedKVCache:
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
         self.layers = self._allocate(num_blocks, device, pin=False)
-        # Pinned host memory lets swap copies to and from a GPU run asynchronously.
-        self.cpu_layers = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=device.type == "cuda")
+        self.cpu_layers = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=pins_swap_pool(device))
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> _Layers:
         if num_blocks == 0:
