@@ -117,6 +117,30 @@ def test_a_consumer_that_lags_reads_the_unread_outputs_as_one(allm, sequential, 
     assert_engine_idle(allm)
 
 
+def test_on_accepted_is_told_once_the_engine_took_the_request_before_its_first_output(allm):
+    """ferrokv's ``on_accepted`` (what lets a server answer a refusal before streaming): called
+    once, on the event loop, before the first output; never for a request the engine refuses."""
+    events: list = []
+
+    async def run(prompt, rid):
+        loop = asyncio.get_running_loop()
+        accepted = lambda: events.append((rid, "accepted", asyncio.get_running_loop() is loop))  # noqa: E731
+        try:
+            async for o in allm.generate(prompt, greedy(2), rid, on_accepted=accepted):
+                events.append((rid, "output", len(o.outputs[0].token_ids)))
+        except ValueError:
+            events.append((rid, "refused"))
+
+    async def main():
+        await asyncio.gather(run({"prompt_token_ids": [5, 6, 7]}, "ok"),
+                             run({"prompt_token_ids": [5] * 1000}, "too-long"))
+
+    asyncio.run(main())
+    assert [e for e in events if e[0] == "ok"] == [("ok", "accepted", True), ("ok", "output", 1), ("ok", "output", 2)]
+    assert [e for e in events if e[0] == "too-long"] == [("too-long", "refused")]
+    assert_engine_idle(allm)
+
+
 def test_text_prompts_are_tokenized_on_the_pool(allm, sequential):
     tok = allm.tokenizer
     threads: list[str] = []

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from helpers.server import metric_values, read_metrics, serve, sse_events
+from helpers.server import assert_openai_error, metric_values, read_metrics, serve, sse_events
 from helpers.tiny_tokenizer import tiny_tokenizer
 
 MODEL = "tiny-test"
@@ -915,6 +915,46 @@ def test_response_role_default_template_kwargs_and_max_log_len_as_vllms_flags(ti
     # Each text is cut, not the messages' repr: 12 characters of the content itself are kept.
     assert len(logged) == 4 and all("'A dog runs i... (23 characters)'" in m and "park" not in m
                                     for m in logged), logged
+
+
+def test_a_completion_of_several_prompts_streams_each_as_it_comes_and_refuses_before_any_byte(tiny_model_dir):
+    """The response starts once the engine took every prompt, not once each has a token: with one
+    running slot, prompt 0 streams to its end before prompt 1 starts (vLLM's merge). A prompt the
+    engine refuses (more KV blocks than the cache has) is still a 400 naming it, before any byte."""
+    import asyncio
+    import time
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(tiny_model_dir("llama", "llama")), device="cpu", dtype="float32", max_model_len=128,
+                   block_size=4, num_kv_blocks=24, max_num_seqs=1)
+    body = {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 5, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+
+    async def ask():
+        transport = httpx.ASGITransport(app=build_app(llm, ServerConfig(served_model_name=MODEL)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+            streamed = (await c.post("/v1/completions", json=body)).text
+            refused = await c.post("/v1/completions", json={**body, "prompt": [[5, 6, 7], [5] * 100]})
+        return streamed, refused
+
+    try:
+        streamed, refused = asyncio.run(ask())
+        for _ in range(500):  # the refused call's other prompt is aborted (by the engine's loop)
+            if not llm.engine.has_unfinished_requests():
+                break
+            time.sleep(0.01)
+        assert llm.engine.num_free_blocks == 23
+    finally:
+        llm.shutdown()
+    chunks = [json.loads(e[len("data: "):]) for e in streamed.split("\n") if e.startswith("data: {")]
+    order = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks]
+    indexes = [i for i, _ in order]  # (a token that completes no character sends no chunk)
+    assert indexes == sorted(indexes) and set(indexes) == {0, 1}, order
+    assert order[indexes.count(0) - 1] == (0, "length") and order[-1] == (1, "length"), order
+    assert_openai_error(refused, 400, "prompt[1]")
+    assert not refused.text.startswith("data:")
 
 
 def test_logged_prompts_are_cut_each_not_their_repr():

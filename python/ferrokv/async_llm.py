@@ -40,7 +40,7 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any
 
 from ferrokv.checks import PoolingUnsupportedError, check_text, shown
@@ -105,23 +105,33 @@ class _LoopDispatcher:
             stream.deliver(item)
 
 
+_ACCEPTED = StreamItem("")  # a _RequestStream's own item: the engine took its request
+
+
 class _RequestStream:
     """One request's sink and its consumer's queue (``put`` on the engine thread, the rest on the
     event loop). While the consumer lags, a CUMULATIVE output replaces the unread one and a DELTA
     output is merged into it (as vLLM's output collector does), so a slow consumer reads fewer,
     larger outputs; errors are always kept."""
 
-    __slots__ = ("request_id", "_dispatcher", "_queue", "_waiter", "_kind")
+    __slots__ = ("request_id", "_dispatcher", "_queue", "_waiter", "_kind", "_on_accepted", "accepted")
 
-    def __init__(self, request_id: str, dispatcher: _LoopDispatcher, kind: RequestOutputKind | None) -> None:
+    def __init__(self, request_id: str, dispatcher: _LoopDispatcher, kind: RequestOutputKind | None,
+                 on_accepted: Callable[[], None] | None = None) -> None:
         self.request_id = request_id
         self._dispatcher = dispatcher
         self._queue: collections.deque[StreamItem] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._kind = kind
+        self._on_accepted = on_accepted
+        # OutputSink's: told only to a caller that asked (one more item on the event loop)
+        self.accepted = None if on_accepted is None else self._post_accepted
 
     def put(self, item: StreamItem) -> None:  # the engine thread (OutputSink)
         self._dispatcher.post(self, item)
+
+    def _post_accepted(self) -> None:  # the engine thread
+        self._dispatcher.post(self, _ACCEPTED)
 
     @property
     def flush(self) -> Any:
@@ -129,6 +139,9 @@ class _RequestStream:
         return self._dispatcher.flush
 
     def deliver(self, item: StreamItem) -> None:  # the event loop
+        if item is _ACCEPTED:
+            self._on_accepted()  # type: ignore[misc]
+            return
         q = self._queue
         if q and not q[-1].finished and item.error is None and self._kind is not None:
             if self._kind == RequestOutputKind.CUMULATIVE:
@@ -416,12 +429,14 @@ class AsyncLLM:
                        request_id: str | None = None, *, lora_request: Any = None, priority: int = 0,
                        cache_salt: str | None = None, prompt_text: str | None = None,
                        tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
-                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+                       data_parallel_rank: int | None = None,
+                       on_accepted: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
         """Submits one request and yields its outputs (module docs); raises its error. Closing
         or cancelling the generator before the last output aborts the request. vLLM's
         ``prompt_text`` and ``trace_headers`` are accepted (no tracing), ``data_parallel_rank``
         as None or 0 (one engine), ``tokenization_kwargs``' ``add_special_tokens`` (a text prompt's
-        tokenization) and ``truncate_prompt_tokens``."""
+        tokenization) and ``truncate_prompt_tokens``. ferrokv's ``on_accepted`` is called (on the event
+        loop) once the engine took the request, its checks passed, before its first output."""
         check_no_lora(lora_request)
         if data_parallel_rank not in (None, 0):
             raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: ferrokv runs one engine (give None or 0)")
@@ -437,7 +452,7 @@ class AsyncLLM:
         grammar = None
         if getattr(params, "structured_outputs", None) is not None:
             grammar = await self._warm_grammar(params.structured_outputs)
-        stream = _RequestStream(rid, self._dispatcher(), kind)
+        stream = _RequestStream(rid, self._dispatcher(), kind, on_accepted)
         self.engine_loop.submit(rid, prompt, params, sink=stream, priority=priority, cache_salt=cache_salt, warm=False)
         with self._lock:
             self._in_flight += 1

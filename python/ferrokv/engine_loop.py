@@ -1,65 +1,63 @@
 """EngineLoop: one thread owns an ``LLMEngine``; callers submit requests and receive their own outputs.
 
-Why a loop: ``LLMEngine.step()`` returns the outputs of every request in its batch, so two
-threads that each stepped would consume each other's outputs (and a lock alone would not fix
-that). The loop is the engine's one driver: it applies what callers queue (submits, aborts, a
-shutdown) between steps, steps while anything is unfinished, and routes each ``RequestOutput``
-to the sink its request was submitted with, by request id (with overlap, one that does not end
-its request as soon as it is made: during the next step's forward pass, through
-``LLMEngine.deliver``). ``LLM`` runs ``generate`` and
-``beam_search`` through it, from any number of threads; ``AsyncLLM`` is to wrap the same interface.
+Why a loop: ``LLMEngine.step()`` returns the outputs of every request in its batch, so two threads that each
+stepped would consume each other's outputs (and a lock alone would not fix that). The loop is the engine's one
+driver: it applies what callers queue (submits, aborts, a shutdown) between steps, steps while anything is
+unfinished, and routes each ``RequestOutput`` to the sink its request was submitted with, by request id (with
+overlap, one that does not end its request as soon as it is made: during the next step's forward pass, through
+``LLMEngine.deliver``). ``LLM`` and ``AsyncLLM`` run their requests through it, from any number of threads.
 
 Interface (every method is safe from any thread):
 
-* ``submit(request_id, prompt, params, *, sink, priority=0, cache_salt=None)``
-  and ``submit_beam(request_id, prompt, *, sink, beam_width, max_tokens, ...)`` queue a request;
-* ``abort(request_ids)`` queues aborts (unknown or finished ids are ignored); an aborted id may
-  be submitted again at once, as after ``abandon``;
-* a request id (a str, or an int) is claimed from its submit to its terminal item: submitting
-  an id in use raises ``ValueError`` at once, unless every holder of the id gave it up
-  (``abandon(request_id, sink)``: a caller that stopped reading, e.g. a cancelled task): then the
-  new request waits in the loop until the old one's terminal item was delivered, so that a
-  request retried under its id right after a timeout starts at once, as in vLLM;
-* ``stream(request_id, prompt, params)``: one request's outputs as an iterator (closing it early
-  aborts the request);
+* ``submit(request_id, prompt, params, *, sink, priority=0, cache_salt=None)`` and ``submit_beam(request_id,
+  prompt, *, sink, beam_width, max_tokens, ...)`` queue a request;
+* ``abort(request_ids)`` queues aborts (unknown or finished ids are ignored); an aborted id may be submitted
+  again at once, as after ``abandon``;
+* a request id (a str, or an int) is claimed from its submit to its terminal item: submitting an id in use
+  raises ``ValueError`` at once, unless every holder of the id gave it up (``abandon(request_id, sink)``: a
+  caller that stopped reading, e.g. a cancelled task): then the new request waits in the loop until the old
+  one's terminal item was delivered, so that a request retried under its id right after a timeout starts at
+  once, as in vLLM;
+* ``stream(request_id, prompt, params)``: one request's outputs as an iterator (closing it early aborts the
+  request);
 * ``shutdown()`` ends the loop, and with it every request still in it; idempotent.
 
-A sink is anything with a non-blocking ``put(item: StreamItem)``: a ``queue.SimpleQueue``, or an
-asyncio adapter that calls ``loop.call_soon_threadsafe``. It is called from the loop's thread,
-for an output that does not end its request possibly inside a step (overlap): it must not call
-the engine.
-A sink may also have a ``flush()``, which the loop calls after each batch of puts it made (a
-step's outputs, the commands applied before it): such a sink may hold its items until then, so
-that an asyncio adapter wakes its event loop once per step rather than once per output.
+A sink is anything with a non-blocking ``put(item: StreamItem)``: a ``queue.SimpleQueue``, or an asyncio
+adapter that calls ``loop.call_soon_threadsafe``. It is called from the loop's thread, for an output that does
+not end its request possibly inside a step (overlap): it must not call the engine. A sink may also have a
+``flush()``, which the loop calls after each batch of puts it made (a step's outputs, the commands applied
+before it): such a sink may hold its items until then, so that an asyncio adapter wakes its event loop once
+per step rather than once per output. Its ``accepted()`` (if not None) is called once the engine took the
+request (its checks passed), before any of its outputs.
 
 Invariants:
 
-* Every submitted request gets exactly one terminal item on its sink: its finished output
-  (``finish_reason`` "abort" on the sequences an abort ended) or an error (a bad request, a failed
-  step, the loop shut down). Before it come the progress outputs its ``output_kind`` asks for
-  (none for ``FINAL_ONLY``: the engine builds none).
-* Only the loop's thread adds requests and steps. It starts on the first submit as a daemon
-  thread, so it never keeps the interpreter alive; ``shutdown`` ends it (``LLM`` calls it when
-  collected, and joins the thread) and an ``atexit`` hook joins every loop still running. A child of
-  ``os.fork()`` has no copy of a started loop's thread: there every such loop is dead (a clear
-  ``EngineDeadError``, not a caller waiting forever on a sink). On CUDA
-  its current device is the model's (the current device is per thread, and kernels launch on it). A caller waits on its sink, so a ``KeyboardInterrupt`` lands in the
-  caller, which aborts its requests (``LLM._run``), never inside a step.
-* Aborts are applied between steps (at most one step's wait), on the loop's thread (it waits
-  for the engine lock a getter may hold), so an abort's output is routed before any later
-  request of the same id starts. ``LLMEngine.abort_request`` is safe from any thread too; its
-  aborts reach their sinks through ``LLMEngine.on_abort``, called on the loop's thread only
-  (``LLMEngine.report_aborts_here``: an interrupt in the aborting thread cannot lose one).
-* A step that raises (the engine has cancelled it) ends every request of the loop with that
-  exception (a waiter raises ``EngineGenerateError`` from it: ``caller_error``), so nobody waits
-  for a request the failure left behind, and the loop goes on; after
-  ``MAX_FAILED_STEPS`` such steps in a row it ends (``EngineDeadError``, the failure its cause). An error
-  in the loop itself ends every request with ``EngineDeadError`` and the loop with it.
-* Requests added to the engine directly while a loop drives it are stepped but reported nowhere;
-  another thread's ``engine.step()`` is refused (``RuntimeError``) while the loop holds requests.
+* Every submitted request gets exactly one terminal item on its sink: its finished output (``finish_reason``
+  "abort" on the sequences an abort ended) or an error (a bad request, a failed step, the loop shut down).
+  Before it come the progress outputs its ``output_kind`` asks for (none for ``FINAL_ONLY``: the engine builds
+  none).
+* Only the loop's thread adds requests and steps. It starts on the first submit as a daemon thread, so it
+  never keeps the interpreter alive; ``shutdown`` ends it (``LLM`` calls it when collected, and joins the
+  thread) and an ``atexit`` hook joins every loop still running. A child of ``os.fork()`` has no copy of a
+  started loop's thread: there every such loop is dead (a clear ``EngineDeadError``, not a caller waiting
+  forever on a sink). On CUDA its current device is the model's (the current device is per thread, and kernels
+  launch on it). A caller waits on its sink, so a ``KeyboardInterrupt`` lands in the caller, which aborts its
+  requests (``LLM._run``), never inside a step.
+* Aborts are applied between steps (at most one step's wait), on the loop's thread (it waits for the engine
+  lock a getter may hold), so an abort's output is routed before any later request of the same id starts.
+  ``LLMEngine.abort_request`` is safe from any thread too; its aborts reach their sinks through
+  ``LLMEngine.on_abort``, called on the loop's thread only (``LLMEngine.report_aborts_here``: an interrupt in
+  the aborting thread cannot lose one).
+* A step that raises (the engine has cancelled it) ends every request of the loop with that exception (a
+  waiter raises ``EngineGenerateError`` from it: ``caller_error``), so nobody waits for a request the failure
+  left behind, and the loop goes on; after ``MAX_FAILED_STEPS`` such steps in a row it ends
+  (``EngineDeadError``, the failure its cause). An error in the loop itself ends every request with
+  ``EngineDeadError`` and the loop with it.
+* Requests added to the engine directly while a loop drives it are stepped but reported nowhere; another
+  thread's ``engine.step()`` is refused (``RuntimeError``) while the loop holds requests.
 
-Costs: per step one ``put`` per output the engine built, one ``flush`` per distinct flush of
-those sinks, and O(1) per command; an idle loop sleeps on its inbox (a ``queue.SimpleQueue``).
+Costs: per step one ``put`` per output the engine built, one ``flush`` per distinct flush of those sinks, and
+O(1) per command; an idle loop sleeps on its inbox (a ``queue.SimpleQueue``).
 """
 
 from __future__ import annotations
@@ -213,11 +211,12 @@ def _dead_in_fork_child() -> None:
 os.register_at_fork(after_in_child=_dead_in_fork_child)
 
 
-def _deliver(sink: OutputSink, item: StreamItem) -> None:
+def _deliver(sink: OutputSink, request_id: str, item: StreamItem | None) -> None:
+    """``sink.put(item)``; None: ``sink.accepted()``."""
     try:
-        sink.put(item)
+        sink.put(item) if item is not None else sink.accepted()  # type: ignore[attr-defined]
     except Exception:  # a sink that broke (e.g. its event loop closed) must not stop the loop
-        logger.exception("engine loop: the sink of request %r failed", item.request_id)
+        logger.exception("engine loop: the sink of request %r failed", request_id)
 
 
 class EngineLoop:
@@ -489,13 +488,16 @@ class EngineLoop:
         if item.finished:
             with self._state:
                 self._release(item.request_id, sink)
-        _deliver(sink, item)
-        flush = getattr(sink, "flush", None)
-        if flush is not None:
-            self._flushes.add(flush)  # bound methods of one object are equal: one flush each
+        _deliver(sink, item.request_id, item)
+        self._flush_later(sink)
         rid = item.request_id
         if item.finished and rid in self._deferred and rid not in self._records:
             self._start_deferred(rid)
+
+    def _flush_later(self, sink: OutputSink) -> None:
+        flush = getattr(sink, "flush", None)
+        if flush is not None:
+            self._flushes.add(flush)  # bound methods of one object are equal: one flush each
 
     def _start_deferred(self, request_id: str) -> None:
         """Adds the next submit that waited for ``request_id``'s earlier request to end; one
@@ -550,6 +552,9 @@ class EngineLoop:
             self._deliver(command.sink, StreamItem(command.request_id, error=e, refused=True))
             return
         self._records[command.request_id] = _Record(command.sink)
+        if getattr(command.sink, "accepted", None) is not None:
+            _deliver(command.sink, command.request_id, None)
+            self._flush_later(command.sink)
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:

@@ -6,9 +6,9 @@ Invariants:
 * ``admit`` refuses (503) while the server drains or when accepting the request would put more
   than ``max_waiting_requests`` requests beyond the engine's ``max_num_seqs`` running slots;
   refusals change nothing.
-* ``Generation.start`` returns only once every request of the call has its first output, so a
-  request the engine refuses (a prompt too long, a bad token id...) is a 400 before any byte of a
-  stream is sent. Its other requests are aborted then.
+* ``Generation.start`` returns only once the engine took every request of the call (one
+  request: once it has its first output), so a request it refuses (a prompt too long, a bad token
+  id...) is a 400 before any byte of a stream is sent. Its other requests are aborted then.
 * A client that disconnects ends its generators (each aborts its request in the engine); so does
   any error, and every exit path closes them (``Generation.close``).
 * Errors map to HTTP: ``ValueError`` (bad input, found by the engine) -> 400,
@@ -45,7 +45,7 @@ from ferrokv.outputs import RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
 
-__all__ = ["Generation", "ServerState", "SSEResponse", "error_response", "sse", "to_openai_error"]
+__all__ = ["Acceptance", "Generation", "ServerState", "SSEResponse", "error_response", "sse", "to_openai_error"]
 
 
 @dataclass(slots=True)
@@ -318,37 +318,68 @@ async def _cancelled(task: asyncio.Future[Any]) -> None:
         await task
 
 
-class Generation:
-    """The requests of one call (``gens[i]`` = ``AsyncLLM.generate`` of request i), their first
-    outputs fetched by ``start``; ``outputs()`` merges them as ``(i, output)``; ``close()`` ends
-    whatever is left (aborting it) and frees the call's admission; idempotent."""
+class Acceptance:
+    """Counts the engine taking a call's requests (``AsyncLLM.generate``'s ``on_accepted``): ``all``
+    is set once it took every one of them (their checks passed)."""
 
-    def __init__(self, gens: list[AsyncIterator[RequestOutput]], state: ServerState, params: Any) -> None:
+    def __init__(self, num_requests: int) -> None:
+        self.left = num_requests
+        self.all = asyncio.Event()
+
+    def __call__(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.all.set()
+
+
+class Generation:
+    """The requests of one call (``gens[i]`` = ``AsyncLLM.generate`` of request i), started by
+    ``start``; ``outputs()`` merges them as ``(i, output)``; ``close()`` ends whatever is left
+    (aborting it) and frees the call's admission; idempotent. With ``accepted`` (a call of several
+    requests, each generator reporting to it), ``start`` returns once the engine took them all."""
+
+    def __init__(self, gens: list[AsyncIterator[RequestOutput]], state: ServerState, params: Any,
+                 accepted: Acceptance | None = None) -> None:
         self.gens = gens
         self.state = state
         self.closed = False
         self.first: list[RequestOutput | None] = [None] * len(gens)
+        self._firsts: list[asyncio.Future[None]] = []  # fetching them; outputs() awaits those not done
+        self._accepted = accepted
         self.timers = [RequestTimer(params.n, params.max_tokens) for _ in gens]
 
     async def start(self) -> None:
-        """Fetches every request's first output. The first error (the lowest request index among
-        those that failed together) ends the call at once: the other requests stop waiting and
-        are aborted, as vLLM answers a batch with a bad prompt without running the rest."""
+        """Waits until every request has its first output, or (``accepted``) the engine took every
+        request: a request it refuses is an error before any byte of a response is sent, and one
+        prompt's first output need not wait for another's. The first error (the lowest request
+        index among those that failed together) ends the call at once: the other requests stop
+        waiting and are aborted, as vLLM answers a batch with a bad prompt without running the rest."""
         async def first(i: int) -> None:
             self.first[i] = await anext(self.gens[i])  # type: ignore[arg-type]
 
-        tasks = [asyncio.ensure_future(first(i)) for i in range(len(self.gens))]
-        done: set[asyncio.Future[None]] = set()
+        tasks = self._firsts = [asyncio.ensure_future(first(i)) for i in range(len(self.gens))]
+        taken = None if self._accepted is None else asyncio.ensure_future(self._accepted.all.wait())
+        waiting: set[asyncio.Future[Any]] = {*tasks, *([taken] if taken else [])}
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:  # also when this call is cancelled: no generator may still be running
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        for t in tasks:  # only errors of their own, not of the cancel above
-            if t in done and t.exception() is not None:
-                await self.close()
-                raise t.exception()  # type: ignore[misc]
+            while not (all(t.done() for t in tasks) or (taken is not None and taken.done())):
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if any(t.exception() is not None for t in done if t is not taken):
+                    break
+        except BaseException:  # this call cancelled: no generator may still be running
+            await self._stop_firsts()
+            raise
+        finally:
+            if taken is not None:
+                taken.cancel()
+        failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            await self.close()
+            raise failed[0]  # type: ignore[misc]
+
+    async def _stop_firsts(self) -> None:
+        for t in self._firsts:
+            t.cancel()
+        await asyncio.gather(*self._firsts, return_exceptions=True)
 
     async def close(self) -> None:
         if self.closed:
@@ -357,6 +388,7 @@ class Generation:
         self.state.admitted -= len(self.gens)
         for timer in self.timers:
             self.state.metrics.on_close(timer)
+        await self._stop_firsts()  # a generator still fetching its first output cannot be closed
         for g in self.gens:
             with contextlib.suppress(BaseException):
                 await g.aclose()  # type: ignore[attr-defined]
@@ -366,15 +398,17 @@ class Generation:
         return out
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every output of every request, as each arrives (the first ones first)."""
+        """Every output of every request, as each arrives (the first ones already there first)."""
+        fetched = [t.done() for t in self._firsts]
         pending = 0
         for i, out in enumerate(self.first):
-            assert out is not None
-            yield i, self._seen(i, out)
-            pending += not out.finished
+            if fetched[i]:
+                assert out is not None
+                yield i, self._seen(i, out)
+            pending += not fetched[i] or not out.finished  # type: ignore[union-attr]
         if pending == 0:
             return
-        if len(self.gens) == 1:
+        if len(self.gens) == 1 and fetched[0]:
             async for out in self.gens[0]:
                 yield 0, self._seen(0, out)
             return
@@ -382,6 +416,12 @@ class Generation:
 
         async def pump(i: int) -> None:
             try:
+                if not fetched[i]:
+                    await self._firsts[i]
+                    await queue.put((i, self.first[i]))
+                    if self.first[i].finished:  # type: ignore[union-attr]
+                        await queue.put((i, None))
+                        return
                 async for out in self.gens[i]:
                     await queue.put((i, out))
             except BaseException as e:  # handed to the consumer, which raises it
@@ -389,7 +429,8 @@ class Generation:
                 return
             await queue.put((i, None))
 
-        tasks = [asyncio.ensure_future(pump(i)) for i, out in enumerate(self.first) if not out.finished]
+        tasks = [asyncio.ensure_future(pump(i)) for i, out in enumerate(self.first)
+                 if not fetched[i] or not out.finished]  # type: ignore[union-attr]
         try:
             while pending:
                 i, item = await queue.get()
@@ -414,14 +455,15 @@ class Generation:
 
 async def run_generation(request: Request, state: ServerState, gens: list[AsyncIterator[RequestOutput]],
                          params: Any, respond: Callable[[Generation], Awaitable[Any]],
-                         engine_error: Callable[[Exception], Exception] | None = None) -> Any:
+                         engine_error: Callable[[Exception], Exception] | None = None,
+                         accepted: Acceptance | None = None) -> Any:
     """Starts the requests (watched for a disconnect) and hands them to ``respond``, which
     returns the response; errors become OpenAI errors and every generator is closed. ``params``:
     the requests' ``SamplingParams`` (their ``n`` and ``max_tokens`` go to the metrics).
     ``engine_error`` renames the errors of the start it knows (a grammar that does not compile,
     told as the request's ``guided_regex``...; the room check's, in the request's own names);
-    prompt errors were named by ``generate_checked``."""
-    gen = Generation(gens, state, params)
+    prompt errors were named by ``generate_checked``. ``accepted``: see ``Generation``."""
+    gen = Generation(gens, state, params, accepted)
     try:
         try:
             await watched(request, gen.start())

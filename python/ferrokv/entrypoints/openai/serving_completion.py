@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import CompletionRequest, parse_completion_request
-from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Generation, JSONBody, ServerState, SSEResponse,
+from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Acceptance, Generation, JSONBody, ServerState, SSEResponse,
                                                engine_request_id, generate_checked, response_id, run_generation,
                                                stream_events, watched)
 from ferrokv.outputs import CompletionOutput, RequestOutput
@@ -174,8 +174,10 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
         logger.info("%s: prompts %s, params %r", call.id, state.loggable(req.prompts), req.params)
     field = "prompt" if len(req.prompts) == 1 else "prompt[{}]"
     rid = engine_request_id(call.id)
+    # Several prompts: the response starts once the engine took them all, not once each has a token.
+    accepted = Acceptance(len(req.prompts)) if len(req.prompts) > 1 else None
     gens = [generate_checked(state.llm, p, req.params, f"{rid}-{i}", field.format(i), req.add_special_tokens,
-                             priority=req.priority, cache_salt=req.cache_salt)
+                             priority=req.priority, cache_salt=req.cache_salt, on_accepted=accepted)
             for i, p in enumerate(req.prompts)]
 
     async def respond(gen: Generation) -> Any:
@@ -190,7 +192,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
         choices.sort(key=lambda c: c["index"])
         return JSONBody({**call.head(created), "choices": choices, **RESPONSE_NULLS, "usage": call.usage()})
 
-    return await run_generation(request, state, gens, req.params, respond, req.engine_error)
+    return await run_generation(request, state, gens, req.params, respond, req.engine_error, accepted)
 
 
 def _stream(gen: Generation, call: _Completion, created: int) -> Any:
