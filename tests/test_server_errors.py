@@ -246,9 +246,41 @@ def test_a_bad_prompt_of_a_batch_ends_the_call_before_the_good_one_runs(server, 
 def test_400_a_batch_larger_than_the_server_ever_admits(http):
     # --max-num-seqs 1 and --max-waiting-requests 1: three prompts never fit, so no retry helps (not a 503).
     r = http.post(_C, json=completion_body(prompt=["a", "b", "c"]))
-    err = assert_openai_error(r, 400, "3 prompts")
+    err = assert_openai_error(r, 400, "3 prompts x n=1 in one request are 3 sequences")
     assert err["param"] == "prompt", err
     assert_still_serves(http)
+
+
+def test_admission_counts_each_requests_sequences(tiny_model_dir):
+    """max_num_seqs counts sequences, and so does --max-waiting-requests: a request with n=2 takes
+    two of the slots + waiting places, so the queue cannot hold max_num_seqs times what it says."""
+    import asyncio
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+    from ferrokv.entrypoints.openai.protocol import OpenAIError
+
+    llm = AsyncLLM(str(tiny_model_dir("llama", "llama")), device="cpu", dtype="float32", max_model_len=128,
+                   num_kv_blocks=64, max_num_seqs=2)
+    try:
+        app = build_app(llm, ServerConfig(served_model_name=MODEL, max_waiting_requests=1))
+        state = app.state.ferrokv
+        state.admit(1, 2)  # 2 of the 3 places
+        with pytest.raises(OpenAIError, match="waiting queue is full") as full:
+            state.admit(1, 2)
+        assert full.value.status == 503
+        state.admit(1, 1)
+        state.admitted = 0
+
+        async def ask():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                return await c.post(_C, json=completion_body(n=4, temperature=1.0))
+
+        err = assert_openai_error(asyncio.run(ask()), 400, "1 prompt x n=4 in one request are 4 sequences")
+        assert err["param"] == "n" and state.admitted == 0
+    finally:
+        llm.shutdown()
 
 
 def test_a_top_p_below_float32s_range_samples_like_the_smallest_one(http):

@@ -306,7 +306,7 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help=f"largest request body accepted; larger ones get 413 (default: {BODY_BYTES_PER_TOKEN} "
                         "bytes per token of max_model_len, at least 1 MiB)")
     g.add_argument("--max-waiting-requests", type=human_readable_int, default=d.max_waiting_requests,
-                   help=help_with_default("requests accepted beyond the max_num_seqs running ones; more get 503",
+                   help=help_with_default("sequences (prompts x n) accepted beyond the max_num_seqs running ones; more get 503",
                                           d.max_waiting_requests))
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help=help_with_default("seconds requests in flight may run on after SIGTERM/SIGINT before "

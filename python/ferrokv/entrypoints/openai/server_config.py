@@ -33,7 +33,7 @@ def body_limit(max_body_bytes: int | None, max_model_len: int) -> int:
 class ServerConfig:
     """``served_model_name``: the name clients send and see (``served_model_aliases``: other names
     they may send, listed by ``/v1/models`` too; a response shows the first name, as vLLM's do). ``max_waiting_requests``: engine
-    requests accepted beyond the ``max_num_seqs`` running ones. ``drain_timeout``: seconds
+    sequences (prompts x n) accepted beyond the ``max_num_seqs`` running ones. ``drain_timeout``: seconds
     requests in flight may run on after SIGTERM/SIGINT. ``allowed_*`` and ``allow_credentials``:
     the CORS policy browsers are told (vLLM's flags and defaults: any origin, method and header).
     ``trust_request_chat_template``: whether a request's own ``chat_template`` is rendered (vLLM's

@@ -4,7 +4,7 @@ with the client watched, merging several requests' outputs, and server-sent even
 Invariants:
 
 * ``admit`` refuses (503) while the server drains or when accepting the request would put more
-  than ``max_waiting_requests`` requests beyond the engine's ``max_num_seqs`` running slots;
+  than ``max_waiting_requests`` sequences (prompts x n) beyond the engine's ``max_num_seqs`` running slots;
   refusals change nothing.
 * ``Generation.start`` returns only once the engine took every request of the call (one
   request: once it has its first output), so a request it refuses (a prompt too long, a bad token
@@ -111,19 +111,23 @@ class ServerState:
             return repr(prompt)
         return _cut(repr(_cut(prompt, n)), _LOG_LINE_FACTOR * n + 100)
 
-    def admit(self, num_requests: int) -> None:
+    def admit(self, num_prompts: int, n: int) -> None:
+        """Takes a call's ``num_prompts`` x ``n`` sequences (what ``max_num_seqs`` counts too), or
+        refuses it; ``Generation.close`` gives them back."""
         if self.draining:
             raise OpenAIError(503, "the server is shutting down")
         if not self.llm.is_running:
             raise to_openai_error(self.llm.dead_error)
-        slots = self.llm.engine.args.max_num_seqs
-        if num_requests > slots + self.max_waiting_requests:  # not even an idle server takes it: no retry helps
-            raise OpenAIError(400, f"prompt: {num_requests} prompts in one request are more than this server "
-                                   f"admits at once ({slots} running + {self.max_waiting_requests} waiting)", "prompt")
-        if self.admitted + num_requests > slots + self.max_waiting_requests:
-            raise OpenAIError(503, f"the waiting queue is full ({self.max_waiting_requests} requests wait "
+        slots, seqs = self.llm.engine.args.max_num_seqs, num_prompts * n
+        if seqs > slots + self.max_waiting_requests:  # not even an idle server takes it: no retry helps
+            field = "prompt" if num_prompts > 1 else "n"
+            raise OpenAIError(400, f"{field}: {num_prompts} prompt{'s' * (num_prompts > 1)} x n={n} in one request "
+                                   f"are {seqs} sequences, more than this server admits at once ({slots} running "
+                                   f"+ {self.max_waiting_requests} waiting)", field)
+        if self.admitted + seqs > slots + self.max_waiting_requests:
+            raise OpenAIError(503, f"the waiting queue is full ({self.max_waiting_requests} sequences wait "
                                    f"beyond the {slots} running); retry later")
-        self.admitted += num_requests
+        self.admitted += seqs
 
 
 _LOG_LINE_FACTOR = 4  # a logged request's line: at most this many times --max-log-len (+ its framing)
@@ -343,6 +347,7 @@ class Generation:
         self.gens = gens
         self.state = state
         self.closed = False
+        self.n = params.n  # each request's sequences, as admitted
         self.first: list[RequestOutput | None] = [None] * len(gens)
         self._firsts: list[asyncio.Future[None]] = []  # fetching them; outputs() awaits those not done
         self._accepted = accepted
@@ -385,7 +390,7 @@ class Generation:
         if self.closed:
             return
         self.closed = True
-        self.state.admitted -= len(self.gens)
+        self.state.admitted -= len(self.gens) * self.n
         for timer in self.timers:
             self.state.metrics.on_close(timer)
         await self._stop_firsts()  # a generator still fetching its first output cannot be closed

@@ -157,7 +157,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
                              max_logprobs=state.llm.engine.args.max_logprobs, tool_call_parser=state.tool_call_parser)
     model = state.check_model(req.model)
     template = state.template_for(req.template)
-    state.admit(1)
+    state.admit(1, req.params.n)
     call = ChatAnswer(req, model, int(time.time()), state.response_role,  # created: when this completion was made
                  response_id("chatcmpl", request, req.request_id))
     rid = engine_request_id(call.head["id"])

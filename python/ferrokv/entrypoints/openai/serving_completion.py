@@ -167,7 +167,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
     req = parse_completion_request(body, defaults=state.llm.default_sampling_params,
                              max_logprobs=state.llm.engine.args.max_logprobs)
     model = state.check_model(req.model)
-    state.admit(len(req.prompts))
+    state.admit(len(req.prompts), req.params.n)
     call = _Completion(req, model, state.llm.tokenizer, response_id("cmpl", request, req.request_id))
     created = int(time.time())  # OpenAI's created: when this completion was made
     if state.log_prompts:

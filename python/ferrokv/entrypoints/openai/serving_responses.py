@@ -367,7 +367,7 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     chat = req.chat
     model = state.check_model(chat.model)
     template = state.template_for(chat.template)
-    state.admit(1)
+    state.admit(1, chat.params.n)
     rid = f"resp_{request.headers.get('x-request-id') or chat.request_id or uuid.uuid4().hex}"
     call = ChatAnswer(chat, model, int(time.time()), "assistant", rid)
     args = state.llm.engine.args
