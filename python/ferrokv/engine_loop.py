@@ -114,10 +114,11 @@ def caller_error(item: StreamItem) -> BaseException:
     """What a caller waiting on a sink raises for its error ``item``: a refusal (bad input) as it
     is; a failure shared by many requests (a failed step, the loop's end) as an exception of the
     caller's own, so that raising it in each caller never chains every caller's frames onto one
-    object's traceback (and never races one across threads)."""
+    object's traceback (and never races one across threads); a ``KeyboardInterrupt`` or
+    ``SystemExit`` the step raised on the loop's thread too (the callers' own are theirs)."""
     e = item.error
     assert e is not None
-    if item.refused or not isinstance(e, Exception):
+    if item.refused:
         return e
     own: Exception
     if isinstance(e, EngineDeadError):
