@@ -430,6 +430,10 @@ HERMES = ToolChoice(FUNCTIONS, parser="hermes")
      '<tool_call>{"name": "a", "arguments": {"x": 1e999}}</tool_call>'),
     ('<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>', [],
      '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>'),
+    # A lone surrogate written as an escape stays an escape: the response must be valid UTF-8.
+    ('<tool_call>{"name": "a", "arguments": {"x": "\\ud800 é"}}</tool_call>', [("a", '{"x": "\\ud800 é"}')], ""),
+    ('<tool_call>{"name": "a\\udfff", "arguments": {}}</tool_call>', [],  # no tool has such a name
+     '<tool_call>{"name": "a\\udfff", "arguments": {}}</tool_call>'),
 ])
 def test_hermes_calls_and_content_at_any_cut(text, calls, content):
     assert all(parse_split(HERMES, text, cut) == (calls, content) for cut in range(len(text) + 1))
@@ -545,6 +549,7 @@ PYTHONIC = ToolChoice(FUNCTIONS, parser="pythonic")
     ("[f(a=1),,g(b=2)]", [], "[f(a=1),,g(b=2)]"),
     ("[f(a=1)][g(b=2)]", [], "[f(a=1)][g(b=2)]"),
     ('[a(k=1), b(k="cut by max_tok', [], '[a(k=1), b(k="cut by max_tok'),
+    ('[a(k="\\ud800 é")]', [("a", '{"k": "\\ud800 é"}')], ""),  # a lone surrogate stays an escape (UTF-8 out)
 ])
 def test_pythonic_calls_and_content_at_any_cut(text, calls, content):
     """vLLM's pythonic parser: a reply that is a Python list of calls with keyword literal

@@ -42,6 +42,7 @@ import string
 import uuid
 from typing import Any
 
+from ferrokv.checks import is_text
 from ferrokv.entrypoints.openai.tool_calls import ToolChoice
 
 __all__ = ["ToolCallParser", "check_tool_call_parser", "tool_call_parser"]
@@ -51,6 +52,13 @@ Deltas = list[dict[str, Any]]
 
 def _call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _arguments_json(arguments: Any, allow_nan: bool) -> str:
+    """A call's arguments as JSON text; a lone surrogate the model wrote as an escape (``\\ud800``)
+    stays one, so that the response is UTF-8 (the rest is kept as it is, not escaped)."""
+    text = json.dumps(arguments, ensure_ascii=False, allow_nan=allow_nan)
+    return text if is_text(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ToolCallParser:
@@ -85,10 +93,10 @@ class ToolCallParser:
             obj = json.loads(obj_text)
         except (ValueError, RecursionError):
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not is_text(obj["name"]):
+            return None  # (a name with a lone surrogate, written as an escape, is no tool's)
         try:
-            arguments = json.dumps(next((obj[k] for k in keys if k in obj), {}), ensure_ascii=False, allow_nan=forced)
+            arguments = _arguments_json(next((obj[k] for k in keys if k in obj), {}), allow_nan=forced)
         except (ValueError, RecursionError):
             return None
         return self._add(obj["name"], arguments)
@@ -256,7 +264,7 @@ class _PythonicCalls(ToolCallParser):
         try:
             arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
             # Tuples become arrays; sets, bytes and infinities are no JSON: not a call.
-            return node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+            return node.func.id, _arguments_json(arguments, allow_nan=False)
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
 
