@@ -393,6 +393,11 @@ def test_n2_chat(client):
     assert r.usage.completion_tokens == 16
     assert all(c.message.role == "assistant" for c in r.choices)
     assert r.choices[0].message.content != r.choices[1].message.content
+    # Streamed: every choice's role chunk first, as vLLM sends them, then the contents.
+    chunks = list(chat(client, n=2, temperature=1.0, seed=8, max_tokens=8, stream=True))
+    firsts = [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]]
+    assert firsts == [(0, "assistant"), (1, "assistant")]
+    assert not any(c.choices[0].delta.role for c in chunks[2:])
 
 
 def _stop_candidate(text: str, length: int) -> str:

@@ -1,8 +1,8 @@
 """``POST /v1/chat/completions``: the conversation through the model's chat template (on the
 tokenizer pool), then one engine request with ``n`` samples.
 
-Streaming sends, per choice, a first chunk with ``delta.role`` (``--response-role``), content chunks as the
-engine steps, a last chunk with ``finish_reason`` (its delta empty unless text came with it),
+Streaming sends first every choice's chunk with ``delta.role`` (``--response-role``; vLLM's order), then per
+choice content chunks as the engine steps, a last chunk with ``finish_reason`` (its delta empty unless text came with it),
 then a usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``. ``logprobs``
 follow OpenAI's chat shape (``content: [{token, logprob, bytes, top_logprobs}]``), with
 ``top_logprobs`` alternatives ranked 1..top_logprobs. ``prompt_logprobs`` (vLLM's extra) are a
@@ -87,7 +87,7 @@ class ChatAnswer:
         self.prompt_tokens = 0
         self.cached = 0
         self.choice_tokens: dict[int, int] = {}  # generated tokens per choice index
-        self.started: set[int] = set()
+        self.started = False  # the stream's role (and echo) chunks were sent
         self.parsers: dict[int, ToolCallParser] = {}  # per choice, when the request uses tools
 
     def count(self, out: RequestOutput) -> None:
@@ -217,17 +217,17 @@ def _stream(gen: Generation, call: ChatAnswer) -> Any:
         call.count(out)
         events = []
         with_ids = call.req.token_ids  # vLLM's return_token_ids: the prompt's first, then each delta's
-        for c in out.outputs:
-            if c.index not in call.started:
-                first = not call.started
-                call.started.add(c.index)
-                events.append(chunk({"index": c.index, "delta": {"role": call.role, "content": ""},
+        if not call.started:  # vLLM's: every choice's role chunk first, then every echo chunk
+            call.started = True
+            for index in range(call.req.params.n):
+                events.append(chunk({"index": index, "delta": {"role": call.role, "content": ""},
                                      "logprobs": None, "finish_reason": None}, generated=False))
-                if with_ids and first:
+                if with_ids and index == 0:
                     events[-1]["prompt_token_ids"] = list(out.prompt_token_ids)
-                if call.echo:
-                    events.append(chunk({"index": c.index, "delta": {"content": call.echo}, "logprobs": None,
-                                         "finish_reason": None}, generated=False))
+            events += [chunk({"index": index, "delta": {"content": call.echo}, "logprobs": None,
+                              "finish_reason": None}, generated=False) for index in range(call.req.params.n)
+                       if call.echo]
+        for c in out.outputs:
             delta = call.delta(c)
             if not delta.get("content") and "tool_calls" not in delta and c.finish_reason is None \
                     and c.logprobs is None and not (with_ids and c.token_ids):
