@@ -392,6 +392,39 @@ def test_a_stream_left_as_its_event_loop_closes_logs_no_error(allm, caplog):
     assert_engine_idle(allm)
 
 
+def test_streams_of_an_event_loop_closed_with_them_open_are_aborted_and_uncounted(allm):
+    """An event loop closed with its generate() tasks still pending (not cancelled: their
+    ``finally`` never runs): nobody will read those requests, so they are aborted, and their ends
+    give back what num_in_flight counted (the server's admission and drain read it)."""
+    import gc
+    import time
+
+    started: list[str] = []
+
+    async def consume(rid):
+        async for _ in allm.generate(rand_prompts(46, [6])[0], greedy(100), rid):
+            started.append(rid)
+
+    async def until_each_streams():
+        while len(set(started)) < 3:
+            await asyncio.sleep(0.001)
+
+    aborted = allm.stats()["requests_aborted"]
+    loop = asyncio.new_event_loop()
+    for i in range(3):
+        loop.create_task(consume(f"left{i}"))
+    loop.run_until_complete(until_each_streams())
+    loop.close()
+    del loop
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while (allm.num_in_flight or allm.engine.has_unfinished_requests()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert allm.stats()["requests_aborted"] - aborted == 3
+    assert_engine_idle(allm)
+    asyncio.run(probe(allm, "left0"))  # the ids are free again
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. bad input: the request's error, the others go on
 # ------------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ Invariants:
 * A generator that is closed or cancelled before its last output (the client went away) aborts
   its request: the engine frees its blocks when the step in progress ends.
 * ``num_in_flight`` counts the requests submitted and not yet ended (the server's admission
-  control and drain read it); it returns to 0 once every request has ended.
+  control and drain read it); it returns to 0 once every request has ended. A request whose
+  event loop closed with its generator still open (its ``finally`` never runs) is aborted.
 * Text prompts and chat templates are tokenized on a small thread pool, never on the event loop
   or the engine loop (HF fast tokenizers release the GIL while they encode).
 * vLLM's ``EngineClient`` surface: ``get_tokenizer``, ``get_model_config``, ``check_health``,
@@ -65,14 +66,16 @@ class _LoopDispatcher:
     ``flush`` (the engine loop calls it after a step's puts) schedules one ``_drain`` unless one
     is pending, so a step's outputs cost one wake-up of the event loop."""
 
-    __slots__ = ("_loop", "_items", "_pending")
+    __slots__ = ("_loop", "_items", "_pending", "_on_lost")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 on_lost: Callable[[_RequestStream, StreamItem], None]) -> None:
         # Weakly: AsyncLLM keeps its dispatchers in a map weakly keyed by their loop, and a strong
         # reference here would keep every loop that ever used the engine (and its map entry) alive.
         self._loop = weakref.ref(loop)
         self._items: collections.deque[tuple[_RequestStream, StreamItem]] = collections.deque()
         self._pending = False
+        self._on_lost = on_lost  # an item no event loop will ever read (AsyncLLM._lost)
 
     def post(self, stream: _RequestStream, item: StreamItem) -> None:  # the engine thread
         self._items.append((stream, item))
@@ -88,7 +91,9 @@ class _LoopDispatcher:
                     raise RuntimeError("the event loop is gone")
                 loop.call_soon_threadsafe(self._drain)
             except RuntimeError:  # the event loop is closed or gone (its client too): nobody reads these
-                self._items.clear()
+                self._pending = False  # (the next flush drops what comes later)
+                while self._items:
+                    self._on_lost(*self._items.popleft())
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -114,7 +119,8 @@ class _RequestStream:
     output is merged into it (as vLLM's output collector does), so a slow consumer reads fewer,
     larger outputs; errors are always kept."""
 
-    __slots__ = ("request_id", "_dispatcher", "_queue", "_waiter", "_kind", "_on_accepted", "accepted")
+    __slots__ = ("request_id", "_dispatcher", "_queue", "_waiter", "_kind", "_on_accepted", "accepted", "released",
+                 "abandoned")
 
     def __init__(self, request_id: str, dispatcher: _LoopDispatcher, kind: RequestOutputKind | None,
                  on_accepted: Callable[[], None] | None = None) -> None:
@@ -126,6 +132,7 @@ class _RequestStream:
         self._on_accepted = on_accepted
         # OutputSink's: told only to a caller that asked (one more item on the event loop)
         self.accepted = None if on_accepted is None else self._post_accepted
+        self.released = self.abandoned = False  # AsyncLLM's: its count given back, its request given up
 
     def put(self, item: StreamItem) -> None:  # the engine thread (OutputSink)
         self._dispatcher.post(self, item)
@@ -422,8 +429,28 @@ class AsyncLLM:
         d = self._dispatchers.get(loop)
         if d is None:
             with self._lock:
-                d = self._dispatchers.setdefault(loop, _LoopDispatcher(loop))
+                d = self._dispatchers.setdefault(loop, _LoopDispatcher(loop, self._lost))
         return d
+
+    def _lost(self, stream: _RequestStream, item: StreamItem) -> None:
+        """An item of a stream whose event loop closed with its generator still open (whose
+        ``finally`` then never runs): the request is abandoned, and its end gives its count back."""
+        if item.finished and item is not _ACCEPTED:
+            self._release(stream)
+        elif not stream.abandoned:
+            stream.abandoned = True
+            self.engine_loop.abandon(stream.request_id, stream)
+
+    def _release(self, stream: _RequestStream) -> None:
+        """Gives back what ``generate`` counted for the stream (``num_in_flight``), once."""
+        with self._lock:
+            if stream.released:
+                return
+            stream.released = True
+            self._in_flight -= 1
+            left = self._live.pop(stream.request_id) - 1
+            if left:
+                self._live[stream.request_id] = left
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, lora_request: Any = None, priority: int = 0,
@@ -466,11 +493,7 @@ class AsyncLLM:
                     raise caller_error(item)
                 yield item.output
         finally:
-            with self._lock:
-                self._in_flight -= 1
-                left = self._live.pop(rid) - 1
-                if left:
-                    self._live[rid] = left
+            self._release(stream)
             if not ended:  # closed or cancelled early: the client is gone, and the id is free again
                 self.engine_loop.abandon(rid, stream)
             del grammar  # (held until here)
