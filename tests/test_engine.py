@@ -199,6 +199,11 @@ def test_model_config_has_the_attributes_vllm_scripts_read(llama_path):
     assert (mc.max_model_len, mc.dtype, mc.seed, mc.revision) == (48, torch.float32, 7, None)
     assert mc.get_vocab_size() == engine.vocab_size and mc.hf_config.num_hidden_layers == 2
     assert engine.get_model_config() is mc
+    # hf_config is transformers' config class, as vLLM's (scripts read architectures[0], to_dict())
+    hf = mc.hf_config
+    assert (hf.architectures, hf.model_type, hf.to_dict()["num_hidden_layers"]) == (["LlamaForCausalLM"], "llama", 2)
+    overridden = make_engine(llama_path, hf_overrides={"rms_norm_eps": 1e-3}).model_config.hf_config
+    assert overridden.rms_norm_eps == 1e-3
 
 
 def test_cache_config_has_the_attributes_vllm_scripts_read(llama_path):

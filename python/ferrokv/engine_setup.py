@@ -428,8 +428,17 @@ class ModelConfigView:
 
     @property
     def hf_config(self) -> Any:
-        """The architecture's settings as ferrokv parsed them from config.json."""
-        return self._engine.model.config
+        """The model's config.json (``hf_overrides`` set on top) as transformers' config class, as
+        vLLM's (``architectures``, ``model_type``, ``to_dict()``...); read when asked."""
+        from transformers import AutoConfig, PretrainedConfig
+
+        from ferrokv.model_loader import load_config
+
+        d = load_config(self._engine.model_path, self._engine.args.hf_overrides)
+        try:
+            return AutoConfig.for_model(**d)
+        except (ValueError, KeyError, TypeError):  # a model_type transformers does not know
+            return PretrainedConfig(**d)
 
     @property
     def seed(self) -> int | None:
