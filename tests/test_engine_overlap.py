@@ -295,11 +295,19 @@ def test_no_step_thread_outlives_its_engine(llama_path):
         assert not t.is_alive()
 
 
-def _every_output(engine, fails: type[BaseException]) -> tuple[dict[str, list], int]:
-    """Steps until idle: (per request, (finished, tokens, finish reason) of each output in order;
-    how many steps raised ``fails``)."""
+def _every_output(engine, fails: type[BaseException], reporter: bool = False) -> tuple[dict[str, list], int]:
+    """Steps until idle: (per request, (finished, tokens, finish reason) of each output in order,
+    those ``on_abort`` reports too with ``reporter``; how many steps raised ``fails``)."""
     seen: dict[str, list] = {}
     raised = 0
+
+    def record(o):
+        c = o.outputs[0] if o.outputs else None
+        seen.setdefault(o.request_id, []).append((o.finished, len(c.token_ids) if c else 0,
+                                                  c.finish_reason if c else None))
+
+    if reporter:
+        engine.on_abort = record
     for _ in range(200):
         if not engine.has_unfinished_requests():
             break
@@ -309,9 +317,7 @@ def _every_output(engine, fails: type[BaseException]) -> tuple[dict[str, list], 
             raised += 1
             continue
         for o in outs:
-            c = o.outputs[0] if o.outputs else None
-            seen.setdefault(o.request_id, []).append(
-                (o.finished, len(c.token_ids) if c else 0, c.finish_reason if c else None))
+            record(o)
     assert_idle(engine)
     return seen, raised
 
@@ -347,10 +353,12 @@ def test_a_failure_after_update_reports_the_made_outputs_before_the_aborts(llama
     assert [n for _, n, _ in seen["a"]][:2] == [1, 2]  # step 2's outputs were not lost
 
 
-def test_an_abort_applied_as_a_step_ends_keeps_the_steps_outputs_when_it_fails(llama_path):
+@pytest.mark.parametrize("reporter", [False, True])
+def test_an_abort_applied_as_a_step_ends_keeps_the_steps_outputs_when_it_fails(llama_path, reporter):
     """An abort queued from another thread during a step is applied as the step ends, making the
     pending step's text first; an interrupt there raises from step() but loses none of the outputs
-    it was returning (another request's final output among them): the next step() returns them."""
+    it was returning (another request's final output among them): the next step() returns them,
+    and with a reporter (on_abort) the aborted request's come before its final output."""
     engine = tiny_engine(llama_path, overlap=True)
     engine.add_request("a", rand_prompts(10, [4])[0], greedy(2))
     engine.add_request("b", rand_prompts(11, [3])[0], greedy(10))
@@ -373,9 +381,11 @@ def test_an_abort_applied_as_a_step_ends_keeps_the_steps_outputs_when_it_fails(l
         return step_results(*args)
 
     engine.text.step_results = interrupted
-    seen, raised = _every_output(engine, KeyboardInterrupt)
+    seen, raised = _every_output(engine, KeyboardInterrupt, reporter)
     assert raised == 1 and seen["a"][-1] == (True, 2, "length")
-    _ends_last_and_once({"a": seen["a"]})
+    _ends_last_and_once(seen if reporter else {"a": seen["a"]})
+    if reporter:
+        assert seen["b"][-1][2] == "abort" and len(seen["b"]) > 1, seen
 
 
 def test_a_deliver_that_raises_gets_its_outputs_again(llama_path):
@@ -421,3 +431,4 @@ def test_a_failure_building_a_beam_output_loses_no_other_requests_end(llama_path
     seen, raised = _every_output(engine, RuntimeError)
     assert raised == 1 and calls
     assert [f for f, _, _ in seen["r"]].count(True) == 1 and seen["r"][-1][0], seen
+    assert seen["beam"] == [(True, 0, None)], seen  # the search ended: reported as aborted (no hypotheses)

@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +65,7 @@ from ferrokv.beam_search_params import BeamSearchParams
 from ferrokv.checks import rename_field
 from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
-from ferrokv.engine_lock import EngineLock
+from ferrokv.engine_lock import EngineLock, exclusive as _exclusive
 from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
 from ferrokv.inputs import (check_logprobs_cap, check_no_lora, check_priority, checked_prompt_ids, prompt_cache_salt,
                             request_id_str, request_ids, request_max_tokens, tokenization_options, with_truncation)
@@ -73,7 +73,7 @@ from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logi
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
 from ferrokv.output_processor import (RequestState, aborted_output, append_logprobs, build_outputs, end_completion,
-                                      new_stats, prompt_of_row, request_times, seq_of_row, stream_rows)
+                                      new_stats, prompt_of_row, request_times, seq_of_row, split_outputs, stream_rows)
 from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from ferrokv.prompt_logprobs import PromptLogprobRequests, PromptLogprobsPlan
 from ferrokv.step_profile import StepProfile
@@ -101,19 +101,6 @@ class _StepUndo:
     """What a step changed in Python before ``update()``, undone if the step is cancelled."""
 
     beams: list[RequestState] = field(default_factory=list)  # beam searches that moved (cannot be put back)
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _exclusive(method: _F) -> _F:
-    """Runs an ``LLMEngine`` method holding the engine lock (``ferrokv.engine_lock``)."""
-
-    @functools.wraps(method)
-    def locked(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
-        return self._guard.call(method.__name__, functools.partial(method, self, *args, **kwargs))
-
-    return locked  # type: ignore[return-value]
 
 
 class LLMEngine:
@@ -169,7 +156,8 @@ class LLMEngine:
         self.before_step: Callable[[], None] | None = None
         # With overlap, called inside step() with the previous step's outputs as soon as they are made, while
         # this step's forward pass runs (an empty step returns them: an engine whose last outputs are out is
-        # idle); step() then returns only the others. Must not call the engine; raising, it loses nothing.
+        # idle); step() then returns only the others. Must not call the engine; raising, it gets them all again
+        # from the next step() (so it must take all or none).
         self.deliver: Callable[[list[RequestOutput]], None] | None = None
         self._stats: dict[str, int] = self.scheduler.stats()
         self._stats_wanted = False
@@ -361,7 +349,7 @@ class LLMEngine:
             self._unreturned += self._finish_pending(p)
         aborted = set(inbox)  # finished ones too: a reused id must never get their kept outputs
         if aborted and self._unreturned:  # without a reporter, nothing more (vLLM's)
-            taken = self._take_unreturned(aborted)
+            taken, self._unreturned = split_outputs(self._unreturned, aborted)
             if self.on_abort is not None:
                 self._guard.aborted += taken
         while inbox:
@@ -377,18 +365,16 @@ class LLMEngine:
         except UnknownRequestError:
             ended = []  # ended by the scheduler already (a capacity abort, a cancelled reshaped step)
         self._finish(req)
+        self._report_abort(req, ended, asked)
+
+    def _report_abort(self, req: RequestState, ended: list[Any], asked: bool = False) -> None:
+        """An ended request's final output: to ``on_abort`` after the outputs it still had to report
+        (as a serial engine returned them before the abort came); else to the next ``step()``."""
         if self.on_abort is not None:
-            self._guard.aborted += self._take_unreturned({req.request_id})
-            self._guard.aborted.append(aborted_output(req, ended, self._times_of))
+            taken, self._unreturned = split_outputs(self._unreturned, {req.request_id})
+            self._guard.aborted += [*taken, aborted_output(req, ended, self._times_of)]
         elif not asked:
             self._unreturned.append(aborted_output(req, ended, self._times_of))
-
-    def _take_unreturned(self, request_ids: set[str]) -> list[RequestOutput]:
-        """Takes the kept outputs of these requests, to report before their abort's own output (as
-        a serial engine returned them before the abort came)."""
-        taken = [o for o in self._unreturned if o.request_id in request_ids]
-        self._unreturned = [o for o in self._unreturned if o.request_id not in request_ids] if taken else self._unreturned
-        return taken
 
     # ------------------------------------------------------------------------------------------
     @_exclusive
@@ -447,13 +433,18 @@ class LLMEngine:
             self._unreturned += self._finish_pending(pending)
         if prof is not None:
             prof.add(out.num_rows, t0, t1, t2, t3, t4, t5, time.perf_counter())
-        outputs, self._unreturned = self._unreturned, []
-        if self._guard.abort_inbox:  # applied here, not at release, so that a failure keeps the outputs
-            try:
-                self._apply_aborts()
-            except BaseException:
-                self._unreturned[:0] = outputs
-                raise
+        # Aborts queued meanwhile are applied here, not at release, so that a failure keeps every output
+        # for the next step(), in order; the pending step's outputs are made first (_apply_aborts).
+        kept = len(self._unreturned)
+        if self._guard.abort_inbox and self._pending is not None:
+            p, self._pending = self._pending, None
+            self._unreturned += self._finish_pending(p)
+        outputs, self._unreturned = self._unreturned[:kept], self._unreturned[kept:]
+        try:
+            self._apply_aborts()
+        except BaseException:
+            self._unreturned[:0] = outputs
+            raise
         return outputs
 
     def _fail_step(self, out: Any, job: Any, undo: _StepUndo, half_made: _Pending | None,
@@ -569,8 +560,13 @@ class LLMEngine:
                 req.finished = True  # (its output says so)
                 done.append(req)
         outputs = build_outputs(touched.values(), ended_now, self._times_of)
-        outputs += [beam_output(req, self.text.decode) for req in self._beams_done]
-        self._beams_done = []
+        beams, self._beams_done = self._beams_done, []
+        try:
+            outputs += [beam_output(req, self.text.decode) for req in beams]
+        except BaseException:  # ended already: reported as aborted instead
+            for req in beams:
+                self._report_abort(req, [])
+            raise
         for req in done:  # last: a failure before leaves them to be aborted, and so reported
             self._finish(req)
         if self.profile is not None:

@@ -19,6 +19,7 @@ Costs: O(1) per call, plus the queued aborts and reports.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -26,9 +27,20 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["EngineLock"]
+__all__ = ["EngineLock", "exclusive"]
 
 _T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def exclusive(method: _F) -> _F:
+    """Runs a method holding its object's ``_guard`` (an ``EngineLock``): ``LLMEngine``'s entry points."""
+
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._guard.call(method.__name__, functools.partial(method, self, *args, **kwargs))
+
+    return locked  # type: ignore[return-value]
 
 
 class EngineLock:

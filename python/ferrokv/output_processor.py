@@ -39,7 +39,7 @@ from ferrokv.sampling_params import SamplingParams
 
 __all__ = [
     "RequestState", "SeqState", "aborted_output", "append_logprobs", "build_outputs", "end_completion", "fill_metrics", "final_completion", "new_stats",
-    "prompt_of_row", "request_times", "seq_of_row", "stream_rows",
+    "prompt_of_row", "request_times", "seq_of_row", "split_outputs", "stream_rows",
 ]
 
 _CUMULATIVE, _DELTA, _FINAL = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
@@ -273,6 +273,12 @@ def aborted_output(req: RequestState, ended: list[Any], times_of: Callable[[Requ
         req.done.append(c)
         now.setdefault(req.core_id, []).append(c)
     return build_outputs([req], now, times_of)[0]
+
+
+def split_outputs(outputs: list[RequestOutput], request_ids: set[str]) -> tuple[list[RequestOutput], list[RequestOutput]]:
+    """(those of these requests, the others), each in order."""
+    taken = [o for o in outputs if o.request_id in request_ids]
+    return taken, [o for o in outputs if o.request_id not in request_ids] if taken else outputs
 
 
 def request_times(scheduler: Any, req: RequestState) -> Any:

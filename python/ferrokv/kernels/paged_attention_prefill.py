@@ -24,7 +24,7 @@ from .paged_attention_decode import check_attention_args
 __all__ = ["paged_attention_prefill"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile whatever the step's sequence count
 def _paged_attention_prefill_kernel(
     out_ptr,  # [T, H, D]
     q_ptr,  # [T, H, D]

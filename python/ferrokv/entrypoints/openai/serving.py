@@ -393,10 +393,12 @@ class Generation:
         self.state.admitted -= len(self.gens) * self.n
         for timer in self.timers:
             self.state.metrics.on_close(timer)
-        await self._stop_firsts()  # a generator still fetching its first output cannot be closed
-        for g in self.gens:
-            with contextlib.suppress(BaseException):
-                await g.aclose()  # type: ignore[attr-defined]
+        try:
+            await self._stop_firsts()  # a generator still fetching its first output cannot be closed
+        finally:  # (also when this close is cancelled: every request is aborted)
+            for g in self.gens:
+                with contextlib.suppress(BaseException):
+                    await g.aclose()  # type: ignore[attr-defined]
 
     def _seen(self, i: int, out: RequestOutput) -> RequestOutput:
         self.state.metrics.on_output(out, self.timers[i])

@@ -1,9 +1,9 @@
 """``POST /v1/chat/completions``: the conversation through the model's chat template (on the
 tokenizer pool), then one engine request with ``n`` samples.
 
-Streaming sends first every choice's chunk with ``delta.role`` (``--response-role``; vLLM's order), then per
-choice content chunks as the engine steps, a last chunk with ``finish_reason`` (its delta empty unless text came with it),
-then a usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``. ``logprobs``
+Streaming sends first every choice's chunk with ``delta.role`` (``--response-role``; vLLM's order), then
+per choice content chunks as the engine steps, a last chunk with ``finish_reason`` (its delta empty unless
+text came with it), then a usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``. ``logprobs``
 follow OpenAI's chat shape (``content: [{token, logprob, bytes, top_logprobs}]``), with
 ``top_logprobs`` alternatives ranked 1..top_logprobs. ``prompt_logprobs`` (vLLM's extra) are a
 top-level field of the non-streamed response, in vLLM's shape (``serving_completion``).

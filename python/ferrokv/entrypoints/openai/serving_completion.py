@@ -27,9 +27,9 @@ from typing import Any
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import CompletionRequest, parse_completion_request
-from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Acceptance, Generation, JSONBody, ServerState, SSEResponse,
-                                               engine_request_id, generate_checked, response_id, run_generation,
-                                               stream_events, watched)
+from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Acceptance, Generation, JSONBody, ServerState,
+                                               SSEResponse, engine_request_id, generate_checked, response_id,
+                                               run_generation, stream_events, watched)
 from ferrokv.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrokv.serve")
