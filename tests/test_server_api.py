@@ -962,6 +962,47 @@ def test_a_completion_of_several_prompts_streams_each_as_it_comes_and_refuses_be
     assert not refused.text.startswith("data:")
 
 
+def test_a_generation_closed_and_cancelled_meanwhile_still_aborts_every_request(tiny_model_dir):
+    """``Generation.close`` stops the first fetches still pending, then closes every generator;
+    cancelled while it waits for the first part (a server cancelling its response), it still
+    does the second: no request is left running for a client that is gone."""
+    import asyncio
+    import time
+
+    from ferrokv import AsyncLLM, SamplingParams
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+    from ferrokv.entrypoints.openai.serving import Acceptance, Generation, generate_checked
+
+    llm = AsyncLLM(str(tiny_model_dir("llama", "llama")), device="cpu", dtype="float32", max_model_len=128,
+                   block_size=4, num_kv_blocks=64, max_num_seqs=1)
+    state = build_app(llm, ServerConfig(served_model_name=MODEL)).state.ferrokv
+    params = SamplingParams(max_tokens=100, ignore_eos=True, temperature=0)
+
+    async def main():
+        state.admit(2, 1)
+        accepted = Acceptance(2)
+        gens = [generate_checked(llm, {"prompt_token_ids": [5 + i, 6, 7]}, params, f"g{i}", f"prompt[{i}]",
+                                 on_accepted=accepted) for i in range(2)]
+        gen = Generation(gens, state, params, accepted)
+        await gen.start()  # prompt 0 runs (its first output fetched), prompt 1 waits for the one slot
+        while not gen.first[0]:
+            await asyncio.sleep(0.001)
+        closing = asyncio.ensure_future(gen.close())
+        await asyncio.sleep(0)  # close is waiting for the pending first fetch to stop
+        closing.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+        deadline = time.monotonic() + 30  # in this event loop: its end would close the generators itself
+        while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return llm.stats()["requests_aborted"]
+
+    try:
+        aborted = llm.stats()["requests_aborted"]
+        assert asyncio.run(main()) - aborted == 2 and state.admitted == 0
+    finally:
+        llm.shutdown()
+
+
 def test_logged_prompts_are_cut_each_not_their_repr():
     from ferrokv.entrypoints.openai.serving import _cut
 
