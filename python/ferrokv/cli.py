@@ -345,7 +345,7 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: off)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent in a request (default: off, such requests get 400: a "
-                        "template is code the server runs)")
+                        "template is code the server runs, sandboxed, but free to spend its CPU and memory)")
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template chats use instead of the tokenizer's: a file, or the template "
                         "itself (default: the tokenizer's)")
