@@ -650,6 +650,26 @@ def test_a_failed_step_ends_each_request_with_an_engine_generate_error_of_its_ow
         llm.shutdown()
 
 
+def test_a_keyboard_interrupt_while_the_loop_adds_a_request_is_that_requests_error_only(allm, monkeypatch):
+    """Raised by engine code on the loop's thread (Ctrl-C never lands there), it must not reach
+    the caller's event loop raw: an EngineGenerateError; the next request runs."""
+    from ferrokv.engine_loop import EngineGenerateError
+
+    add, calls = allm.engine.add_request, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt("in the add")
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(allm.engine, "add_request", interrupted)
+    with pytest.raises(EngineGenerateError, match="KeyboardInterrupt"):
+        asyncio.run(collect(allm, {"prompt_token_ids": [5, 6, 7]}, greedy(2), "kbi-add"))
+    asyncio.run(probe(allm, "after-kbi-add"))
+    assert_engine_idle(allm)
+
+
 def test_shutdown_gives_each_waiter_an_engine_dead_error_of_its_own(llama_path):
     llm = make_async_llm(llama_path)
     started = threading.Event()

@@ -111,14 +111,13 @@ class StreamItem:
 
 
 def caller_error(item: StreamItem) -> BaseException:
-    """What a caller waiting on a sink raises for its error ``item``: a refusal (bad input) as it
-    is; a failure shared by many requests (a failed step, the loop's end) as an exception of the
-    caller's own, so that raising it in each caller never chains every caller's frames onto one
-    object's traceback (and never races one across threads); a ``KeyboardInterrupt`` or
-    ``SystemExit`` the step raised on the loop's thread too (the callers' own are theirs)."""
+    """What a caller waiting on a sink raises for its error ``item``: a refusal (bad input) as it is; a
+    failure shared by many requests (a failed step, the loop's end; a ``KeyboardInterrupt`` or ``SystemExit``
+    that engine code raised on the loop's thread) as an exception of the caller's own, so that raising it in
+    each caller never chains every caller's frames onto one object's traceback (nor races across threads)."""
     e = item.error
     assert e is not None
-    if item.refused:
+    if item.refused and isinstance(e, Exception):
         return e
     own: Exception
     if isinstance(e, EngineDeadError):
@@ -132,7 +131,7 @@ def caller_error(item: StreamItem) -> BaseException:
 
 
 class OutputSink(Protocol):
-    def put(self, item: StreamItem, /) -> None: ...  # optional: flush(), see the module docs
+    def put(self, item: StreamItem, /) -> None: ...  # optional: flush() and accepted, see the module docs
 
 
 @dataclass(slots=True)
