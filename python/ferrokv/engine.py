@@ -440,11 +440,12 @@ class LLMEngine:
             p, self._pending = self._pending, None
             self._unreturned += self._finish_pending(p)
         outputs, self._unreturned = self._unreturned[:kept], self._unreturned[kept:]
-        try:
-            self._apply_aborts()
-        except BaseException:
-            self._unreturned[:0] = outputs
-            raise
+        if self._guard.abort_inbox:
+            try:
+                self._apply_aborts()
+            except BaseException:
+                self._unreturned[:0] = outputs
+                raise
         return outputs
 
     def _fail_step(self, out: Any, job: Any, undo: _StepUndo, half_made: _Pending | None,
