@@ -425,6 +425,31 @@ def test_streams_of_an_event_loop_closed_with_them_open_are_aborted_and_uncounte
     asyncio.run(probe(allm, "left0"))  # the ids are free again
 
 
+def test_a_generator_dropped_after_its_event_loop_closed_gives_its_count_back(allm):
+    """Its request ended while the loop ran (the final output queued, unread); the loop closed and
+    the generator was dropped, its ``finally`` never run: num_in_flight still comes back to 0."""
+    import gc
+    import time
+
+    async def first_then_wait():
+        g = allm.generate(rand_prompts(47, [4])[0], greedy(3), "dropped")
+        await anext(g)
+        while allm.engine.has_unfinished_requests():  # the request ends; its last outputs stay queued
+            await asyncio.sleep(0.005)
+        return g
+
+    loop = asyncio.new_event_loop()
+    g = loop.run_until_complete(first_then_wait())
+    loop.close()
+    del g, loop
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while allm.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_engine_idle(allm)
+    asyncio.run(probe(allm, "dropped"))  # the id is free again
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. bad input: the request's error, the others go on
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ Invariants:
   its request: the engine frees its blocks when the step in progress ends.
 * ``num_in_flight`` counts the requests submitted and not yet ended (the server's admission
   control and drain read it); it returns to 0 once every request has ended. A request whose
-  event loop closed with its generator still open (its ``finally`` never runs) is aborted.
+  event loop closed with its generator still open (its ``finally`` never runs) is aborted, and
+  its count comes back when its last item finds the loop gone or its stream is collected.
 * Text prompts and chat templates are tokenized on a small thread pool, never on the event loop
   or the engine loop (HF fast tokenizers release the GIL while they encode).
 * vLLM's ``EngineClient`` surface: ``get_tokenizer``, ``get_model_config``, ``check_health``,
@@ -38,6 +39,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import queue
 import threading
 import uuid
 import weakref
@@ -113,14 +115,24 @@ class _LoopDispatcher:
 _ACCEPTED = StreamItem("")  # a _RequestStream's own item: the engine took its request
 
 
+class _Counted:
+    """What ``generate`` counted for one stream (``num_in_flight``): given back once."""
+
+    __slots__ = ("request_id", "released")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.released = False
+
+
 class _RequestStream:
     """One request's sink and its consumer's queue (``put`` on the engine thread, the rest on the
     event loop). While the consumer lags, a CUMULATIVE output replaces the unread one and a DELTA
     output is merged into it (as vLLM's output collector does), so a slow consumer reads fewer,
     larger outputs; errors are always kept."""
 
-    __slots__ = ("request_id", "_dispatcher", "_queue", "_waiter", "_kind", "_on_accepted", "accepted", "released",
-                 "abandoned")
+    __slots__ = ("request_id", "_dispatcher", "_queue", "_waiter", "_kind", "_on_accepted", "accepted", "counted",
+                 "abandoned", "__weakref__")
 
     def __init__(self, request_id: str, dispatcher: _LoopDispatcher, kind: RequestOutputKind | None,
                  on_accepted: Callable[[], None] | None = None) -> None:
@@ -132,7 +144,8 @@ class _RequestStream:
         self._on_accepted = on_accepted
         # OutputSink's: told only to a caller that asked (one more item on the event loop)
         self.accepted = None if on_accepted is None else self._post_accepted
-        self.released = self.abandoned = False  # AsyncLLM's: its count given back, its request given up
+        self.counted: _Counted | None = None  # AsyncLLM's: what generate counted for it
+        self.abandoned = False  # AsyncLLM's: its request given up
 
     def put(self, item: StreamItem) -> None:  # the engine thread (OutputSink)
         self._dispatcher.post(self, item)
@@ -232,6 +245,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # the dispatchers and the live requests: event loops may be several
         self._in_flight = 0
         self._live: dict[str, int] = {}  # request id -> event-loop streams using it (abort_all)
+        self._dropped: queue.SimpleQueue[_Counted] = queue.SimpleQueue()  # _collect_dropped
         self._stats_log = StatsLog(self.stats())
         weakref.finalize(self, _close, self.engine_loop, self._pool)
 
@@ -314,6 +328,7 @@ class AsyncLLM:
     @property
     def num_in_flight(self) -> int:
         """Requests submitted through ``generate`` and not ended yet."""
+        self._collect_dropped()
         return self._in_flight
 
     def stats(self) -> dict[str, Any]:
@@ -436,21 +451,27 @@ class AsyncLLM:
         """An item of a stream whose event loop closed with its generator still open (whose
         ``finally`` then never runs): the request is abandoned, and its end gives its count back."""
         if item.finished and item is not _ACCEPTED:
-            self._release(stream)
+            self._give_back(stream.counted)
         elif not stream.abandoned:
             stream.abandoned = True
             self.engine_loop.abandon(stream.request_id, stream)
 
-    def _release(self, stream: _RequestStream) -> None:
-        """Gives back what ``generate`` counted for the stream (``num_in_flight``), once."""
+    def _give_back(self, counted: _Counted | None) -> None:
+        """Gives back what ``generate`` counted for a stream, once."""
         with self._lock:
-            if stream.released:
+            if counted is None or counted.released:
                 return
-            stream.released = True
+            counted.released = True
             self._in_flight -= 1
-            left = self._live.pop(stream.request_id) - 1
+            left = self._live.pop(counted.request_id) - 1
             if left:
-                self._live[stream.request_id] = left
+                self._live[counted.request_id] = left
+
+    def _collect_dropped(self) -> None:
+        """Gives back the counts of streams collected with their generator's ``finally`` never run
+        (dropped after their event loop closed; queued by a finalizer, which must not lock)."""
+        while not self._dropped.empty():
+            self._give_back(self._dropped.get_nowait())
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, lora_request: Any = None, priority: int = 0,
@@ -481,9 +502,11 @@ class AsyncLLM:
             grammar = await self._warm_grammar(params.structured_outputs)
         stream = _RequestStream(rid, self._dispatcher(), kind, on_accepted)
         self.engine_loop.submit(rid, prompt, params, sink=stream, priority=priority, cache_salt=cache_salt, warm=False)
+        stream.counted = _Counted(rid)
         with self._lock:
             self._in_flight += 1
             self._live[rid] = self._live.get(rid, 0) + 1
+        weakref.finalize(stream, self._dropped.put, stream.counted)
         ended = False
         try:
             while not ended:
@@ -493,7 +516,7 @@ class AsyncLLM:
                     raise caller_error(item)
                 yield item.output
         finally:
-            self._release(stream)
+            self._give_back(stream.counted)
             if not ended:  # closed or cancelled early: the client is gone, and the id is free again
                 self.engine_loop.abandon(rid, stream)
             del grammar  # (held until here)
@@ -509,6 +532,7 @@ class AsyncLLM:
 
     def abort_all(self) -> None:
         """Aborts every request in flight (the server's drain deadline)."""
+        self._collect_dropped()
         with self._lock:
             ids = list(self._live)
         self.engine_loop.abort(ids)
