@@ -17,7 +17,7 @@ Streaming sends named events (``event: <type>``, each with its ``sequence_number
 ``response.created``, ``response.in_progress``; the message's ``output_item.added``,
 ``content_part.added``, ``output_text.delta``s, ``output_text.done``, ``content_part.done`` and
 ``output_item.done``; each call's ``output_item.added``, ``function_call_arguments.delta`` and
-``.done``, ``output_item.done``; then ``response.completed`` (or ``response.incomplete``). An
+``.done``, ``output_item.done``; then ``response.completed`` (its status ``incomplete`` if cut short: vLLM's). An
 error on the way is an ``error`` event, which ends the stream. There is no ``[DONE]``.
 Costs: as a chat completion.
 """
