@@ -765,6 +765,40 @@ def test_ttft_is_observed_with_the_first_token_and_steps_of_a_request_cut_short_
     assert sum(_sample(m, "ferrokv:request_success_total", finished_reason=r) for r in ("stop", "length")) == 0
 
 
+def _aborted_choices(base_url: str) -> float:
+    import re
+
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    found = re.search(r'^ferrokv:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_client_leaves_counts_its_choices_as_aborted_streamed_or_not(server, stream):
+    """A client that times out before the response's first byte (a non-streamed request) leaves
+    its n choices in request_success_total as "abort", as a streamed one does: the engine had
+    taken the request, although no output of it reached the server yet."""
+    import time
+
+    before = _aborted_choices(server.url)
+    body = {"model": MODEL, "prompt": PROMPT, "n": 2, "max_tokens": 480, "ignore_eos": True, "temperature": 1.0,
+            "stream": stream}
+    left = False
+    try:  # streamed: the client leaves after the first line; not streamed: it times out waiting
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30 if stream else 0.2,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            for _ in r.iter_lines():
+                left = stream
+                break
+    except httpx.ReadTimeout:
+        left = not stream
+    assert left
+    deadline = time.monotonic() + 30
+    while _aborted_choices(server.url) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborted_choices(server.url) == before + 2
+
+
 def test_metrics_leave_prometheus_client_settings_alone():
     """The server's registry drops no other registry's _created series (it once switched them off
     for the whole process)."""
@@ -982,7 +1016,7 @@ def test_a_generation_closed_and_cancelled_meanwhile_still_aborts_every_request(
         state.admit(2, 1)
         accepted = Acceptance(2)
         gens = [generate_checked(llm, {"prompt_token_ids": [5 + i, 6, 7]}, params, f"g{i}", f"prompt[{i}]",
-                                 on_accepted=accepted) for i in range(2)]
+                                 on_accepted=accepted.of(i)) for i in range(2)]
         gen = Generation(gens, state, params, accepted)
         await gen.start()  # prompt 0 runs (its first output fetched), prompt 1 waits for the one slot
         while not gen.first[0]:

@@ -323,24 +323,30 @@ async def _cancelled(task: asyncio.Future[Any]) -> None:
 
 
 class Acceptance:
-    """Counts the engine taking a call's requests (``AsyncLLM.generate``'s ``on_accepted``): ``all``
-    is set once it took every one of them (their checks passed)."""
+    """Which of a call's requests the engine took, their checks passed (``of(i)``: request i's
+    ``AsyncLLM.generate(on_accepted=)``); ``all`` is set once it took every one of them."""
 
     def __init__(self, num_requests: int) -> None:
+        self.taken = [False] * num_requests
         self.left = num_requests
         self.all = asyncio.Event()
 
-    def __call__(self) -> None:
-        self.left -= 1
-        if self.left == 0:
-            self.all.set()
+    def of(self, i: int) -> Callable[[], None]:
+        def accepted() -> None:
+            self.taken[i] = True
+            self.left -= 1
+            if self.left == 0:
+                self.all.set()
+
+        return accepted
 
 
 class Generation:
     """The requests of one call (``gens[i]`` = ``AsyncLLM.generate`` of request i), started by
     ``start``; ``outputs()`` merges them as ``(i, output)``; ``close()`` ends whatever is left
-    (aborting it) and frees the call's admission; idempotent. With ``accepted`` (a call of several
-    requests, each generator reporting to it), ``start`` returns once the engine took them all."""
+    (aborting it) and frees the call's admission; idempotent. ``accepted``: each generator reports
+    to it (a request the engine took counts in the metrics as it ends, even with no output yet);
+    with several requests, ``start`` returns once the engine took them all."""
 
     def __init__(self, gens: list[AsyncIterator[RequestOutput]], state: ServerState, params: Any,
                  accepted: Acceptance | None = None) -> None:
@@ -363,7 +369,8 @@ class Generation:
             self.first[i] = await anext(self.gens[i])  # type: ignore[arg-type]
 
         tasks = self._firsts = [asyncio.ensure_future(first(i)) for i in range(len(self.gens))]
-        taken = None if self._accepted is None else asyncio.ensure_future(self._accepted.all.wait())
+        several = self._accepted is not None and len(tasks) > 1
+        taken = asyncio.ensure_future(self._accepted.all.wait()) if several else None  # type: ignore[union-attr]
         waiting: set[asyncio.Future[Any]] = {*tasks, *([taken] if taken else [])}
         try:
             while not (all(t.done() for t in tasks) or (taken is not None and taken.done())):
@@ -391,7 +398,8 @@ class Generation:
             return
         self.closed = True
         self.state.admitted -= len(self.gens) * self.n
-        for timer in self.timers:
+        for i, timer in enumerate(self.timers):
+            timer.seen = timer.seen or (self._accepted is not None and self._accepted.taken[i])
             self.state.metrics.on_close(timer)
         try:
             await self._stop_firsts()  # a generator still fetching its first output cannot be closed

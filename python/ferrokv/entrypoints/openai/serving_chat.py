@@ -25,9 +25,9 @@ from typing import Any
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, OpenAIError, parse_chat_request
-from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Generation, JSONBody, ServerState, SSEResponse,
-                                               engine_request_id, generate_checked, response_id, run_generation,
-                                               stream_events, to_openai_error, watched)
+from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Acceptance, Generation, JSONBody, ServerState,
+                                               SSEResponse, engine_request_id, generate_checked, response_id,
+                                               run_generation, stream_events, to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, token_text, usage
 from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
 from ferrokv.outputs import CompletionOutput, RequestOutput
@@ -164,11 +164,13 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     if state.log_prompts:
         logger.info("%s: messages %s, params %r", rid, state.loggable(req.messages), req.params)
 
+    accepted = Acceptance(1)  # (the metrics count a request the engine took, ended before any output)
+
     async def prompt_then_generate() -> Any:
         # The template runs inside the generator, so its errors surface in Generation.start.
         ids = await state.llm.encode_chat(req.messages, req.add_generation_prompt, **template)
         stream = generate_checked(state.llm, {"prompt_token_ids": ids}, req.params, rid, "messages",
-                                  priority=req.priority, cache_salt=req.cache_salt)
+                                  priority=req.priority, cache_salt=req.cache_salt, on_accepted=accepted.of(0))
         async with contextlib.aclosing(stream):  # closed at once when this one is (the abort)
             async for out in stream:
                 yield out
@@ -189,7 +191,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     def engine_error(e: Exception) -> Exception:
         return _as_asked(req, req.engine_error(e))
 
-    return await run_generation(request, state, [prompt_then_generate()], req.params, respond, engine_error)
+    return await run_generation(request, state, [prompt_then_generate()], req.params, respond, engine_error,
+                                accepted)
 
 
 def _as_asked(req: ChatRequest, e: Exception) -> Exception:

@@ -175,9 +175,9 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
     field = "prompt" if len(req.prompts) == 1 else "prompt[{}]"
     rid = engine_request_id(call.id)
     # Several prompts: the response starts once the engine took them all, not once each has a token.
-    accepted = Acceptance(len(req.prompts)) if len(req.prompts) > 1 else None
+    accepted = Acceptance(len(req.prompts))
     gens = [generate_checked(state.llm, p, req.params, f"{rid}-{i}", field.format(i), req.add_special_tokens,
-                             priority=req.priority, cache_salt=req.cache_salt, on_accepted=accepted)
+                             priority=req.priority, cache_salt=req.cache_salt, on_accepted=accepted.of(i))
             for i, p in enumerate(req.prompts)]
 
     async def respond(gen: Generation) -> Any:

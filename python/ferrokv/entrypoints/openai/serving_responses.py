@@ -39,8 +39,9 @@ from ferrokv.checks import is_text, shown
 from ferrokv.entrypoints.openai.protocol import REASONING_EFFORTS, ChatRequest, checked_content, parse_chat_request
 from ferrokv.entrypoints.openai.protocol_fields import (OpenAIError, _bool, _lax_numbers, _logprobs, _object, bad,
                                                         error_body)
-from ferrokv.entrypoints.openai.serving import (Generation, JSONBody, ServerState, SSEResponse, engine_request_id,
-                                               dumps, generate_checked, run_generation, to_openai_error, watched)
+from ferrokv.entrypoints.openai.serving import (Acceptance, Generation, JSONBody, ServerState, SSEResponse,
+                                               dumps, engine_request_id, generate_checked, run_generation,
+                                               to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_chat import ChatAnswer
 from ferrokv.outputs import CompletionOutput
 
@@ -373,11 +374,13 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     args = state.llm.engine.args
     resp = _Response(req, call, rid, args.block_size if args.enable_prefix_caching else None)
     engine_id = engine_request_id(rid)
+    accepted = Acceptance(1)  # (the metrics count a request the engine took, ended before any output)
 
     async def prompt_then_generate() -> Any:
         ids = await state.llm.encode_chat(chat.messages, chat.add_generation_prompt, **template)
         async for out in generate_checked(state.llm, {"prompt_token_ids": ids}, chat.params, engine_id, "input",
-                                          priority=chat.priority, cache_salt=chat.cache_salt):
+                                          priority=chat.priority, cache_salt=chat.cache_salt,
+                                          on_accepted=accepted.of(0)):
             yield out
 
     async def respond(gen: Generation) -> Any:
@@ -392,7 +395,8 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     def engine_error(e: Exception) -> Exception:
         return req.renamed(chat.engine_error(e))
 
-    return await run_generation(request, state, [prompt_then_generate()], chat.params, respond, engine_error)
+    return await run_generation(request, state, [prompt_then_generate()], chat.params, respond, engine_error,
+                                accepted)
 
 
 async def _stream(gen: Generation, resp: _Response) -> Any:
