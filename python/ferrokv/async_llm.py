@@ -18,8 +18,9 @@ Invariants:
   its request: the engine frees its blocks when the step in progress ends.
 * ``num_in_flight`` counts the requests submitted and not yet ended (the server's admission
   control and drain read it); it returns to 0 once every request has ended. A request whose
-  event loop closed with its generator still open (its ``finally`` never runs) is aborted, and
-  its count comes back when its last item finds the loop gone or its stream is collected.
+  event loop closed with its generator still open (its ``finally`` never runs) is aborted at its
+  next output (a ``FINAL_ONLY`` one has none before its end), and its count comes back when its
+  last item finds the loop gone or its stream is collected.
 * Text prompts and chat templates are tokenized on a small thread pool, never on the event loop
   or the engine loop (HF fast tokenizers release the GIL while they encode).
 * vLLM's ``EngineClient`` surface: ``get_tokenizer``, ``get_model_config``, ``check_health``,

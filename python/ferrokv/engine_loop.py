@@ -9,7 +9,7 @@ overlap, one that does not end its request as soon as it is made: during the nex
 
 Interface (every method is safe from any thread):
 
-* ``submit(request_id, prompt, params, *, sink, priority=0, cache_salt=None)`` and ``submit_beam(request_id,
+* ``submit(request_id, prompt, params, *, sink, priority=0, cache_salt=None, warm=True)`` and ``submit_beam(request_id,
   prompt, *, sink, beam_width, max_tokens, ...)`` queue a request;
 * ``abort(request_ids)`` queues aborts (unknown or finished ids are ignored); an aborted id may be submitted
   again at once, as after ``abandon``;

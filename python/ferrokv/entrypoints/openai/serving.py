@@ -4,8 +4,8 @@ with the client watched, merging several requests' outputs, and server-sent even
 Invariants:
 
 * ``admit`` refuses (503) while the server drains or when accepting the request would put more
-  than ``max_waiting_requests`` sequences (prompts x n) beyond the engine's ``max_num_seqs`` running slots;
-  refusals change nothing.
+  than ``max_waiting_requests`` sequences (prompts x n) beyond the engine's ``max_num_seqs`` running slots
+  (400: a request that alone is more than both); refusals change nothing.
 * ``Generation.start`` returns only once the engine took every request of the call (one
   request: once it has its first output), so a request it refuses (a prompt too long, a bad token
   id...) is a 400 before any byte of a stream is sent. Its other requests are aborted then.
