@@ -450,6 +450,21 @@ def test_a_generator_dropped_after_its_event_loop_closed_gives_its_count_back(al
     asyncio.run(probe(allm, "dropped"))  # the id is free again
 
 
+def test_requests_that_end_normally_leave_nothing_for_the_dropped_streams_collector(allm):
+    """The finalizer that catches streams dropped unreleased keeps nothing for the others: a
+    program that never reads num_in_flight does not grow by one entry per request."""
+    import gc
+
+    async def main():
+        for i in range(20):
+            await collect(allm, {"prompt_token_ids": [5, 6, 7]}, greedy(2), f"normal{i}")
+
+    asyncio.run(main())
+    gc.collect()
+    assert allm._dropped.qsize() == 0
+    assert_engine_idle(allm)
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. bad input: the request's error, the others go on
 # ------------------------------------------------------------------------------------------------

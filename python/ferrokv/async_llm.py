@@ -126,6 +126,13 @@ class _Counted:
         self.released = False
 
 
+def _if_unreleased(queue_put: Callable[[_Counted], None], counted: _Counted) -> None:
+    """A collected stream's finalizer: queues its count only if nothing gave it back (the queue
+    then holds only those rare streams, however many requests nobody reads num_in_flight for)."""
+    if not counted.released:
+        queue_put(counted)
+
+
 class _RequestStream:
     """One request's sink and its consumer's queue (``put`` on the engine thread, the rest on the
     event loop). While the consumer lags, a CUMULATIVE output replaces the unread one and a DELTA
@@ -507,7 +514,7 @@ class AsyncLLM:
         with self._lock:
             self._in_flight += 1
             self._live[rid] = self._live.get(rid, 0) + 1
-        weakref.finalize(stream, self._dropped.put, stream.counted)
+        weakref.finalize(stream, _if_unreleased, self._dropped.put, stream.counted)
         ended = False
         try:
             while not ended:
