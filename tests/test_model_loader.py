@@ -286,7 +286,7 @@ def test_a_bad_config_number_is_a_value_error_naming_it(tmp_path, field, value):
         load_model(tmp_path)
 
 
-def test_gguf_cache_keys_on_the_files_content_and_drops_a_replaced_versions_conversion(tmp_path, monkeypatch):
+def test_gguf_cache_keys_on_the_files_path_and_drops_a_replaced_versions_conversion(tmp_path, monkeypatch):
     """Two files with one name, size and mtime (cp -p, a tarball) never share a conversion; a file
     replaced in place (a reinstalled package) gets a new one and its old one is removed."""
     monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
@@ -313,26 +313,22 @@ def test_gguf_cache_keys_on_the_files_content_and_drops_a_replaced_versions_conv
     assert load_or_convert_gguf(a, "m.gguf") == new_a and len(converted) == 3
 
 
-def test_a_copy_of_a_gguf_elsewhere_reuses_its_conversion_and_a_gone_files_is_dropped(tmp_path, monkeypatch):
-    """The same package in another venv (another path and mtime, the same bytes) loads the cached
-    conversion instead of adding one per venv; once a file is gone, its conversion is removed at
-    the next conversion, as nothing would load it again."""
+def test_the_conversion_of_a_gguf_that_is_gone_is_dropped_at_the_next_conversion(tmp_path, monkeypatch):
+    """One conversion per path (a fingerprint samples the file: two files of one name and size must
+    not share one); once a path's file is gone (a removed venv's package), its conversion is removed
+    at the next conversion, so conversions do not pile up one per venv ever made."""
     monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
     converted = _counting_converter(monkeypatch)
     venvs = [tmp_path / f"venv{i}" for i in range(3)]
-    for v in venvs[:2]:
+    for v in venvs:
         v.mkdir()
         (v / "m.gguf").write_bytes(b"GGUF the same model")
-    os.utime(venvs[1] / "m.gguf", ns=(1, 1))
-    first = load_or_convert_gguf(venvs[0], "m.gguf")
-    assert load_or_convert_gguf(venvs[1], "m.gguf") == first and len(converted) == 1
-    shutil.rmtree(venvs[0])  # the venv that converted it is gone; venv1 still loads it
-    assert load_or_convert_gguf(venvs[1], "m.gguf") == first and len(converted) == 1
-    (venvs[1] / "m.gguf").write_bytes(b"GGUF the next model")  # venv1 upgrades
-    venvs[2].mkdir()
-    (venvs[2] / "m.gguf").write_bytes(b"GGUF another model!")
-    other = load_or_convert_gguf(venvs[2], "m.gguf")
-    assert other != first and not first.exists() and len(converted) == 2, "first's source path is gone"
+    first, second = (load_or_convert_gguf(v, "m.gguf") for v in venvs[:2])
+    assert first != second and len(converted) == 2
+    shutil.rmtree(venvs[0])  # that venv is gone; venv1's file stays
+    third = load_or_convert_gguf(venvs[2], "m.gguf")
+    assert len(converted) == 3 and not first.exists() and second.exists() and third.exists()
+    assert load_or_convert_gguf(venvs[1], "m.gguf") == second and len(converted) == 3
 
 
 def _tiny_safetensors(folder) -> None:

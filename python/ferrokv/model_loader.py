@@ -236,11 +236,10 @@ _FINGERPRINT_CHUNKS, _FINGERPRINT_BYTES = 16, 1 << 16
 
 
 def _gguf_source(gguf_path: Path) -> dict[str, Any]:
-    """A GGUF file's resolved path and mtime (recorded with its conversion), and what tells its
-    content (the conversion's key): its size and a fingerprint of 16 chunks of 64 KiB spread over it
-    (hashing all of it would read every byte of a multi-GB file on each load). Another model copied
-    over it with its size and mtime (``cp -p``, ``rsync -a``) differs in its weights, while a
-    ``chmod``, a new hard link or a copy elsewhere changes nothing here."""
+    """What names a GGUF file's version: its resolved path, size, mtime and a fingerprint of 16
+    chunks of 64 KiB spread over it (hashing all of it would read every byte of a multi-GB file on
+    each load): another model copied over it with its size and mtime (``cp -p``, ``rsync -a``)
+    differs in its weights, while a ``chmod`` or a new hard link changes nothing here."""
     h = hashlib.sha256()
     try:
         st = gguf_path.stat()
@@ -255,17 +254,16 @@ def _gguf_source(gguf_path: Path) -> dict[str, Any]:
 
 
 def _gguf_cache_dir(source: dict[str, Any]) -> Path:
-    """Keyed by the file's content (its size and fingerprint), not its path: a copy of it elsewhere
-    (the same package in another venv) loads the same conversion (the path is recorded, not keyed)."""
-    content = {k: source[k] for k in ("size", "fingerprint")}
-    key = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+    """Keyed by the file's path too: a fingerprint samples the file, and two files of one name and
+    size elsewhere (a chat template edited in the header) must never share a conversion."""
+    key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     return _cache_root() / f"{Path(source['path']).stem}-{key}"
 
 
 def _drop_stale_conversions(source: dict[str, Any], keep: Path) -> None:
-    """Removes the conversions nothing is likely to load again: an earlier version of the same file
-    (same path, other content: a reinstalled package, an edited file), or a file that is gone (a
-    removed venv's package; a copy of it elsewhere would only convert again)."""
+    """Removes the conversions nothing can load again: an earlier version of the same file (same
+    path, other size or mtime: a reinstalled package, an edited file), or a file that is gone (a
+    removed venv's package; each conversion belongs to one path)."""
     for folder in keep.parent.glob(f"{glob.escape(Path(source['path']).stem)}-*"):
         if folder == keep or not folder.is_dir():
             continue
