@@ -971,8 +971,10 @@ def test_a_completion_of_several_prompts_streams_each_as_it_comes_and_refuses_be
     body = {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 5, "ignore_eos": True, "temperature": 0,
             "stream": True}
 
+    app = build_app(llm, ServerConfig(served_model_name=MODEL))
+
     async def ask():
-        transport = httpx.ASGITransport(app=build_app(llm, ServerConfig(served_model_name=MODEL)))
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
             streamed = (await c.post("/v1/completions", json=body)).text
             refused = await c.post("/v1/completions", json={**body, "prompt": [[5, 6, 7], [5] * 100]})
@@ -994,6 +996,10 @@ def test_a_completion_of_several_prompts_streams_each_as_it_comes_and_refuses_be
     assert order[indexes.count(0) - 1] == (0, "length") and order[-1] == (1, "length"), order
     assert_openai_error(refused, 400, "prompt[1]")
     assert not refused.text.startswith("data:")
+    # The refused call's prompt 0 was aborted by the server, not left by its client: no "abort".
+    registry = app.state.ferrokv.metrics.registry
+    assert registry.get_sample_value("ferrokv:request_success_total",
+                                     {"model_name": MODEL, "finished_reason": "abort"}) == 0
 
 
 def test_a_generation_closed_and_cancelled_meanwhile_still_aborts_every_request(tiny_model_dir):

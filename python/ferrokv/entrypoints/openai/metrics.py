@@ -11,8 +11,8 @@ queue time at the end; inter-token latency once per decode step of each choice, 
 client reads it (streamed or not), the request's mean gap between steps (the core keeps the first
 and latest token times, not each gap), and also for a stream whose client left before its end.
 A request that never got a token observes nothing. A request whose client left counts its
-unfinished choices as finished by "abort" once it had an output (one gone while queued, before
-any, is not counted). At a request's end, vLLM's per-request
+unfinished choices as finished by "abort" once it had an output or the engine took it (one whose
+call an error ended, a refused prompt of its batch or a failed step, is not counted). At a request's end, vLLM's per-request
 histograms too: per choice its prompt and generated tokens and its prefill (scheduled to first
 token), decode (first to latest token), inference (scheduled to latest token) and mean
 time-per-output-token and the request's ``max_tokens`` (none asked: what ``max_model_len`` leaves

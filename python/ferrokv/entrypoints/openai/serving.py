@@ -353,6 +353,7 @@ class Generation:
         self.gens = gens
         self.state = state
         self.closed = False
+        self.failed = False  # a request's error ended the call: its others are not the client's aborts
         self.n = params.n  # each request's sequences, as admitted
         self.first: list[RequestOutput | None] = [None] * len(gens)
         self._firsts: list[asyncio.Future[None]] = []  # fetching them; outputs() awaits those not done
@@ -385,6 +386,7 @@ class Generation:
                 taken.cancel()
         failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:
+            self.failed = True
             await self.close()
             raise failed[0]  # type: ignore[misc]
 
@@ -399,7 +401,8 @@ class Generation:
         self.closed = True
         self.state.admitted -= len(self.gens) * self.n
         for i, timer in enumerate(self.timers):
-            timer.seen = timer.seen or (self._accepted is not None and self._accepted.taken[i])
+            taken = self._accepted is not None and self._accepted.taken[i] and not self.failed
+            timer.seen = timer.seen or taken
             self.state.metrics.on_close(timer)
         try:
             await self._stop_firsts()  # a generator still fetching its first output cannot be closed
@@ -452,6 +455,7 @@ class Generation:
                 if item is None:
                     pending -= 1
                 elif isinstance(item, BaseException):
+                    self.failed = True
                     raise item
                 else:
                     yield i, self._seen(i, item)
