@@ -70,68 +70,19 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from ferrokv._core import FerrokvError
 from ferrokv.engine import LLMEngine
 from ferrokv.inputs import request_id_str, request_ids as request_ids_of
 from ferrokv.outputs import RequestOutput
+from ferrokv.output_sinks import (EngineDeadError, EngineGenerateError, OutputSink, StreamItem, caller_error,
+                                  to_sink)
 from ferrokv.sampling_params import SamplingParams
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["EngineDeadError", "EngineGenerateError", "EngineLoop", "OutputSink", "StreamItem"]
-
-
-class EngineDeadError(FerrokvError, RuntimeError):
-    """The engine loop was shut down, or failed (``failed``): it takes no more requests."""
-
-    def __init__(self, message: str, failed: bool = False) -> None:
-        super().__init__(message)
-        self.failed = failed
-
-
-class EngineGenerateError(FerrokvError, RuntimeError):
-    """A request ended by a failed engine step (vLLM's name); the step's exception is its
-    ``__cause__``, and its message repeats it."""
-
-
-@dataclass(slots=True, frozen=True)
-class StreamItem:
-    """One item on a request's sink: an output, or the error that ended the request."""
-
-    request_id: str
-    output: RequestOutput | None = None  # None exactly when error is set
-    error: BaseException | None = None
-    refused: bool = False  # the error is the request's own refusal when added (bad input), not a failed step
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or self.output is None or self.output.finished
-
-
-def caller_error(item: StreamItem) -> BaseException:
-    """What a caller waiting on a sink raises for its error ``item``: a refusal (bad input) as it is; a
-    failure shared by many requests (a failed step, the loop's end; a ``KeyboardInterrupt`` or ``SystemExit``
-    that engine code raised on the loop's thread) as an exception of the caller's own, so that raising it in
-    each caller never chains every caller's frames onto one object's traceback (nor races across threads)."""
-    e = item.error
-    assert e is not None
-    if item.refused and isinstance(e, Exception):
-        return e
-    own: Exception
-    if isinstance(e, EngineDeadError):
-        own = EngineDeadError(str(e), e.failed)
-        own.__cause__ = e.__cause__
-    else:
-        own = EngineGenerateError(f"request {item.request_id!r} ended by a failed engine step "
-                                  f"({type(e).__name__}: {e})")
-        own.__cause__ = e
-    return own
-
-
-class OutputSink(Protocol):
-    def put(self, item: StreamItem, /) -> None: ...  # optional: flush() and accepted, see the module docs
+# The sink side (``ferrokv.output_sinks``) is re-exported: callers import it from here too.
+__all__ = ["EngineDeadError", "EngineGenerateError", "EngineLoop", "OutputSink", "StreamItem", "caller_error"]
 
 
 @dataclass(slots=True)
@@ -209,14 +160,6 @@ def _dead_in_fork_child() -> None:
 
 
 os.register_at_fork(after_in_child=_dead_in_fork_child)
-
-
-def _deliver(sink: OutputSink, request_id: str, item: StreamItem | None) -> None:
-    """``sink.put(item)``; None: ``sink.accepted()``."""
-    try:
-        sink.put(item) if item is not None else sink.accepted()  # type: ignore[attr-defined]
-    except Exception:  # a sink that broke (e.g. its event loop closed) must not stop the loop
-        logger.exception("engine loop: the sink of request %r failed", request_id)
 
 
 class EngineLoop:
@@ -488,7 +431,7 @@ class EngineLoop:
         if item.finished:
             with self._state:
                 self._release(item.request_id, sink)
-        _deliver(sink, item.request_id, item)
+        to_sink(item.request_id, sink.put, item)
         self._flush_later(sink)
         rid = item.request_id
         if item.finished and rid in self._deferred and rid not in self._records:
@@ -552,8 +495,9 @@ class EngineLoop:
             self._deliver(command.sink, StreamItem(command.request_id, error=e, refused=True))
             return
         self._records[command.request_id] = _Record(command.sink)
-        if getattr(command.sink, "accepted", None) is not None:
-            _deliver(command.sink, command.request_id, None)
+        accepted = getattr(command.sink, "accepted", None)
+        if accepted is not None:
+            to_sink(command.request_id, accepted)
             self._flush_later(command.sink)
 
     def _route(self, outputs: list[RequestOutput]) -> None:
