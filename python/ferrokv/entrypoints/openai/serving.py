@@ -328,14 +328,12 @@ class Acceptance:
 
     def __init__(self, num_requests: int) -> None:
         self.taken = [False] * num_requests
-        self.left = num_requests
         self.all = asyncio.Event()
 
     def of(self, i: int) -> Callable[[], None]:
         def accepted() -> None:
             self.taken[i] = True
-            self.left -= 1
-            if self.left == 0:
+            if all(self.taken):  # (a call's prompts are few)
                 self.all.set()
 
         return accepted
