@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from ferrokv import grammar_compiler
 from ferrokv.structured_outputs import (
     KEY_STRIDE,
     GrammarCompiler,
@@ -400,6 +401,21 @@ def test_a_choice_list_past_the_parsers_row_limit_decodes(compiler, tok):
     params = SOP(choice=many)
     assert accepts(compiler, params, "w2099", tok) and accepts(compiler, params, "w7", tok)
     assert not accepts(compiler, params, "w2100", tok) and not accepts(compiler, params, "w", tok)
+
+
+def test_a_schema_of_many_optional_properties_decodes(compiler, tok):
+    """600 optional properties: a parser row of ~2,400 items, past llguidance's default limit of
+    2,000, failed the matcher after the first token (the output ended as "stop", invalid)."""
+    params = SOP(json={"type": "object", "properties": {f"f{i}": {"type": "integer"} for i in range(600)}})
+    assert accepts(compiler, params, '{"f7": 3, "f599": 4}', tok)
+    assert not accepts(compiler, params, '{"f600": 4}', tok)
+
+
+def test_a_builder_panic_is_reported_without_its_backtrace():
+    panic = "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>\n"
+    message = str(grammar_compiler._not_valid("json", panic))
+    assert message == ("structured_outputs.json is not a valid grammar: "
+                       "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10")
 
 
 def test_a_schema_nested_too_deeply_is_a_value_error_not_a_recursion_error():

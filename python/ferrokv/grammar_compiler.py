@@ -45,6 +45,7 @@ _MAX_ERROR = 2000  # characters of an llguidance error message kept in ours
 # llguidance's limit of lexer states, hundreds of MB for a pathological regex), so few are kept.
 # Live requests keep theirs through their matchers whether or not it is still cached.
 GRAMMAR_CACHE_SIZE = 16
+MAX_ITEMS_IN_ROW = 20_000  # (``_parser_limits``)
 
 
 @dataclass(frozen=True)  # (no slots: the compiler keeps weak references to them)
@@ -196,10 +197,10 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{kind} is too large: its grammar is {len(grammar)} characters, "
                              f"more than {limit}")
         try:
-            error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+            error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=_parser_limits())
             template = None
             if not error:
-                template = LLMatcher(self.tokenizer, grammar, log_level=0)
+                template = LLMatcher(self.tokenizer, grammar, log_level=0, limits=_parser_limits())
                 error = template.get_error() if template.is_error() else ""
         except Exception as e:  # llguidance raises various types
             error = f"{type(e).__name__}: {e}"
@@ -227,7 +228,18 @@ def grammar_vocab_width(tokenizer: Any, vocab_size: int) -> int:
     return max(int(vocab_size), len(tokenizer))
 
 
+def _parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's limits with a wider parser row: its default of 2,000 items fails a schema of a
+    few hundred optional properties after its first token (items grow ~4 per property); the items of
+    one mask step stay capped by ``step_max_items``, so a step's cost stays bounded."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW)
+
+
 def _not_valid(kind: str, error: str) -> ValueError:
+    # A panic in llguidance's grammar builder comes with a backtrace: the first line says what failed.
+    error = error.split("\n<backtrace>", 1)[0]
     error = error if len(error) <= _MAX_ERROR else error[:_MAX_ERROR] + "..."
     return ValueError(f"structured_outputs.{kind} is not a valid grammar: {error.rstrip()}")
 

@@ -50,7 +50,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
         # One lexeme, a regex alternation: as Lark alternatives ("a" | "b" | ...) every choice
-        # is an item of the parser's row, and past llguidance's 2000 items decoding fails.
+        # is an item of the parser's row, and past the parser's row limit decoding fails.
         return LLMatcher.grammar_from_lark(
             "start: /(?:" + "|".join(_regex_literal(c) for c in params.choice) + ")/")
     text = params.grammar

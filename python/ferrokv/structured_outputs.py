@@ -24,8 +24,9 @@ Invariants:
   the mask are masked too.
 * A stopped matcher (the grammar is complete and admits nothing more) allows only EOS, and so does
   a matcher in error: the sequence ends. Its output then need not match the grammar. An error
-  comes from a token the matcher rejects (a bug upstream) or from a limit of llguidance's lexer
-  that a pathological grammar hits only while decoding (``(a{1000}){1000}``); ``accept`` never
+  comes from a token the matcher rejects (a bug upstream) or from a limit of llguidance's lexer or
+  parser that a pathological grammar hits only while decoding (``(a{1000}){1000}``; a schema of
+  thousands of optional properties, past ``MAX_ITEMS_IN_ROW`` of the compiler); ``accept`` never
   raises, and logs a warning with llguidance's message when a matcher falls into error (as vLLM).
   Matchers share their template's lexer, so such a grammar is dropped from the compiler's cache
   (``GrammarRows.on_failed_grammar``): the next request with it starts from a fresh template.
