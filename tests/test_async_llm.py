@@ -392,10 +392,13 @@ def test_a_stream_left_as_its_event_loop_closes_logs_no_error(allm, caplog):
     assert_engine_idle(allm)
 
 
-def test_streams_of_an_event_loop_closed_with_them_open_are_aborted_and_uncounted(allm):
+@pytest.mark.parametrize("closed_with_a_drain_scheduled", [False, True])
+def test_streams_of_an_event_loop_closed_with_them_open_are_aborted_and_uncounted(allm, closed_with_a_drain_scheduled):
     """An event loop closed with its generate() tasks still pending (not cancelled: their
     ``finally`` never runs): nobody will read those requests, so they are aborted, and their ends
-    give back what num_in_flight counted (the server's admission and drain read it)."""
+    give back what num_in_flight counted (the server's admission and drain read it). Also when the
+    loop, stopped, was sent a drain of outputs before it closed: the drain never runs (review22:
+    the dispatcher then waited for it forever, and the requests ran on, counted)."""
     import gc
     import time
 
@@ -414,6 +417,11 @@ def test_streams_of_an_event_loop_closed_with_them_open_are_aborted_and_uncounte
     for i in range(3):
         loop.create_task(consume(f"left{i}"))
     loop.run_until_complete(until_each_streams())
+    if closed_with_a_drain_scheduled:
+        deadline = time.monotonic() + 30
+        while not any(d._pending for d in list(allm._dispatchers.values())) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert any(d._pending for d in list(allm._dispatchers.values()))
     loop.close()
     del loop
     gc.collect()
@@ -448,6 +456,37 @@ def test_a_generator_dropped_after_its_event_loop_closed_gives_its_count_back(al
         time.sleep(0.01)
     assert_engine_idle(allm)
     asyncio.run(probe(allm, "dropped"))  # the id is free again
+
+
+def test_a_request_that_ended_while_its_stopped_loop_was_sent_its_last_outputs_gives_its_count_back(allm):
+    """The loop stopped with the generator open; the request then ended, its last outputs sent to
+    the loop in a drain that never runs (the loop closes): no later output will come to hand them
+    to anyone, yet num_in_flight comes back to 0 (review22)."""
+    import gc
+    import time
+
+    started: list = []
+
+    async def consume():  # left awaiting its next output: its waiter holds the loop
+        async for out in allm.generate(rand_prompts(48, [4])[0], greedy(4), "stranded"):
+            started.append(out)
+
+    async def until_it_streams():
+        while not started:
+            await asyncio.sleep(0.001)
+
+    loop = asyncio.new_event_loop()
+    loop.create_task(consume())
+    loop.run_until_complete(until_it_streams())
+    deadline = time.monotonic() + 30
+    while allm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    loop.close()
+    del loop
+    gc.collect()
+    assert allm.num_in_flight == 0
+    assert_engine_idle(allm)
+    asyncio.run(probe(allm, "stranded"))  # the id is free again
 
 
 def test_requests_that_end_normally_leave_nothing_for_the_dropped_streams_collector(allm):

@@ -84,19 +84,31 @@ class _LoopDispatcher:
         self._items.append((stream, item))
 
     def flush(self) -> None:  # the engine thread
-        if self._items and not self._pending:
+        if not self._items:
+            return
+        loop = self._loop()
+        # A loop closed with a drain scheduled never runs it: the pending flag alone would wait forever.
+        if loop is not None and not loop.is_closed():
+            if self._pending:
+                return
             # The drain clears the flag before it pops: an item appended meanwhile is either
             # popped by it or finds the flag clear and schedules the next drain.
             self._pending = True
-            loop = self._loop()
             try:
-                if loop is None:
-                    raise RuntimeError("the event loop is gone")
                 loop.call_soon_threadsafe(self._drain)
-            except RuntimeError:  # the event loop is closed or gone (its client too): nobody reads these
-                self._pending = False  # (the next flush drops what comes later)
-                while self._items:
-                    self._on_lost(*self._items.popleft())
+                return
+            except RuntimeError:  # closed since
+                pass
+        self._pending = False  # the event loop is closed or gone (its client too): nobody reads these
+        while self._items:
+            self._on_lost(*self._items.popleft())
+
+    def drop_if_closed(self) -> None:
+        """Hands what a closed event loop was sent to ``on_lost``: a drain scheduled before it closed
+        never runs, and after a request's last output no flush comes to find the loop closed."""
+        loop = self._loop()
+        if self._items and (loop is None or loop.is_closed()):
+            self.flush()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -477,7 +489,12 @@ class AsyncLLM:
 
     def _collect_dropped(self) -> None:
         """Gives back the counts of streams collected with their generator's ``finally`` never run
-        (dropped after their event loop closed; queued by a finalizer, which must not lock)."""
+        (dropped after their event loop closed; queued by a finalizer, which must not lock), and
+        those whose end a closed event loop was sent (its waiters keep it, and so its dispatcher)."""
+        with self._lock:
+            dispatchers = list(self._dispatchers.values())
+        for d in dispatchers:
+            d.drop_if_closed()
         while not self._dropped.empty():
             self._give_back(self._dropped.get_nowait())
 
