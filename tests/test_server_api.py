@@ -1043,6 +1043,77 @@ def test_a_generation_closed_and_cancelled_meanwhile_still_aborts_every_request(
         llm.shutdown()
 
 
+@pytest.mark.parametrize("prompts", [[[5, 6, 7]], [[5, 6, 7], [8, 9]]])
+def test_a_call_a_failed_step_ended_after_its_first_outputs_counts_no_client_abort(tiny_model_dir, prompts):
+    """The third forward pass fails: the streamed call ends with an error after its first tokens.
+    Its requests were ended by that error, not left by the client: no "abort" (review22: once an
+    output had come, and always with one prompt, they were counted as the client's aborts)."""
+    import asyncio
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+    from helpers.engine_faults import RunnerHook, raise_on
+
+    llm = AsyncLLM(str(tiny_model_dir("llama", "llama")), device="cpu", dtype="float32", max_model_len=128,
+                   block_size=4, num_kv_blocks=64)
+    app = build_app(llm, ServerConfig(served_model_name=MODEL))
+    RunnerHook(llm.engine, raise_on(3, RuntimeError("boom")))
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 8, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def ask():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+            return (await c.post("/v1/completions", json=body)).text
+
+    try:
+        text = asyncio.run(ask())
+        assert text.count('"text"') >= 1 and "InternalServerError" in text, text  # tokens came, then the error
+        registry = app.state.ferrokv.metrics.registry
+        assert registry.get_sample_value("ferrokv:request_success_total",
+                                         {"model_name": MODEL, "finished_reason": "abort"}) == 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_first_output_that_failed_after_start_returned_is_the_calls_error():
+    """With several prompts, ``start`` returns once the engine took them all; a request that then
+    fails before its first output is the call's error, raised by ``outputs`` (review22: an
+    AssertionError, an "internal error" to the client, and its others counted as aborts)."""
+    import asyncio
+    import types
+
+    from ferrokv.entrypoints.openai.serving import Acceptance, Generation
+
+    closed: list[bool] = []
+    state = types.SimpleNamespace(admitted=2, metrics=types.SimpleNamespace(
+        on_output=lambda out, timer: None, on_close=lambda timer, failed=False: closed.append(failed)))
+    params = types.SimpleNamespace(n=1, max_tokens=4)
+
+    async def ends_at_once():
+        yield types.SimpleNamespace(finished=True)
+
+    async def fails_after_acceptance():
+        await asyncio.sleep(0.001)
+        raise RuntimeError("request 'r1' was ended by a failed engine step")
+        yield
+
+    async def main():
+        accepted = Acceptance(2)
+        accepted.of(0)()
+        accepted.of(1)()
+        gen = Generation([ends_at_once(), fails_after_acceptance()], state, params, accepted)
+        await gen.start()
+        await asyncio.sleep(0.01)  # the failure lands before the response reads the outputs
+        try:
+            with pytest.raises(RuntimeError, match="failed engine step"):
+                await gen.finals()
+        finally:
+            await gen.close()
+        return gen.failed
+
+    assert asyncio.run(main()) is True and state.admitted == 0
+
+
 def test_logged_prompts_are_cut_each_not_their_repr():
     from ferrokv.entrypoints.openai.serving import _cut
 

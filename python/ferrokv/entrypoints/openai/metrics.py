@@ -12,10 +12,10 @@ client reads it (streamed or not), the request's mean gap between steps (the cor
 and latest token times, not each gap), and also for a stream whose client left before its end.
 A request that never got a token observes nothing. A request whose client left counts its
 unfinished choices as finished by "abort" once it had an output or the engine took it (one whose
-call an error ended, a refused prompt of its batch or a failed step, is not counted). At a request's end, vLLM's per-request
-histograms too: per choice its prompt and generated tokens and its prefill (scheduled to first
-token), decode (first to latest token), inference (scheduled to latest token) and mean
-time-per-output-token and the request's ``max_tokens`` (none asked: what ``max_model_len`` leaves
+call an error ended, a refused prompt of its batch or a failed step, is not counted, whenever the
+error came). At a request's end, vLLM's per-request histograms too: per choice its prompt and
+generated tokens and its prefill (scheduled to first token), decode (first to latest token),
+inference (scheduled to latest token) and mean time-per-output-token and the request's ``max_tokens`` (none asked: what ``max_model_len`` leaves
 after the prompt, vLLM's server default); per request its ``n`` and its longest choice. The core
 keeps one set of timestamps per request, so every choice is timed with the request's (vLLM's
 child requests each have their own).
@@ -260,16 +260,19 @@ class ServerMetrics:
         for generated in timer.tokens.values():  # vLLM's: 0 for a choice of one token
             h["tpot"].observe(decode / (generated - 1) if generated > 1 else 0.0)
 
-    def on_close(self, timer: RequestTimer) -> None:
-        """A request whose client went away before its end: its decode steps so far still count
-        (vLLM observes each as it happens), and once it had an output (it was the engine's), each
-        choice counts as finished by its own reason, or "abort" (the server aborts it)."""
+    def on_close(self, timer: RequestTimer, failed: bool = False) -> None:
+        """A request closed before its end: its decode steps so far still count (vLLM observes each
+        as it happens), and once it was the engine's (``seen``), each choice counts as finished by
+        its own reason, or "abort" when its client went away (the server aborts it); one an error
+        ended (``failed``) is no success, and no abort either."""
         if not timer.steps_counted:
             self._observe_steps(timer)
         if timer.seen and not timer.outcome_counted:
             timer.outcome_counted = True
             for choice in range(timer.n):
-                self._success.inc(timer.finish_reasons.get(choice, "abort"))
+                reason = timer.finish_reasons.get(choice, None if failed else "abort")
+                if reason is not None:
+                    self._success.inc(reason)
 
     def _observe_steps(self, timer: RequestTimer) -> None:
         # The request's mean gap between decode steps, once per step of each choice (the core

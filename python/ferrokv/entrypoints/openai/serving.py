@@ -399,9 +399,8 @@ class Generation:
         self.closed = True
         self.state.admitted -= len(self.gens) * self.n
         for i, timer in enumerate(self.timers):
-            taken = self._accepted is not None and self._accepted.taken[i] and not self.failed
-            timer.seen = timer.seen or taken
-            self.state.metrics.on_close(timer)
+            timer.seen = timer.seen or (self._accepted is not None and self._accepted.taken[i])
+            self.state.metrics.on_close(timer, failed=self.failed)
         try:
             await self._stop_firsts()  # a generator still fetching its first output cannot be closed
         finally:  # (also when this close is cancelled: every request is aborted)
@@ -415,7 +414,8 @@ class Generation:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every output of every request, as each arrives (the first ones already there first)."""
-        fetched = [t.done() for t in self._firsts]
+        # (a first fetch that failed after start() returned raises below, from its pump)
+        fetched = [t.done() and not t.cancelled() and t.exception() is None for t in self._firsts]
         pending = 0
         for i, out in enumerate(self.first):
             if fetched[i]:
@@ -425,8 +425,12 @@ class Generation:
         if pending == 0:
             return
         if len(self.gens) == 1 and fetched[0]:
-            async for out in self.gens[0]:
-                yield 0, self._seen(0, out)
+            try:
+                async for out in self.gens[0]:
+                    yield 0, self._seen(0, out)
+            except Exception:  # the request's error (a client that left is not one)
+                self.failed = True
+                raise
             return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
