@@ -331,6 +331,23 @@ def test_the_conversion_of_a_gguf_that_is_gone_is_dropped_at_the_next_conversion
     assert load_or_convert_gguf(venvs[1], "m.gguf") == second and len(converted) == 3
 
 
+def test_a_conversion_whose_source_cannot_be_looked_at_is_kept_and_the_new_one_loads(tmp_path, monkeypatch):
+    """A shared cache may hold a conversion whose source this user cannot stat (another user's home:
+    EACCES; here a name too long, ENAMETOOLONG, as this runs as root): it is kept, not judged gone,
+    and the conversion that just succeeded is returned (review22: a raw PermissionError)."""
+    monkeypatch.setenv("FERROKV_CACHE", str(tmp_path / "cache"))
+    _counting_converter(monkeypatch)
+    for i in range(2):
+        (tmp_path / f"v{i}").mkdir()
+        (tmp_path / f"v{i}" / "m.gguf").write_bytes(b"GGUF the same model")
+    other = load_or_convert_gguf(tmp_path / "v0", "m.gguf")
+    unseeable = json.loads((other / model_loader._GGUF_SOURCE).read_text())
+    unseeable["path"] = str(tmp_path / ("x" * 300) / "m.gguf")
+    (other / model_loader._GGUF_SOURCE).write_text(json.dumps(unseeable))
+    mine = load_or_convert_gguf(tmp_path / "v1", "m.gguf")
+    assert mine != other and mine.exists() and other.exists()
+
+
 def _tiny_safetensors(folder) -> None:
     from safetensors.torch import save_file
 

@@ -271,8 +271,20 @@ def _drop_stale_conversions(source: dict[str, Any], keep: Path) -> None:
             old = json.loads((folder / _GGUF_SOURCE).read_text())
         except (OSError, ValueError):
             continue  # not ours to judge (an older layout, or being written)
-        if isinstance(old, dict) and (old.get("path") == source["path"] or not Path(str(old.get("path"))).exists()):
+        if isinstance(old, dict) and (old.get("path") == source["path"] or _is_gone(str(old.get("path")))):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _is_gone(path: str) -> bool:
+    """No file at ``path``; one this process cannot look at (another user's home in a shared cache)
+    is not judged gone."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except (OSError, ValueError):  # permissions, a name too long, a NUL in a hand-edited record
+        return False
+    return False
 
 
 def _is_complete(folder: Path) -> bool:
