@@ -388,6 +388,20 @@ def test_an_abort_applied_as_a_step_ends_keeps_the_steps_outputs_when_it_fails(l
         assert seen["b"][-1][2] == "abort" and len(seen["b"]) > 1, seen
 
 
+def test_a_request_aborted_during_a_forward_pass_reports_its_end_after_the_step_returns_its_last_outputs(
+        llama_path):
+    """An abort queued during step N's forward pass (overlap: step N-1's outputs are being made,
+    the request's among them): with a reporter, that output goes to ``on_abort`` before the final
+    one, not out of ``step()`` after it (review22: step() returned it once on_abort had the end)."""
+    engine = tiny_engine(llama_path, overlap=True)
+    engine.add_request("r", rand_prompts(14, [3])[0], greedy(20))
+    engine.add_request("s", rand_prompts(15, [4])[0], greedy(6))
+    RunnerHook(engine, lambda n, inputs: n == 4 and engine.abort_request("r"))  # from the step thread
+    seen, _ = _every_output(engine, (), reporter=True)
+    _ends_last_and_once(seen)
+    assert seen["r"][-1][2] == "abort" and seen["s"][-1] == (True, 6, "length")
+
+
 def test_a_deliver_that_raises_gets_its_outputs_again(llama_path):
     """``LLMEngine.deliver`` raising once: the step is cancelled, and the outputs it was handed come
     from the next step() (a request that finished among them included)."""

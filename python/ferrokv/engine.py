@@ -434,13 +434,12 @@ class LLMEngine:
         if prof is not None:
             prof.add(out.num_rows, t0, t1, t2, t3, t4, t5, time.perf_counter())
         # Aborts queued meanwhile are applied here, not at release, so that a failure keeps every output
-        # for the next step(), in order; the pending step's outputs are made first (_apply_aborts).
-        kept = len(self._unreturned)
-        if self._guard.abort_inbox and self._pending is not None:
-            p, self._pending = self._pending, None
-            self._unreturned += self._finish_pending(p)
-        outputs, self._unreturned = self._unreturned[:kept], self._unreturned[kept:]
+        # for the next step(), in order; the pending step's outputs are made first (_apply_aborts). With
+        # a reporter, an aborted request's outputs go to it before its final one, not out of this step.
+        outputs, self._unreturned = self._unreturned, []
         if self._guard.abort_inbox:
+            if self.on_abort is not None:
+                self._unreturned, outputs = split_outputs(outputs, set(self._guard.abort_inbox))
             try:
                 self._apply_aborts()
             except BaseException:
