@@ -141,6 +141,28 @@ def test_on_accepted_is_told_once_the_engine_took_the_request_before_its_first_o
     assert_engine_idle(allm)
 
 
+def test_an_on_accepted_that_raises_ends_its_own_call_only(allm):
+    """The callback's error is raised by its generate, whose request is then aborted; the event
+    loop's other streams go on (review22: it escaped the loop's drain of every stream's items,
+    which stayed unread until another output came, maybe never)."""
+
+    def broken():
+        raise RuntimeError("callback broke")
+
+    async def main():
+        async def failing():
+            with pytest.raises(RuntimeError, match="callback broke"):
+                async for _ in allm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(50), "cb", on_accepted=broken):
+                    pass
+        other, _ = await asyncio.wait_for(asyncio.gather(
+            collect(allm, {"prompt_token_ids": [8, 9]}, greedy(3), "other"), failing()), 60)
+        return other
+
+    assert asyncio.run(main())[-1].outputs[0].finish_reason == "length"
+    assert_engine_idle(allm)
+    asyncio.run(probe(allm, "cb"))  # the id is free again
+
+
 def test_text_prompts_are_tokenized_on_the_pool(allm, sequential):
     tok = allm.tokenizer
     threads: list[str] = []

@@ -151,8 +151,8 @@ class _RequestStream:
     output is merged into it (as vLLM's output collector does), so a slow consumer reads fewer,
     larger outputs; errors are always kept."""
 
-    __slots__ = ("request_id", "_dispatcher", "_queue", "_waiter", "_kind", "_on_accepted", "accepted", "counted",
-                 "abandoned", "__weakref__")
+    __slots__ = ("request_id", "_dispatcher", "_queue", "_waiter", "_kind", "_on_accepted", "_callback_error",
+                 "accepted", "counted", "abandoned", "__weakref__")
 
     def __init__(self, request_id: str, dispatcher: _LoopDispatcher, kind: RequestOutputKind | None,
                  on_accepted: Callable[[], None] | None = None) -> None:
@@ -162,6 +162,7 @@ class _RequestStream:
         self._waiter: asyncio.Future[None] | None = None
         self._kind = kind
         self._on_accepted = on_accepted
+        self._callback_error: Exception | None = None  # on_accepted's: raised to the consumer
         # OutputSink's: told only to a caller that asked (one more item on the event loop)
         self.accepted = None if on_accepted is None else self._post_accepted
         self.counted: _Counted | None = None  # AsyncLLM's: what generate counted for it
@@ -180,7 +181,11 @@ class _RequestStream:
 
     def deliver(self, item: StreamItem) -> None:  # the event loop
         if item is _ACCEPTED:
-            self._on_accepted()  # type: ignore[misc]
+            try:
+                self._on_accepted()  # type: ignore[misc]
+            except Exception as e:  # the caller's error: its generate raises it (and abandons the request),
+                self._callback_error = e  # not the drain, which has other streams' items to hand out
+                self._wake()
             return
         q = self._queue
         if q and not q[-1].finished and item.error is None and self._kind is not None:
@@ -190,18 +195,25 @@ class _RequestStream:
                 q[-1].output.add(item.output, aggregate=True)  # type: ignore[union-attr,arg-type]  # vLLM's aggregation
         else:
             q.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
 
     async def get(self) -> StreamItem:
-        while not self._queue:
+        """The next item; ``on_accepted``'s error is raised here, before any item."""
+        while True:
+            if self._callback_error is not None:
+                raise self._callback_error
+            if self._queue:
+                return self._queue.popleft()
             self._waiter = self._dispatcher.loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._queue.popleft()
 
 
 class _Done(Coroutine[Any, Any, None]):
@@ -509,7 +521,8 @@ class AsyncLLM:
         ``prompt_text`` and ``trace_headers`` are accepted (no tracing), ``data_parallel_rank``
         as None or 0 (one engine), ``tokenization_kwargs``' ``add_special_tokens`` (a text prompt's
         tokenization) and ``truncate_prompt_tokens``. ferrokv's ``on_accepted`` is called (on the event
-        loop) once the engine took the request, its checks passed, before its first output."""
+        loop) once the engine took the request, its checks passed, before its first output; an exception it
+        raises is raised here, and the request aborted."""
         check_no_lora(lora_request)
         if data_parallel_rank not in (None, 0):
             raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: ferrokv runs one engine (give None or 0)")
