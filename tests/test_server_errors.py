@@ -580,7 +580,9 @@ def test_503_waiting_queue_full(server, http):
         _first_event(a_lines)  # A is running (and stays connected while a_lines lives)
         b.start()
         wait_for_metrics(server.url, lambda m: m.get("ferrokv:num_requests_waiting", 0) >= 1)
-        assert_openai_error(http.post(_C, json=completion_body()), 503)
+        full = http.post(_C, json=completion_body())
+        assert_openai_error(full, 503)
+        assert full.headers.get("retry-after") == "1"  # the openai client's retries wait for it
         assert_openai_error(http.post(_CH, json=chat_body(stream=True)), 503)
         del a_lines
         a.close()  # A disconnects: it is aborted, B runs, reads one event and disconnects too

@@ -251,7 +251,7 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
 def _errors(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-        return JSONResponse(error_body(e), status_code=e.status)
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

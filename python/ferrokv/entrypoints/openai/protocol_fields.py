@@ -26,16 +26,19 @@ _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
 class OpenAIError(Exception):
     """An error the server answers with ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type or _ERROR_TYPES.get(status, "InternalServerError")
+        self.retry_after = retry_after  # seconds, sent as Retry-After (the openai client's retries honour it)
 
     def renamed(self, fix: Callable[[str], str]) -> OpenAIError:
         """This error told in other names: ``fix`` applied to its message and its param."""
-        return OpenAIError(self.status, fix(self.message), None if self.param is None else fix(self.param), self.type)
+        return OpenAIError(self.status, fix(self.message), None if self.param is None else fix(self.param), self.type,
+                           self.retry_after)
 
 
 def error_body(err: OpenAIError) -> dict[str, Any]:

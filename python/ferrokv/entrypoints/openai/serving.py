@@ -126,7 +126,7 @@ class ServerState:
                                    f"+ {self.max_waiting_requests} waiting)", field)
         if self.admitted + seqs > slots + self.max_waiting_requests:
             raise OpenAIError(503, f"the waiting queue is full ({self.max_waiting_requests} sequences wait "
-                                   f"beyond the {slots} running); retry later")
+                                   f"beyond the {slots} running); retry later", retry_after=1)
         self.admitted += seqs
 
 
@@ -169,7 +169,8 @@ def to_openai_error(e: BaseException) -> OpenAIError:
 
 def error_response(e: BaseException) -> JSONResponse:
     err = to_openai_error(e)
-    return JSONResponse(error_body(err), status_code=err.status)
+    headers = None if err.retry_after is None else {"Retry-After": str(err.retry_after)}
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
 
 def dumps(obj: Any, allow_nan: bool = True) -> str:
