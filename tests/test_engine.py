@@ -301,6 +301,33 @@ def test_samples_that_could_outgrow_the_cache_unshared_are_refused_up_front_in_s
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_requests_that_fill_the_cache_exactly_are_admitted_and_run_as_with_room(llama_path, preemption_mode):
+    """15 usable blocks of 4 hold 60 tokens, and a request's last token is never cached: a 60-token
+    prompt with max_tokens=1, 57 + 4, and two samples of 24 + 5 (7 blocks each) fit, and one token
+    more does not (pressure7: the check counted the last token, refusing the first three)."""
+    rng = random.Random(17)
+    prompts = {k: [rng.randrange(3, TINY_VOCAB) for _ in range(k)] for k in (60, 57, 24)}
+    asks = [("fill", 60, greedy(max_tokens=1)), ("fill4", 57, greedy(max_tokens=4)),
+            ("two", 24, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True))]
+
+    def run(**kw):
+        engine = make_engine(llama_path, block_size=4, max_model_len=128, preemption_mode=preemption_mode, **kw)
+        for rid, k, params in asks:
+            engine.add_request(rid, {"prompt_token_ids": prompts[k]}, params)
+        outs = run_engine(engine)
+        assert engine.stats()["capacity_aborts"] == 0
+        assert_no_leak(engine)
+        return {rid: [c.token_ids for c in o.outputs] for rid, o in outs.items()}, engine
+
+    exact, engine = run(num_kv_blocks=16, num_cpu_blocks=16 if preemption_mode == "swap" else 0)
+    assert exact == run(num_kv_blocks=256)[0]
+    for k, params in ((60, greedy(max_tokens=2)), (57, greedy(max_tokens=5)),
+                      (24, SamplingParams(n=2, max_tokens=6, ignore_eos=True))):
+        with pytest.raises(CacheCapacityError, match="needs up to 16 KV blocks"):
+            engine.add_request("more", {"prompt_token_ids": prompts[k]}, params)
+
+
 def test_a_beam_search_that_could_never_fit_is_told_in_its_own_terms(llama_path):
     """A beam search keeps 2 * beam_width - 1 sequences and has no n: the refusal says so (it said
     "lower max_tokens or n")."""
@@ -325,13 +352,14 @@ def test_no_max_tokens_means_as_many_as_the_samples_worst_case_fits(llama_path, 
                                                         min_tokens=50))
         engine.add_request("n1", prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
     warned = [r.getMessage() for r in caplog.records if "names no max_tokens" in r.getMessage()]
-    assert warned == ["request n3 names no max_tokens: each of its n=3 sample(s) may generate 44 tokens, what the KV "
+    assert warned == ["request n3 names no max_tokens: each of its n=3 sample(s) may generate 45 tokens, what the KV "
                       "cache holds for them at once (max_model_len leaves 108); min_tokens=50 is cut to it"]
     with pytest.raises(CacheCapacityError):
         engine.add_request("big", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=100, ignore_eos=True))
     outs = run_engine(engine)
-    # 12 // 3 = 4 blocks of 16 per sample: 64 tokens of context, 44 after the 20-token prompt.
-    assert [len(c.token_ids) for c in outs["n3"].outputs] == [44, 44, 44]
+    # 12 // 3 = 4 blocks of 16 per sample: 64 cached tokens, and a last one never cached: 45 after
+    # the 20-token prompt.
+    assert [len(c.token_ids) for c in outs["n3"].outputs] == [45, 45, 45]
     assert len(outs["n1"].outputs[0].token_ids) == 108  # one sample fits max_model_len: no warning
     assert all(c.finish_reason == "length" for c in outs["n3"].outputs)
     assert engine.stats()["capacity_aborts"] == 0

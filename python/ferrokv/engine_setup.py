@@ -360,7 +360,7 @@ def load_engine(args: EngineArgs) -> EngineParts:
         torch.empty((), dtype=dtype).element_size(), tokens_capacity,
         usable / -(-max_len // args.block_size), max_len,  # a sequence holds whole blocks
     )
-    if tokens_capacity < max_len:
+    if tokens_capacity + 1 < max_len:  # (a sequence's last token is never cached)
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request whose prompt + "
                        "max_tokens (times n) needs more is refused (give more KV memory or lower max_model_len)",
                        tokens_capacity, max_len)

@@ -90,14 +90,15 @@ impl Scheduler {
         }
     }
 
-    /// Blocks a request may need in the worst case: every sample its whole context. Samples
-    /// share their prompt's full blocks while they run, but a recompute preemption (swap mode
-    /// too, when the CPU pool is full) recomputes each sample on its own, and sharing comes
-    /// back only through prefix-cache hits; counting on it let a request in that its samples
-    /// could outgrow, to be capacity-aborted mid-generation.
+    /// Blocks a request may need in the worst case: every sample its whole context but its last
+    /// token, whose KV is never computed (no forward pass takes it in). Samples share their
+    /// prompt's full blocks while they run, but a recompute preemption (swap mode too, when the
+    /// CPU pool is full) recomputes each sample on its own, and sharing comes back only through
+    /// prefix-cache hits; counting on it let a request in that its samples could outgrow, to be
+    /// capacity-aborted mid-generation.
     pub(super) fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, n: usize) -> usize {
-        let total = prompt_len.saturating_add(max_tokens).min(self.cfg.max_model_len).max(prompt_len);
-        n * total.div_ceil(self.cfg.block_size)
+        let context = prompt_len.saturating_add(max_tokens).min(self.cfg.max_model_len);
+        n * context.saturating_sub(1).max(prompt_len).div_ceil(self.cfg.block_size)
     }
 
     /// The most new tokens `seqs` samples of a `prompt_len`-token prompt can ask for and pass
@@ -105,7 +106,9 @@ impl Scheduler {
     /// request that names no limit gets (vLLM's samples each only need to fit alone).
     pub fn max_fitting_tokens(&self, prompt_len: usize, seqs: usize) -> usize {
         let blocks_per_seq = self.kv.num_usable_blocks() / seqs.max(1);
-        let context = blocks_per_seq.saturating_mul(self.cfg.block_size).min(self.cfg.max_model_len);
+        let slots = blocks_per_seq.saturating_mul(self.cfg.block_size);
+        // A prompt that fits gets one token more than its slots hold: the last is never cached.
+        let context = if slots < prompt_len { 0 } else { slots.saturating_add(1).min(self.cfg.max_model_len) };
         context.saturating_sub(prompt_len)
     }
 
@@ -589,10 +592,14 @@ mod tests {
         assert_eq!((s.stats().requests_added, s.stats().prompt_tokens), (5, 0));
         drain(&mut s, 5);
         assert_eq!(s.stats().prompt_tokens, 16 + 2 + 2 + 2 + 12);
-        // A worst case of exactly the 7 usable blocks.
+        // A worst case of exactly the 7 usable blocks: 29 tokens, the last never cached.
         let mut s = Scheduler::new(cfg(8, 4, 16)).unwrap();
-        s.add_request(req(1, 20, 8)).unwrap();
-        assert!(matches!(s.add_request(req(2, 20, 9)), Err(CoreError::ExceedsCacheCapacity { blocks_needed: 8, .. })));
+        s.add_request(req(1, 20, 9)).unwrap();
+        s.add_request(req(2, 28, 1)).unwrap(); // a prompt that fills the cache, and one token
+        assert!(matches!(s.add_request(req(3, 20, 10)), Err(CoreError::ExceedsCacheCapacity { blocks_needed: 8, .. })));
+        assert_eq!((s.max_fitting_tokens(28, 1), s.max_fitting_tokens(29, 1), s.max_fitting_tokens(20, 1)), (1, 0, 9));
+        let done = drain(&mut s, 5); // they run, one at a time, to their ends: no capacity abort
+        assert!(done.len() == 2 && done.iter().all(|f| f.reason != crate::request::FinishReason::Abort));
     }
 
     #[test]
