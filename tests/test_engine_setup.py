@@ -219,6 +219,22 @@ def test_a_kv_cache_smaller_than_max_model_len_is_warned_about(tiny_model_dir, c
         assert ("the KV cache holds 32 tokens, fewer than max_model_len=64" in caplog.text) == warned, caplog.text
 
 
+def test_a_step_budget_below_max_num_seqs_is_raised_with_a_warning(tiny_model_dir, caplog):
+    """vLLM refuses max_num_batched_tokens < max_num_seqs; here it is raised to max_num_seqs, and
+    said (pressure7: it was silent, and a budget of 4 prefilled 40 tokens in one step)."""
+    from ferrokv import LLM
+
+    path = tiny_model_dir("llama", "llama")
+    for budget, warned in ((4, True), (None, False), (8, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ferrokv"):
+            llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8,
+                      max_num_batched_tokens=budget)
+        llm.engine_loop.shutdown()
+        message = "max_num_batched_tokens=4 is raised to max_num_seqs=8"
+        assert (message in caplog.text) == warned, caplog.text
+
+
 def test_swap_preemption_without_a_cpu_pool_is_warned_about(tiny_model_dir, caplog):
     """vLLM's swap_space does not size ferrokv's pool (num_cpu_blocks does): swap mode without one
     recomputes, and the startup log says so (a vLLM-style config never swapped, silently)."""

@@ -198,11 +198,15 @@ def make_scheduler(args: EngineArgs, num_blocks: int, max_len: int, device: torc
                    enable_prefix_caching: bool) -> Scheduler:
     """The engine's scheduler: its step budget (``step_token_budget``) and the sampling seed of
     unseeded requests (random unless ``args.seed``)."""
+    budget = step_token_budget(args, device)
+    if args.max_num_batched_tokens is not None and budget > args.max_num_batched_tokens:
+        logger.warning("max_num_batched_tokens=%d is raised to max_num_seqs=%d: a step holds one token of each "
+                       "running sequence (vLLM refuses a smaller budget)", args.max_num_batched_tokens, budget)
     return Scheduler(
         num_blocks,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=step_token_budget(args, device),
+        max_num_batched_tokens=budget,
         max_model_len=max_len,
         enable_prefix_caching=enable_prefix_caching,
         preemption_mode=args.preemption_mode,
