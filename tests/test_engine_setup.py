@@ -200,7 +200,7 @@ def test_llm_takes_both_names_and_refuses_remote_code(tiny_model_dir, tmp_path):
     cfg = json.loads((remote / "config.json").read_text())
     cfg.update(architectures=["MyCustomForCausalLM"], auto_map={"AutoModelForCausalLM": "modeling_my.MyModel"})
     (remote / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="auto_map.*never executes a model's remote code"):
+    with pytest.raises(ValueError, match="auto_map.*which ferrokv never executes"):
         LLM(str(remote), trust_remote_code=True, **common)
 
 

@@ -353,10 +353,15 @@ def test_mistral_layer_types_matches_transformers(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_types": ["full_attention", "sliding_attention"]}))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
-    ours = load_model(tmp_path, attn_backend="torch")
-    assert [layer.self_attn.sliding_window for layer in ours.model.layers] == [None, 4]
+    # transformers saves it back as MinistralForCausalLM (model_type "ministral"): the same model.
+    hf.save_pretrained(tmp_path / "resaved")
+    assert json.loads((tmp_path / "resaved" / "config.json").read_text())["architectures"] == ["MinistralForCausalLM"]
     (p,) = _prompts([21], seed=3)
-    torch.testing.assert_close(PagedEngine(ours).step([(0, p)])[0], hf_chunk_logits(hf, [p])[0], atol=ATOL, rtol=0)
+    for folder in (tmp_path, tmp_path / "resaved"):
+        ours = load_model(folder, attn_backend="torch")
+        assert [layer.self_attn.sliding_window for layer in ours.model.layers] == [None, 4]
+        torch.testing.assert_close(PagedEngine(ours).step([(0, p)])[0], hf_chunk_logits(hf, [p])[0], atol=ATOL,
+                                   rtol=0)
 
 
 def test_triton_backend_end_to_end(models, tmp_path):

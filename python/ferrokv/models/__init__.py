@@ -9,12 +9,13 @@ from typing import Any
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
-from .mistral import MistralForCausalLM
+from .mistral import MinistralForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    cls.architecture: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)
+    cls.architecture: cls
+    for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MinistralForCausalLM)
 }
 
 # A config.json without ``architectures`` names its class by ``model_type``, as transformers'
@@ -25,6 +26,7 @@ __all__ = [
     "MODEL_REGISTRY",
     "ModelConfig",
     "LlamaForCausalLM",
+    "MinistralForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
@@ -48,10 +50,10 @@ def resolve_model_class(config: dict[str, Any]) -> type[LlamaForCausalLM]:
         raise ValueError(f"config.json: field 'architectures' must be a list of class names, got {archs!r}")
     cls = next((MODEL_REGISTRY[a] for a in archs if isinstance(a, str) and a in MODEL_REGISTRY), None)
     if cls is None:
-        remote = " (its config.json has auto_map: it needs the model's own remote code)" if "auto_map" in config else ""
+        remote = (" (its config.json has auto_map: it needs the model's own remote code, which ferrokv never "
+                  "executes, whatever trust_remote_code says)") if "auto_map" in config else ""
         raise ValueError(
             f"unsupported model: config field 'architectures' is {archs!r}{remote}; "
-            f"supported architectures: {', '.join(sorted(MODEL_REGISTRY))}. ferrokv never executes a "
-            f"model's remote code, whatever trust_remote_code says"
+            f"supported architectures: {', '.join(sorted(MODEL_REGISTRY))}"
         )
     return cls

@@ -16,3 +16,10 @@ class MistralForCausalLM(LlamaForCausalLM):
     def parse_config(cls, d: dict[str, Any]) -> ModelConfig:
         return parse_common(d, architecture=cls.architecture, qkv_bias=False, o_bias=False, qk_norm=False,
                             sliding_windows=mistral_sliding_windows(d), default_max_positions=131072)
+
+
+class MinistralForCausalLM(MistralForCausalLM):
+    """transformers' name (``model_type`` "ministral") for a Mistral whose ``layer_types`` mark its
+    sliding layers: the same model, as transformers saves it back."""
+
+    architecture = "MinistralForCausalLM"
