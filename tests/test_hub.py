@@ -4,6 +4,8 @@ from Hub-layout cache folders built by ``helpers.hub_cache`` (``download_dir``);
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ferrokv import model_loader
@@ -85,6 +87,14 @@ def test_a_snapshot_without_config_is_not_a_model(model, tmp_path):
         resolve_model_path("org/partial", download_dir=tmp_path / "cache")
     # A tokenizer needs no config.json.
     assert resolve_tokenizer_path("org/partial", download_dir=tmp_path / "cache").name != "partial"
+    # A GGUF repository: its file is named, not a download that "did not finish" (hub7).
+    (partial / "tiny-f32.gguf").write_bytes(b"GGUF")
+    add_to_hub_cache(tmp_path / "cache", "org/gguf-only", partial)
+    with pytest.raises(ValueError, match=r"'org/gguf-only' is in the Hugging Face cache \(.*\) but has no "
+                                         r"config.json; it holds GGUF file '.*tiny-f32.gguf': give that path"):
+        resolve_model_path("org/gguf-only", download_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"has no config.json; it holds GGUF file '.*tiny-f32.gguf'"):
+        resolve_model_path(partial)
 
 
 def test_paths_win_and_bad_paths_name_the_field(model, tmp_path, monkeypatch):
@@ -92,6 +102,9 @@ def test_paths_win_and_bad_paths_name_the_field(model, tmp_path, monkeypatch):
     assert resolve_model_path(model.name).resolve() == model.resolve()  # a folder named like an id
     with pytest.raises(ValueError, match="model: '/nonexistent/x' is neither an existing directory"):
         resolve_model_path("/nonexistent/x")
+    for typed in ("org/model/", "./nope", "~/nope"):  # named as typed (hub7: 'org/model', 'nope', the home)
+        with pytest.raises(ValueError, match=f"model: '{re.escape(typed)}' is neither an existing directory"):
+            resolve_model_path(typed)
     with pytest.raises(ValueError, match="tokenizer: '/nonexistent/tok' is neither"):
         resolve_tokenizer_path("/nonexistent/tok")
 

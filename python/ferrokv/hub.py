@@ -96,6 +96,16 @@ def _cached(repo_id: str, revision: str | None,
     return path, True
 
 
+def gguf_hint(folder: Path) -> str:
+    """For an error about a folder with no config.json: the GGUF file it holds instead, if any
+    (a GGUF repository), to be given by its path."""
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        return ""
+    more = f" (and {len(ggufs) - 1} more)" if len(ggufs) > 1 else ""
+    return f"; it holds GGUF file {str(ggufs[0])!r}{more}: give that path as the model"
+
+
 def _has_weights(path: Path) -> bool:
     return any(not p.name.startswith("consolidated") for p in path.glob("*.safetensors")) or any(path.glob("*.bin"))
 
@@ -167,6 +177,10 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
                 "" if complete else "; files the Hub lists are missing from it")
             return path
         if path is not None:
+            gguf = gguf_hint(path) if what == "model" else ""
+            if gguf:
+                raise ValueError(f"{what}: {repo_id!r}{at} is in the Hugging Face cache ({path}) but has no "
+                                 f"{required}{gguf}")
             raise ValueError(
                 f"{what}: {repo_id!r}{at} is in the Hugging Face cache ({path}) but has no {required} (a download "
                 f"that did not finish, or a repository with no {what}), and HF_HUB_OFFLINE is set, so it cannot "

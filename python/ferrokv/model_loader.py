@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .hub import looks_like_hub_id, snapshot
+from .hub import gguf_hint, looks_like_hub_id, snapshot
 from .models import LlamaForCausalLM, resolve_model_class
 
 logger = logging.getLogger("ferrokv")
@@ -85,7 +85,7 @@ def _model_dir(path: str | os.PathLike[str]) -> Path:
                              f"does not download; download the .gguf file and give its path")
         raise ValueError(f"model: {name!r} is neither an existing directory nor a Hugging Face Hub id")
     if not (p / "config.json").is_file():
-        raise ValueError(f"model: {str(path)!r} has no config.json")
+        raise ValueError(f"model: {str(path)!r} has no config.json{gguf_hint(p)}")
     return p
 
 
@@ -413,7 +413,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None, *, revision: str | 
         return load_or_convert_gguf(p.parent, p.name)
     if not p.exists() and looks_like_hub_id(str(model)):
         return snapshot(str(model), revision=revision, download_dir=download_dir)
-    return _model_dir(p)
+    return _model_dir(model)  # (errors name it as given)
 
 
 def _is_gguf(path: Path) -> bool:
