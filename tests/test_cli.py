@@ -25,6 +25,17 @@ def test_generate_prints_answers_and_stats(model, capsys):
     assert "KV cache: peak" in out and "prefix cache: 0 of" in out
 
 
+def test_generate_refuses_a_model_given_as_a_prompt(model, capsys, tmp_path):
+    """``ferrokv generate MODEL``, written as ``serve MODEL`` is: its arguments are prompts, so the
+    default model completed the path (cli7); a model folder or .gguf file is refused, before loading."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    for prompt in (model, str(gguf)):
+        assert main(["generate", prompt, "--max-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert f"prompts: {prompt!r} is a model, not a prompt: give it as --model {prompt}" in err, err
+
+
 def test_generate_prints_each_text_as_generated(model, capsys):
     """Leading newlines and indentation are part of a completion (it printed them stripped)."""
     from ferrokv import LLM, SamplingParams

@@ -77,6 +77,28 @@ def test_an_unknown_flag_is_reported_with_the_commands_usage(tmp_path, capsys):
     assert "--config needs a YAML file" in capsys.readouterr().err
 
 
+def test_an_unknown_flag_whose_value_holds_a_space_is_unrecognized_not_the_model(tmp_path, capsys):
+    """argparse reads an unknown ``--name=value with spaces`` as a positional: it was taken as the
+    model ("model: '--compilation-config={"level": 3}' is neither..."), as vLLM configs' nested keys
+    came in (cli7)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text('port: 8799\ncompilation_config: {"level": 3, "name": "a b"}\n')
+    for argv, flag in ((["serve", "--config", str(cfg)], "--compilation-config="),
+                       (["serve", "--model", "m", '--chat-template-kwargs={"a": 1}'], "--chat-template-kwargs="),
+                       (["generate", '--mystery={"a b": 1}', "hi"], "--mystery=")):
+        with pytest.raises(SystemExit) as e:
+            _parse(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"unrecognized arguments: {flag}" in err, err
+
+
+def test_a_null_in_a_config_file_means_the_flags_default(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("quantization: null\nmax_model_len: null\nport: 9003\n")
+    args = _parse(["serve", "m", "--config", str(cfg)])
+    assert (args.quantization, args.max_model_len, args.port) == (None, None, 9003)
+
+
 def test_vllm_flags_for_what_ferrokv_always_does_are_accepted():
     args = _parse(["serve", "m", "--disable-fastapi-docs", "--enable-prompt-tokens-details",
                    "--disable-frontend-multiprocessing"])

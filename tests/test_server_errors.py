@@ -12,6 +12,7 @@ server per signal the drain test sends.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -739,6 +740,24 @@ def test_a_second_signal_aborts_everything_and_answers_it(long_model):
         assert [c["finish_reason"] for c in json.loads(plain["body"])["choices"]] == ["abort"], plain["body"][:300]
         log = srv.stderr()
         assert "Traceback" not in log and "second signal SIGINT: aborting 2 request(s)" in log, log[-5000:]
+
+
+def test_signals_once_the_server_stopped_are_ignored_once_then_exit_at_once():
+    """After uvicorn returned, a Ctrl-C pressed twice landed in the engine's shutdown or torch's
+    teardown: a traceback, or the process killed by SIGINT (cli7). The teardown's handler ignores
+    the first (the process still exits 0) and exits at once, with 128 + the signal, at the next."""
+    code = ("import os, signal, time\n"
+            "from ferrokv.entrypoints.openai.api_server import _signals_during_teardown\n"
+            "_signals_during_teardown()\n"
+            "for _ in range(int(os.environ['SIGNALS'])):\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(0.2)\n"
+            "print('torn down')\n")
+    for signals, rc, printed in ((1, 0, True), (2, 128 + signal.SIGINT, False)):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "SIGNALS": str(signals)})
+        assert done.returncode == rc and ("torn down" in done.stdout) == printed, (done.returncode, done.stderr)
+        assert "Traceback" not in done.stderr and "the server is stopping already" in done.stderr, done.stderr
 
 
 # ------------------------------------------------------------------------------------------------

@@ -24,13 +24,14 @@ import re
 import sys
 import time
 import typing
-from dataclasses import MISSING, fields
 from collections.abc import Callable
+from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any
 
 from ferrokv import __version__
 from ferrokv.chat_content_format import CONTENT_FORMATS
-from ferrokv.cli_argv import vllm_argv
+from ferrokv.cli_argv import flags_read_as_values, vllm_argv
 from ferrokv.checks import check_text
 from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, EngineArgs, engine_arg_help, help_with_default
 from ferrokv.inputs import template_kwargs
@@ -186,6 +187,11 @@ def _inputs(llm: Any, prompts: list[str], raw: bool) -> list[Any]:
 
 def _generate(args: argparse.Namespace) -> int:
     prompts = [check_text("prompt", p) for p in args.prompts or DEFAULT_PROMPTS]  # before the model loads
+    for p in prompts:  # `ferrokv generate MODEL`, written as `serve MODEL` is, would complete its path
+        if Path(p).expanduser().is_dir() and (Path(p).expanduser() / "config.json").is_file() \
+                or p.lower().endswith(".gguf") and Path(p).expanduser().is_file():
+            raise ValueError(f"prompts: {p!r} is a model, not a prompt: give it as --model {p} (generate's "
+                             f"arguments are prompts)")
     _params(args)  # a bad flag fails before the model loads
     llm = _llm(args)
     params = _params(args, llm.llm_engine.default_sampling_params)
@@ -567,6 +573,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     args, unknown = parser.parse_known_args(argv)
+    unknown += flags_read_as_values([getattr(args, "model_pos", None), *(getattr(args, "prompts", None) or [])])
     if unknown:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)} (not a flag of 'ferrokv "
                                      f"{args.command}'; its --help lists them)")

@@ -9,8 +9,8 @@
   positional model, if given, which wins over the file's ``model``): the command line's own flags
   come later, so they win. A key is a flag's name (underscores or dashes); ``true`` gives the flag,
   ``false`` its ``--no-`` form (nothing for a flag that has none), a list its items (one flag per
-  item for a repeatable flag), a mapping its JSON, anything else its text (as ``--flag=text``, so
-  that a text starting with ``-`` stays a value).
+  item for a repeatable flag), a mapping its JSON, ``null`` nothing (the default), anything else
+  its text (as ``--flag=text``, so that a text starting with ``-`` stays a value).
 
 Invariants: tokens after ``--`` are left alone; errors are ``ValueError`` naming ``--config`` and
 the file. Costs: one pass over the arguments, plus reading the file.
@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-__all__ = ["SHORT_FLAGS", "vllm_argv"]
+__all__ = ["SHORT_FLAGS", "flags_read_as_values", "vllm_argv"]
 
 # vLLM's short flags for the long flags ferrokv has.
 SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-q": "--quantization"}
@@ -95,7 +95,7 @@ def config_flags(path: str, actions: Mapping[str, argparse.Action], skip: Collec
     for key, value in config.items():
         flag = _flag_name("--" + str(key))
         action = actions.get(flag)
-        if flag in skip:
+        if flag in skip or value is None:  # null: the flag's default, as if not given
             continue
         if isinstance(value, bool):
             if value:
@@ -114,4 +114,13 @@ def config_flags(path: str, actions: Mapping[str, argparse.Action], skip: Collec
 
 
 def _text(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+    return json.dumps(value, separators=(",", ":")) if isinstance(value, (dict, list)) else str(value)
+
+
+_FLAG_WITH_VALUE = re.compile(r"--[A-Za-z0-9][A-Za-z0-9_.-]*=", re.DOTALL)
+
+
+def flags_read_as_values(values: list[Any]) -> list[str]:
+    """Positional values spelt ``--name=value``: flags argparse did not know and, their value
+    holding a space, read as positionals (``--compilation-config={"level": 3}`` as the model)."""
+    return [v for v in values if isinstance(v, str) and _FLAG_WITH_VALUE.match(v)]

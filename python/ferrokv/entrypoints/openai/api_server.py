@@ -26,6 +26,7 @@ import gc
 import hmac
 import json
 import logging
+import os
 import re
 import signal
 import threading
@@ -474,8 +475,29 @@ def run_server(llm: Any, config: ServerConfig) -> int:
         _freeze_startup_heap()
         server.run()
     finally:
+        _signals_during_teardown()
         llm.shutdown()
     return 0
+
+
+def _signals_during_teardown() -> None:
+    """Once the server stopped, uvicorn's signal handlers are gone: a further Ctrl-C or SIGTERM
+    (a second press is common) would land in the engine's shutdown or the interpreter's teardown,
+    as a traceback or the process killed by the signal. The first is told and ignored, so the
+    process still exits 0; the next exits at once (128 + the signal), with no traceback."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return
+    seen: list[int] = []
+
+    def handler(sig: int, frame: Any) -> None:
+        if seen:
+            os._exit(128 + sig)
+        seen.append(sig)
+        logger.warning("signal %s: the server is stopping already (another signal exits at once)",
+                       signal.Signals(sig).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 def _freeze_startup_heap() -> None:
