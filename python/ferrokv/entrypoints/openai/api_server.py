@@ -16,6 +16,7 @@ streams end with finish_reason "abort"), then uvicorn stops and the process exit
 signal aborts them all at once (answered as aborted, for up to ``_STOP_GRACE_S`` seconds), a third
 stops the server without waiting. What startup made (model, tokenizer, app) is frozen out of the
 garbage collector's view (``gc.freeze``) before serving, so no full collection walks it mid-stream.
+A connection whose request head does not come in time is closed (``connections``).
 Costs: per request one body copy (at most ``--max-body-bytes``) and O(1) checks.
 """
 
@@ -43,6 +44,7 @@ from starlette.responses import JSONResponse, Response
 
 from ferrokv import __version__
 from ferrokv.checks import shown
+from ferrokv.entrypoints.openai.connections import HeadTimeoutH11, raise_fd_limit
 from ferrokv.entrypoints.openai.metrics import ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
 from ferrokv.entrypoints.openai.protocol_tokenize import parse_detokenize_request, parse_tokenize_request
@@ -462,8 +464,9 @@ def run_server(llm: Any, config: ServerConfig) -> int:
     except BaseException:
         llm.shutdown()  # a configuration the model cannot serve (a ValueError naming the flag)
         raise
+    raise_fd_limit()
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                               access_log=config.uvicorn_access_log,
+                               access_log=config.uvicorn_access_log, http=HeadTimeoutH11,
                                ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                                ssl_ca_certs=config.ssl_ca_certs, timeout_graceful_shutdown=5, lifespan="off")
     server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)
