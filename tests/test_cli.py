@@ -34,6 +34,12 @@ def test_generate_refuses_a_model_given_as_a_prompt(model, capsys, tmp_path):
         assert main(["generate", prompt, "--max-tokens", "2"]) == 2
         err = capsys.readouterr().err
         assert f"prompts: {prompt!r} is a model, not a prompt: give it as --model {prompt}" in err, err
+    # Prompts no path could be are prompts (review23: OSError for a long one, RuntimeError for ~word).
+    long, tilde = "a" * 260, "~friend, hello"  # a 260-character path component
+    assert main(["generate", "--model", model, "--raw", "--quiet", "--max-tokens", "1", "--num-kv-blocks", "64",
+                 "--max-model-len", "512", long, tilde]) == 0
+    out = capsys.readouterr().out
+    assert f"### {long}" in out and f"### {tilde}" in out
 
 
 def test_generate_prints_each_text_as_generated(model, capsys):

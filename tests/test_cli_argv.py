@@ -90,6 +90,8 @@ def test_an_unknown_flag_whose_value_holds_a_space_is_unrecognized_not_the_model
             _parse(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"unrecognized arguments: {flag}" in err, err
+    # After `--`, it is a prompt like any other (review23).
+    assert _parse(["generate", "--", "--x=1 2"]).prompts == ["--x=1 2"]
 
 
 def test_a_null_in_a_config_file_means_the_flags_default(tmp_path):

@@ -1177,10 +1177,14 @@ def test_the_startup_heap_is_frozen_out_of_the_garbage_collector_before_serving(
     seen = {}
     monkeypatch.setattr(api_server._Server, "run", lambda self: seen.setdefault("frozen", gc.get_freeze_count()))
     llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         gc.unfreeze()
         assert api_server.run_server(llm, api_server.ServerConfig(served_model_name=MODEL, port=0)) == 0
         assert seen["frozen"] > 0
+        # A process that goes on after run_server keeps its signal handlers (review23: the
+        # teardown's stayed, swallowing its next Ctrl-C); only `ferrokv serve` installs them.
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
     finally:
         gc.unfreeze()  # the rest of the test process collects as before
         llm.shutdown()

@@ -185,11 +185,19 @@ def _inputs(llm: Any, prompts: list[str], raw: bool) -> list[Any]:
             for p in prompts]
 
 
+def _names_a_model(text: str) -> bool:
+    """A model folder (with config.json) or a .gguf file; text no path could be is not one."""
+    try:
+        path = Path(text).expanduser()
+        return (path / "config.json").is_file() or text.lower().endswith(".gguf") and path.is_file()
+    except (OSError, RuntimeError, ValueError):  # a name too long, ~unknown-user, a NUL
+        return False
+
+
 def _generate(args: argparse.Namespace) -> int:
     prompts = [check_text("prompt", p) for p in args.prompts or DEFAULT_PROMPTS]  # before the model loads
     for p in prompts:  # `ferrokv generate MODEL`, written as `serve MODEL` is, would complete its path
-        if Path(p).expanduser().is_dir() and (Path(p).expanduser() / "config.json").is_file() \
-                or p.lower().endswith(".gguf") and Path(p).expanduser().is_file():
+        if _names_a_model(p):
             raise ValueError(f"prompts: {p!r} is a model, not a prompt: give it as --model {p} (generate's "
                              f"arguments are prompts)")
     _params(args)  # a bad flag fails before the model loads
@@ -525,7 +533,7 @@ def _serve(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
-    return run_server(AsyncLLM.from_engine_args(engine_args), config)
+    return run_server(AsyncLLM.from_engine_args(engine_args), config, exits_after=True)
 
 
 # What ferrokv.cli_argv reads before argparse, as vLLM does (so it is told here, not as flags).
@@ -573,7 +581,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     args, unknown = parser.parse_known_args(argv)
-    unknown += flags_read_as_values([getattr(args, "model_pos", None), *(getattr(args, "prompts", None) or [])])
+    literal = set(argv[argv.index("--") + 1:]) if "--" in argv else set()  # after `--`: values, as given
+    unknown += [v for v in flags_read_as_values([getattr(args, "model_pos", None), *(getattr(args, "prompts", None)
+                                                                                    or [])]) if v not in literal]
     if unknown:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)} (not a flag of 'ferrokv "
                                      f"{args.command}'; its --help lists them)")

@@ -457,8 +457,10 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(llm: Any, config: ServerConfig) -> int:
-    """Serves ``llm`` until a signal drains and stops the server; returns the exit status."""
+def run_server(llm: Any, config: ServerConfig, exits_after: bool = False) -> int:
+    """Serves ``llm`` until a signal drains and stops the server; returns the exit status.
+    ``exits_after``: the process ends once this returns (``ferrokv serve``), so signals that come
+    during the teardown are handled for good (``_signals_during_teardown``)."""
     try:
         app = build_app(llm, config)
     except BaseException:
@@ -478,7 +480,8 @@ def run_server(llm: Any, config: ServerConfig) -> int:
         _freeze_startup_heap()
         server.run()
     finally:
-        _signals_during_teardown()
+        if exits_after:
+            _signals_during_teardown()
         llm.shutdown()
     return 0
 
