@@ -402,6 +402,49 @@ def test_a_request_aborted_during_a_forward_pass_reports_its_end_after_the_step_
     assert seen["r"][-1][2] == "abort" and seen["s"][-1] == (True, 6, "length")
 
 
+@pytest.mark.parametrize("late", ["before_the_tail_applies_them", "at_release"])
+def test_an_abort_that_lands_as_a_step_ends_reports_after_the_steps_outputs_of_it(llama_path, monkeypatch, late):
+    """An abort that another thread queues as step() ends (after it began applying the aborts
+    queued during its forward pass, or as it releases the lock): with a reporter, the request's
+    outputs this step() was returning go to on_abort before its final output, not out of step()
+    after it (review23)."""
+    import ferrokv.held_outputs as held_module
+
+    engine = tiny_engine(llama_path, overlap=True)
+    engine.add_request("r", rand_prompts(16, [3])[0], greedy(20))
+    engine.add_request("q", rand_prompts(17, [3])[0], greedy(20))
+    steps = {"n": 0}
+    if late == "at_release":
+        release = engine._guard._before_release
+
+        def before_release():
+            if steps["n"] == 3 and engine._held.returning is not None and not engine._guard.abort_inbox:
+                engine._guard.abort_inbox.append("r")  # as another thread would, the step's outputs made
+            release()
+
+        engine._guard._before_release = before_release
+    else:
+        split = held_module.split_outputs
+
+        def split_then_abort(outputs, ids):
+            if steps["n"] == 3 and "r" not in engine._guard.abort_inbox:
+                engine._guard.abort_inbox.append("r")  # lands while the tail applies q's abort
+            return split(outputs, ids)
+
+        monkeypatch.setattr(held_module, "split_outputs", split_then_abort)
+    seen: dict[str, list] = {}
+    engine.on_abort = lambda o: seen.setdefault(o.request_id, []).append((o.finished, len(o.outputs[0].token_ids)))
+    while engine.has_unfinished_requests():
+        steps["n"] += 1
+        if steps["n"] == 3:
+            engine._guard.abort_inbox.append("q")  # queued during the step, so its tail applies aborts
+        for o in engine.step():
+            seen.setdefault(o.request_id, []).append((o.finished, len(o.outputs[0].token_ids)))
+    for rid in ("r", "q"):
+        assert [f for f, _ in seen[rid]].count(True) == 1 and seen[rid][-1][0], (rid, seen[rid])
+    assert_idle(engine)
+
+
 def test_a_deliver_that_raises_gets_its_outputs_again(llama_path):
     """``LLMEngine.deliver`` raising once: the step is cancelled, and the outputs it was handed come
     from the next step() (a request that finished among them included)."""

@@ -322,7 +322,7 @@ def test_an_abort_drops_the_kept_outputs_of_a_request_that_had_finished(llama_pa
         assert all(o.request_id != "A" or not o.finished for o in engine.step())
     with pytest.raises(RuntimeError, match="forward failed"):
         engine.step()  # A's final output was made (overlapped) before the forward pass failed
-    assert "A" in [o.request_id for o in engine._unreturned if o.finished]
+    assert "A" in [o.request_id for o in engine._held.kept if o.finished]
     engine.abort_request("A")
     engine.add_request("A", a, greedy(5))
     outs = []

@@ -67,13 +67,14 @@ from ferrokv.detokenizer import decode_token
 from ferrokv.engine_args import EngineArgs
 from ferrokv.engine_lock import EngineLock, exclusive as _exclusive
 from ferrokv.engine_setup import CacheConfigView, ModelConfigView, load_engine
+from ferrokv.held_outputs import HeldOutputs
 from ferrokv.inputs import (check_logprobs_cap, check_no_lora, check_priority, checked_prompt_ids, prompt_cache_salt,
                             request_id_str, request_ids, request_max_tokens, tokenization_options, with_truncation)
 from ferrokv.logit_rules import bad_words_token_ids, check_token_rules, has_logit_bias
 from ferrokv import prompt_logprobs
 from ferrokv.model_runner import ModelRunner
 from ferrokv.output_processor import (RequestState, aborted_output, append_logprobs, build_outputs, end_completion,
-                                      new_stats, prompt_of_row, request_times, seq_of_row, split_outputs, stream_rows)
+                                      new_stats, prompt_of_row, request_times, seq_of_row, stream_rows)
 from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from ferrokv.prompt_logprobs import PromptLogprobRequests, PromptLogprobsPlan
 from ferrokv.step_profile import StepProfile
@@ -131,7 +132,7 @@ class LLMEngine:
         # this one (the CPU) and overlap is on; on a GPU the host goes on while kernels run.
         self.worker = StepWorker(self.overlap and self.device.type == "cpu", self.device)
         self._pending: _Pending | None = None  # the step whose text and outputs are not made yet
-        self._unreturned: list[RequestOutput] = []  # made by a step() that then raised
+        self._held = HeldOutputs()  # outputs made and not handed out yet (ferrokv.held_outputs)
         self._beam_ids: set[int] = set()
         self._plp_wanted = PromptLogprobRequests()
         self.grammars = LazyGrammarCompiler(self.tokenizer, self.vocab_size,
@@ -147,7 +148,8 @@ class LLMEngine:
         self.peak_used_blocks = 0
         # Threads (module docs): the lock guards the scheduler; aborts from any thread queue in
         # its inbox; the snapshot serves getters while another thread holds the lock.
-        self._guard = EngineLock(self._before_release, lambda o: self.on_abort and self.on_abort(o), self.device)
+        self._guard = EngineLock(self._before_release, lambda o: self.on_abort and self.on_abort(o), self.device,
+                                 returned=self._held.returned)
         self.report_aborts = self._guard.report_queued  # on report_aborts_here's thread: hands out reports
         self.on_abort: Callable[[RequestOutput], None] | None = None
         """Called with the final output of each request ``abort_request`` or a failed step ended (after those it
@@ -305,7 +307,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or a step whose outputs are still to be made (overlap)."""
-        return bool(self._requests) or self._pending is not None or bool(self._unreturned)
+        return bool(self._requests) or self._pending is not None or bool(self._held.kept)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -346,13 +348,14 @@ class LLMEngine:
             # The pending step's text is made first, as a serial engine made it before the abort
             # (the final output has it); its outputs of aborted requests are sorted out below.
             p, self._pending = self._pending, None
-            self._unreturned += self._finish_pending(p)
-        aborted = set(inbox)  # finished ones too: a reused id must never get their kept outputs
-        if aborted and self._unreturned:  # without a reporter, nothing more (vLLM's)
-            taken, self._unreturned = split_outputs(self._unreturned, aborted)
-            if self.on_abort is not None:
+            self._held.kept += self._finish_pending(p)
+        queued = list(inbox)  # those applied now; one queued meanwhile waits for the next call (the release)
+        aborted = set(queued)  # finished ones too: a reused id must never get their kept outputs
+        if aborted:
+            taken = self._held.take(aborted, from_returning=self.on_abort is not None)
+            if self.on_abort is not None:  # without a reporter, nothing more (vLLM's)
                 self._guard.aborted += taken
-        while inbox:
+        for _ in queued:
             core_id = self._by_name.get(inbox.popleft())
             if core_id is not None:
                 self._abort_now(self._requests[core_id])
@@ -371,10 +374,10 @@ class LLMEngine:
         """An ended request's final output: to ``on_abort`` after the outputs it still had to report
         (as a serial engine returned them before the abort came); else to the next ``step()``."""
         if self.on_abort is not None:
-            taken, self._unreturned = split_outputs(self._unreturned, {req.request_id})
+            taken = self._held.take({req.request_id}, from_returning=True)
             self._guard.aborted += [*taken, aborted_output(req, ended, self._times_of)]
         elif not asked:
-            self._unreturned.append(aborted_output(req, ended, self._times_of))
+            self._held.kept.append(aborted_output(req, ended, self._times_of))
 
     # ------------------------------------------------------------------------------------------
     @_exclusive
@@ -425,25 +428,23 @@ class LLMEngine:
             self._fail_step(out, job, undo, prev if finishing_prev else None, outputs)
             raise
         t5 = time.perf_counter()
-        self._unreturned += outputs  # from here on, a failure keeps them for the next step()
+        self._held.kept += outputs  # from here on, a failure keeps them for the next step()
         pending = _Pending(out, sampled, row_lp)
         if self.overlap and (out.num_rows or out.num_tokens):
             self._pending = pending
         else:  # serial, or an empty step (nothing to overlap with; an idle engine has nothing pending)
-            self._unreturned += self._finish_pending(pending)
+            self._held.kept += self._finish_pending(pending)
         if prof is not None:
             prof.add(out.num_rows, t0, t1, t2, t3, t4, t5, time.perf_counter())
         # Aborts queued meanwhile are applied here, not at release, so that a failure keeps every output
         # for the next step(), in order; the pending step's outputs are made first (_apply_aborts). With
         # a reporter, an aborted request's outputs go to it before its final one, not out of this step.
-        outputs, self._unreturned = self._unreturned, []
+        outputs = self._held.hand_out()
         if self._guard.abort_inbox:
-            if self.on_abort is not None:
-                self._unreturned, outputs = split_outputs(outputs, set(self._guard.abort_inbox))
             try:
                 self._apply_aborts()
             except BaseException:
-                self._unreturned[:0] = outputs
+                self._held.kept[:0] = outputs
                 raise
         return outputs
 
@@ -453,7 +454,7 @@ class LLMEngine:
         aborts' below), waits for its job, cancels it (also one whose output the interrupt kept from
         us: ``schedule()`` had returned), aborts the requests of a previous step whose text and
         outputs were half made; a previous step not yet begun stays pending."""
-        self._unreturned += made
+        self._held.kept += made
         if job is not None:
             job.join()
         if out is None:

@@ -9,7 +9,8 @@ release frees whatever this thread holds (the lock knows its owner) rather than 
 recorded taking, which an interrupt between taking it and recording it would lose; and the
 release runs first thing in a ``finally``, before any Python call where a signal is checked.
 A call from inside another on the same thread is a ``RuntimeError`` (it would run mid-step).
-An interrupted report leaves the rest queued for the next release.
+An interrupted report leaves the rest queued for the next release. ``returned`` (if given) runs on
+the calling thread as each call ends, after all of that.
 Reports can be confined to one thread (``report_here``): one no ``KeyboardInterrupt`` reaches
 (not the main thread), so that none is lost between being taken from the queue and handed to
 ``report``; another thread that applies aborts then leaves their reports queued and calls the
@@ -45,12 +46,13 @@ def exclusive(method: _F) -> _F:
 
 class EngineLock:
     def __init__(self, before_release: Callable[[], None], report: Callable[[Any], None],
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, returned: Callable[[], None] | None = None) -> None:
         # The engine's CUDA device (indexed): each call makes it its thread's current device.
         self._cuda_device = device if device is not None and device.type == "cuda" else None
         self._lock = threading.RLock()
         self._before_release = before_release
         self._report = report
+        self._returned = returned  # run as each call returns (or raises) on its thread, the lock released
         self.abort_inbox: deque[str] = deque()  # request ids to abort, from any thread
         self.aborted: deque[Any] = deque()  # final outputs of aborted requests, to report
         self._reporter: int | None = None  # the one thread that reports, if set (its ident)
@@ -74,7 +76,11 @@ class EngineLock:
                                "thread (a callback or hook): call it after that one returns")
         if self._cuda_device is not None:  # kernels launch on the calling thread's current device
             torch.cuda.set_device(self._cuda_device)
-        return self._locked(fn, wait=True)  # type: ignore[return-value]
+        try:
+            return self._locked(fn, wait=True)  # type: ignore[return-value]
+        finally:
+            if self._returned is not None:
+                self._returned()
 
     def sync(self, wait: bool) -> None:
         """Takes the lock for nothing (``wait``: for it to be free; else only if it is), so that
