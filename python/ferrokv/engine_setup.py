@@ -339,7 +339,7 @@ def load_engine(args: EngineArgs) -> EngineParts:
                     "rest of gpu_memory_utilization=%s for the KV cache", torch.cuda.memory_reserved(device) / 2**30,
                     activation / 2**30, args.gpu_memory_utilization)
     if auto and (num_blocks - 1) * args.block_size < max_len:
-        max_len = (num_blocks - 1) * args.block_size  # the longest one sequence can be
+        max_len = (num_blocks - 1) * args.block_size  # what the cache holds (as vLLM caps it)
         logger.info("max_model_len=auto: %d tokens, what the KV cache holds", max_len)
     kv_cache = allocate_kv_cache(args, spec, num_blocks, device)
     if args.preemption_mode == "swap" and args.num_cpu_blocks == 0:
