@@ -327,6 +327,8 @@ def _ends_last_and_once(seen: dict[str, list]) -> None:
         assert [f for f, _, _ in outs].count(True) == 1 and outs[-1][0], (rid, outs)
         counts = [n for _, n, _ in outs]
         assert counts == sorted(counts), (rid, outs)  # cumulative: nothing reported out of order
+        progress = [n for f, n, _ in outs if not f]
+        assert progress == sorted(set(progress)), (rid, outs)  # nor twice
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -444,7 +444,7 @@ class LLMEngine:
             try:
                 self._apply_aborts()
             except BaseException:
-                self._held.kept[:0] = outputs
+                self._held.keep_back(outputs)
                 raise
         return outputs
 

@@ -36,6 +36,11 @@ class HeldOutputs:
         self._returning, self._thread = outputs, threading.get_ident()
         return outputs
 
+    def keep_back(self, outputs: list[Any]) -> None:
+        """``hand_out``'s list, kept again ahead of the rest (the step failed before returning it)."""
+        self.kept[:0] = outputs
+        self._returning = self._thread = None
+
     @property
     def returning(self) -> list[Any] | None:
         """The list the running step() returns, on its thread (else None)."""
