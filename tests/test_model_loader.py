@@ -130,9 +130,10 @@ def test_without_architectures_the_model_type_names_the_class_as_in_transformers
                    {"model_type": "qwen3", "architectures": []}):
         assert resolve_model_class(config) is MODEL_REGISTRY["Qwen3ForCausalLM"]
     assert resolve_model_class({"model_type": "mistral"}) is MODEL_REGISTRY["MistralForCausalLM"]
+    assert resolve_model_class({"model_type": "ministral"}) is MODEL_REGISTRY["MinistralForCausalLM"]
     for model_type in ("gpt2", None):
         with pytest.raises(ValueError, match=rf"names no 'architectures' and its model_type is {model_type!r}; "
-                                             r"supported model types: llama, mistral, qwen2, qwen3"):
+                                             r"supported model types: llama, ministral, mistral, qwen2, qwen3"):
             resolve_model_class({} if model_type is None else {"model_type": model_type})
 
 
