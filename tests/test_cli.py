@@ -319,7 +319,7 @@ def test_a_binary_suffix_on_a_fraction_is_refused_with_the_decimal_one_suggested
 ])
 def test_the_api_keys_come_from_the_flag_then_ferrokvs_then_vllms_variable(flag, ferrokv_env, vllm_env, keys,
                                                                            monkeypatch):
-    from ferrokv.cli import _api_keys
+    from ferrokv.cli_serve import _api_keys
 
     for name, value in (("FERROKV_API_KEY", ferrokv_env), ("VLLM_API_KEY", vllm_env)):
         if value is None:

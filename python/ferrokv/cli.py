@@ -1,5 +1,5 @@
 """The ``ferrokv`` command (also ``python -m ferrokv``): ``ferrokv generate [PROMPT...]``, ``ferrokv chat``
-and ``ferrokv serve [MODEL]`` (the OpenAI-compatible server, ``ferrokv.entrypoints.openai``).
+and ``ferrokv serve [MODEL]`` (the OpenAI-compatible server: ``ferrokv.cli_serve``, ``ferrokv.entrypoints.openai``).
 
 Both use the embedded SmolLM2-135M-Instruct unless ``--model`` names a Hub id, a folder or a
 ``.gguf`` file. The engine flags are generated from the ``EngineArgs`` fields (name, type,
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import sys
 import time
@@ -30,12 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from ferrokv import __version__
-from ferrokv.chat_content_format import CONTENT_FORMATS
 from ferrokv.cli_argv import flags_read_as_values, vllm_argv
 from ferrokv.checks import check_text
 from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, EngineArgs, engine_arg_help, help_with_default
-from ferrokv.inputs import template_kwargs
-from ferrokv.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from ferrokv.generation_defaults import RECOMMENDED_FIELDS
 from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
 from ferrokv.sampling_params import SamplingParams
@@ -297,245 +293,6 @@ def _chat(args: argparse.Namespace) -> int:
         print(f"assistant> {answer}", flush=True)
 
 
-def _serve_flags(p: argparse.ArgumentParser) -> None:
-    """``serve``'s own flags; their defaults are ``ServerConfig``'s."""
-    from ferrokv.entrypoints.openai.server_config import BODY_BYTES_PER_TOKEN, ServerConfig
-
-    d = ServerConfig()
-    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as --model (default: the embedded SmolLM2-135M-Instruct)")
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default=d.host,
-                   help=help_with_default("address to listen on; 0.0.0.0 exposes the server to the network",
-                                          d.host))
-    g.add_argument("--port", type=int, default=d.port,
-                   help=help_with_default("TCP port to listen on", d.port))
-    g.add_argument("--api-key", default=None, nargs="+", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (any of the keys given) on every path but the health "
-                        "checks and /metrics (default: none, else $FERROKV_API_KEY, else $VLLM_API_KEY)")
-    g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
-                   help="the model name(s) clients may send; a response shows the first, as vLLM's (default: the model "
-                        "argument)")
-    g.add_argument("--max-body-bytes", type=human_readable_int, default=d.max_body_bytes,
-                   help=f"largest request body accepted; larger ones get 413 (default: {BODY_BYTES_PER_TOKEN} "
-                        "bytes per token of max_model_len, at least 1 MiB)")
-    g.add_argument("--max-waiting-requests", type=human_readable_int, default=d.max_waiting_requests,
-                   help=help_with_default("sequences (prompts x n) accepted beyond the max_num_seqs running ones; more get 503",
-                                          d.max_waiting_requests))
-    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
-                   help=help_with_default("seconds requests in flight may run on after SIGTERM/SIGINT before "
-                                          "they are aborted", d.drain_timeout))
-    g.add_argument("--log-prompts", "--enable-log-requests", action="store_true",
-                   help="log each request's prompt and sampling parameters (default: off)")
-    g.add_argument("--max-log-len", type=human_readable_int, default=d.max_log_len, metavar="N",
-                   help="characters of a prompt --log-prompts logs (default: all)")
-    g.add_argument("--response-role", default=d.response_role, metavar="ROLE",
-                   help=help_with_default("the role of chat answers (a chat that continues its last message: that "
-                                          "message's)", d.response_role))
-    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
-                   help="keyword arguments every chat's template gets, under the request's own "
-                        "chat_template_kwargs, e.g. '{\"enable_thinking\": false}' (default: none)")
-    g.add_argument("--disable-log-requests", dest="log_prompts", action="store_false",
-                   help="vLLM's older flag: requests are not logged (default: not logged)")
-    g.add_argument("--uvicorn-log-level", choices=_UVICORN_LEVELS, default=d.uvicorn_log_level,
-                   help=help_with_default("uvicorn's log level", d.uvicorn_log_level))
-    g.add_argument("--uvicorn-access-log", dest="uvicorn_access_log", action="store_true",
-                   default=d.uvicorn_access_log, help="log a line per HTTP request (default: off)")
-    g.add_argument("--disable-uvicorn-access-log", dest="uvicorn_access_log", action="store_false",
-                   help="vLLM's flag: no line per HTTP request (default: no lines)")
-    g.add_argument("--root-path", default=d.root_path, metavar="PATH",
-                   help="the path prefix a proxy serves the server under; requests are served with or without it "
-                        "(default: none)")
-    for flag, already in (("--disable-fastapi-docs", "no /docs, /redoc or /openapi.json is served"),
-                          ("--enable-prompt-tokens-details", "usage always has prompt_tokens_details"),
-                          ("--disable-frontend-multiprocessing", "the server and the engine share one process")):
-        g.add_argument(flag, action="store_true", help=f"vLLM's flag, accepted: {already} (default: always so)")
-    for name, what in (("keyfile", "the TLS private key"), ("certfile", "the TLS certificate: serve HTTPS"),
-                       ("ca-certs", "CA certificates that verify clients' certificates")):
-        g.add_argument(f"--ssl-{name}", default=None, metavar="FILE", help=f"{what} (default: none)")
-    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
-        g.add_argument(f"--allowed-{name}", type=_json_strings, default=getattr(d, f"allowed_{name}"), metavar="JSON",
-                       help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"], any)")
-    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: off)")
-    g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="render a chat_template sent in a request (default: off, such requests get 400: a "
-                        "template is code the server runs, sandboxed, but free to spend its CPU and memory)")
-    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                   help="the Jinja chat template chats use instead of the tokenizer's: a file, or the template "
-                        "itself (default: the tokenizer's)")
-    g.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default=d.chat_template_content_format,
-                   help=help_with_default("how the template reads a message's content: one string, a list of "
-                                          "OpenAI text parts, or auto (what the template reads)",
-                                          d.chat_template_content_format))
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='serve tool_choice "auto": the model\'s tool calls are read from its text with '
-                        "--tool-call-parser (default: off, such requests get 400)")
-    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="the format the model writes tool calls in, for --enable-auto-tool-choice (hermes: "
-                        "<tool_call>{...}</tool_call>, as Hermes, Qwen2.5 and Qwen3 models; llama3_json: a reply "
-                        'of {"name", "parameters"} objects, as Llama 3.1+ models; mistral: [TOOL_CALLS] then a '
-                        'JSON array of {"name", "arguments"}, as Mistral models; pythonic: a reply '
-                        "[name(key=value, ...), ...], as Llama 3.2 and 4 models) (default: none)")
-    add_engine_flags(p)
-
-
-_UVICORN_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-def _api_keys(given: list[str] | None) -> tuple[str, ...]:
-    """``--api-key``'s keys, else ``$FERROKV_API_KEY``'s, else ``$VLLM_API_KEY``'s (vLLM's), so a
-    deployment that sets vLLM's variable is never left open."""
-    env = os.environ.get("FERROKV_API_KEY") or os.environ.get("VLLM_API_KEY")
-    keys = given if given is not None else [env] if env else []
-    for key in keys:
-        if not key or not key.isprintable():
-            raise ValueError("--api-key must be a non-empty printable string")
-    return tuple(keys)
-
-
-def _check_files(**paths: str | None) -> None:
-    for flag, path in paths.items():
-        if path is not None and not os.path.isfile(path):
-            raise ValueError(f"--{flag.replace('_', '-')} {path!r}: no such file")
-
-
-def _check_tls(keyfile: str | None, certfile: str | None, ca_certs: str | None) -> None:
-    """Loads the certificate chain (and CA file) once, as uvicorn will, so that a file that is
-    not PEM, or a key that does not match its certificate, is told naming the flags before the
-    model loads."""
-    import ssl
-
-    if certfile is None:
-        return
-
-    class _Encrypted(Exception):
-        pass
-
-    def no_passphrase() -> str:  # OpenSSL would prompt on the terminal (uvicorn gets no passphrase)
-        raise _Encrypted
-
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(certfile, keyfile, password=no_passphrase)
-    except _Encrypted:
-        raise ValueError(f"--ssl-keyfile {keyfile!r}: the key is encrypted; give an unencrypted key") from None
-    except (ssl.SSLError, OSError) as e:
-        raise ValueError(f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r}: not a usable certificate and key "
-                         f"({e})") from None
-    if ca_certs is not None:
-        try:
-            context.load_verify_locations(ca_certs)
-        except (ssl.SSLError, OSError) as e:
-            raise ValueError(f"--ssl-ca-certs {ca_certs!r}: not a usable CA certificate file ({e})") from None
-
-
-def _check_template_syntax(template: str | None) -> None:
-    """``--chat-template`` parses as Jinja (as transformers renders it), or the flag is refused;
-    not a 400 blaming each client later."""
-    if template is None:
-        return
-    from jinja2 import TemplateSyntaxError
-
-    try:  # transformers' own environment and tags (private: without it, rendering reports errors)
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:
-        return
-    try:
-        _compile_jinja_template(template)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: not a valid Jinja template ({(e.message or '').rstrip('.')}, "
-                         f"line {e.lineno})") from None
-
-
-def _chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's text, or the template itself when it is one (vLLM's rule)."""
-    from pathlib import Path
-
-    if value is None or any(c in value for c in "{}\n"):
-        return value
-    try:
-        return Path(value).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template {value!r}: not a readable template file ({e}); give a Jinja file or "
-                         "the template itself") from None
-
-
-def _check_listen(host: str, port: int) -> None:
-    """Binds (and frees) ``host:port`` once, so that a host that does not resolve or is not this
-    machine's, or a port in use, is reported naming the flags before the model loads."""
-    import socket
-
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-            s.bind(address)
-    except OSError as e:  # socket.gaierror included
-        raise ValueError(f"--host {host!r} --port {port}: cannot listen there ({e})") from None
-
-
-def _serve(args: argparse.Namespace) -> int:
-    import math
-
-    if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
-        raise ValueError(f"model: given twice, as {args.model_pos!r} and --model {args.model!r}")
-    args.model = args.model_pos if args.model_pos is not None else args.model
-    if args.served_model_name is not None and not all(n and n.isprintable() for n in args.served_model_name):
-        raise ValueError(f"--served-model-name: each name must be a non-empty printable string, "
-                         f"got {args.served_model_name!r}")
-    for flag, values in (("--served-model-name", args.served_model_name), ("--api-key", args.api_key)):
-        if values is not None and len(values) > 1 and args.model is None:
-            # nargs="+" takes a model written after it as one more value: the default model would
-            # be served silently, the model's name taken as a name or a key.
-            raise ValueError(f"{flag} took {len(values)} values and no model was given: write the model first "
-                             f"(ferrokv serve MODEL {flag} ...)")
-    template_kwargs(args.default_chat_template_kwargs, "--default-chat-template-kwargs", overriding=False)
-    if args.max_log_len is not None and args.max_log_len < 0:
-        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
-    if not args.response_role or not args.response_role.isprintable():
-        raise ValueError(f"--response-role must be a non-empty printable string, got {args.response_role!r}")
-    if args.root_path and not args.root_path.startswith("/"):
-        raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
-    for flag, value, lo in (("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1),
-                            ("--max-waiting-requests", args.max_waiting_requests, 0)):
-        if value is not None and value < lo or (flag == "--port" and value > 65535):
-            raise ValueError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {lo}'}, got {value}")
-    if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
-        raise ValueError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_CALL_PARSERS)})")
-    chat_template = _chat_template(args.chat_template)
-    _check_listen(args.host, args.port)
-    api_keys = _api_keys(args.api_key)
-    _check_files(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs)
-    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
-        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
-    _check_tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
-    _check_template_syntax(chat_template)
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_args.validate()  # a bad flag fails before torch is imported
-    from ferrokv.async_llm import AsyncLLM
-    from ferrokv.entrypoints.openai.api_server import run_server
-    from ferrokv.entrypoints.openai.server_config import DEFAULT_MODEL_NAME, ServerConfig
-
-    name, *aliases = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    config = ServerConfig(served_model_name=name, served_model_aliases=tuple(aliases), host=args.host, port=args.port,
-                          api_key=api_keys or None, uvicorn_log_level=args.uvicorn_log_level,
-                          uvicorn_access_log=args.uvicorn_access_log, root_path=args.root_path,
-                          max_log_len=args.max_log_len, response_role=args.response_role,
-                          default_chat_template_kwargs=args.default_chat_template_kwargs,
-                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                          max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
-                          drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
-                          allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                          trust_request_chat_template=args.trust_request_chat_template,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                          chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
-    return run_server(AsyncLLM.from_engine_args(engine_args), config, exits_after=True)
-
-
 # What ferrokv.cli_argv reads before argparse, as vLLM does (so it is told here, not as flags).
 _CONVENTIONS = ("also: --config FILE.yaml (its keys as flags; the command line wins), -tp N (--tensor-parallel-size), "
                 "-q (--quantization); a flag may be spelled with '_' or '-', and a value as --flag=value")
@@ -561,7 +318,9 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_flags(c)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
                        epilog=_CONVENTIONS)
-    _serve_flags(s)
+    from ferrokv.cli_serve import serve_flags  # (it imports this module)
+
+    serve_flags(s)
     return parser
 
 
@@ -595,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         logging.getLogger(LOGGER_NAME).setLevel(logging.DEBUG)
     try:
-        return {"generate": _generate, "chat": _chat, "serve": _serve}[args.command](args)
+        from ferrokv.cli_serve import serve
+
+        return {"generate": _generate, "chat": _chat, "serve": serve}[args.command](args)
     except ValueError as e:
         print(f"ferrokv: error: {e}", file=sys.stderr)
         return 2
