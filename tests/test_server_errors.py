@@ -1006,6 +1006,37 @@ def test_cors_answers_preflights_before_the_api_key_as_vllm(llama_path):
         llm.shutdown()
 
 
+def test_request_id_headers_as_vllms_flag(llama_path):
+    """--enable-request-id-headers: every answer (a 401 and a stream too) carries X-Request-Id, the
+    client's own or a new one; without the flag, none (oaiclient7, cli7)."""
+    import asyncio
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    try:
+        async def ask(config):
+            transport = httpx.ASGITransport(app=build_app(llm, config))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+                mine = await c.post(_C, json=body, headers={"X-Request-Id": "mine-1", **AUTH})
+                new = await c.post(_C, json={**body, "stream": True}, headers=AUTH)
+                denied = await c.post(_C, json=body, headers={"X-Request-Id": "mine-2"})
+            return mine, new, denied
+
+        mine, new, denied = asyncio.run(ask(ServerConfig(served_model_name=MODEL, api_key=API_KEY,
+                                                         enable_request_id_headers=True)))
+        assert mine.status_code == 200 and mine.headers["x-request-id"] == "mine-1"
+        assert mine.json()["id"] == "cmpl-mine-1"
+        assert new.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", new.headers["x-request-id"])
+        assert denied.status_code == 401 and denied.headers["x-request-id"] == "mine-2"
+        answers = asyncio.run(ask(ServerConfig(served_model_name=MODEL, api_key=API_KEY)))
+        assert all("x-request-id" not in r.headers for r in answers)
+    finally:
+        llm.shutdown()
+
+
 def test_completions_honour_add_special_tokens(bos_model_dir):
     """vLLM's completion field: a text prompt gets the tokenizer's own special tokens (here a
     BOS its post-processor prepends) unless ``add_special_tokens: false`` (a prompt that is

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from ferrokv.chat_content_format import CONTENT_FORMATS
 from ferrokv.cli import _json_object, _json_strings, add_engine_flags, human_readable_int
@@ -19,6 +20,27 @@ from ferrokv.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from ferrokv.inputs import template_kwargs
 
 __all__ = ["serve", "serve_flags"]
+
+
+def _http_flags(g: Any, d: Any) -> None:
+    """``serve``'s HTTP flags: the path prefix, TLS, CORS, request id headers, vLLM's no-ops."""
+    g.add_argument("--root-path", default=d.root_path, metavar="PATH",
+                   help="the path prefix a proxy serves the server under; requests are served with or without it "
+                        "(default: none)")
+    for flag, already in (("--disable-fastapi-docs", "no /docs, /redoc or /openapi.json is served"),
+                          ("--enable-prompt-tokens-details", "usage always has prompt_tokens_details"),
+                          ("--disable-frontend-multiprocessing", "the server and the engine share one process")):
+        g.add_argument(flag, action="store_true", help=f"vLLM's flag, accepted: {already} (default: always so)")
+    for name, what in (("keyfile", "the TLS private key"), ("certfile", "the TLS certificate: serve HTTPS"),
+                       ("ca-certs", "CA certificates that verify clients' certificates")):
+        g.add_argument(f"--ssl-{name}", default=None, metavar="FILE", help=f"{what} (default: none)")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        g.add_argument(f"--allowed-{name}", type=_json_strings, default=getattr(d, f"allowed_{name}"), metavar="JSON",
+                       help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"], any)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: off)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer every request with an X-Request-Id header: the client's own, else a new id "
+                        "(default: off)")
 
 
 def serve_flags(p: argparse.ArgumentParser) -> None:
@@ -67,20 +89,7 @@ def serve_flags(p: argparse.ArgumentParser) -> None:
                    default=d.uvicorn_access_log, help="log a line per HTTP request (default: off)")
     g.add_argument("--disable-uvicorn-access-log", dest="uvicorn_access_log", action="store_false",
                    help="vLLM's flag: no line per HTTP request (default: no lines)")
-    g.add_argument("--root-path", default=d.root_path, metavar="PATH",
-                   help="the path prefix a proxy serves the server under; requests are served with or without it "
-                        "(default: none)")
-    for flag, already in (("--disable-fastapi-docs", "no /docs, /redoc or /openapi.json is served"),
-                          ("--enable-prompt-tokens-details", "usage always has prompt_tokens_details"),
-                          ("--disable-frontend-multiprocessing", "the server and the engine share one process")):
-        g.add_argument(flag, action="store_true", help=f"vLLM's flag, accepted: {already} (default: always so)")
-    for name, what in (("keyfile", "the TLS private key"), ("certfile", "the TLS certificate: serve HTTPS"),
-                       ("ca-certs", "CA certificates that verify clients' certificates")):
-        g.add_argument(f"--ssl-{name}", default=None, metavar="FILE", help=f"{what} (default: none)")
-    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
-        g.add_argument(f"--allowed-{name}", type=_json_strings, default=getattr(d, f"allowed_{name}"), metavar="JSON",
-                       help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"], any)")
-    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: off)")
+    _http_flags(g, d)
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent in a request (default: off, such requests get 400: a "
                         "template is code the server runs, sandboxed, but free to spend its CPU and memory)")
@@ -254,6 +263,7 @@ def serve(args: argparse.Namespace) -> int:
                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                          enable_request_id_headers=args.enable_request_id_headers,
                           trust_request_chat_template=args.trust_request_chat_template,
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)

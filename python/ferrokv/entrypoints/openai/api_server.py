@@ -87,10 +87,13 @@ class _Gate:
         self.state = state
         self.limit = body_limit(config.max_body_bytes, state.llm.max_model_len)
         self.keys = tuple(k.encode() for k in config.api_keys())
+        self.request_id_headers = config.enable_request_id_headers
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.request_id_headers:
+            send = _with_request_id(scope, send)
         path = _route_path(scope)
         if self.state.draining and path != "/metrics":
             return await _error(503, "the server is shutting down")(scope, receive, send)
@@ -455,6 +458,20 @@ class _Server(uvicorn.Server):
             await self._wait_idle(grace)
         finally:
             self.should_exit = True
+
+
+def _with_request_id(scope: Any, send: Any) -> Any:
+    """``send`` that adds ``X-Request-Id`` to the response: the request's own (h11 has checked its
+    bytes), else a new one (vLLM's ``--enable-request-id-headers``)."""
+    given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+    request_id = given or uuid.uuid4().hex.encode()
+
+    async def tagged(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+        await send(message)
+
+    return tagged
 
 
 def run_server(llm: Any, config: ServerConfig, exits_after: bool = False) -> int:

@@ -69,6 +69,7 @@ class ServerConfig:
     uvicorn_log_level: str = "info"
     uvicorn_access_log: bool = False
     root_path: str = ""  # the path prefix a proxy serves the app under (vLLM's --root-path)
+    enable_request_id_headers: bool = False  # each response says X-Request-Id: the client's, else a new one (vLLM's)
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
