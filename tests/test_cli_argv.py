@@ -82,8 +82,8 @@ def test_an_unknown_flag_whose_value_holds_a_space_is_unrecognized_not_the_model
     model ("model: '--compilation-config={"level": 3}' is neither..."), as vLLM configs' nested keys
     came in (cli7)."""
     cfg = tmp_path / "c.yaml"
-    cfg.write_text('port: 8799\ncompilation_config: {"level": 3, "name": "a b"}\n')
-    for argv, flag in ((["serve", "--config", str(cfg)], "--compilation-config="),
+    cfg.write_text('port: 8799\nmystery_config: {"level": 3, "name": "a b"}\n')
+    for argv, flag in ((["serve", "--config", str(cfg)], "--mystery-config="),
                        (["serve", "--model", "m", '--chat-template-kwargs={"a": 1}'], "--chat-template-kwargs="),
                        (["generate", '--mystery={"a b": 1}', "hi"], "--mystery=")):
         with pytest.raises(SystemExit) as e:
@@ -99,6 +99,20 @@ def test_a_null_in_a_config_file_means_the_flags_default(tmp_path):
     cfg.write_text("quantization: null\nmax_model_len: null\nport: 9003\n")
     args = _parse(["serve", "m", "--config", str(cfg)])
     assert (args.quantization, args.max_model_len, args.port) == (None, None, 9003)
+
+
+def test_vllm_only_flags_are_read_as_llm_reads_them():
+    """vLLM's flags for what ferrokv does not have (VLLM_ONLY_ARGS): a value meaning what ferrokv does
+    passes, with vLLM's short forms (cli7: they were all "unrecognized"); a switch takes no value."""
+    from ferrokv.engine_args import EngineArgs
+
+    args = _parse(["serve", "m", "-pp", "1", "-dp=1", "-O0", "--max-seq-len-to-capture", "8192",
+                   "--disable-custom-all-reduce", "--distributed-executor-backend", "mp",
+                   "--limit-mm-per-prompt", '{"image": 0}', "--compilation-config", '{"level": 3}'])
+    assert (args.pipeline_parallel_size, args.data_parallel_size, args.compilation_config) == (1, 1, {"level": 3})
+    assert args.limit_mm_per_prompt == {"image": 0} and args.distributed_executor_backend == "mp"
+    EngineArgs.from_cli_args(args)
+    assert _parse(["generate", "--disable-custom-all-reduce", "hi"]).prompts == ["hi"]
 
 
 def test_vllm_flags_for_what_ferrokv_always_does_are_accepted():

@@ -800,6 +800,7 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--enable-prompt-tokens-details=1"], ["--enable-prompt-tokens-details"]),
     (["--disable-frontend-multiprocessing=1"], ["--disable-frontend-multiprocessing"]),
     (["--trust-request-chat-template=1"], ["--trust-request-chat-template"]),
+    (["--enable-request-id-headers=1"], ["--enable-request-id-headers"]),
     (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser", "hermes"]),
     (["--chat-template", "/no/such/template.jinja"], ["--chat-template", "/no/such/template.jinja"]),
     (["--chat-template-content-format", "parts"], ["--chat-template-content-format", "'parts'"]),
@@ -807,6 +808,10 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--model", "/some/other/model"], ["model", "/some/other/model"]),
     (["--block-size", "24"], ["block_size", "24"]),
     (["--max-num-seqs", "0"], ["max_num_seqs", "0"]),
+    # vLLM's flags for what ferrokv does not have: refused at a value that means something else.
+    (["-pp", "2"], ["pipeline_parallel_size=2 is not supported: ferrokv runs on one device"]),
+    (["--enable-lora"], ["enable_lora=True is not supported: ferrokv has no LoRA"]),
+    (["--distributed-executor-backend", "ray"], ["distributed_executor_backend='ray'"]),
 ]
 # Flags that take any value (a name) or none: nothing to refuse.
 _NO_BAD_VALUE = {"--host"}  # --host is checked by binding: its own test
@@ -824,7 +829,9 @@ def test_serve_bad_flag_table_covers_serve_flags():
     covered = {args[0].split("=")[0] for args, _ in SERVE_BAD_FLAGS}
     from ferrokv.engine_args import EngineArgs
 
-    engine = {"--" + name.replace("_", "-") for name in EngineArgs.field_names()}
+    from ferrokv.engine_args import VLLM_ONLY_ARGS
+
+    engine = {"--" + name.replace("_", "-") for name in [*EngineArgs.field_names(), *VLLM_ONLY_ARGS]}
     assert own - engine - _NO_BAD_VALUE <= covered, sorted(own - engine - _NO_BAD_VALUE - covered)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 from ferrokv import __version__
 from ferrokv.cli_argv import flags_read_as_values, vllm_argv
 from ferrokv.checks import check_text
-from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, EngineArgs, engine_arg_help, help_with_default
+from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, VLLM_ONLY_ARGS, EngineArgs, engine_arg_help, help_with_default
 from ferrokv.generation_defaults import RECOMMENDED_FIELDS
 from ferrokv.logger import LEVEL_ENV, LOGGER_NAME
 from ferrokv.sampling_params import SamplingParams
@@ -131,12 +131,42 @@ _json_object = _json_flag("a JSON object", lambda v: isinstance(v, dict))
 _json_strings = _json_flag("a JSON list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
 
 
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+# vLLM's short spellings of its flags for what ferrokv does not have (-tp and -q: ferrokv.cli_argv),
+# and those of them that are switches (--x / --no-x, no value); the rest take a value.
+_VLLM_ONLY_SHORT = {"pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",), "compilation_config": ("-O",)}
+_VLLM_ONLY_SWITCHES = frozenset({
+    "disable_custom_all_reduce", "disable_async_output_proc", "enable_lora", "enable_sleep_mode", "skip_tokenizer_init",
+    "async_scheduling", "disable_sliding_window", "calculate_kv_scales", "enable_expert_parallel", "use_tqdm_on_load",
+    "use_v2_block_manager", "worker_use_ray"})
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (the EngineArgs fields; LLM() takes the same names)")
     hints = typing.get_type_hints(EngineArgs)
     for f in fields(EngineArgs):
         _add_flag(g, "--" + f.name.replace("_", "-"), f.name, hints[f.name], f.default, engine_arg_help(f),
                   f.metadata["choices"])
+    # As LLM() takes them (VLLM_ONLY_ARGS): a value that means what ferrokv does is accepted (a value
+    # is read as JSON, else as text), any other refused naming it.
+    v = p.add_argument_group("vLLM's flags for what ferrokv does not have: accepted at a value that means what "
+                             "ferrokv does, else refused")
+    for name, (_, what) in VLLM_ONLY_ARGS.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in p._option_string_actions:  # (serve's own --served-model-name, ...)
+            continue
+        help_text = help_with_default(f"vLLM's: {what}", None)
+        if name in _VLLM_ONLY_SWITCHES:
+            v.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction).help = help_text
+        else:  # (--hf-token alone: the token of `hf auth login`, as vLLM's)
+            v.add_argument(flag, *_VLLM_ONLY_SHORT.get(name, ()), dest=name, default=None, type=_json_or_text,
+                           metavar="VALUE", help=help_text, **({"nargs": "?", "const": True} if name == "hf_token" else {}))
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -152,7 +182,7 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 
 def _llm(args: argparse.Namespace) -> Any:
     engine_args = {name: getattr(args, name) for name in EngineArgs.field_names()}
-    EngineArgs(**engine_args).validate()  # a bad flag fails before torch is imported
+    EngineArgs.from_cli_args(args).validate()  # a bad flag fails before torch is imported
     from ferrokv.llm import LLM
 
     return LLM(**engine_args)

@@ -291,7 +291,10 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: Any) -> EngineArgs:
-        """vLLM's: the engine arguments of parsed flags (those ``add_cli_args`` added)."""
+        """vLLM's: the engine arguments of parsed flags (those ``add_cli_args`` added); vLLM's flags
+        for what ferrokv does not have are checked as ``LLM()`` checks them (``VLLM_ONLY_ARGS``)."""
+        without_vllm_only_args({name: getattr(args, name) for name in VLLM_ONLY_ARGS
+                                if getattr(args, name, None) is not None})
         return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
 
 
