@@ -115,6 +115,26 @@ def test_vllm_only_flags_are_read_as_llm_reads_them():
     assert _parse(["generate", "--disable-custom-all-reduce", "hi"]).prompts == ["hi"]
 
 
+def test_each_vllm_only_switch_is_checked_as_llm_checks_it():
+    """Every vLLM-only switch reaches the one check (EngineArgs.from_cli_args) with the value LLM()
+    would get: on, refused naming it where on is not what ferrokv does; --no- form always fine."""
+    from ferrokv.cli import _VLLM_ONLY_SWITCHES
+    from ferrokv.engine_args import VLLM_ONLY_ARGS, EngineArgs
+
+    for name in sorted(_VLLM_ONLY_SWITCHES):
+        flag = "--" + name.replace("_", "-")
+        fits = VLLM_ONLY_ARGS[name][0]
+        args = _parse(["serve", "m", flag])
+        assert getattr(args, name) is True
+        if fits(True):
+            EngineArgs.from_cli_args(args)
+        else:
+            with pytest.raises(ValueError, match=rf"^{name}=True is not supported"):
+                EngineArgs.from_cli_args(args)
+        assert getattr(_parse(["serve", "m", f"--no-{flag[2:]}"]), name) is False
+    assert _parse(["serve", "m", "-O3"]).compilation_config == 3 and _parse(["serve", "m", "--hf-token"]).hf_token is True
+
+
 def test_vllm_flags_for_what_ferrokv_always_does_are_accepted():
     args = _parse(["serve", "m", "--disable-fastapi-docs", "--enable-prompt-tokens-details",
                    "--disable-frontend-multiprocessing"])

@@ -16,8 +16,8 @@ Invariants:
   step; ``EngineDeadError`` once the engine loop has ended (each caller its own exception object).
 * A generator that is closed or cancelled before its last output (the client went away) aborts
   its request: the engine frees its blocks when the step in progress ends.
-* ``num_in_flight`` counts the requests submitted and not yet ended (the server's admission
-  control and drain read it); it returns to 0 once every request has ended. A request whose
+* ``num_in_flight`` counts the requests submitted and not yet ended (for a caller that limits
+  admission or drains on it); it returns to 0 once every request has ended. A request whose
   event loop closed with its generator still open (its ``finally`` never runs) is aborted at its
   next output (a ``FINAL_ONLY`` one has none before its end), and its count comes back when its
   last item finds the loop gone or its stream is collected.

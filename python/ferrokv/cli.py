@@ -138,9 +138,9 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-# vLLM's short spellings of its flags for what ferrokv does not have (-tp and -q: ferrokv.cli_argv),
-# and those of them that are switches (--x / --no-x, no value); the rest take a value.
-_VLLM_ONLY_SHORT = {"pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",), "compilation_config": ("-O",)}
+# vLLM's -O (its value attached: -O3; other short flags: ferrokv.cli_argv), and the flags for what
+# ferrokv does not have that are switches (--x / --no-x, no value); the rest take a value.
+_VLLM_ONLY_SHORT = {"compilation_config": ("-O",)}
 _VLLM_ONLY_SWITCHES = frozenset({
     "disable_custom_all_reduce", "disable_async_output_proc", "enable_lora", "enable_sleep_mode", "skip_tokenizer_init",
     "async_scheduling", "disable_sliding_window", "calculate_kv_scales", "enable_expert_parallel", "use_tqdm_on_load",
@@ -325,7 +325,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 # What ferrokv.cli_argv reads before argparse, as vLLM does (so it is told here, not as flags).
 _CONVENTIONS = ("also: --config FILE.yaml (its keys as flags; the command line wins), -tp N (--tensor-parallel-size), "
-                "-q (--quantization); a flag may be spelled with '_' or '-', and a value as --flag=value")
+                "-pp N, -dp N (--pipeline- and --data-parallel-size), -q (--quantization); a flag may be spelled "
+                "with '_' or '-', and a value as --flag=value")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -27,7 +27,8 @@ from typing import Any
 __all__ = ["SHORT_FLAGS", "flags_read_as_values", "vllm_argv"]
 
 # vLLM's short flags for the long flags ferrokv has.
-SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-q": "--quantization"}
+SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-q": "--quantization", "-pp": "--pipeline-parallel-size",
+               "-dp": "--data-parallel-size"}
 
 
 _FLAG = re.compile(r"--[A-Za-z0-9][A-Za-z0-9_.-]*")

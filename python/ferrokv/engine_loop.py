@@ -457,10 +457,7 @@ class EngineLoop:
     def _flush(self) -> None:
         flushes, self._flushes = self._flushes, set()
         for flush in flushes:
-            try:
-                flush()
-            except Exception:  # as in _deliver: a broken sink must not stop the loop
-                logger.exception("engine loop: a sink's flush failed")
+            to_sink(None, flush)
 
     def _apply(self, command: Any) -> None:
         if isinstance(command, _Submit):

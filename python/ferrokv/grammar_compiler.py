@@ -197,10 +197,11 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{kind} is too large: its grammar is {len(grammar)} characters, "
                              f"more than {limit}")
         try:
-            error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=_parser_limits())
+            limits = _parser_limits()
+            error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=limits)
             template = None
             if not error:
-                template = LLMatcher(self.tokenizer, grammar, log_level=0, limits=_parser_limits())
+                template = LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
                 error = template.get_error() if template.is_error() else ""
         except Exception as e:  # llguidance raises various types
             error = f"{type(e).__name__}: {e}"

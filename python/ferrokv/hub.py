@@ -177,15 +177,12 @@ def snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | o
                 "" if complete else "; files the Hub lists are missing from it")
             return path
         if path is not None:
-            gguf = gguf_hint(path) if what == "model" else ""
-            if gguf:
-                raise ValueError(f"{what}: {repo_id!r}{at} is in the Hugging Face cache ({path}) but has no "
-                                 f"{required}{gguf}")
-            raise ValueError(
-                f"{what}: {repo_id!r}{at} is in the Hugging Face cache ({path}) but has no {required} (a download "
-                f"that did not finish, or a repository with no {what}), and HF_HUB_OFFLINE is set, so it cannot "
-                f"be downloaded; download it again ({_how_to_get(repo_id, revision, download_dir)}), "
+            why = (gguf_hint(path) if what == "model" else "") or (
+                f" (a download that did not finish, or a repository with no {what}), and HF_HUB_OFFLINE is set, so "
+                f"it cannot be downloaded; download it again ({_how_to_get(repo_id, revision, download_dir)}), "
                 f"unset HF_HUB_OFFLINE{hint}, or pass a local folder")
+            raise ValueError(f"{what}: {repo_id!r}{at} is in the Hugging Face cache ({path}) but has no "
+                             f"{required}{why}")
         raise ValueError(
             f"{what}: {repo_id!r}{at} is not a local directory and is not in the Hugging Face cache "
             f"({_cache_dir(download_dir)}), and HF_HUB_OFFLINE is set, so it cannot be downloaded; "

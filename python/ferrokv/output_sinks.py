@@ -73,9 +73,9 @@ class OutputSink(Protocol):
     def put(self, item: StreamItem, /) -> None: ...  # optional: flush() and accepted, see the module docs
 
 
-def to_sink(request_id: str, call: Callable[..., None], *args: Any) -> None:
-    """``call(*args)``, a sink's ``put`` or ``accepted``: a sink that broke (e.g. its event loop closed)
-    is logged and must not stop the loop."""
+def to_sink(request_id: str | None, call: Callable[..., None], *args: Any) -> None:
+    """``call(*args)``, a sink's ``put``, ``accepted`` or ``flush`` (``request_id`` None: of several
+    requests): a sink that broke (e.g. its event loop closed) is logged and must not stop the loop."""
     try:
         call(*args)
     except Exception:

@@ -227,9 +227,9 @@ def _stream(gen: Generation, call: ChatAnswer) -> Any:
                                      "logprobs": None, "finish_reason": None}, generated=False))
                 if with_ids and index == 0:
                     events[-1]["prompt_token_ids"] = list(out.prompt_token_ids)
-            events += [chunk({"index": index, "delta": {"content": call.echo}, "logprobs": None,
-                              "finish_reason": None}, generated=False) for index in range(call.req.params.n)
-                       if call.echo]
+            if call.echo:
+                events += [chunk({"index": index, "delta": {"content": call.echo}, "logprobs": None,
+                                  "finish_reason": None}, generated=False) for index in range(call.req.params.n)]
         for c in out.outputs:
             delta = call.delta(c)
             if not delta.get("content") and "tool_calls" not in delta and c.finish_reason is None \
