@@ -148,7 +148,7 @@ def test_a_forced_function_call_is_a_function_call_item(client, stream):
         output = respond(client, **kw).output
     (call,) = output
     assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
-    assert call.call_id and call.id.startswith("fc_")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")  # vLLM's prefixes
     jsonschema.validate(json.loads(call.arguments), WEATHER)
 
 
@@ -223,6 +223,9 @@ def test_logprobs_when_included(client):
     ({"input": [{"type": "input_image"}]}, 400, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input[0].content[0]"),
     ({"input": USER, "instructions": 5}, 400, "instructions"),
+    ({"input": [{"role": "user", "content": None}]}, 400, "input[0].content"),
+    ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, 400, "input[1].content"),
+    ({"input": USER, "previous_response_id": 5}, 400, "previous_response_id"),
     ({"input": USER, "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": USER, "temperature": -1}, 400, "temperature"),
     ({"input": USER, "tools": [{"type": "web_search_preview"}]}, 400, "tools[0]"),
@@ -278,6 +281,14 @@ def test_usage_validates_as_the_sdks_response_and_counts_cache_writes(http):
     assert first.usage.input_tokens_details.cache_write_tokens == full
     cached = again.usage.input_tokens_details.cached_tokens
     assert cached > 0 and again.usage.input_tokens_details.cache_write_tokens == full - cached
+
+
+def test_empty_instructions_add_no_system_turn(http):
+    def input_tokens(**kw):
+        r = http.post("/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 1, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+    assert input_tokens(instructions="") == input_tokens() < input_tokens(instructions=" ")
 
 
 def test_an_empty_model_name_is_the_served_one(http):

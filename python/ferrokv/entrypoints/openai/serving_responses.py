@@ -1,14 +1,15 @@
 """``POST /v1/responses``: OpenAI's Responses API, served as vLLM serves it for models without a
-Harmony format. The ``instructions`` (a system message) and the ``input`` (a string, or a list of
-``message``, ``function_call`` and ``function_call_output`` items) become a chat conversation,
-which takes the chat path (``serving_chat``: the template, tools, ``text.format`` as a structured
-output, or vLLM's ``structured_outputs``; the sampling fields vLLM's ResponsesRequest takes pass on
-as they are; as vLLM's: ``truncation: "auto"`` keeps the prompt's last tokens that fit, a last
-assistant message ``in_progress`` or ``incomplete`` is continued, ``tool_choice: "none"`` shows the
-template no tools, ``reasoning.effort`` is the template's ``reasoning_effort``); one sample is
-generated. Its answer is the response's ``output``: a ``message`` item with one ``output_text``
-part (when there is text, or nothing else), then one ``function_call`` item per tool call. A
-finish by length makes the response ``incomplete`` (reason ``max_output_tokens``).
+Harmony format. The ``instructions`` (a system message, none when empty) and the ``input`` (a
+string, or a list of ``message``, ``function_call`` and ``function_call_output`` items) become a
+chat conversation, which takes the chat path (``serving_chat``: the template, tools, ``text.format``
+as a structured output, or vLLM's ``structured_outputs``; the sampling fields vLLM's
+ResponsesRequest takes pass on as they are; as vLLM's: ``truncation: "auto"`` keeps the prompt's
+last tokens that fit, a last assistant message ``in_progress`` or ``incomplete`` is continued,
+``tool_choice: "none"`` shows the template no tools, ``reasoning.effort`` is the template's
+``reasoning_effort``); one sample is generated. Its answer is the response's ``output``: a
+``message`` item with one ``output_text`` part (when there is text, or nothing else), then one
+``function_call`` item per tool call (its ``call_id`` is ``call_…``, as vLLM's). A finish by length
+makes the response ``incomplete`` (reason ``max_output_tokens``).
 
 As vLLM without ``VLLM_ENABLE_RESPONSES_API_STORE``, nothing is stored: ``store`` is ignored,
 ``background`` (which needs the store) is a 400, a ``previous_response_id`` and a
@@ -119,7 +120,10 @@ def _input_item(item: Any, where: str) -> dict[str, Any] | None:
         role = item.get("role")
         if not isinstance(role, str) or role not in _ROLES:
             raise bad(f"{where}.role", f"{where}.role must be one of {sorted(_ROLES)}, got {shown(role)}")
-        return {"role": _ROLES[role], "content": item.get("content")}
+        if item.get("content") is None:  # required in OpenAI's message items (a string or a list of parts)
+            raise bad(f"{where}.content", f"{where}.content must be a string or a list of content parts, got "
+                                          f"{shown(item.get('content'))}")
+        return {"role": _ROLES[role], "content": item["content"]}
     if kind == "function_call":
         call = {"id": _string(item.get("call_id"), f"{where}.call_id"), "type": "function",
                 "function": {"name": _string(item.get("name"), f"{where}.name"),
@@ -138,8 +142,8 @@ def _input_item(item: Any, where: str) -> dict[str, Any] | None:
 
 def _conversation(instructions: Any, value: Any) -> tuple[list[dict[str, Any]], list[str]]:
     messages, origins = [], []
-    if instructions is not None:
-        messages.append({"role": "system", "content": _string(instructions, "instructions")})
+    if instructions is not None and _string(instructions, "instructions"):  # as vLLM: "" adds no system turn
+        messages.append({"role": "system", "content": instructions})
         origins.append("instructions")
     if isinstance(value, str):
         messages.append({"role": "user", "content": value})
@@ -236,8 +240,10 @@ def _refuse_unserved(body: Mapping[str, Any]) -> list[str]:
     if _bool(body, "background", False):
         raise bad("background", "background is not supported: this server stores no responses (as vLLM without "
                                 "VLLM_ENABLE_RESPONSES_API_STORE)")
-    if body.get("previous_response_id") is not None:
-        raise OpenAIError(404, f"previous_response_id: no response {shown(body['previous_response_id'])}: this "
+    if (previous := body.get("previous_response_id")) is not None:
+        if not isinstance(previous, str):
+            raise bad("previous_response_id", f"previous_response_id must be a string, got {shown(previous)}")
+        raise OpenAIError(404, f"previous_response_id: no response {shown(previous)}: this "
                                "server stores no responses", "previous_response_id")
     if body.get("prompt") is not None:
         raise bad("prompt", f"prompt (a stored prompt template) is not supported, got {shown(body['prompt'])}")
@@ -341,7 +347,7 @@ class _Response:
     def function_call(call: Mapping[str, Any], status: str) -> dict[str, Any]:
         f = call["function"]
         args = f["arguments"] if isinstance(f["arguments"], str) else json.dumps(f["arguments"], ensure_ascii=False)
-        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"], "name": f["name"],
+        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex}", "name": f["name"],
                 "arguments": args, "status": status}
 
     def output(self, c: CompletionOutput) -> list[Any]:
