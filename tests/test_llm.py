@@ -451,14 +451,13 @@ def test_use_tqdm_callable_makes_the_bar(llama_llm):
     from tqdm import tqdm
 
     class Bar:
-        def __init__(self, total, **kwargs):
-            self.total, self.n, self.closed = total, 0, False
+        """A bar made for vLLM's calls: these keywords, then update() and close() only."""
+
+        def __init__(self, total, desc, dynamic_ncols, postfix):
+            self.total, self.n, self.closed, self.postfix = total, 0, False, postfix
 
         def update(self, k):
             self.n += k
-
-        def set_postfix_str(self, s):
-            pass
 
         def close(self):
             self.closed = True
@@ -467,6 +466,7 @@ def test_use_tqdm_callable_makes_the_bar(llama_llm):
     outs = llama_llm.generate(["a b", "c d"], SamplingParams(max_tokens=2),
                               use_tqdm=lambda **kw: made.append(Bar(**kw)) or made[-1])
     assert len(outs) == 2 and len(made) == 1 and (made[0].n, made[0].total, made[0].closed) == (2, 2, True)
+    assert made[0].postfix.startswith("est. speed input: ") and made[0].postfix.endswith(" toks/s")
     assert len(llama_llm.generate(["a"], SamplingParams(max_tokens=1), use_tqdm=functools.partial(tqdm, disable=True)))
 
 

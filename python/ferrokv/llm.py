@@ -318,13 +318,15 @@ class LLM:
         done: dict[str, StreamItem] = {}
         bar = None
         if use_tqdm:
-            # vLLM's use_tqdm: True, or a callable that makes the bar (e.g. partial(tqdm, leave=False)).
+            # vLLM's use_tqdm: True, or a callable that makes the bar (e.g. partial(tqdm, leave=False)),
+            # called and used as vLLM does (a bar class written for vLLM's works here).
             if callable(use_tqdm):
                 make_bar = use_tqdm
             else:
                 from tqdm.auto import tqdm as make_bar
-            bar = make_bar(total=len(prompts), desc="Processed prompts", unit="req", dynamic_ncols=True)
-        t0, generated = time.perf_counter(), 0
+            bar = make_bar(total=len(prompts), desc="Processed prompts", dynamic_ncols=True,
+                           postfix=_SPEED.format(0.0, 0.0))
+        t0, prompt_tokens, generated = time.perf_counter(), 0, 0
         grammars = self._start_grammars(params)  # held until the call ends
         try:
             for i, p in enumerate(prompts):
@@ -342,10 +344,13 @@ class LLM:
                     if item.refused and (total or len(prompts)) > 1:
                         _name_prompt(item.error, first + ids.index(item.request_id))
                     raise item.error
-                generated += sum(len(c.token_ids) for c in item.output.outputs)
                 if bar is not None:
+                    outs = item.output.outputs
+                    prompt_tokens += len(item.output.prompt_token_ids or ()) * len(outs)
+                    generated += sum(len(c.token_ids) for c in outs)
+                    elapsed = time.perf_counter() - t0
+                    bar.postfix = _SPEED.format(prompt_tokens / elapsed, generated / elapsed)
                     bar.update(1)
-                    bar.set_postfix_str(f"{generated / (time.perf_counter() - t0):.1f} tok/s")
         except BaseException:
             _abandon(loop, ids, done, sink)
             raise
@@ -493,6 +498,9 @@ class LLM:
         return BeamSearchSequence(tokens, c.logprobs or [], cum_logprob=c.cumulative_logprob or 0.0,
                                   text=self.llm_engine.tokenizer.decode(tokens), finish_reason=c.finish_reason)
 
+
+# vLLM's progress bar postfix.
+_SPEED = "est. speed input: {:.2f} toks/s, output: {:.2f} toks/s"
 
 _BEAM_DEFAULTS = {"max_tokens": None, "length_penalty": 1.0, "ignore_eos": False, "use_tqdm": False,
                   "lora_request": None, "concurrency_limit": None}
