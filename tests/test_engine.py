@@ -276,40 +276,48 @@ def test_n_samples_survive_preemption(llama_path, mode, prefix_caching):
 
     ample, st = run()
     assert st["preemptions"] == 0
-    # No mode can count on the samples sharing their prompt after a preemption (swap falls back
-    # to recompute when the CPU pool is full), so a request is admitted only if its samples fit
-    # unshared: 3 x ceil(61 / 4) = 48 blocks.
-    small, st = run(num_kv_blocks=50, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    # The samples share their prompt's full blocks in every mode (after a recompute too), so the
+    # largest request's worst case is 11 + 3 x (ceil(60 / 4) - 11) = 23 blocks: the whole cache (+1 reserved).
+    small, st = run(num_kv_blocks=24, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
     assert st["preemptions"] > 0 and st["capacity_aborts"] == 0, st
     assert small == ample
 
 
-def test_samples_that_could_outgrow_the_cache_unshared_are_refused_up_front_in_swap_mode(llama_path):
-    """Swap mode falls back to recompute when the CPU pool is full, and then each sample holds
-    its own prompt: a request whose samples fit only while they share it used to be admitted and
-    capacity-aborted mid-generation ("abort" after some tokens); now it is refused at once."""
-    engine = make_engine(llama_path, block_size=16, num_kv_blocks=13, preemption_mode="swap", num_cpu_blocks=1,
-                         max_model_len=128)
+def test_samples_that_fit_only_sharing_their_prompt_run_after_a_recompute(llama_path):
+    """A request whose samples fit only while they share their prompt's full blocks is admitted
+    (as vLLM's child requests each need to fit alone), and runs to its end after preemptions:
+    swap falls back to recompute when the CPU pool is full, and recomputed samples share the
+    prompt again. It used to be refused, and before that capacity-aborted mid-generation."""
     rng = random.Random(5)
-    engine.add_request("a", {"prompt_token_ids": [rng.randrange(3, TINY_VOCAB) for _ in range(16)]},
-                       greedy(max_tokens=64))
-    big = SamplingParams(n=4, temperature=0.0, max_tokens=32, ignore_eos=True)  # 4 x ceil(96 / 16) = 24 > 12
-    with pytest.raises(CacheCapacityError, match="needs up to 24 KV blocks"):
-        engine.add_request("b", {"prompt_token_ids": [rng.randrange(3, TINY_VOCAB) for _ in range(64)]}, big)
-    outs = run_engine(engine)
-    assert outs["a"].outputs[0].finish_reason == "length" and engine.stats()["capacity_aborts"] == 0
-    assert_no_leak(engine)
+    prompts = {"a": [rng.randrange(3, TINY_VOCAB) for _ in range(16)],
+               "b": [rng.randrange(3, TINY_VOCAB) for _ in range(64)]}
+    # 4 full prompt blocks once + 4 x (ceil(95 / 16) - 4) = 12 blocks: the whole cache.
+    params = {"a": greedy(max_tokens=64), "b": SamplingParams(n=4, temperature=0.0, max_tokens=32, ignore_eos=True)}
+
+    def run(**kw):
+        engine = make_engine(llama_path, block_size=16, max_model_len=128, **kw)
+        for rid in ("a", "b"):  # "a" arrives first: "b" is the one preempted
+            engine.add_request(rid, {"prompt_token_ids": prompts[rid]}, params[rid])
+        outs = run_engine(engine)
+        assert_no_leak(engine)
+        return {k: [(c.token_ids, c.finish_reason) for c in o.outputs] for k, o in outs.items()}, engine.stats()
+
+    ample, _ = run()
+    small, st = run(num_kv_blocks=13, preemption_mode="swap", num_cpu_blocks=1)
+    assert st["recompute_preemptions"] > 0 and st["capacity_aborts"] == 0, st
+    assert small == ample and [len(t) for t, _ in small["b"]] == [32] * 4
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_requests_that_fill_the_cache_exactly_are_admitted_and_run_as_with_room(llama_path, preemption_mode):
     """15 usable blocks of 4 hold 60 tokens, and a request's last token is never cached: a 60-token
-    prompt with max_tokens=1, 57 + 4, and two samples of 24 + 5 (7 blocks each) fit, and one token
-    more does not (pressure7: the check counted the last token, refusing the first three)."""
+    prompt with max_tokens=1, 57 + 4, and two samples of 24 + 17 (the prompt's 6 blocks shared, 4
+    of their own each) fit, and one token more does not (pressure7: the check counted the last
+    token, refusing the first two; the samples' shared prompt blocks were counted twice)."""
     rng = random.Random(17)
     prompts = {k: [rng.randrange(3, TINY_VOCAB) for _ in range(k)] for k in (60, 57, 24)}
     asks = [("fill", 60, greedy(max_tokens=1)), ("fill4", 57, greedy(max_tokens=4)),
-            ("two", 24, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True))]
+            ("two", 24, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=17, ignore_eos=True))]
 
     def run(**kw):
         engine = make_engine(llama_path, block_size=4, max_model_len=128, preemption_mode=preemption_mode, **kw)
@@ -323,7 +331,7 @@ def test_requests_that_fill_the_cache_exactly_are_admitted_and_run_as_with_room(
     exact, engine = run(num_kv_blocks=16, num_cpu_blocks=16 if preemption_mode == "swap" else 0)
     assert exact == run(num_kv_blocks=256)[0]
     for k, params in ((60, greedy(max_tokens=2)), (57, greedy(max_tokens=5)),
-                      (24, SamplingParams(n=2, max_tokens=6, ignore_eos=True))):
+                      (24, SamplingParams(n=2, max_tokens=18, ignore_eos=True))):
         with pytest.raises(CacheCapacityError, match="needs up to 16 KV blocks"):
             engine.add_request("more", {"prompt_token_ids": prompts[k]}, params)
 
@@ -333,34 +341,34 @@ def test_a_beam_search_that_could_never_fit_is_told_in_its_own_terms(llama_path)
     "lower max_tokens or n")."""
     engine = make_engine(llama_path, num_kv_blocks=30, max_model_len=64)
     with pytest.raises(CacheCapacityError) as e:
-        engine.add_beam_request("b", {"prompt_token_ids": list(range(3, 23))}, beam_width=3, max_tokens=12)
+        engine.add_beam_request("b", {"prompt_token_ids": list(range(3, 23))}, beam_width=3, max_tokens=24)
     message = str(e.value)
-    assert "(5 beam search sequences (2 * beam_width - 1) of its 20-token prompt + max_tokens=12)" in message
+    assert "(5 beam search sequences (2 * beam_width - 1) of its 20-token prompt + max_tokens=24)" in message
     assert message.endswith("lower max_tokens or beam_width, or enlarge the KV cache"), message
     assert not engine.has_unfinished_requests()
     assert_no_leak(engine)
 
 
 def test_no_max_tokens_means_as_many_as_the_samples_worst_case_fits(llama_path, caplog):
-    """``max_tokens=None`` (chat's default) with n samples: as many tokens as n whole contexts
-    fit in the cache, not a refusal (vLLM runs each sample alone), and a warning says so; an
-    explicit limit that cannot fit is still refused."""
+    """``max_tokens=None`` (chat's default) with n samples: as many tokens as n contexts sharing
+    their prompt's full blocks fit in the cache, not a refusal (vLLM runs each sample alone), and
+    a warning says so; an explicit limit that cannot fit is still refused."""
     engine = make_engine(llama_path, block_size=16, num_kv_blocks=13, max_model_len=128)  # 12 usable
-    prompt = {"prompt_token_ids": list(range(5, 5 + 20))}
+    prompt = {"prompt_token_ids": list(range(5, 5 + 40))}
     with caplog.at_level(logging.WARNING, logger="ferrokv"):
         engine.add_request("n3", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=None, ignore_eos=True,
                                                         min_tokens=50))
         engine.add_request("n1", prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
     warned = [r.getMessage() for r in caplog.records if "names no max_tokens" in r.getMessage()]
-    assert warned == ["request n3 names no max_tokens: each of its n=3 sample(s) may generate 45 tokens, what the KV "
-                      "cache holds for them at once (max_model_len leaves 108); min_tokens=50 is cut to it"]
+    assert warned == ["request n3 names no max_tokens: each of its n=3 sample(s) may generate 41 tokens, what the KV "
+                      "cache holds for them at once (max_model_len leaves 88); min_tokens=50 is cut to it"]
     with pytest.raises(CacheCapacityError):
         engine.add_request("big", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=100, ignore_eos=True))
     outs = run_engine(engine)
-    # 12 // 3 = 4 blocks of 16 per sample: 64 cached tokens, and a last one never cached: 45 after
-    # the 20-token prompt.
-    assert [len(c.token_ids) for c in outs["n3"].outputs] == [45, 45, 45]
-    assert len(outs["n1"].outputs[0].token_ids) == 108  # one sample fits max_model_len: no warning
+    # The prompt's 2 full blocks once, and (12 - 2) // 3 = 3 blocks of 16 more per sample: 80 cached
+    # tokens each, and a last one never cached: 41 after the 40-token prompt.
+    assert [len(c.token_ids) for c in outs["n3"].outputs] == [41, 41, 41]
+    assert len(outs["n1"].outputs[0].token_ids) == 88  # one sample fits max_model_len: no warning
     assert all(c.finish_reason == "length" for c in outs["n3"].outputs)
     assert engine.stats()["capacity_aborts"] == 0
     assert_no_leak(engine)

@@ -366,7 +366,8 @@ def load_engine(args: EngineArgs) -> EngineParts:
     )
     if tokens_capacity + 1 < max_len:  # (a sequence's last token is never cached)
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request whose prompt + "
-                       "max_tokens (times n) needs more is refused (give more KV memory or lower max_model_len)",
+                       "max_tokens needs more (its n samples share the prompt's full blocks) is refused (give "
+                       "more KV memory or lower max_model_len)",
                        tokens_capacity, max_len)
     # Decided once, before the KV cache was sized around the graphs' memory (an auto max_model_len
     # lowered since may no longer rescale a dynamic RoPE; the estimate did not count them).

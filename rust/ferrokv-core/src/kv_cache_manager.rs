@@ -355,6 +355,20 @@ impl KvCacheManager {
         t.hashes[i]
     }
 
+    /// Gives a sequence with no block a sibling's leading `blocks`, whose KV that sibling has
+    /// computed (its samples' shared prompt): they are shared, not copied. Its registration
+    /// progress stays at 0, so registering it walks them again and chains on from the cache's
+    /// copy (`register_computed`; nothing happens without a cache). The caller has checked
+    /// that none is free (`blocks_needed` counts them as held).
+    pub fn share_blocks(&mut self, t: &SeqKv, ids: &mut impl BlockIdsMut, blocks: &[BlockId]) {
+        debug_assert!(ids.is_empty() && t.num_registered == 0 && t.cpu_blocks.is_empty());
+        for &b in blocks {
+            debug_assert!(self.gpu.ref_count(b) > 0, "a sibling holds it");
+            self.gpu.incref(b);
+            ids.push(b);
+        }
+    }
+
     /// Appends one fresh block (ref count 1) for a sequence whose next token starts a new
     /// block (the decode step's allocation). The caller has counted a free block for it.
     pub fn append_block(&mut self, ids: &mut impl BlockIdsMut) {

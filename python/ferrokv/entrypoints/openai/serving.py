@@ -153,7 +153,8 @@ def to_openai_error(e: BaseException) -> OpenAIError:
     if isinstance(e, EngineDeadError):  # shut down, or failed (its detail is logged)
         return OpenAIError(503, "the engine failed and stopped; see the server log" if e.failed
                            else "the server is shutting down")
-    # Its worst case (prompt + max_tokens - 1, times n), or its prompt, never fits.
+    # Its worst case (the prompt's full blocks once, then prompt + max_tokens - 1 for each of n), or its
+    # prompt, never fits.
     if isinstance(e, CacheCapacityError):
         # Told without the engine's request id ("request_id='cmpl-...-0' needs"): the client knows its own.
         message = re.sub(r"^request_id=.*?(: (?=its prompt of )| (?=needs up to ))",

@@ -2,15 +2,17 @@
 //! copy-on-write and fresh blocks, all or nothing), and admitting waiting requests in order.
 //!
 //! Invariants: a request that could never fit is rejected when added; the samples of a
-//! request step in lockstep (all get their logits rows this step, or none); capacity is
-//! checked for the whole request before any block moves. Costs: O(prompt blocks) for a
-//! prefix lookup, O(new blocks) per allocation; the waiting queue is only read at its head.
+//! request step in lockstep (all get their logits rows this step, or none) and never hold a
+//! full prompt block of their own (recomputed after a preemption, the later ones wait for the
+//! first's); capacity is checked for the whole request before any block moves. Costs:
+//! O(prompt blocks) for a prefix lookup, O(new blocks) per allocation; the waiting queue is
+//! only read at its head.
 
 use super::{NewRequest, Policy, Scheduler};
 use crate::batch::{Batch, NO_ROW};
 use crate::block_pool::BlockId;
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache_manager::{KvCacheManager, SeqKv};
+use crate::kv_cache_manager::{BlockIds, KvCacheManager, SeqKv};
 use crate::request::{FinishReason, Request, RequestState, Sequence, StopParams};
 use crate::sampling::{rng_key, SamplingSpec};
 
@@ -90,22 +92,23 @@ impl Scheduler {
         }
     }
 
-    /// Blocks a request may need in the worst case: every sample its whole context but its last
-    /// token, whose KV is never computed (no forward pass takes it in). Samples share their
-    /// prompt's full blocks while they run, but a recompute preemption (swap mode too, when the
-    /// CPU pool is full) recomputes each sample on its own, and sharing comes back only through
-    /// prefix-cache hits; counting on it let a request in that its samples could outgrow, to be
-    /// capacity-aborted mid-generation.
+    /// Blocks a request may need in the worst case: its prompt's full blocks once, which its
+    /// samples share (after the prefill's fan-out, in a swap, and after a recompute, where the
+    /// other samples wait for the first one's: `plan_start`), and for each sample the rest of
+    /// its context but its last token, whose KV is never computed (no forward pass takes it in).
     pub(super) fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, n: usize) -> usize {
         let context = prompt_len.saturating_add(max_tokens).min(self.cfg.max_model_len);
-        n * context.saturating_sub(1).max(prompt_len).div_ceil(self.cfg.block_size)
+        let per_seq = context.saturating_sub(1).max(prompt_len).div_ceil(self.cfg.block_size);
+        let shared = prompt_len / self.cfg.block_size;
+        shared + n * (per_seq - shared)
     }
 
     /// The most new tokens `seqs` samples of a `prompt_len`-token prompt can ask for and pass
     /// the worst-case check (at most up to `max_model_len`); 0 when not even one fits. What a
     /// request that names no limit gets (vLLM's samples each only need to fit alone).
     pub fn max_fitting_tokens(&self, prompt_len: usize, seqs: usize) -> usize {
-        let blocks_per_seq = self.kv.num_usable_blocks() / seqs.max(1);
+        let (usable, shared) = (self.kv.num_usable_blocks(), prompt_len / self.cfg.block_size);
+        let blocks_per_seq = if usable < shared { 0 } else { shared + (usable - shared) / seqs.max(1) };
         let slots = blocks_per_seq.saturating_mul(self.cfg.block_size);
         // A prompt that fits gets one token more than its slots hold: the last is never cached.
         let context = if slots < prompt_len { 0 } else { slots.saturating_add(1).min(self.cfg.max_model_len) };
@@ -235,56 +238,50 @@ impl Scheduler {
 
     /// Plans and allocates the next chunk of every sequence of one request. All sequences
     /// finish this step together (they then get logits rows) or each stops one token short,
-    /// so the samples of a request always step in lockstep.
+    /// so the samples of a request always step in lockstep. Samples recomputed after a
+    /// preemption share their prompt's full blocks again (`plan_start`).
     pub(super) fn try_schedule(&mut self, slot: u32, budget: usize, watermark: usize) -> Attempt {
-        let bs = self.cfg.block_size;
-        let req = self.requests[slot as usize].as_mut().expect("live slot");
-        let kv = &mut self.kv;
-        let batch = &mut self.batch;
-        let n = req.seqs.len();
+        let n = self.req(slot).seqs.len();
         if self.hits.len() < n {
             self.hits.resize_with(n, Vec::new);
+            self.shares.resize(n, false);
         }
         self.plan.clear();
-        let mut total = 0;
-        for (i, s) in req.seqs.iter_mut().enumerate() {
-            Self::flush_row(batch, s);
-            self.hits[i].clear();
-            let row = s.row as usize;
-            let c = batch.rows[row].computed as usize;
-            if c == 0 && batch.rows[row].num_blocks == 0 {
-                self.hits[i] = kv.find_cached_prefix(&mut s.kv, &s.tokens, req.cache_salt.as_deref());
-                if req.skip_cache_hits {
-                    self.hits[i].clear(); // looked up only for its block hashes
-                }
-            }
-            let start = c.max(self.hits[i].len() * bs);
-            total += s.tokens.len() - start;
-            self.plan.push((start, 0));
+        let (mut total, mut waits) = (0, false);
+        for i in 0..n {
+            let (start, remaining) = self.plan_start(slot, i);
+            waits |= remaining == 0 && self.shares[i];
+            total += remaining;
+            self.plan.push((start, remaining));
         }
-        let full = total <= budget;
-        let sum = Self::split_budget(&mut self.plan, &req.seqs, full, budget);
+        let full = total <= budget && !waits;
+        let sum = Self::split_budget(&mut self.plan, full, budget);
         if sum == 0 {
             return Attempt::NoBudget;
         }
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let (kv, batch) = (&mut self.kv, &mut self.batch);
         let needed = Self::plan_blocks_needed(kv, batch, &req.seqs, &self.plan, &self.hits);
         if kv.num_free_blocks() < needed + watermark {
             return Attempt::NoSpace;
         }
-        // Take every sibling's cache hits before any fresh block is popped: a hit may sit in
-        // the free list, and popping it for a sibling would evict it.
+        // Take every sibling's cache hits (and shared blocks) before any fresh block is popped:
+        // a hit may sit in the free list, and popping it for a sibling would evict it.
         for (i, s) in req.seqs.iter_mut().enumerate() {
-            if !self.hits[i].is_empty() {
+            if self.shares[i] {
+                kv.share_blocks(&s.kv, &mut batch.ids_mut(s.row as usize), &self.hits[i]);
+            } else if !self.hits[i].is_empty() {
                 let ok = kv.allocate_slots(&mut s.kv, &mut batch.ids_mut(s.row as usize), self.plan[i].0, 0, &self.hits[i], 0);
                 debug_assert!(ok, "capacity was checked for the whole request");
             }
         }
+        let bs = self.cfg.block_size;
         for (i, s) in req.seqs.iter_mut().enumerate() {
             let (start, chunk) = self.plan[i];
             let row = s.row as usize;
             let ok = kv.allocate_slots(&mut s.kv, &mut batch.ids_mut(row), start, chunk, &[], 0);
             debug_assert!(ok, "capacity was checked for the whole request");
-            if !self.hits[i].is_empty() {
+            if !self.hits[i].is_empty() && !self.shares[i] {
                 let cached = (self.hits[i].len() * bs).min(req.prompt_len) as u64;
                 self.stats.cached_prompt_tokens += cached;
                 if i == 0 && req.num_cached_tokens.is_none() {
@@ -303,19 +300,57 @@ impl Scheduler {
         Attempt::Scheduled { tokens: sum, full }
     }
 
-    /// Each sequence's chunk (`plan[i].1`, from its start `plan[i].0`) out of `budget`: all its
-    /// remaining tokens when the whole request fits (`full`), else each stops one token short
-    /// (no sample gets its logits row before its siblings). Returns the tokens planned.
-    fn split_budget(plan: &mut [(usize, usize)], seqs: &[Sequence], full: bool, budget: usize) -> usize {
+    /// Where sequence `i` of request `slot` starts this step, and the tokens it has left from
+    /// there; fills `hits[i]` and `shares[i]`. A sequence with no block looks its tokens up in
+    /// the prefix cache. A sample that is not the first (`i > 0`) and finds less than its
+    /// prompt's full blocks there (a recompute after a preemption) shares the first sample's
+    /// blocks once that one has computed them, and waits (0 tokens left, `shares[i]` set)
+    /// until then: it never computes a full prompt block of its own, so the request never
+    /// needs more than its worst case (`worst_case_blocks`).
+    fn plan_start(&mut self, slot: u32, i: usize) -> (usize, usize) {
+        let bs = self.cfg.block_size;
+        let req = self.requests[slot as usize].as_mut().expect("live slot");
+        let prompt_blocks = req.prompt_len / bs;
+        Self::flush_row(&mut self.batch, &mut req.seqs[i]);
+        let (hits, s) = (&mut self.hits[i], &mut req.seqs[i]);
+        hits.clear();
+        self.shares[i] = false;
+        let row = s.row as usize;
+        let c = self.batch.rows[row].computed as usize;
+        if c == 0 && self.batch.rows[row].num_blocks == 0 {
+            *hits = self.kv.find_cached_prefix(&mut s.kv, &s.tokens, req.cache_salt.as_deref());
+            if req.skip_cache_hits {
+                hits.clear(); // looked up only for its block hashes
+            }
+            if i > 0 && hits.len() < prompt_blocks {
+                hits.clear();
+                self.shares[i] = true;
+                let first = req.seqs[0].row as usize;
+                if self.batch.rows[first].computed as usize >= prompt_blocks * bs {
+                    let ids = self.batch.ids(first);
+                    hits.extend((0..prompt_blocks).map(|b| ids.at(b)));
+                } else {
+                    return (0, 0);
+                }
+            }
+        }
+        let start = c.max(hits.len() * bs);
+        (start, req.seqs[i].tokens.len() - start)
+    }
+
+    /// Each sequence's chunk out of `budget`, from what it has left (`plan[i].1`, replaced by
+    /// its chunk; it starts at `plan[i].0`): all of it when the whole request fits (`full`),
+    /// else each stops one token short (no sample gets its logits row before its siblings).
+    /// Returns the tokens planned.
+    fn split_budget(plan: &mut [(usize, usize)], full: bool, budget: usize) -> usize {
         let mut left = budget;
         let mut sum = 0;
-        for (i, s) in seqs.iter().enumerate() {
-            let start = plan[i].0;
-            let remaining = s.tokens.len() - start;
+        for p in plan.iter_mut() {
+            let remaining = p.1;
             let chunk = if full { remaining } else { remaining.saturating_sub(1).min(left) };
             left -= chunk;
             sum += chunk;
-            plan[i].1 = chunk;
+            p.1 = chunk;
         }
         sum
     }
@@ -496,8 +531,8 @@ mod tests {
         let msg = e.to_string();
         let want = "needs up to 10 KV blocks of 4 tokens (1 sequence(s) of its 20-token prompt + max_tokens=20)";
         assert!(msg.contains(want), "{msg}");
-        let e = s.add_request(NewRequest { n: 2, ..req(5, 8, 8) }).unwrap_err().to_string();
-        assert!(e.contains("8 KV blocks of 4 tokens (2 sequence(s) of its 8-token prompt + max_tokens=8)"), "{e}");
+        let e = s.add_request(NewRequest { n: 3, ..req(5, 8, 8) }).unwrap_err().to_string();
+        assert!(e.contains("8 KV blocks of 4 tokens (3 sequence(s) of its 8-token prompt + max_tokens=8)"), "{e}");
         let e = s.add_request(req(5, 40, 1)).unwrap_err();
         assert_eq!(e.field(), Some("prompt_token_ids"), "the prompt alone overflows");
         let e = e.to_string();
@@ -603,13 +638,14 @@ mod tests {
     }
 
     #[test]
-    fn the_worst_case_never_counts_on_samples_sharing_their_prompt() {
-        // Blocks of 4, a prompt of 10 (2 full blocks), 6 new tokens: 4 blocks per sequence. Swap
-        // mode falls back to recompute when the CPU pool is full, so it shares nothing either.
+    fn the_worst_case_counts_the_prompts_full_blocks_once() {
+        // Blocks of 4, a prompt of 10 (2 full blocks, shared), 6 new tokens: 15 tokens cached,
+        // 4 blocks per sequence, 2 of them its own.
         let recompute = Scheduler::new(cfg(64, 4, 16)).unwrap();
         let swap = Scheduler::new(SchedulerConfig { preemption_mode: PreemptionMode::Swap, ..cfg(64, 4, 16) }).unwrap();
         for s in [&recompute, &swap] {
-            assert_eq!((s.worst_case_blocks(10, 6, 1), s.worst_case_blocks(10, 6, 3)), (4, 12));
+            assert_eq!((s.worst_case_blocks(10, 6, 1), s.worst_case_blocks(10, 6, 3)), (4, 2 + 3 * 2));
+            assert_eq!(s.worst_case_blocks(12, 1, 3), 3, "a full prompt and its one token: all shared");
         }
         assert_eq!(swap.worst_case_blocks(10, 2000, 1), 1024 / 4, "capped at max_model_len");
     }
@@ -641,7 +677,8 @@ mod tests {
     fn a_waiting_request_whose_sequences_no_longer_fit_alone_is_aborted_not_spun_on() {
         // 4 usable blocks of 2, no prefix cache. The request grows to 6 tokens (3 blocks),
         // forks, and the step whose copy-on-write copy would give the two their own last block
-        // is cancelled: it waits to recompute two sequences of 6 tokens (6 blocks), which
+        // is cancelled: it waits to recompute two sequences of 6 tokens. The first recomputes
+        // its 3 blocks alone; the second, sharing the prompt's full block, needs 2 more, which
         // never fit, even alone.
         let c = SchedulerConfig { enable_prefix_caching: false, ..cfg(5, 2, 16) };
         let mut s = with_requests(c, [req(1, 3, 5)]);
@@ -653,6 +690,8 @@ mod tests {
         assert_eq!(o.copy_ops.len(), 2);
         s.cancel_step(o.step_id).unwrap();
         assert_eq!((s.num_running(), s.num_waiting()), (0, 1));
+        let (o, done) = step(&mut s, 1);
+        assert_eq!((o.num_tokens(), done.len(), s.num_free_blocks()), (5, 0, 1), "the first sample alone");
         let (_, done) = step(&mut s, 1);
         assert_eq!(done.iter().map(|d| (d.reason, d.request_finished)).collect::<Vec<_>>(), vec![(FinishReason::Abort, false), (FinishReason::Abort, true)]);
         assert_eq!((s.stats().capacity_aborts, s.has_unfinished(), s.num_free_blocks()), (1, false, 4));
@@ -687,5 +726,61 @@ mod tests {
         assert_eq!(o.num_tokens(), 2 * 2, "each sample recomputes 2 of its 14 tokens");
         let st = s.stats();
         assert_eq!((st.cached_prompt_tokens, st.first_admission_cached_tokens, s.num_cached_tokens(1).unwrap()), (24, 0, 0));
+    }
+
+    #[test]
+    fn samples_recomputed_after_a_preemption_share_their_prompts_full_blocks_again() {
+        // Blocks of 4, no prefix cache: a prompt of 8 (2 full blocks) with 3 samples of 2
+        // tokens each, preempted for recompute. The first sample recomputes alone; then the
+        // others take its 2 prompt blocks and compute only their own tokens.
+        let c = SchedulerConfig { enable_prefix_caching: false, ..cfg(32, 4, 64) };
+        let mut s = with_requests(c, [NewRequest { n: 3, ..req(1, 8, 4) }]);
+        step(&mut s, 5);
+        step(&mut s, 6);
+        preempt_between_steps(&mut s, 1);
+        assert_eq!(s.num_free_blocks(), 31);
+        let (o, _) = step(&mut s, 7);
+        assert_eq!((o.num_tokens(), o.num_rows(), s.num_free_blocks()), (9, 0, 28), "the first sample alone, 1 short");
+        let (o, _) = step(&mut s, 7);
+        assert_eq!((o.num_tokens(), o.num_rows(), s.num_free_blocks()), (1 + 2 + 2, 3, 26));
+        let tables: Vec<Vec<u32>> = s.request_seq_ids(1).unwrap().iter().map(|&q| s.seq_block_table(q).unwrap()).collect();
+        assert!(tables.iter().all(|t| t.len() == 3 && t[..2] == tables[0][..2]), "{tables:?}");
+        let done = drain(&mut s, 7);
+        assert!(done.len() == 3 && done.iter().all(|d| d.reason == FinishReason::Length));
+        assert_eq!((s.stats().cached_prompt_tokens, s.num_free_blocks()), (0, 31), "sharing is no cache hit");
+    }
+
+    #[test]
+    fn a_request_that_fills_the_cache_with_shared_prompt_blocks_finishes_after_preemptions() {
+        // The cache holds exactly the request's prompt full blocks once and the rest of each
+        // sample's context. A request that arrived first grows to take the whole cache, so ours
+        // is preempted (recompute, or swap falling back to it with one CPU block) and comes
+        // back alone: its samples must never hold a prompt block of their own.
+        let (mut recomputed, mut runs) = (0, 0);
+        for caching in [false, true] {
+            for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+                for bs in [1usize, 2, 4] {
+                    for (n, p, m) in [(2u32, 3usize, 5usize), (3, 4, 5), (3, 9, 6), (2, 8, 1), (4, 12, 9)] {
+                        let shared = p / bs;
+                        let usable = shared + n as usize * ((p + m - 1).div_ceil(bs) - shared);
+                        let c = SchedulerConfig {
+                            enable_prefix_caching: caching,
+                            preemption_mode: mode,
+                            num_cpu_blocks: usize::from(mode == PreemptionMode::Swap),
+                            ..cfg(usable + 1, bs, 64)
+                        };
+                        let mut s = with_requests(c, [req(1, 1, usable * bs), NewRequest { n, ..req(2, p, m) }]);
+                        let done = drain(&mut s, 5);
+                        let what = format!("caching={caching} {mode:?} bs={bs} n={n} p={p} m={m}");
+                        assert_eq!(done.len(), 1 + n as usize, "{what}");
+                        assert!(done.iter().all(|d| d.reason == FinishReason::Length), "{what}: {done:?}");
+                        assert_eq!((s.stats().capacity_aborts, s.num_free_blocks()), (0, usable), "{what}");
+                        recomputed += s.stats().recompute_preemptions;
+                        runs += 1;
+                    }
+                }
+            }
+        }
+        assert!(recomputed >= runs / 2, "{recomputed} recomputes in {runs} runs");
     }
 }

@@ -147,6 +147,9 @@ pub struct Scheduler {
     mark: Vec<bool>,
     bm: BlockMath,
     hits: Vec<Vec<BlockId>>,
+    /// Per sequence of the request being planned: `hits` holds its first sample's blocks, to
+    /// share (or it waits for them), not cache hits.
+    shares: Vec<bool>,
     stats: SchedulerStats,
     /// The clock, read once at the start of `schedule`, `update` and `cancel_step`.
     ts: f64,
@@ -199,6 +202,7 @@ impl Scheduler {
             scratch_slots: Vec::new(),
             mark: Vec::new(),
             hits: Vec::new(),
+            shares: Vec::new(),
             stats: SchedulerStats::default(),
             ts: 0.0,
             last_token_ts: Vec::new(),
@@ -499,7 +503,7 @@ mod tests {
         s.fork_sequence(only_seq(&s, 1), None).unwrap();
         let o = s.schedule().unwrap();
         s.cancel_step(o.step_id).unwrap(); // it waits to recompute two sequences that never fit
-        let (_, done) = step(&mut s, 1);
+        let done = drain(&mut s, 1);
         let t = done.last().and_then(|d| d.times).unwrap();
         assert!(ordered(&t) && t.finished_ts > t.last_token_ts, "a capacity abort: {t:?}");
     }
