@@ -102,7 +102,7 @@ def test_stepping_the_engine_from_another_thread_during_generate_is_refused(llam
     worker = threading.Thread(target=lambda: result.append(llm.generate(prompts, params, use_tqdm=False)), daemon=True)
     worker.start()
     deadline = time.monotonic() + 60
-    while not llm.engine_loop.holding({"1", "2"}) and time.monotonic() < deadline:
+    while not llm.engine_loop.holding({"0", "1"}) and time.monotonic() < deadline:
         time.sleep(0.001)
     with pytest.raises(RuntimeError, match="another thread while the engine loop drives this engine"):
         llm.llm_engine.step()
@@ -137,11 +137,11 @@ def test_abort_from_another_thread_ends_the_call_promptly(llama_path, via, overl
 
     def abort_mid_step(n: int, out) -> None:
         if n == 4:
-            in_another_thread(lambda: abort(["2"]))  # ids count from 1: the second prompt
+            in_another_thread(lambda: abort(["1"]))  # ids count from 0 (vLLM's): the second prompt
 
     RunnerHook(llm.llm_engine, abort_mid_step)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.request_id for o in outs] == ["1", "2", "3"]
+    assert [o.request_id for o in outs] == ["0", "1", "2"]
     cut = outs[1].outputs[0]
     assert cut.finish_reason == "abort" and len(cut.token_ids) < params.max_tokens
     assert cut.token_ids == expected[1][0][:len(cut.token_ids)]
@@ -157,7 +157,7 @@ def test_abort_every_request_of_a_call_from_another_thread(llama_path, overlap):
 
     def abort_all(n: int, out) -> None:
         if n == 3:
-            in_another_thread(lambda: llm.llm_engine.abort_request(["1", "2"]))
+            in_another_thread(lambda: llm.llm_engine.abort_request(["0", "1"]))
 
     RunnerHook(llm.llm_engine, abort_all)
     outs = llm.generate(prompts, greedy(60), use_tqdm=False)

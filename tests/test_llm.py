@@ -801,3 +801,11 @@ def test_a_beam_wider_than_the_vocabulary_returns_real_sequences_only(tiny_model
     if max_tokens == 1:
         assert len(tokens) == 6  # one per token of the vocabulary
     assert_no_leak(llm)
+
+
+def test_request_ids_and_tasks_are_vllms(llama_path):
+    """vLLM's LLM numbers its requests from "0" and tells its supported tasks."""
+    llm = tiny_llm(llama_path, num_kv_blocks=16)
+    outs = llm.generate(["a b", "c d"], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert [o.request_id for o in outs] == ["0", "1"]
+    assert llm.supported_tasks == llm.llm_engine.get_supported_tasks() == ("generate",)

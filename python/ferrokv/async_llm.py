@@ -307,7 +307,7 @@ class AsyncLLM:
         return False
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        return self.engine.get_supported_tasks()
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.get_default_sampling_params()

@@ -178,6 +178,10 @@ class LLMEngine:
     def get_model_config(self) -> ModelConfigView:
         return self.model_config
 
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what the engine serves (text generation only)."""
+        return ("generate",)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """A request's parameters when it gives none: the model's recommendations (vLLM's)."""
         return SamplingParams(**self.default_sampling_params)

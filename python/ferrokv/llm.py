@@ -239,7 +239,8 @@ class LLM:
         # Joined (not only told to stop): a loop thread still ending while the interpreter
         # finalizes aborts the process (torch's threads are torn down under it).
         weakref.finalize(self, self.engine_loop.shutdown, True)
-        self._request_counter = itertools.count(1)
+        self._request_counter = itertools.count()  # vLLM's first id is "0"
+        self.supported_tasks = self.llm_engine.get_supported_tasks()
 
     def get_tokenizer(self, lora_request: Any = None) -> Any:
         check_no_lora(lora_request)  # vLLM's older signature
