@@ -505,3 +505,18 @@ def test_bad_word_out_of_the_model_vocabulary(tiny_model_dir, tok):
     assert_idle(eng)
     out = run(eng, [("y", "hello", greedy(4, bad_words=["cat"]))])["y"]
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_stop_ids_under_min_tokens_still_yield_only_allowed_tokens(engine, temperature):
+    """allowed_token_ids that are all stop ids, banned under min_tokens: the request gets those
+    tokens (stopping at min_tokens), never token 0, which it did not allow; a batch-mate is as alone."""
+    prompt = rand_prompts(41, [6])[0]
+    alone = run(engine, [("alone", prompt, greedy(6))])["alone"]
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=8, min_tokens=4, allowed_token_ids=[7, 9],
+                            stop_token_ids=[7, 9])
+    final = run(engine, [("a", prompt, params), ("b", prompt, greedy(6))])
+    out = final["a"].outputs[0]
+    assert len(out.token_ids) == 4 and set(out.token_ids) <= {7, 9}, out
+    assert (out.finish_reason, out.stop_reason in (7, 9)) == ("stop", True)
+    assert ids_of(final["b"]) == ids_of(alone)

@@ -359,6 +359,27 @@ def test_min_tokens_masks_eos_and_stop_ids():
         assert sample(x[3:4], md).token_ids[0] not in (EOS, STOP)
 
 
+def test_bans_never_empty_a_row():
+    """A row whose only allowed tokens are banned (a finished grammar allows only EOS, under
+    min_tokens; allowed_token_ids of stop ids) keeps them: it yields one of them, not token 0,
+    which it never allowed. Other rows keep their bans."""
+    V, EOS, STOP = 50, 5, 7
+    x = rand_logits(4, V, seed=3)
+    x[0] = float("-inf")
+    x[0, EOS] = 1.0  # a grammar that is done: only EOS
+    x[1] = float("-inf")
+    x[1, [EOS, STOP]] = torch.tensor([1.0, 2.0])
+    x[2, EOS] = x[2, STOP] = 100.0  # a normal row: the bans hold
+    p = dict(min_tokens=3, stop_token_ids=[STOP])
+    for temperature in (0.0, 1.0):
+        rows = [SamplingRow(SP(temperature=temperature, **p), []) for _ in range(3)]
+        rows.append(SamplingRow(SP(temperature=0.0), []))
+        out = run(x, rows, eos=[EOS]).token_ids
+        assert out[0] == EOS and out[1] in (EOS, STOP) and out[2] not in (EOS, STOP), out
+        if temperature == 0.0:
+            assert out[1] == STOP and out[3] == int(x[3].argmax())
+
+
 def test_from_arrays_bans_are_row_token_pairs():
     # Scheduler-style columns: pairs can repeat rows, and ids outside the vocab are dropped.
     V = 10

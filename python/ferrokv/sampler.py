@@ -17,7 +17,8 @@ greedy, with no penalty, ``min_tokens`` ban or logprobs, is one ``argmax``):
    (``-inf`` outside the allowed ids; ``ferrokv.logit_rules``). Then the bans: while a row has
    fewer than ``min_tokens`` outputs, its stop token ids and the EOS (under ``ignore_eos`` too, as vLLM),
    and the ``bad_words`` whose other tokens end its output, are set to ``-inf`` (the scheduler
-   lists the pairs). A grammar's mask is applied before the sampler (``ferrokv.step_sampling``).
+   lists the pairs; a row they would leave with no token keeps them, so that it never yields a
+   token it did not allow). A grammar's mask is applied before the sampler (``ferrokv.step_sampling``).
 3. penalties, on the penalty rows only: repetition (HF semantics, over prompt + output tokens:
    ``logit > 0 -> logit / p``, else ``logit * p``), then ``frequency * count`` and
    ``presence * (count > 0)`` subtracted, with counts over output tokens only
@@ -224,6 +225,7 @@ class SamplingMetadata:
     # min_tokens and bad_words: (row, token) pairs to set to -inf.
     banned_rows: torch.Tensor | None  # int64 [B]
     banned_tokens: torch.Tensor | None  # int64 [B]
+    banned_row_set: torch.Tensor | None  # int64 [U]: the distinct banned rows
     # logit_bias / allowed_token_ids: rows and the additive rows they get (ferrokv.logit_rules).
     bias_rows: torch.Tensor | None  # int64 [S]
     bias: torch.Tensor | None  # float32 [S, V]
@@ -279,12 +281,13 @@ class SamplingMetadata:
             repetition = tensor(a.row_repetition[idx]).unsqueeze(1)
             counts, seen = penalties.output_counts, penalties.seen_mask
 
-        banned_rows = banned_tokens = None
+        banned_rows = banned_tokens = banned_row_set = None
         if len(a.banned_rows):
             toks = a.banned_tokens
             keep = (toks >= 0) & (toks < V)
             if keep.any():
                 banned_rows, banned_tokens = tensor(a.banned_rows[keep]), tensor(toks[keep])
+                banned_row_set = tensor(np.unique(a.banned_rows[keep]))
 
         logprob_rows = num_top = None
         if a.any_logprobs:
@@ -298,7 +301,8 @@ class SamplingMetadata:
             temperature=temperature, top_k=top_k, max_top_k=max_top_k, top_p=top_p, min_p=min_p,
             penalty_rows=pen_rows, presence_penalty=presence, frequency_penalty=frequency,
             repetition_penalty=repetition, output_counts=counts, seen_mask=seen,
-            banned_rows=banned_rows, banned_tokens=banned_tokens, uniforms=uniforms, draw_missing=draw_missing,
+            banned_rows=banned_rows, banned_tokens=banned_tokens, banned_row_set=banned_row_set,
+            uniforms=uniforms, draw_missing=draw_missing,
             logprob_rows=logprob_rows, num_top_logprobs=num_top,
             bias_rows=None if bias is None else bias[0], bias=None if bias is None else bias[1],
         )
@@ -429,6 +433,19 @@ def _sampled_logprobs(lp: torch.Tensor, rows: torch.Tensor,
     return tok_lp.squeeze(1), (lp >= tok_lp).sum(dim=-1)
 
 
+def _ban(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """``x`` with the banned (row, token) pairs at -inf, except in a row the bans would leave with
+    no token at all (``allowed_token_ids`` or a finished grammar allowing only EOS under
+    ``min_tokens``): that row keeps its banned tokens, rather than yielding token 0, which it
+    never allowed. O(U * V) for the U banned rows; no host copy (a GPU sync)."""
+    assert md.banned_rows is not None and md.banned_tokens is not None and md.banned_row_set is not None
+    banned = x.index_put((md.banned_rows, md.banned_tokens), x.new_full((), _NEG_INF))
+    rows = md.banned_row_set
+    after = banned.index_select(0, rows)
+    emptied = torch.isneginf(after.amax(dim=1, keepdim=True))
+    return banned.index_copy(0, rows, torch.where(emptied, x.index_select(0, rows), after))
+
+
 def sample_async(logits: torch.Tensor, metadata: SamplingMetadata,
                  generator: torch.Generator | None = None) -> SampledTokens:
     """Samples one token per row of ``logits`` ``[R, V]`` (see the module docstring), leaving
@@ -444,7 +461,7 @@ def sample_async(logits: torch.Tensor, metadata: SamplingMetadata,
     if md.bias_rows is not None:
         x = x.index_add(0, md.bias_rows, md.bias)
     if md.banned_rows is not None:
-        x = x.index_put((md.banned_rows, md.banned_tokens), x.new_full((), _NEG_INF))  # no host copy (a GPU sync)
+        x = _ban(x, md)
     if md.penalty_rows is not None:
         x = _apply_penalties(x, md)
 
