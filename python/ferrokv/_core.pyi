@@ -289,8 +289,9 @@ class Scheduler:
     def output_tokens(self, seq_id: int) -> list[int]:
         """The tokens a live sequence has generated so far (O(output length))."""
     def fork_sequence(self, seq_id: int, next_token: int | None = None) -> int:
-        """A new sequence sharing all blocks of ``seq_id`` (copy-on-write). While a step is in flight
-        for ``seq_id``, ``next_token`` is the child's sampled token for that step; otherwise None."""
+        """A new sequence sharing all blocks of ``seq_id`` (copy-on-write), once its prompt is computed
+        (else ``SchedulerStateError``). While a step is in flight for ``seq_id``, ``next_token`` is the
+        child's sampled token for that step; otherwise None."""
     def drop_sequence(self, seq_id: int) -> bool:
         """Ends a sequence and frees its blocks; True if it was its request's last."""
     def reset_prefix_cache(self) -> None: ...

@@ -296,8 +296,8 @@ impl Scheduler {
         last
     }
 
-    /// Forks a running sequence into a new one of the same request that shares all its blocks
-    /// (copy-on-write). If the sequence has a step in flight, `next_token` is the child's
+    /// Forks a running sequence whose prompt is computed into a new one of the same request that
+    /// shares all its blocks (copy-on-write). If the sequence has a step in flight, `next_token` is the child's
     /// sampled token for that step (the parent gets its own through `update`); otherwise it
     /// must be `None`. A child that stops at once is reported by the next `update`.
     pub fn fork_sequence(&mut self, seq_id: u64, next_token: Option<u32>) -> CoreResult<u64> {
@@ -333,6 +333,17 @@ impl Scheduler {
             }
         }
         let parent_row = req.seqs[pos].row as usize;
+        let computed = self.batch.rows[parent_row].computed as usize;
+        if computed < req.prompt_len {
+            // Samples share their prompt's full blocks, and recomputed ones wait for the first
+            // sample's (`plan_start`): a fork mid-prefill would give each its own.
+            return Err(CoreError::InvalidState {
+                message: format!(
+                    "fork_sequence(seq_id={seq_id}): its prompt is not computed yet ({computed} of {} tokens)",
+                    req.prompt_len
+                ),
+            });
+        }
         let in_flight = self.in_flight.is_some() && self.batch.rows[parent_row].samples;
         match (in_flight, next_token) {
             (true, None) => {
@@ -639,5 +650,27 @@ mod tests {
         assert_eq!(s.request_seq_ids(1).unwrap().len(), 2);
         drain(&mut s, 5);
         assert_eq!(s.num_free_blocks(), 31);
+    }
+
+    #[test]
+    fn a_sequence_forks_only_once_its_prompt_is_computed() {
+        // A prompt of 8 in chunks of 2 (budget 2): mid-prefill, a fork would give the two their
+        // own prompt blocks (nshare8). Once the last prompt token is in flight, it forks.
+        let c = SchedulerConfig { enable_prefix_caching: false, max_num_seqs: 2, ..cfg(16, 4, 2) };
+        let mut s = with_requests(c, [NewRequest { reserve_seqs: 2, ..req(1, 8, 4) }]);
+        step(&mut s, 5);
+        let e = s.fork_sequence(only_seq(&s, 1), None).unwrap_err();
+        assert!(matches!(&e, CoreError::InvalidState { message } if message.contains("not computed yet (2 of 8 tokens)")), "{e}");
+        for _ in 0..2 {
+            step(&mut s, 5);
+        }
+        let o = s.schedule().unwrap(); // the last chunk samples
+        let child = s.fork_sequence(only_seq(&s, 1), Some(9)).unwrap();
+        s.update(o.step_id, &vec![5; o.num_rows()]).unwrap();
+        s.check_invariants().unwrap();
+        assert_eq!(s.seq_tokens(child).unwrap().last(), Some(&9));
+        let done = drain(&mut s, 5);
+        assert!(done.len() == 2 && done.iter().all(|d| d.reason == FinishReason::Length));
+        assert_eq!(s.num_free_blocks(), 15);
     }
 }
