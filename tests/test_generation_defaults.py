@@ -181,3 +181,23 @@ def test_server_applies_the_recommendation(recommending_model):
         body = http.post("/v1/completions", json={"prompt": "The cat runs", "max_tokens": 50}).json()
         assert body["choices"][0]["text"] == want[0].outputs[0].text
         assert body["usage"]["completion_tokens"] == len(want[0].outputs[0].token_ids)
+
+
+def test_a_default_max_tokens_is_cut_to_the_context_and_only_a_given_one_is_refused(recommending_model):
+    """vLLM's get_max_tokens: a max_tokens the request left out (the model's default, here 20) is cut
+    to what the context leaves; only one the request gave is checked against it, and the error
+    names that one (serveropts8: a chat near the end of the context was refused, naming the default)."""
+    with serve(recommending_model, "--max-model-len", "32", "--override-generation-config",
+               '{"max_new_tokens": 20}') as s, httpx.Client(base_url=s.url, timeout=120.0) as http:
+        for words in range(4, 40):
+            messages = [{"role": "user", "content": " ".join(["cat"] * words)}]
+            prompt_len = http.post("/tokenize", json={"messages": messages}).json()["count"]
+            if prompt_len + 20 > 32:
+                break
+        assert 12 < prompt_len < 32, prompt_len
+        r = http.post("/v1/chat/completions", json={"messages": messages, "temperature": 0.0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 32 - prompt_len
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 30})
+        assert r.status_code == 400 and "max_tokens=30 is too large" in r.json()["error"]["message"], r.text

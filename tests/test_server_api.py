@@ -1022,7 +1022,7 @@ def test_a_generation_closed_and_cancelled_meanwhile_still_aborts_every_request(
         state.admit(2, 1)
         accepted = Acceptance(2)
         gens = [generate_checked(llm, {"prompt_token_ids": [5 + i, 6, 7]}, params, f"g{i}", f"prompt[{i}]",
-                                 on_accepted=accepted.of(i)) for i in range(2)]
+                                 asked_max_tokens=100, on_accepted=accepted.of(i)) for i in range(2)]
         gen = Generation(gens, state, params, accepted)
         await gen.start()  # prompt 0 runs (its first output fetched), prompt 1 waits for the one slot
         while not gen.first[0]:

@@ -301,6 +301,9 @@ class _Common:
     request_id: str | None = None  # vLLM's: the response id's base (an X-Request-Id header wins)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the choices' token ids too
+    # The max_tokens the request gave (completions: 16 when left out), which vLLM checks against the
+    # context; None: chat left it out, so a default (generation config) is only cut to the context.
+    asked_max_tokens: int | None = None
 
     def engine_error(self, e: Exception) -> Exception:
         """The engine's ``ValueError`` about this request's constraint (a grammar that does not
@@ -376,13 +379,13 @@ def parse_completion_request(body: Any, stream_kind: RequestOutputKind = Request
     echo = _bool(body, "echo", False)
     # vLLM's default of 16 holds only when the field is left out: an explicit null fills the context.
     max_tokens = _max_tokens(body, None if "max_tokens" in body else 16, lo=0 if echo else 1)
-    params, source = sampling_params(body, 1 if max_tokens == 0 else max_tokens, logprobs, kind, defaults,
-                                     max_logprobs)
+    asked = 1 if max_tokens == 0 else max_tokens
+    params, source = sampling_params(body, asked, logprobs, kind, defaults, max_logprobs)
     if echo and logprobs is not None and params.prompt_logprobs is None:
         params.prompt_logprobs = logprobs
-    return CompletionRequest(**_common(body, params, source), prompts=prompts, logprobs=logprobs,
-                             add_special_tokens=_bool(body, "add_special_tokens", True), echo=echo,
-                             generate=max_tokens != 0)
+    return CompletionRequest(**_common(body, params, source), asked_max_tokens=asked, prompts=prompts,
+                             logprobs=logprobs, add_special_tokens=_bool(body, "add_special_tokens", True),
+                             echo=echo, generate=max_tokens != 0)
 
 
 @dataclass(slots=True)
@@ -476,12 +479,14 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     kind = stream_kind if _bool(body, "stream", False) else RequestOutputKind.FINAL_ONLY
     tools, tool_choice = _tools(body, tool_call_parser)
-    params, source = sampling_params(body, _max_tokens(body, None), (top or 0) if want_logprobs else None, kind,
-                                     defaults, max_logprobs, tool_choice)
+    asked = _max_tokens(body, None)
+    params, source = sampling_params(body, asked, (top or 0) if want_logprobs else None, kind, defaults,
+                                     max_logprobs, tool_choice)
     template = _template(body, tools)
     # chat_template_kwargs override add_generation_prompt (vLLM's order): the answer's role follows it.
     generation_prompt = _bool({**body, **(template["chat_template_kwargs"] or {})}, "add_generation_prompt", True)
-    return ChatRequest(**_common(body, params, source), messages=messages, logprobs=want_logprobs,
+    return ChatRequest(**_common(body, params, source), asked_max_tokens=asked, messages=messages,
+                       logprobs=want_logprobs,
                        top_logprobs=top or 0, add_generation_prompt=generation_prompt, template=template,
                        tool_choice=tool_choice, echo=_bool(body, "echo", False),
                        max_tokens_field="max_completion_tokens" if body.get("max_completion_tokens") is not None

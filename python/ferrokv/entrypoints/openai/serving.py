@@ -253,9 +253,11 @@ def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
 
 
 async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, field: str,
-                           add_special_tokens: bool = True, **kw: Any) -> AsyncIterator[RequestOutput]:
-    """``llm.generate``, after tokenizing a text prompt (on the pool) and ``check_room``; the
-    inner generator is closed as soon as this one is (which aborts its request). The engine's
+                           add_special_tokens: bool = True, *, asked_max_tokens: int | None,
+                           **kw: Any) -> AsyncIterator[RequestOutput]:
+    """``llm.generate``, after tokenizing a text prompt (on the pool) and ``check_room`` of the
+    max_tokens the request gave (``asked_max_tokens``: a default is cut to the context, as vLLM's
+    ``get_max_tokens``, by the engine, which ends the output there); the inner generator is closed as soon as this one is (which aborts its request). The engine's
     prompt errors ("prompt_token_ids[3]=...") are told as errors of ``field``, the request's own
     name for this prompt (``prompt[2]`` of a batch)."""
     try:
@@ -264,7 +266,7 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
         raise _prompt_error(e, field)
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
         keep = truncation_length(params.truncate_prompt_tokens, llm.max_model_len, params.max_tokens)
-        check_room(len(prompt["prompt_token_ids"]), params.max_tokens, llm.max_model_len, field, keep)
+        check_room(len(prompt["prompt_token_ids"]), asked_max_tokens, llm.max_model_len, field, keep)
     stream = llm.generate(prompt, params, request_id, **kw)
     async with contextlib.aclosing(stream):
         try:

@@ -385,7 +385,7 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     async def prompt_then_generate() -> Any:
         ids = await state.llm.encode_chat(chat.messages, chat.add_generation_prompt, **template)
         async for out in generate_checked(state.llm, {"prompt_token_ids": ids}, chat.params, engine_id, "input",
-                                          priority=chat.priority, cache_salt=chat.cache_salt,
+                                          asked_max_tokens=chat.asked_max_tokens, priority=chat.priority, cache_salt=chat.cache_salt,
                                           on_accepted=accepted.of(0)):
             yield out
 
