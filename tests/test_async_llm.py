@@ -962,6 +962,10 @@ def test_serve_flags_default_to_server_config():
     assert _parser().parse_args(["serve", "m", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
     assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == (
         d.allowed_origins, d.allowed_methods, d.allowed_headers, d.allow_credentials) == (["*"], ["*"], ["*"], False)
+    flags = ("return_tokens_as_token_ids", "enable_force_include_usage", "enable_server_load_tracking")
+    assert [getattr(args, f) for f in flags] == [getattr(d, f) for f in flags] == [False] * 3
+    on = _parser().parse_args(["serve", *(f"--{f.replace('_', '-')}" for f in flags)])
+    assert all(getattr(on, f) for f in flags)
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -1044,6 +1044,52 @@ def test_request_id_headers_as_vllms_flag(llama_path):
         llm.shutdown()
 
 
+def test_vllms_server_wide_flags(llama_path):
+    """--return-tokens-as-token-ids (a request's own field wins), --enable-force-include-usage (every
+    stream ends with its usage) and --enable-server-load-tracking (GET /load counts the requests
+    being served; without it 0, as vLLM's; open without the key) (serveropts8)."""
+    import asyncio
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 1}
+
+    def usage_of_stream(r) -> object:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        return chunks[-1].get("usage")
+
+    async def ask(config):
+        transport = httpx.ASGITransport(app=build_app(llm, config))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            named = (await c.post(_C, json=body, headers=AUTH)).json()["choices"][0]["logprobs"]["tokens"]
+            own = (await c.post(_C, json={**body, "return_tokens_as_token_ids": False}, headers=AUTH)).json()
+            stream = await c.post(_C, json={**body, "stream": True}, headers=AUTH)
+            long = asyncio.ensure_future(c.post(_C, json={**body, "max_tokens": 100, "ignore_eos": True}, headers=AUTH))
+            seen = 0
+            for _ in range(4000):
+                seen = max(seen, (await c.get("/load")).json()["server_load"])  # no key needed
+                if seen or long.done():
+                    break
+                await asyncio.sleep(0.002)
+            await long
+            after = (await c.get("/load")).json()["server_load"]
+        return named, own["choices"][0]["logprobs"]["tokens"], usage_of_stream(stream), seen, after
+
+    try:
+        on = ServerConfig(served_model_name=MODEL, api_key=API_KEY, return_tokens_as_token_ids=True,
+                          enable_force_include_usage=True, enable_server_load_tracking=True)
+        named, own, usage, seen, after = asyncio.run(ask(on))
+        assert all(t.startswith("token_id:") for t in named) and not any(t.startswith("token_id:") for t in own)
+        assert usage is not None and usage["completion_tokens"] == 2
+        assert (seen, after) == (1, 0)
+        named, own, usage, seen, after = asyncio.run(ask(ServerConfig(served_model_name=MODEL, api_key=API_KEY)))
+        assert not any(t.startswith("token_id:") for t in named) and usage is None and (seen, after) == (0, 0)
+    finally:
+        llm.shutdown()
+
+
 def test_completions_honour_add_special_tokens(bos_model_dir):
     """vLLM's completion field: a text prompt gets the tokenizer's own special tokens (here a
     BOS its post-processor prepends) unless ``add_special_tokens: false`` (a prompt that is

@@ -41,6 +41,12 @@ def _http_flags(g: Any, d: Any) -> None:
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer every request with an X-Request-Id header: the client's own, else a new id "
                         "(default: off)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:N' unless a request says otherwise (default: off)")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with its usage, as if it asked stream_options.include_usage (default: off)")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load counts the generation requests being served (default: off: it says 0)")
 
 
 def serve_flags(p: argparse.ArgumentParser) -> None:
@@ -58,7 +64,7 @@ def serve_flags(p: argparse.ArgumentParser) -> None:
                    help=help_with_default("TCP port to listen on", d.port))
     g.add_argument("--api-key", default=None, nargs="+", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (any of the keys given) on every path but the health "
-                        "checks and /metrics (default: none, else $FERROKV_API_KEY, else $VLLM_API_KEY)")
+                        "checks, /metrics and /load (default: none, else $FERROKV_API_KEY, else $VLLM_API_KEY)")
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model name(s) clients may send; a response shows the first, as vLLM's (default: the model "
                         "argument)")
@@ -264,6 +270,9 @@ def serve(args: argparse.Namespace) -> int:
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                           enable_request_id_headers=args.enable_request_id_headers,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          enable_force_include_usage=args.enable_force_include_usage,
+                          enable_server_load_tracking=args.enable_server_load_tracking,
                           trust_request_chat_template=args.trust_request_chat_template,
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)

@@ -60,7 +60,7 @@ logger = logging.getLogger("ferrokv.serve")
 
 __all__ = ["ServerConfig", "build_app", "run_server"]
 
-_OPEN_PATHS = ("/health", "/ping", "/metrics")
+_OPEN_PATHS = ("/health", "/ping", "/metrics", "/load")
 _STATS_PERIOD = 0.5  # seconds: the most a /metrics gauge lags behind the engine while it is busy
 _STOP_GRACE_S = 5.0  # seconds: after a second signal, for the aborted requests to send their last answer
 
@@ -238,7 +238,10 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
                         chat_template=config.chat_template,
                         chat_template_content_format=config.chat_template_content_format,
                         default_chat_template_kwargs=config.default_chat_template_kwargs or {},
-                        response_role=config.response_role, max_log_len=config.max_log_len)
+                        response_role=config.response_role, max_log_len=config.max_log_len,
+                        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+                        enable_force_include_usage=config.enable_force_include_usage,
+                        enable_server_load_tracking=config.enable_server_load_tracking)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.root_path = config.root_path  # as vLLM sets it (the constructor's argument is deprecated)
@@ -318,6 +321,10 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:  # vLLM's: 0 unless --enable-server-load-tracking
+        return {"server_load": state.http_in_flight if state.enable_server_load_tracking else 0}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -70,6 +70,11 @@ class ServerConfig:
     uvicorn_access_log: bool = False
     root_path: str = ""  # the path prefix a proxy serves the app under (vLLM's --root-path)
     enable_request_id_headers: bool = False  # each response says X-Request-Id: the client's, else a new one (vLLM's)
+    # vLLM's: logprobs name tokens "token_id:N" unless a request says otherwise; every stream ends with
+    # its usage; GET /load counts the generation requests being served (else it says 0).
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    enable_server_load_tracking: bool = False
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None

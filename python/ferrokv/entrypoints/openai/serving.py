@@ -64,6 +64,9 @@ class ServerState:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # ServerConfig's
     response_role: str = "assistant"  # ServerConfig's
     max_log_len: int | None = None  # ServerConfig's
+    return_tokens_as_token_ids: bool = False  # ServerConfig's
+    enable_force_include_usage: bool = False  # ServerConfig's
+    enable_server_load_tracking: bool = False  # ServerConfig's
     draining: bool = False
     http_in_flight: int = 0  # generation requests being served (the drain waits for 0)
     admitted: int = 0  # engine requests of the calls being served (admit reserves, Generation.close frees)
@@ -101,6 +104,14 @@ class ServerState:
             own = out.get("chat_template_kwargs") or {}
             out["chat_template_kwargs"] = {**self.default_chat_template_kwargs, **own}
         return out
+
+    def apply_defaults(self, req: Any, body: Mapping[str, Any]) -> None:
+        """The server's defaults for a parsed completion or chat request ``req`` (vLLM's): its
+        ``return_tokens_as_token_ids`` unless the request gives one, and a stream's usage."""
+        if body.get("return_tokens_as_token_ids") is None:
+            req.tokens_as_ids = self.return_tokens_as_token_ids
+        if self.enable_force_include_usage and req.stream:
+            req.include_usage = True
 
     def loggable(self, prompt: Any) -> str:
         """Prompts (or chat messages) as ``--log-prompts`` logs them: their repr, each text cut to

@@ -155,6 +155,7 @@ class ChatAnswer:
 async def create_chat_completion(request: Request, state: ServerState, body: Any) -> Any:
     req = parse_chat_request(body, defaults=state.llm.default_sampling_params,
                              max_logprobs=state.llm.engine.args.max_logprobs, tool_call_parser=state.tool_call_parser)
+    state.apply_defaults(req, body)
     model = state.check_model(req.model)
     template = state.template_for(req.template)
     state.admit(1, req.params.n)

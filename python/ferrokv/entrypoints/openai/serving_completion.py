@@ -166,6 +166,7 @@ class _Completion:
 async def create_completion(request: Request, state: ServerState, body: Any) -> Any:
     req = parse_completion_request(body, defaults=state.llm.default_sampling_params,
                              max_logprobs=state.llm.engine.args.max_logprobs)
+    state.apply_defaults(req, body)
     model = state.check_model(req.model)
     state.admit(len(req.prompts), req.params.n)
     call = _Completion(req, model, state.llm.tokenizer, response_id("cmpl", request, req.request_id))
