@@ -859,11 +859,15 @@ def test_vllm_engine_client_queries(allm):
         # What ferrokv has none of: the true answer, or a refusal naming it (never AttributeError).
         assert (await allm.is_sleeping(), await allm.is_paused(), await allm.list_loras()) == (False, False, set())
         assert await allm.reset_mm_cache() is None and await allm.remove_lora(1) is False
+        assert await allm.reset_encoder_cache() is None and await allm.pin_lora(1) is False
+        mc = allm.model_config
+        assert (mc.runner_type, mc.served_model_name, mc.get_diff_sampling_param()) == ("generate", mc.model, {})
         with pytest.raises(ValueError, match="LoRA adapters are not supported"):
             await allm.add_lora(object())
         for call, name in [(allm.sleep(), "sleep"), (allm.wake_up(), "wake_up"), (allm.pause_generation(), "pause"),
                            (allm.resume_generation(), "resume"), (allm.start_profile(), "profile"),
-                           (allm.stop_profile(), "profile"), (allm.collective_rpc("m"), "collective_rpc")]:
+                           (allm.stop_profile(), "profile"), (allm.collective_rpc("m"), "collective_rpc"),
+                           (allm.get_vllm_config(), "VllmConfig")]:
             with pytest.raises(NotImplementedError, match=name):
                 await call
         return allm.get_default_sampling_params()
@@ -937,6 +941,8 @@ def test_async_engine_args_and_vllms_from_engine_args_keywords(llama_path):
     with pytest.raises(ValueError, match="stat_loggers must be None or empty"):  # never silently dropped
         AsyncLLM.from_engine_args(args, stat_loggers=[lambda config, index: None])
     llm = AsyncLLM.from_engine_args(args, start_engine_loop=True, usage_context=None, stat_loggers=None)
+    llm.shutdown()
+    llm = AsyncLLM.from_engine_args(args, True, None, None)  # positionally too, as vLLM's (asyncllm8)
     try:
         async def main():
             return [o async for o in llm.generate("a dog", greedy(3), "x")][-1]

@@ -156,6 +156,7 @@ def test_llm_without_params_uses_the_models_recommendation(recommending_model):
 
     llm = LLM(str(recommending_model), num_kv_blocks=64, max_model_len=128)
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3)
+    assert llm.llm_engine.model_config.get_diff_sampling_param() == {"temperature": 0.0, "max_tokens": 3}  # vLLM's
     got = llm.generate(["The cat runs", "A dog"], use_tqdm=False)
     want = llm.generate(["The cat runs", "A dog"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

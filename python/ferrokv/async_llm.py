@@ -254,9 +254,8 @@ class AsyncLLM:
         self._init(EngineArgs(model=model, **engine_kwargs), tokenizer_threads)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, *, tokenizer_threads: int | None = None,
-                         start_engine_loop: bool = True, usage_context: Any = None,
-                         stat_loggers: Any = None) -> AsyncLLM:
+    def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True, usage_context: Any = None,
+                         stat_loggers: Any = None, *, tokenizer_threads: int | None = None) -> AsyncLLM:
         """vLLM's constructor (``AsyncEngineArgs`` or ``EngineArgs``); its ``start_engine_loop`` and
         ``usage_context`` are accepted (the loop starts with the first request), ``stat_loggers``
         only empty: ferrokv calls no custom logger (its metrics are ``/metrics`` and ``do_log_stats``)."""
@@ -414,6 +413,12 @@ class AsyncLLM:
     async def reset_mm_cache(self) -> None:
         """Nothing to reset: ferrokv takes text only."""
 
+    async def reset_encoder_cache(self) -> None:
+        """Nothing to reset: ferrokv runs no encoder."""
+
+    async def get_vllm_config(self) -> Any:
+        raise vllm_only_method("AsyncLLM", "get_vllm_config")
+
     async def list_loras(self) -> set[int]:
         return set()  # no adapters
 
@@ -423,6 +428,9 @@ class AsyncLLM:
     async def add_lora(self, lora_request: Any) -> bool:
         check_no_lora(lora_request)
         return False
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return False  # no adapter to pin
 
     async def sleep(self, level: int = 1) -> None:
         raise vllm_only_method("AsyncLLM", "sleep")

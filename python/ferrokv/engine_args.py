@@ -392,6 +392,7 @@ VLLM_ONLY_METHODS: dict[str, str] = {
     "apply_model": "ferrokv has no workers (llm.llm_engine.model is the model, in this process)",
     "pause_generation": "ferrokv does not pause generation (abort requests instead)",
     "resume_generation": "ferrokv does not pause generation",
+    "get_vllm_config": "ferrokv has no VllmConfig (get_model_config() is the model's, engine.args the engine's)",
 }
 
 

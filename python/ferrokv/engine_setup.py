@@ -405,7 +405,8 @@ def capture_decode_graphs(args: EngineArgs, model: Any, kv_cache: PagedKVCache, 
 class ModelConfigView:
     """vLLM's ``llm_engine.model_config``: the attributes scripts read from it (``model``,
     ``tokenizer``, ``dtype``, ``max_model_len``, ``hf_config``, ``seed``, ``revision``,
-    ``get_vocab_size()``), read from the engine when asked (a view, not a copy)."""
+    ``get_vocab_size()``, ``runner_type``, ``served_model_name``, ``get_diff_sampling_param()``), read
+    from the engine when asked (a view, not a copy)."""
 
     __slots__ = ("_engine",)
 
@@ -455,6 +456,16 @@ class ModelConfigView:
 
     def get_vocab_size(self) -> int:
         return self._engine.vocab_size
+
+    runner_type = "generate"  # vLLM's: what the model runs as (ferrokv serves generative models only)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model  # vLLM's default (a server's --served-model-name is the server's own)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """vLLM's: the SamplingParams fields the model's generation config recommends."""
+        return dict(self._engine.default_sampling_params)
 
 
 
