@@ -201,6 +201,22 @@ def test_helpers(tok):
     assert decode_token(tok, TINY_VOCAB_SIZE + 1) == ""
 
 
+def test_decoded_tokens_of_sentencepiece_pieces_keep_their_leading_space():
+    """vLLM's decoded_token of a '▁' piece has its space (decoding it alone strips it); other pieces,
+    and byte-level tokenizers' (test_helpers), are as decode gives them (unicode8)."""
+    from helpers.sp_tokenizer import sp_tokenizer
+
+    sp = sp_tokenizer()
+    ids = sp.encode("Alice likes cats", add_special_tokens=False)
+    pieces = sp.convert_ids_to_tokens(ids)
+    texts = [decode_token(sp, i) for i in ids]
+    marked = [p.startswith("\u2581") for p in pieces]
+    assert any(marked) and not all(marked)
+    assert [t for m, t in zip(marked, texts) if m] == [" " + p[1:] for m, p in zip(marked, pieces) if m]
+    assert [t for m, t in zip(marked, texts) if not m] == [sp.decode([i]) for m, i in zip(marked, ids) if not m]
+    assert "".join(texts) == " " + sp.decode(ids)
+
+
 def test_added_tokens_flagged_special_are_skipped_as_the_tokenizer_skips_them(tmp_path):
     """A token added with ``special=True`` (Llama 3's reserved tokens) is not in ``all_special_ids``,
     yet a fast tokenizer's decode skips it: so must the detokenizer and its stop-string search."""

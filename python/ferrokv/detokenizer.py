@@ -43,6 +43,7 @@ unless ``include_stop_str_in_output`` (vLLM's detokenizer does the same), and sh
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -61,6 +62,7 @@ _MAX_PENDING = 64
 _REPLACEMENT = "\ufffd"
 
 _special_cache: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+_marker_cache: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
 
 def _completes(new_text: str, pending: int) -> bool:
@@ -89,9 +91,42 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
 
 
 def decode_token(tokenizer: Any, token_id: int) -> str:
-    """Text of one token in isolation (as vLLM reports ``decoded_token``); '' for unknown ids."""
+    """Text of one token in isolation (as vLLM reports ``decoded_token``); '' for unknown ids. A
+    SentencePiece-style piece keeps the leading spaces its markers stand for (``'▁likes'`` is
+    ``' likes'``), which decoding it alone strips, as vLLM's ``convert_ids_list_to_tokens``."""
     tok = tokenizer.convert_ids_to_tokens(int(token_id))
-    return "" if tok is None else tokenizer.convert_tokens_to_string([tok])
+    if tok is None:
+        return ""
+    text = tokenizer.convert_tokens_to_string([tok])
+    marker = _space_marker(tokenizer)
+    if marker and tok.startswith(marker):
+        missing = (len(tok) - len(tok.lstrip(marker))) - (len(text) - len(text.lstrip(" ")))
+        if missing > 0:
+            text = " " * missing + text
+    return text
+
+
+def _space_marker(tokenizer: Any) -> str | None:
+    """The character a Metaspace pre-tokenizer writes for a space (vLLM reads it there too), cached
+    per tokenizer; None for any other tokenizer (byte-level pieces keep their spaces)."""
+    try:
+        return _marker_cache[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    marker, pre = None, getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None)
+    try:
+        state = json.loads(pre.__getstate__()) if pre is not None else {}
+    except (AttributeError, TypeError, ValueError):
+        state = {}
+    for part in state.get("pretokenizers") or [] if state.get("type") == "Sequence" else [state]:
+        if isinstance(part, dict) and part.get("type") == "Metaspace":
+            marker = part.get("replacement", "\u2581")
+            break
+    try:
+        _marker_cache[tokenizer] = marker
+    except TypeError:  # not weak-referenceable: just don't cache
+        pass
+    return marker
 
 
 class IncrementalDetokenizer:
