@@ -202,8 +202,13 @@ def test_model_config_has_the_attributes_vllm_scripts_read(llama_path):
     # hf_config is transformers' config class, as vLLM's (scripts read architectures[0], to_dict())
     hf = mc.hf_config
     assert (hf.architectures, hf.model_type, hf.to_dict()["num_hidden_layers"]) == (["LlamaForCausalLM"], "llama", 2)
-    overridden = make_engine(llama_path, hf_overrides={"rms_norm_eps": 1e-3}).model_config.hf_config
+    overrides = {"rms_norm_eps": 1e-3, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    engine = make_engine(llama_path, hf_overrides=overrides)
+    overridden = engine.model_config.hf_config
     assert overridden.rms_norm_eps == 1e-3
+    # Reading it leaves the caller's dict as it was (transformers fills rope_scaling in: longctx8).
+    assert overrides == {"rms_norm_eps": 1e-3, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert engine.args.hf_overrides == overrides
 
 
 def test_cache_config_has_the_attributes_vllm_scripts_read(llama_path):

@@ -25,6 +25,7 @@ conversion of SmolLM2-135M takes ~20-30 s and ~1.5 GB RAM, later calls stat the 
 """
 from __future__ import annotations
 
+import copy
 import glob
 import hashlib
 import importlib.util
@@ -102,8 +103,10 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The folder's ``config.json``, with ``overrides`` (vLLM's ``hf_overrides``) set on top."""
-    return {**read_json(_model_dir(path) / "config.json"), **(overrides or {})}
+    """The folder's ``config.json``, with a copy of ``overrides`` (vLLM's ``hf_overrides``) set on
+    top: whoever reads the result (transformers fills in a ``rope_scaling`` dict) never changes the
+    caller's."""
+    return {**read_json(_model_dir(path) / "config.json"), **copy.deepcopy(overrides or {})}
 
 
 # Files a training run leaves beside the weights (vLLM's filter_files_not_needed_for_inference).
