@@ -302,11 +302,12 @@ impl Scheduler {
 
     /// Where sequence `i` of request `slot` starts this step, and the tokens it has left from
     /// there; fills `hits[i]` and `shares[i]`. A sequence with no block looks its tokens up in
-    /// the prefix cache. A sample that is not the first (`i > 0`) and finds less than its
-    /// prompt's full blocks there (a recompute after a preemption) shares the first sample's
-    /// blocks once that one has computed them, and waits (0 tokens left, `shares[i]` set)
-    /// until then: it never computes a full prompt block of its own, so the request never
-    /// needs more than its worst case (`worst_case_blocks`).
+    /// the prefix cache. A later sample (`i > 0`, after a recompute or with a swapped-in first
+    /// sample) never holds a full prompt block of its own, so the request never needs more than
+    /// its worst case (`worst_case_blocks`): it takes cache hits only when they are the first
+    /// sample's prompt blocks (the first sample took the same hits in this pass, or holds them);
+    /// else it shares the first sample's blocks once that one has computed them (`shares[i]`),
+    /// and waits until then (0 tokens left, `shares[i]` set).
     fn plan_start(&mut self, slot: u32, i: usize) -> (usize, usize) {
         let bs = self.cfg.block_size;
         let req = self.requests[slot as usize].as_mut().expect("live slot");
@@ -322,15 +323,19 @@ impl Scheduler {
             if req.skip_cache_hits {
                 hits.clear(); // looked up only for its block hashes
             }
-            if i > 0 && hits.len() < prompt_blocks {
-                hits.clear();
-                self.shares[i] = true;
+            if i > 0 && prompt_blocks > 0 {
                 let first = req.seqs[0].row as usize;
-                if self.batch.rows[first].computed as usize >= prompt_blocks * bs {
-                    let ids = self.batch.ids(first);
+                let (lead, ids) = (&self.batch.rows[first], self.batch.ids(first));
+                let fresh_lead = lead.computed == 0 && lead.num_blocks == 0; // it took the same hits
+                let leads_hits = hits.len() >= prompt_blocks
+                    && (fresh_lead || (0..prompt_blocks).all(|b| ids.len() > b && hits[b] == ids.at(b)));
+                if !leads_hits {
+                    hits.clear();
+                    self.shares[i] = true;
+                    if (lead.computed as usize) < prompt_blocks * bs {
+                        return (0, 0);
+                    }
                     hits.extend((0..prompt_blocks).map(|b| ids.at(b)));
-                } else {
-                    return (0, 0);
                 }
             }
         }
@@ -641,13 +646,10 @@ mod tests {
     fn the_worst_case_counts_the_prompts_full_blocks_once() {
         // Blocks of 4, a prompt of 10 (2 full blocks, shared), 6 new tokens: 15 tokens cached,
         // 4 blocks per sequence, 2 of them its own.
-        let recompute = Scheduler::new(cfg(64, 4, 16)).unwrap();
-        let swap = Scheduler::new(SchedulerConfig { preemption_mode: PreemptionMode::Swap, ..cfg(64, 4, 16) }).unwrap();
-        for s in [&recompute, &swap] {
-            assert_eq!((s.worst_case_blocks(10, 6, 1), s.worst_case_blocks(10, 6, 3)), (4, 2 + 3 * 2));
-            assert_eq!(s.worst_case_blocks(12, 1, 3), 3, "a full prompt and its one token: all shared");
-        }
-        assert_eq!(swap.worst_case_blocks(10, 2000, 1), 1024 / 4, "capped at max_model_len");
+        let s = Scheduler::new(cfg(64, 4, 16)).unwrap();
+        assert_eq!((s.worst_case_blocks(10, 6, 1), s.worst_case_blocks(10, 6, 3)), (4, 2 + 3 * 2));
+        assert_eq!(s.worst_case_blocks(12, 1, 3), 3, "a full prompt and its one token: all shared");
+        assert_eq!(s.worst_case_blocks(10, 2000, 1), 1024 / 4, "capped at max_model_len");
     }
 
     #[test]
@@ -743,7 +745,7 @@ mod tests {
         assert_eq!((o.num_tokens(), o.num_rows(), s.num_free_blocks()), (9, 0, 28), "the first sample alone, 1 short");
         let (o, _) = step(&mut s, 7);
         assert_eq!((o.num_tokens(), o.num_rows(), s.num_free_blocks()), (1 + 2 + 2, 3, 26));
-        let tables: Vec<Vec<u32>> = s.request_seq_ids(1).unwrap().iter().map(|&q| s.seq_block_table(q).unwrap()).collect();
+        let tables = block_tables_of(&s, 1);
         assert!(tables.iter().all(|t| t.len() == 3 && t[..2] == tables[0][..2]), "{tables:?}");
         let done = drain(&mut s, 7);
         assert!(done.len() == 3 && done.iter().all(|d| d.reason == FinishReason::Length));
@@ -782,5 +784,30 @@ mod tests {
             }
         }
         assert!(recomputed >= runs / 2, "{recomputed} recomputes in {runs} runs");
+    }
+
+    #[test]
+    fn a_waiting_sample_shares_the_swapped_in_first_samples_blocks_not_their_old_cached_copies() {
+        // Blocks of 1, a prompt of 5 with 2 samples of 5 tokens: worst case 5 + 2 * 4 = 13 of 15
+        // usable. After a recompute (the cache emptied meanwhile), sample 0 recomputes while
+        // sample 1 waits; then a swap-out frees sample 0's blocks into the cache, and the swap-in
+        // gives it fresh ones: sample 1 must share those, not revive the old copies (review25).
+        let c = SchedulerConfig { preemption_mode: PreemptionMode::Swap, num_cpu_blocks: 16, ..cfg(16, 1, 64) };
+        let mut s = with_requests(c, [NewRequest { n: 2, ..req(1, 5, 5) }]);
+        assert_eq!(s.worst_case_blocks(5, 5, 2), 13);
+        step(&mut s, 5);
+        step(&mut s, 6);
+        preempt_as_between_steps(&mut s, 1, PreemptionMode::Recompute);
+        s.kv.reset_prefix_cache();
+        let (o, _) = step(&mut s, 7);
+        assert_eq!(o.num_rows(), 0, "sample 1 waits");
+        preempt_as_between_steps(&mut s, 1, PreemptionMode::Swap);
+        let (o, _) = step(&mut s, 7);
+        assert_eq!(o.num_rows(), 2);
+        let tables = block_tables_of(&s, 1);
+        assert_eq!(tables[0][..5], tables[1][..5], "{tables:?}");
+        let done = drain(&mut s, 7);
+        assert!(done.len() == 2 && done.iter().all(|d| d.reason == FinishReason::Length), "{done:?}");
+        assert_eq!((s.stats().capacity_aborts, s.num_free_blocks()), (0, 15));
     }
 }

@@ -1,6 +1,6 @@
 //! Helpers shared by the scheduler's unit tests.
 
-use super::{NewRequest, Scheduler, SchedulerConfig};
+use super::{NewRequest, PreemptionMode, Scheduler, SchedulerConfig};
 use crate::batch::NO_ROW;
 use crate::output::{BlockTables, FinishedSeq, SchedulerOutput};
 
@@ -51,12 +51,17 @@ pub(super) fn step(s: &mut Scheduler, tok: i64) -> (SchedulerOutput, Vec<Finishe
 /// Preempts request `id` between steps, as the next `schedule`'s walk would before planning
 /// it: out of the running list, its rows unplanned.
 pub(super) fn preempt_between_steps(s: &mut Scheduler, id: u64) {
+    preempt_as_between_steps(s, id, s.cfg.preemption_mode);
+}
+
+/// `preempt_between_steps` in `mode` (swap falls back to recompute when the CPU pool is full).
+pub(super) fn preempt_as_between_steps(s: &mut Scheduler, id: u64, mode: PreemptionMode) {
     let slot = s.by_id[&id];
     s.running.retain(|&r| r != slot);
     for q in &s.requests[slot as usize].as_ref().expect("live slot").seqs {
         s.batch.rows[q.row as usize].new_tokens = 0;
     }
-    s.preempt(slot);
+    s.preempt_as(slot, mode);
 }
 
 /// Steps (every row sampling `tok`) until no request is left; returns what finished.
@@ -69,6 +74,11 @@ pub(super) fn drain(s: &mut Scheduler, tok: i64) -> Vec<FinishedSeq> {
         done.extend(step(s, tok).1);
     }
     panic!("the scheduler did not drain");
+}
+
+/// The block tables of live request `request_id`'s sequences.
+pub(super) fn block_tables_of(s: &Scheduler, request_id: u64) -> Vec<Vec<u32>> {
+    s.request_seq_ids(request_id).unwrap().iter().map(|&q| s.seq_block_table(q).unwrap()).collect()
 }
 
 /// The only sequence of live request `request_id`.

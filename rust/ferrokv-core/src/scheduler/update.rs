@@ -297,9 +297,10 @@ impl Scheduler {
     }
 
     /// Forks a running sequence whose prompt is computed into a new one of the same request that
-    /// shares all its blocks (copy-on-write). If the sequence has a step in flight, `next_token` is the child's
-    /// sampled token for that step (the parent gets its own through `update`); otherwise it
-    /// must be `None`. A child that stops at once is reported by the next `update`.
+    /// shares all its blocks (copy-on-write). If the sequence has a step in flight,
+    /// `next_token` is the child's sampled token for that step (the parent gets its own through
+    /// `update`); otherwise it must be `None`. A child that stops at once is reported by the
+    /// next `update`.
     pub fn fork_sequence(&mut self, seq_id: u64, next_token: Option<u32>) -> CoreResult<u64> {
         let (slot, pos) = self.locate_seq(seq_id)?;
         if self.req(slot).state != RequestState::Running {
@@ -660,7 +661,8 @@ mod tests {
         let mut s = with_requests(c, [NewRequest { reserve_seqs: 2, ..req(1, 8, 4) }]);
         step(&mut s, 5);
         let e = s.fork_sequence(only_seq(&s, 1), None).unwrap_err();
-        assert!(matches!(&e, CoreError::InvalidState { message } if message.contains("not computed yet (2 of 8 tokens)")), "{e}");
+        let said = matches!(&e, CoreError::InvalidState { message } if message.contains("not computed yet (2 of 8 tokens)"));
+        assert!(said, "{e}");
         for _ in 0..2 {
             step(&mut s, 5);
         }
