@@ -1059,9 +1059,8 @@ def test_vllms_server_wide_flags(llama_path):
     llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 1}
 
-    def usage_of_stream(r) -> object:
-        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        return chunks[-1].get("usage")
+    def usages_of_stream(r) -> list:
+        return [json.loads(line[6:]).get("usage") for line in r.text.splitlines() if line.startswith("data: {")]
 
     async def ask(config):
         transport = httpx.ASGITransport(app=build_app(llm, config))
@@ -1069,6 +1068,8 @@ def test_vllms_server_wide_flags(llama_path):
             named = (await c.post(_C, json=body, headers=AUTH)).json()["choices"][0]["logprobs"]["tokens"]
             own = (await c.post(_C, json={**body, "return_tokens_as_token_ids": False}, headers=AUTH)).json()
             stream = await c.post(_C, json={**body, "stream": True}, headers=AUTH)
+            opts = {"include_usage": False, "continuous_usage_stats": True}  # vLLM: forced, the chunks have it
+            every = await c.post(_C, json={**body, "stream": True, "stream_options": opts}, headers=AUTH)
             long = asyncio.ensure_future(c.post(_C, json={**body, "max_tokens": 100, "ignore_eos": True}, headers=AUTH))
             seen = 0
             for _ in range(4000):
@@ -1078,17 +1079,19 @@ def test_vllms_server_wide_flags(llama_path):
                 await asyncio.sleep(0.002)
             await long
             after = (await c.get("/load")).json()["server_load"]
-        return named, own["choices"][0]["logprobs"]["tokens"], usage_of_stream(stream), seen, after
+        return (named, own["choices"][0]["logprobs"]["tokens"], usages_of_stream(stream)[-1], seen, after,
+                usages_of_stream(every))
 
     try:
         on = ServerConfig(served_model_name=MODEL, api_key=API_KEY, return_tokens_as_token_ids=True,
                           enable_force_include_usage=True, enable_server_load_tracking=True)
-        named, own, usage, seen, after = asyncio.run(ask(on))
+        named, own, usage, seen, after, every = asyncio.run(ask(on))
         assert all(t.startswith("token_id:") for t in named) and not any(t.startswith("token_id:") for t in own)
         assert usage is not None and usage["completion_tokens"] == 2
-        assert (seen, after) == (1, 0)
-        named, own, usage, seen, after = asyncio.run(ask(ServerConfig(served_model_name=MODEL, api_key=API_KEY)))
+        assert (seen, after) == (1, 0) and all(u is not None for u in every)
+        named, own, usage, seen, after, every = asyncio.run(ask(ServerConfig(served_model_name=MODEL, api_key=API_KEY)))
         assert not any(t.startswith("token_id:") for t in named) and usage is None and (seen, after) == (0, 0)
+        assert all(u is None for u in every)
     finally:
         llm.shutdown()
 

@@ -112,6 +112,8 @@ class ServerState:
             req.tokens_as_ids = self.return_tokens_as_token_ids
         if self.enable_force_include_usage and req.stream:
             req.include_usage = True
+            opts = body.get("stream_options")  # checked by the parse: a JSON object or absent
+            req.continuous_usage = bool(isinstance(opts, Mapping) and opts.get("continuous_usage_stats"))
 
     def loggable(self, prompt: Any) -> str:
         """Prompts (or chat messages) as ``--log-prompts`` logs them: their repr, each text cut to
@@ -164,8 +166,8 @@ def to_openai_error(e: BaseException) -> OpenAIError:
     if isinstance(e, EngineDeadError):  # shut down, or failed (its detail is logged)
         return OpenAIError(503, "the engine failed and stopped; see the server log" if e.failed
                            else "the server is shutting down")
-    # Its worst case (the prompt's full blocks once, then prompt + max_tokens - 1 for each of n), or its
-    # prompt, never fits.
+    # Its worst case (the prompt's full blocks once, and the rest of prompt + max_tokens - 1 for each
+    # of n), or its prompt, never fits.
     if isinstance(e, CacheCapacityError):
         # Told without the engine's request id ("request_id='cmpl-...-0' needs"): the client knows its own.
         message = re.sub(r"^request_id=.*?(: (?=its prompt of )| (?=needs up to ))",
@@ -268,9 +270,10 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
                            **kw: Any) -> AsyncIterator[RequestOutput]:
     """``llm.generate``, after tokenizing a text prompt (on the pool) and ``check_room`` of the
     max_tokens the request gave (``asked_max_tokens``: a default is cut to the context, as vLLM's
-    ``get_max_tokens``, by the engine, which ends the output there); the inner generator is closed as soon as this one is (which aborts its request). The engine's
-    prompt errors ("prompt_token_ids[3]=...") are told as errors of ``field``, the request's own
-    name for this prompt (``prompt[2]`` of a batch)."""
+    ``get_max_tokens``, by the engine, which ends the output there); the inner generator is
+    closed as soon as this one is (which aborts its request). The engine's prompt errors
+    ("prompt_token_ids[3]=...") are told as errors of ``field``, the request's own name for this
+    prompt (``prompt[2]`` of a batch)."""
     try:
         prompt = await llm.tokenize_prompt(prompt, add_special_tokens)
     except ValueError as e:

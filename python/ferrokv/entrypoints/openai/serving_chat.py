@@ -171,7 +171,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
         # The template runs inside the generator, so its errors surface in Generation.start.
         ids = await state.llm.encode_chat(req.messages, req.add_generation_prompt, **template)
         stream = generate_checked(state.llm, {"prompt_token_ids": ids}, req.params, rid, "messages",
-                                  asked_max_tokens=req.asked_max_tokens, priority=req.priority, cache_salt=req.cache_salt, on_accepted=accepted.of(0))
+                                  asked_max_tokens=req.asked_max_tokens, priority=req.priority,
+                                  cache_salt=req.cache_salt, on_accepted=accepted.of(0))
         async with contextlib.aclosing(stream):  # closed at once when this one is (the abort)
             async for out in stream:
                 yield out

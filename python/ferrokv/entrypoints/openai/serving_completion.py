@@ -178,7 +178,8 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
     # Several prompts: the response starts once the engine took them all, not once each has a token.
     accepted = Acceptance(len(req.prompts))
     gens = [generate_checked(state.llm, p, req.params, f"{rid}-{i}", field.format(i), req.add_special_tokens,
-                             asked_max_tokens=req.asked_max_tokens, priority=req.priority, cache_salt=req.cache_salt, on_accepted=accepted.of(i))
+                             asked_max_tokens=req.asked_max_tokens, priority=req.priority, cache_salt=req.cache_salt,
+                             on_accepted=accepted.of(i))
             for i, p in enumerate(req.prompts)]
 
     async def respond(gen: Generation) -> Any:

@@ -347,7 +347,8 @@ class _Response:
     def function_call(call: Mapping[str, Any], status: str) -> dict[str, Any]:
         f = call["function"]
         args = f["arguments"] if isinstance(f["arguments"], str) else json.dumps(f["arguments"], ensure_ascii=False)
-        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex}", "name": f["name"],
+        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex}",
+                "name": f["name"],
                 "arguments": args, "status": status}
 
     def output(self, c: CompletionOutput) -> list[Any]:
@@ -385,8 +386,8 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     async def prompt_then_generate() -> Any:
         ids = await state.llm.encode_chat(chat.messages, chat.add_generation_prompt, **template)
         async for out in generate_checked(state.llm, {"prompt_token_ids": ids}, chat.params, engine_id, "input",
-                                          asked_max_tokens=chat.asked_max_tokens, priority=chat.priority, cache_salt=chat.cache_salt,
-                                          on_accepted=accepted.of(0)):
+                                          asked_max_tokens=chat.asked_max_tokens, priority=chat.priority,
+                                          cache_salt=chat.cache_salt, on_accepted=accepted.of(0)):
             yield out
 
     async def respond(gen: Generation) -> Any:
