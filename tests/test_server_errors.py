@@ -804,6 +804,9 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--return-tokens-as-token-ids=1"], ["--return-tokens-as-token-ids"]),
     (["--enable-force-include-usage=1"], ["--enable-force-include-usage"]),
     (["--enable-server-load-tracking=1"], ["--enable-server-load-tracking"]),
+    (["--uds", "/no/such/folder/ferrokv.sock"], ["--uds", "no such folder"]),
+    (["--api-server-count", "2"], ["--api-server-count=2 is not supported"]),
+    (["-asc", "x"], ["-asc", "'x'"]),
     (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser", "hermes"]),
     (["--chat-template", "/no/such/template.jinja"], ["--chat-template", "/no/such/template.jinja"]),
     (["--chat-template-content-format", "parts"], ["--chat-template-content-format", "'parts'"]),
@@ -1014,6 +1017,17 @@ def test_cors_answers_preflights_before_the_api_key_as_vllm(llama_path):
         assert "access-control-allow-origin" not in ok.headers
     finally:
         llm.shutdown()
+
+
+def test_serve_listens_on_a_unix_socket_with_uds(long_model, tmp_path):
+    """vLLM's --uds: the server answers on the socket (a completion too), not on --port."""
+    sock = str(tmp_path / "ferrokv.sock")
+    with serve(long_model, "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--uds", sock) as s:
+        with s.client() as c:
+            r = c.post("/v1/completions", json=completion_body())
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        with pytest.raises(httpx.ConnectError), httpx.Client(timeout=5) as tcp:
+            tcp.get(f"http://127.0.0.1:{s.port}/health")
 
 
 def test_request_id_headers_as_vllms_flag(llama_path):

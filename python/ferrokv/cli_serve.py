@@ -47,6 +47,10 @@ def _http_flags(g: Any, d: Any) -> None:
                    help="every stream ends with its usage, as if it asked stream_options.include_usage (default: off)")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load counts the generation requests being served (default: off: it says 0)")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix domain socket instead of --host/--port (default: none)")
+    g.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                   help="vLLM's count of API server processes: ferrokv serves from one (only 1 is accepted)")
 
 
 def serve_flags(p: argparse.ArgumentParser) -> None:
@@ -199,11 +203,17 @@ def _chat_template(value: str | None) -> str | None:
                          "the template itself") from None
 
 
-def _check_listen(host: str, port: int) -> None:
+def _check_listen(host: str, port: int, uds: str | None) -> None:
     """Binds (and frees) ``host:port`` once, so that a host that does not resolve or is not this
-    machine's, or a port in use, is reported naming the flags before the model loads."""
+    machine's, or a port in use, is reported naming the flags before the model loads; with
+    ``--uds``, checks that its folder exists (uvicorn replaces a socket file left there)."""
     import socket
 
+    if uds is not None:
+        folder = os.path.dirname(os.path.abspath(uds))
+        if not uds or not os.path.isdir(folder):
+            raise ValueError(f"--uds {uds!r}: no such folder {folder!r}")
+        return
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -245,7 +255,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_CALL_PARSERS)})")
     chat_template = _chat_template(args.chat_template)
-    _check_listen(args.host, args.port)
+    if args.api_server_count != 1:
+        raise ValueError(f"--api-server-count={args.api_server_count} is not supported: ferrokv serves from one "
+                         "process (1)")
+    _check_listen(args.host, args.port, args.uds)
     api_keys = _api_keys(args.api_key)
     _check_files(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
@@ -272,7 +285,7 @@ def serve(args: argparse.Namespace) -> int:
                           enable_request_id_headers=args.enable_request_id_headers,
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           enable_force_include_usage=args.enable_force_include_usage,
-                          enable_server_load_tracking=args.enable_server_load_tracking,
+                          enable_server_load_tracking=args.enable_server_load_tracking, uds=args.uds,
                           trust_request_chat_template=args.trust_request_chat_template,
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)

@@ -70,8 +70,22 @@ class ServerProcess:
         self.log_dir = Path(tempfile.mkdtemp(prefix="ferrokv-serve-"))
 
     @property
+    def uds(self) -> str | None:
+        """The Unix socket it listens on (``--uds``), if any."""
+        return self.flags[self.flags.index("--uds") + 1] if "--uds" in self.flags else None
+
+    @property
     def url(self) -> str:
+        if self.uds is not None:
+            return "http://localhost"
         return f"{'https' if '--ssl-certfile' in self.flags else 'http'}://127.0.0.1:{self.port}"
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        """A client of this server: over its Unix socket under ``--uds``; any certificate (a test's
+        self-signed one) under ``--ssl-certfile``."""
+        if self.uds is not None:
+            return httpx.Client(base_url=self.url, transport=httpx.HTTPTransport(uds=self.uds), timeout=timeout)
+        return httpx.Client(base_url=self.url, timeout=timeout, verify=False)
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "ferrokv", "serve", self.model_dir, "--port", str(self.port), *self.flags]
@@ -104,10 +118,10 @@ class ServerProcess:
         """True once /health answers 200; False if the process exits first or the time runs out."""
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
-        with httpx.Client(timeout=5.0, verify=False) as client:  # verify: a test's self-signed certificate
+        with self.client(timeout=5.0) as client:
             while time.monotonic() < deadline:
                 try:
-                    if client.get(self.url + "/health").status_code == 200:
+                    if client.get("/health").status_code == 200:
                         return True
                 except httpx.TransportError:
                     pass  # not listening yet

@@ -491,15 +491,17 @@ def run_server(llm: Any, config: ServerConfig, exits_after: bool = False) -> int
         llm.shutdown()  # a configuration the model cannot serve (a ValueError naming the flag)
         raise
     raise_fd_limit()
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                               access_log=config.uvicorn_access_log, http=HeadTimeoutH11,
-                               ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, uds=config.uds,
+                               log_level=config.uvicorn_log_level, access_log=config.uvicorn_access_log,
+                               http=HeadTimeoutH11, ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                                ssl_ca_certs=config.ssl_ca_certs, timeout_graceful_shutdown=5, lifespan="off")
     server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)
     host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address, as a URL writes it
-    logger.info("serving %r on %s://%s:%s%s (API key %s)", config.served_model_name,
-                "https" if config.ssl_certfile else "http", host, config.port or "<a free port, see uvicorn's line>",
-                config.root_path, "required" if config.api_keys() else "off")
+    port = config.port or "<a free port, see uvicorn's line>"
+    where = f"{host}:{port}" if config.uds is None else f"unix:{config.uds}"
+    scheme = "https" if config.ssl_certfile else "http"
+    logger.info("serving %r on %s://%s%s (API key %s)", config.served_model_name, scheme, where, config.root_path,
+                "required" if config.api_keys() else "off")
     try:
         _freeze_startup_heap()
         server.run()

@@ -49,6 +49,7 @@ class ServerConfig:
     served_model_aliases: tuple[str, ...] = ()  # more names clients may send (vLLM's later --served-model-name values)
     host: str = "127.0.0.1"
     port: int = 8000
+    uds: str | None = None  # a Unix domain socket to listen on instead of host:port (vLLM's --uds)
     api_key: str | tuple[str, ...] | None = None  # one key, or several (vLLM's list): any of them is accepted
     max_body_bytes: int | None = None  # None: body_limit's, scaled to the model's max_model_len
     max_waiting_requests: int = 1024
