@@ -805,6 +805,7 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--enable-force-include-usage=1"], ["--enable-force-include-usage"]),
     (["--enable-server-load-tracking=1"], ["--enable-server-load-tracking"]),
     (["--uds", "/no/such/folder/ferrokv.sock"], ["--uds", "no such folder"]),
+    (["--exclude-tools-when-tool-choice-none=1"], ["--exclude-tools-when-tool-choice-none"]),
     (["--api-server-count", "2"], ["--api-server-count=2 is not supported"]),
     (["-asc", "x"], ["-asc", "'x'"]),
     (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser", "hermes"]),
@@ -1063,8 +1064,9 @@ def test_request_id_headers_as_vllms_flag(llama_path):
 
 def test_vllms_server_wide_flags(llama_path):
     """--return-tokens-as-token-ids (a request's own field wins), --enable-force-include-usage (every
-    stream ends with its usage) and --enable-server-load-tracking (GET /load counts the requests
-    being served; without it 0, as vLLM's; open without the key) (serveropts8)."""
+    stream ends with its usage), --enable-server-load-tracking (GET /load counts the requests
+    being served; without it 0, as vLLM's; open without the key) and
+    --exclude-tools-when-tool-choice-none (serveropts8)."""
     import asyncio
 
     from ferrokv import AsyncLLM
@@ -1072,6 +1074,11 @@ def test_vllms_server_wide_flags(llama_path):
 
     llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 1}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": tools,
+            "tool_choice": "none"}
+    template = ("{% if tools %}tools: {{ tools | length }}\n{% endif %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
     def usages_of_stream(r) -> list:
         return [json.loads(line[6:]).get("usage") for line in r.text.splitlines() if line.startswith("data: {")]
@@ -1093,19 +1100,22 @@ def test_vllms_server_wide_flags(llama_path):
                 await asyncio.sleep(0.002)
             await long
             after = (await c.get("/load")).json()["server_load"]
+            shown = (await c.post(_CH, json=chat, headers=AUTH)).json()["usage"]["prompt_tokens"]
         return (named, own["choices"][0]["logprobs"]["tokens"], usages_of_stream(stream)[-1], seen, after,
-                usages_of_stream(every))
+                usages_of_stream(every), shown)
 
     try:
         on = ServerConfig(served_model_name=MODEL, api_key=API_KEY, return_tokens_as_token_ids=True,
-                          enable_force_include_usage=True, enable_server_load_tracking=True)
-        named, own, usage, seen, after, every = asyncio.run(ask(on))
+                          enable_force_include_usage=True, enable_server_load_tracking=True, chat_template=template,
+                          exclude_tools_when_tool_choice_none=True)
+        named, own, usage, seen, after, every, without_tools = asyncio.run(ask(on))
         assert all(t.startswith("token_id:") for t in named) and not any(t.startswith("token_id:") for t in own)
         assert usage is not None and usage["completion_tokens"] == 2
         assert (seen, after) == (1, 0) and all(u is not None for u in every)
-        named, own, usage, seen, after, every = asyncio.run(ask(ServerConfig(served_model_name=MODEL, api_key=API_KEY)))
+        off = ServerConfig(served_model_name=MODEL, api_key=API_KEY, chat_template=template)
+        named, own, usage, seen, after, every, with_tools = asyncio.run(ask(off))
         assert not any(t.startswith("token_id:") for t in named) and usage is None and (seen, after) == (0, 0)
-        assert all(u is None for u in every)
+        assert all(u is None for u in every) and with_tools > without_tools
     finally:
         llm.shutdown()
 

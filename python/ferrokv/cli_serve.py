@@ -47,6 +47,8 @@ def _http_flags(g: Any, d: Any) -> None:
                    help="every stream ends with its usage, as if it asked stream_options.include_usage (default: off)")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load counts the generation requests being served (default: off: it says 0)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="a chat with tool_choice 'none' shows its template no tools (default: off: the tools reach it)")
     g.add_argument("--uds", default=None, metavar="PATH",
                    help="listen on this Unix domain socket instead of --host/--port (default: none)")
     g.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
@@ -286,6 +288,7 @@ def serve(args: argparse.Namespace) -> int:
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           enable_force_include_usage=args.enable_force_include_usage,
                           enable_server_load_tracking=args.enable_server_load_tracking, uds=args.uds,
+                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                           trust_request_chat_template=args.trust_request_chat_template,
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)

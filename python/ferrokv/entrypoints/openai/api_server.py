@@ -241,7 +241,8 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
                         response_role=config.response_role, max_log_len=config.max_log_len,
                         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
                         enable_force_include_usage=config.enable_force_include_usage,
-                        enable_server_load_tracking=config.enable_server_load_tracking)
+                        enable_server_load_tracking=config.enable_server_load_tracking,
+                        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.root_path = config.root_path  # as vLLM sets it (the constructor's argument is deprecated)

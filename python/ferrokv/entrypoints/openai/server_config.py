@@ -76,6 +76,7 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     enable_force_include_usage: bool = False
     enable_server_load_tracking: bool = False
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's: a chat's tools reach its template unless this
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None

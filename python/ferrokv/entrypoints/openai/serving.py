@@ -67,6 +67,7 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # ServerConfig's
     enable_force_include_usage: bool = False  # ServerConfig's
     enable_server_load_tracking: bool = False  # ServerConfig's
+    exclude_tools_when_tool_choice_none: bool = False  # ServerConfig's
     draining: bool = False
     http_in_flight: int = 0  # generation requests being served (the drain waits for 0)
     admitted: int = 0  # engine requests of the calls being served (admit reserves, Generation.close frees)
@@ -107,13 +108,17 @@ class ServerState:
 
     def apply_defaults(self, req: Any, body: Mapping[str, Any]) -> None:
         """The server's defaults for a parsed completion or chat request ``req`` (vLLM's): its
-        ``return_tokens_as_token_ids`` unless the request gives one, and a stream's usage."""
+        ``return_tokens_as_token_ids`` unless the request gives one, a stream's usage, and a chat's
+        tools kept from its template under ``tool_choice: "none"``."""
         if body.get("return_tokens_as_token_ids") is None:
             req.tokens_as_ids = self.return_tokens_as_token_ids
         if self.enable_force_include_usage and req.stream:
             req.include_usage = True
             opts = body.get("stream_options")  # checked by the parse: a JSON object or absent
             req.continuous_usage = bool(isinstance(opts, Mapping) and opts.get("continuous_usage_stats"))
+        template = getattr(req, "template", None)
+        if self.exclude_tools_when_tool_choice_none and template and body.get("tool_choice") == "none":
+            template["tools"] = None
 
     def loggable(self, prompt: Any) -> str:
         """Prompts (or chat messages) as ``--log-prompts`` logs them: their repr, each text cut to
