@@ -52,7 +52,8 @@ def _http_flags(g: Any, d: Any) -> None:
     g.add_argument("--uds", default=None, metavar="PATH",
                    help="listen on this Unix domain socket instead of --host/--port (default: none)")
     g.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
-                   help="vLLM's count of API server processes: ferrokv serves from one, so only 1 is accepted (default: 1)")
+                   help="vLLM's count of API server processes: ferrokv serves from one, so only 1 is accepted "
+                        "(default: 1)")
 
 
 def serve_flags(p: argparse.ArgumentParser) -> None:
