@@ -805,6 +805,9 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--enable-force-include-usage=1"], ["--enable-force-include-usage"]),
     (["--enable-server-load-tracking=1"], ["--enable-server-load-tracking"]),
     (["--uds", "/no/such/folder/ferrokv.sock"], ["--uds", "no such folder"]),
+    (["--ssl-cert-reqs", "5"], ["--ssl-cert-reqs must be 0, 1 or 2, got 5"]),
+    (["--h11-max-incomplete-event-size", "0"], ["--h11-max-incomplete-event-size must be >= 1"]),
+    (["--log-config-file", "/no/such/logging.json"], ["--log-config-file", "/no/such/logging.json"]),
     (["--exclude-tools-when-tool-choice-none=1"], ["--exclude-tools-when-tool-choice-none"]),
     (["--api-server-count", "2"], ["--api-server-count=2 is not supported"]),
     (["-asc", "x"], ["-asc", "'x'"]),
@@ -981,6 +984,31 @@ def test_https_several_api_keys_and_a_root_path_as_vllms_flags(llama_path, tmp_p
             assert c.get("/proxyx/health", headers={"Authorization": "Bearer k1"}).status_code == 404
         with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
             httpx.get(s.url.replace("https", "http") + "/health", timeout=10)
+
+
+def test_client_certificates_request_head_limit_and_log_config_as_vllms_flags(llama_path, tmp_path):
+    """vLLM's --ssl-cert-reqs 2 (with --ssl-ca-certs: a client without a certificate is turned
+    away), --h11-max-incomplete-event-size (a head over h11's 16 KiB is taken under 1M, refused over
+    it) and --log-config-file
+    (uvicorn's and the server's loggers configured from it) (serveropts8)."""
+    key, cert, log = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "server.log"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True, timeout=60)
+    config = {"version": 1, "disable_existing_loggers": False,
+              "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log)}},
+              "loggers": {"uvicorn.error": {"handlers": ["file"], "level": "INFO"}}}
+    (tmp_path / "logging.json").write_text(json.dumps(config))
+    with serve(llama_path, "--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-ca-certs", cert, "--ssl-cert-reqs", "2",
+               "--h11-max-incomplete-event-size", "1M", "--log-config-file", tmp_path / "logging.json",
+               "--served-model-name", MODEL, client_cert=(str(cert), str(key))) as s:
+        with s.client() as c:
+            assert c.get("/health").status_code == 200
+            assert c.post(_C, json=completion_body()).status_code == 200
+            assert c.get("/health", headers={"X-Big": "x" * 300_000}).status_code == 200
+            assert c.get("/health", headers={"X-Big": "x" * 3_000_000}).status_code == 400
+        with pytest.raises(httpx.HTTPError), httpx.Client(timeout=10, verify=False) as anonymous:
+            anonymous.get(s.url + "/health")
+    assert "Uvicorn running on" in log.read_text()
 
 
 def test_cors_answers_preflights_before_the_api_key_as_vllm(llama_path):

@@ -34,6 +34,14 @@ def _http_flags(g: Any, d: Any) -> None:
     for name, what in (("keyfile", "the TLS private key"), ("certfile", "the TLS certificate: serve HTTPS"),
                        ("ca-certs", "CA certificates that verify clients' certificates")):
         g.add_argument(f"--ssl-{name}", default=None, metavar="FILE", help=f"{what} (default: none)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=d.ssl_cert_reqs, metavar="N",
+                   help="whether clients must show a certificate --ssl-ca-certs verifies: 0 no, 1 optional, 2 "
+                        "required (Python's ssl.CERT_*) (default: 0)")
+    g.add_argument("--h11-max-incomplete-event-size", type=human_readable_int, default=None, metavar="BYTES",
+                   help="the largest request head accepted; a larger one gets 400 (default: h11's 16 KiB)")
+    g.add_argument("--log-config-file", default=None, metavar="FILE",
+                   help="a logging configuration (JSON, YAML or INI, as uvicorn reads it) for the server's and "
+                        "uvicorn's loggers (default: none)")
     for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
         g.add_argument(f"--allowed-{name}", type=_json_strings, default=getattr(d, f"allowed_{name}"), metavar="JSON",
                        help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"], any)")
@@ -263,7 +271,12 @@ def serve(args: argparse.Namespace) -> int:
                          "process (1)")
     _check_listen(args.host, args.port, args.uds)
     api_keys = _api_keys(args.api_key)
-    _check_files(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs)
+    _check_files(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                 log_config_file=args.log_config_file)
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
+    if args.h11_max_incomplete_event_size is not None and args.h11_max_incomplete_event_size < 1:
+        raise ValueError(f"--h11-max-incomplete-event-size must be >= 1, got {args.h11_max_incomplete_event_size}")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
     _check_tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
@@ -281,6 +294,8 @@ def serve(args: argparse.Namespace) -> int:
                           max_log_len=args.max_log_len, response_role=args.response_role,
                           default_chat_template_kwargs=args.default_chat_template_kwargs,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                          ssl_cert_reqs=args.ssl_cert_reqs, log_config_file=args.log_config_file,
+                          h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                           max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
                           drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -58,13 +59,14 @@ class ServerProcess:
     """One ``ferrokv serve`` subprocess (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path, *flags: str, env: dict[str, str] | None = None,
-                 startup_timeout: float = STARTUP_TIMEOUT) -> None:
+                 startup_timeout: float = STARTUP_TIMEOUT, client_cert: tuple[str, str] | None = None) -> None:
         self.model_dir = str(model_dir)
         self.flags = [str(f) for f in flags]
         # A key in the caller's environment would silently turn auth on for servers meant without one.
         self.env = {k: v for k, v in os.environ.items() if k not in ("FERROKV_API_KEY", "VLLM_API_KEY")}
         self.env.update(env or {})
         self.startup_timeout = startup_timeout
+        self.client_cert = client_cert  # (certificate, key) its clients show (--ssl-cert-reqs 2)
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_dir = Path(tempfile.mkdtemp(prefix="ferrokv-serve-"))
@@ -82,10 +84,15 @@ class ServerProcess:
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
         """A client of this server: over its Unix socket under ``--uds``; any certificate (a test's
-        self-signed one) under ``--ssl-certfile``."""
+        self-signed one) under ``--ssl-certfile``, showing ``client_cert``."""
         if self.uds is not None:
             return httpx.Client(base_url=self.url, transport=httpx.HTTPTransport(uds=self.uds), timeout=timeout)
-        return httpx.Client(base_url=self.url, timeout=timeout, verify=False)
+        verify: Any = False
+        if self.client_cert is not None:
+            verify = ssl.create_default_context()
+            verify.check_hostname, verify.verify_mode = False, ssl.CERT_NONE
+            verify.load_cert_chain(*self.client_cert)
+        return httpx.Client(base_url=self.url, timeout=timeout, verify=verify)
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "ferrokv", "serve", self.model_dir, "--port", str(self.port), *self.flags]

@@ -495,7 +495,10 @@ def run_server(llm: Any, config: ServerConfig, exits_after: bool = False) -> int
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, uds=config.uds,
                                log_level=config.uvicorn_log_level, access_log=config.uvicorn_access_log,
                                http=HeadTimeoutH11, ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
-                               ssl_ca_certs=config.ssl_ca_certs, timeout_graceful_shutdown=5, lifespan="off")
+                               ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
+                               h11_max_incomplete_event_size=config.h11_max_incomplete_event_size,
+                               timeout_graceful_shutdown=5, lifespan="off",
+                               **({"log_config": config.log_config_file} if config.log_config_file else {}))
     server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)
     host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address, as a URL writes it
     port = config.port or "<a free port, see uvicorn's line>"

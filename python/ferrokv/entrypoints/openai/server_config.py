@@ -80,6 +80,9 @@ class ServerConfig:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE / OPTIONAL / REQUIRED (0/1/2): whether clients show a certificate
+    h11_max_incomplete_event_size: int | None = None  # the largest request head, in bytes (None: h11's 16 KiB)
+    log_config_file: str | None = None  # a logging config (JSON, YAML or INI) for uvicorn and the server
 
     def api_keys(self) -> tuple[str, ...]:
         """The keys a request may send (none: no key is needed)."""
