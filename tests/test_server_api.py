@@ -1122,10 +1122,9 @@ def test_logged_prompts_are_cut_each_not_their_repr():
     assert _cut([{"role": "user", "content": [{"type": "text", "text": "hello"}]}], 4) == [
         {"role": "user", "content": [{"type": "text", "text": "hell... (5 characters)"}]}]
     # Many short messages: the whole line is bounded too.
-    from ferrokv.entrypoints.openai.serving import ServerState
+    from ferrokv.entrypoints.openai.serving import ServerConfig, ServerState
 
-    state = ServerState.__new__(ServerState)
-    state.max_log_len = 10
+    state = ServerState(llm=None, metrics=None, config=ServerConfig(max_log_len=10))  # type: ignore[arg-type]
     line = state.loggable([{"role": "user", "content": "hi"}] * 5000)
     assert len(line) < 200 and line.endswith("characters)"), line
 

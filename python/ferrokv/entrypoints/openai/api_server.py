@@ -82,7 +82,8 @@ def _route_path(scope: Any) -> str:
 class _Gate:
     """The ASGI layer in front of the app (module docs)."""
 
-    def __init__(self, app: Any, state: ServerState, config: ServerConfig) -> None:
+    def __init__(self, app: Any, state: ServerState) -> None:
+        config = state.config
         self.app = app
         self.state = state
         self.limit = body_limit(config.max_body_bytes, state.llm.max_model_len)
@@ -231,18 +232,7 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     state_box: dict[str, ServerState] = {}
     metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight,
                             async_llm.engine.cache_config.metrics_info())
-    state = ServerState(async_llm, metrics, (config.served_model_name, *config.served_model_aliases),
-                        config.max_waiting_requests, config.log_prompts,
-                        trust_request_chat_template=config.trust_request_chat_template,
-                        tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
-                        chat_template=config.chat_template,
-                        chat_template_content_format=config.chat_template_content_format,
-                        default_chat_template_kwargs=config.default_chat_template_kwargs or {},
-                        response_role=config.response_role, max_log_len=config.max_log_len,
-                        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
-                        enable_force_include_usage=config.enable_force_include_usage,
-                        enable_server_load_tracking=config.enable_server_load_tracking,
-                        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none)
+    state = ServerState(async_llm, metrics, config)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.root_path = config.root_path  # as vLLM sets it (the constructor's argument is deprecated)
@@ -250,7 +240,7 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     _errors(app)
     _routes(app, state)
     # Inside Starlette's own error middleware, so that an error in the gate still answers JSON.
-    app.add_middleware(_Gate, state=state, config=config)
+    app.add_middleware(_Gate, state=state)
     # Outermost: a browser's preflight is answered before the gate, and every answer (a 401 too)
     # carries the CORS headers.
     app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
@@ -325,7 +315,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/load")
     async def load() -> dict[str, int]:  # vLLM's: 0 unless --enable-server-load-tracking
-        return {"server_load": state.http_in_flight if state.enable_server_load_tracking else 0}
+        return {"server_load": state.http_in_flight if state.config.enable_server_load_tracking else 0}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

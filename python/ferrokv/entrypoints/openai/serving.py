@@ -40,6 +40,7 @@ from ferrokv._core import CacheCapacityError
 from ferrokv.engine_loop import EngineDeadError, EngineGenerateError
 from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
+from ferrokv.entrypoints.openai.server_config import ServerConfig
 from ferrokv.inputs import truncation_length
 from ferrokv.outputs import RequestOutput
 
@@ -50,28 +51,26 @@ __all__ = ["Acceptance", "Generation", "ServerState", "SSEResponse", "error_resp
 
 @dataclass(slots=True)
 class ServerState:
-    """What every endpoint reads: the engine, the limits and the drain flag (one per app)."""
+    """What every endpoint reads: the engine, the server's settings (``config``, their one home),
+    the limits and the drain flag (one per app)."""
 
     llm: Any  # AsyncLLM
     metrics: ServerMetrics
-    model_names: tuple[str, ...]
-    max_waiting_requests: int
-    log_prompts: bool
-    trust_request_chat_template: bool = False  # ServerConfig's
-    chat_template: str | None = None  # ServerConfig's: the template chats use unless a request gives one
-    chat_template_content_format: str = "auto"  # ServerConfig's
-    tool_call_parser: str | None = None  # ServerConfig's, when enable_auto_tool_choice is on
-    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # ServerConfig's
-    response_role: str = "assistant"  # ServerConfig's
-    max_log_len: int | None = None  # ServerConfig's
-    return_tokens_as_token_ids: bool = False  # ServerConfig's
-    enable_force_include_usage: bool = False  # ServerConfig's
-    enable_server_load_tracking: bool = False  # ServerConfig's
-    exclude_tools_when_tool_choice_none: bool = False  # ServerConfig's
+    config: ServerConfig
     draining: bool = False
     http_in_flight: int = 0  # generation requests being served (the drain waits for 0)
     admitted: int = 0  # engine requests of the calls being served (admit reserves, Generation.close frees)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names clients may send (``--served-model-name``'s), the first the one responses show."""
+        return (self.config.served_model_name, *self.config.served_model_aliases)
+
+    @property
+    def tool_call_parser(self) -> str | None:
+        """The format models' own tool calls are read in; None unless ``tool_choice: "auto"`` is on."""
+        return self.config.tool_call_parser if self.config.enable_auto_tool_choice else None
 
     def check_model(self, model: str | None) -> str:
         """The name a response shows: the first served, whichever of them the request sent (vLLM's
@@ -84,7 +83,7 @@ class ServerState:
     def check_chat_template(self, template: Mapping[str, Any]) -> None:
         """A request's own chat template (``template``: ``protocol._template``'s keywords) is
         refused unless the server trusts them (vLLM's ``--trust-request-chat-template``)."""
-        if self.trust_request_chat_template:
+        if self.config.trust_request_chat_template:
             return
         for name, value in (("chat_template", template.get("chat_template")),
                             ("chat_template_kwargs", (template.get("chat_template_kwargs") or {}).get("chat_template"))):
@@ -98,33 +97,35 @@ class ServerState:
         own, and the server's content format; the server's default ``chat_template_kwargs`` under
         the request's own (vLLM's ``--default-chat-template-kwargs``)."""
         self.check_chat_template(template)
-        out = dict(template, content_format=self.chat_template_content_format)
+        config = self.config
+        out = dict(template, content_format=config.chat_template_content_format)
         if out.get("chat_template") is None:
-            out["chat_template"] = self.chat_template
-        if self.default_chat_template_kwargs:
+            out["chat_template"] = config.chat_template
+        if config.default_chat_template_kwargs:
             own = out.get("chat_template_kwargs") or {}
-            out["chat_template_kwargs"] = {**self.default_chat_template_kwargs, **own}
+            out["chat_template_kwargs"] = {**config.default_chat_template_kwargs, **own}
         return out
 
     def apply_defaults(self, req: Any, body: Mapping[str, Any]) -> None:
         """The server's defaults for a parsed completion or chat request ``req`` (vLLM's): its
         ``return_tokens_as_token_ids`` unless the request gives one, a stream's usage, and a chat's
         tools kept from its template under ``tool_choice: "none"``."""
+        config = self.config
         if body.get("return_tokens_as_token_ids") is None:
-            req.tokens_as_ids = self.return_tokens_as_token_ids
-        if self.enable_force_include_usage and req.stream:
+            req.tokens_as_ids = config.return_tokens_as_token_ids
+        if config.enable_force_include_usage and req.stream:
             req.include_usage = True
             opts = body.get("stream_options")  # checked by the parse: a JSON object or absent
             req.continuous_usage = bool(isinstance(opts, Mapping) and opts.get("continuous_usage_stats"))
         template = getattr(req, "template", None)
-        if self.exclude_tools_when_tool_choice_none and template and body.get("tool_choice") == "none":
+        if config.exclude_tools_when_tool_choice_none and template and body.get("tool_choice") == "none":
             template["tools"] = None
 
     def loggable(self, prompt: Any) -> str:
         """Prompts (or chat messages) as ``--log-prompts`` logs them: their repr, each text cut to
         ``--max-log-len`` characters and each token-id list to as many ids (vLLM's), and the whole
         line to ``_LOG_LINE_FACTOR`` times that (thousands of short messages stay one short line)."""
-        n = self.max_log_len
+        n = self.config.max_log_len
         if n is None:
             return repr(prompt)
         return _cut(repr(_cut(prompt, n)), _LOG_LINE_FACTOR * n + 100)
@@ -132,18 +133,19 @@ class ServerState:
     def admit(self, num_prompts: int, n: int) -> None:
         """Takes a call's ``num_prompts`` x ``n`` sequences (what ``max_num_seqs`` counts too), or
         refuses it; ``Generation.close`` gives them back."""
+        waiting = self.config.max_waiting_requests
         if self.draining:
             raise OpenAIError(503, "the server is shutting down")
         if not self.llm.is_running:
             raise to_openai_error(self.llm.dead_error)
         slots, seqs = self.llm.engine.args.max_num_seqs, num_prompts * n
-        if seqs > slots + self.max_waiting_requests:  # not even an idle server takes it: no retry helps
+        if seqs > slots + waiting:  # not even an idle server takes it: no retry helps
             field = "prompt" if num_prompts > 1 else "n"
             raise OpenAIError(400, f"{field}: {num_prompts} prompt{'s' * (num_prompts > 1)} x n={n} in one request "
                                    f"are {seqs} sequences, more than this server admits at once ({slots} running "
-                                   f"+ {self.max_waiting_requests} waiting)", field)
-        if self.admitted + seqs > slots + self.max_waiting_requests:
-            raise OpenAIError(503, f"the waiting queue is full ({self.max_waiting_requests} sequences wait "
+                                   f"+ {waiting} waiting)", field)
+        if self.admitted + seqs > slots + waiting:
+            raise OpenAIError(503, f"the waiting queue is full ({waiting} sequences wait "
                                    f"beyond the {slots} running); retry later", retry_after=1)
         self.admitted += seqs
 

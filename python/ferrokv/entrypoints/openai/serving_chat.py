@@ -159,10 +159,10 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     model = state.check_model(req.model)
     template = state.template_for(req.template)
     state.admit(1, req.params.n)
-    call = ChatAnswer(req, model, int(time.time()), state.response_role,  # created: when this completion was made
+    call = ChatAnswer(req, model, int(time.time()), state.config.response_role,  # created: when this completion was made
                  response_id("chatcmpl", request, req.request_id))
     rid = engine_request_id(call.head["id"])
-    if state.log_prompts:
+    if state.config.log_prompts:
         logger.info("%s: messages %s, params %r", rid, state.loggable(req.messages), req.params)
 
     accepted = Acceptance(1)  # (the metrics count a request the engine took, ended before any output)

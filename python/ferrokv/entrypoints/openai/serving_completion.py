@@ -171,7 +171,7 @@ async def create_completion(request: Request, state: ServerState, body: Any) -> 
     state.admit(len(req.prompts), req.params.n)
     call = _Completion(req, model, state.llm.tokenizer, response_id("cmpl", request, req.request_id))
     created = int(time.time())  # OpenAI's created: when this completion was made
-    if state.log_prompts:
+    if state.config.log_prompts:
         logger.info("%s: prompts %s, params %r", call.id, state.loggable(req.prompts), req.params)
     field = "prompt" if len(req.prompts) == 1 else "prompt[{}]"
     rid = engine_request_id(call.id)
