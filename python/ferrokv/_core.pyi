@@ -315,8 +315,9 @@ class Scheduler:
     def num_free_blocks(self) -> int: ...
     def max_fitting_tokens(self, prompt_len: int, n: int) -> int:
         """The most new tokens ``n`` samples of a ``prompt_len``-token prompt can ask for and be
-        admitted (the worst-case check: every sample its whole context but its last token, never
-        cached); 0 when not even one fits."""
+        admitted (the worst-case check: the prompt's full blocks once, which the samples share, and
+        each sample the rest of its context but its last token, never cached); 0 when not even one
+        fits."""
         ...
     @property
     def num_waiting(self) -> int: ...

@@ -118,7 +118,8 @@ def _space_marker(tokenizer: Any) -> str | None:
         state = json.loads(pre.__getstate__()) if pre is not None else {}
     except (AttributeError, TypeError, ValueError):
         state = {}
-    for part in state.get("pretokenizers") or [] if state.get("type") == "Sequence" else [state]:
+    parts = (state.get("pretokenizers") or []) if state.get("type") == "Sequence" else [state]
+    for part in parts:
         if isinstance(part, dict) and part.get("type") == "Metaspace":
             marker = part.get("replacement", "\u2581")
             break
