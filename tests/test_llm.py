@@ -756,12 +756,15 @@ def test_generate_takes_vllms_tokenization_kwargs(bos_model_dir):
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, mm_processor_kwargs={"x": 1})
     # truncate_prompt_tokens (where vLLM now takes it) keeps each prompt's last tokens, over the
-    # params' own; chat's too.
+    # params' own, as the tokenizer truncates (vLLM's): a text keeps the BOS it gets; chat's too.
     long = "the cat sat on the mat and the dog ran"
-    ids = llm.get_tokenizer()(long)["input_ids"]
-    cut = llm.generate([long], SamplingParams(temperature=0.0, max_tokens=2, truncate_prompt_tokens=6),
-                       use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 3})[0]
-    assert cut.prompt_token_ids == ids[-3:]
+    ids = llm.get_tokenizer()(long, add_special_tokens=False)["input_ids"]
+    for kw, kept in (({}, [1, *ids[-2:]]), ({"add_special_tokens": False}, ids[-3:])):
+        cut = llm.generate([long], SamplingParams(temperature=0.0, max_tokens=2, truncate_prompt_tokens=6),
+                           use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 3, **kw})[0]
+        assert cut.prompt_token_ids == kept
+    assert llm.generate([{"prompt_token_ids": [1, *ids]}], SamplingParams(max_tokens=1, truncate_prompt_tokens=3),
+                        use_tqdm=False)[0].prompt_token_ids == ids[-3:]  # ids given are only cut
     conv = [{"role": "user", "content": long}]
     chat_ids = llm.chat(conv, params, use_tqdm=False)[0].prompt_token_ids
     assert llm.chat(conv, params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 4})[0] \

@@ -277,7 +277,8 @@ def _load_tokenizer(args: EngineArgs, model_path: Path) -> Any:
         raise ValueError(f"{where}: {shown} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
                          f"give tokenizer= a folder or Hub id that has one")
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        # Left: truncate_prompt_tokens keeps a text's last tokens and the specials it adds (vLLM's).
+        return AutoTokenizer.from_pretrained(str(path), truncation_side="left")
     except Exception as e:  # transformers raises many types (OSError, ValueError, JSONDecodeError...)
         raise ValueError(f"{where}: the tokenizer in {str(path)!r} cannot be loaded "
                          f"({type(e).__name__}: {e})") from e

@@ -29,7 +29,7 @@ logger = logging.getLogger("ferrokv")
 __all__ = ["PromptType", "TextPrompt", "TokensPrompt", "batch_prompts", "check_logprobs_cap",
            "check_no_lora", "check_priority", "check_tools", "checked_prompt_ids", "is_text_prompt", "message_text",
            "message_tool_fields", "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "template_kwargs",
-           "tokenization_options", "tokenized_prompt", "truncated_prompt", "truncation_length", "validate_prompt_ids",
+           "tokenization_options", "tokenized_prompt", "truncation_length", "validate_prompt_ids",
            "with_truncation"]
 
 
@@ -201,11 +201,16 @@ def batch_prompts(prompts: Any) -> list[Any]:
 def checked_prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool, params: Any, vocab_size: int,
                        max_model_len: int) -> tuple[str | None, list[int]]:
     """``prompt_ids``, truncated as ``params.truncate_prompt_tokens`` asks (``params`` may be
-    None), then validated (``validate_prompt_ids``)."""
+    None; the tokenizer truncates on the left), then validated (``validate_prompt_ids``)."""
     text, ids = prompt_ids(tokenizer, prompt, add_special_tokens)
-    if params is not None:
-        ids = truncated_prompt(ids, params.truncate_prompt_tokens, max_model_len, params.max_tokens)
     tokenized = not (isinstance(prompt, Mapping) and "prompt_token_ids" in prompt)
+    if params is not None:
+        keep = truncation_length(params.truncate_prompt_tokens, max_model_len, params.max_tokens)
+        if keep is not None and len(ids) > keep:
+            # A text is cut as the tokenizer cuts it (vLLM's): its added special tokens, such as a
+            # BOS, stay, before the text's last tokens; ids given are only cut.
+            ids = list(tokenizer(text, add_special_tokens=add_special_tokens, truncation=True,
+                                 max_length=keep)["input_ids"]) if tokenized else ids[-keep:]
     validate_prompt_ids(ids, vocab_size, max_model_len, tokenized)
     return text, ids
 
@@ -244,13 +249,6 @@ def request_ids(value: Any) -> list[str]:
     used)."""
     many = isinstance(value, Iterable) and not isinstance(value, (str, bytes, bytearray))
     return [request_id_str(r) for r in list(value)] if many else [request_id_str(value)]
-
-
-def truncated_prompt(ids: list[int], truncate: int | None, max_model_len: int,
-                     max_tokens: int | None = None) -> list[int]:
-    """The prompt's last ``truncation_length`` ids (all of them without a truncation)."""
-    keep = truncation_length(truncate, max_model_len, max_tokens)
-    return ids if keep is None else ids[-keep:]
 
 
 def truncation_length(truncate: int | None, max_model_len: int, max_tokens: int | None) -> int | None:

@@ -38,7 +38,8 @@ names the field and the offending value, e.g. ``temperature must be >= 0, got -1
   whether ``prompt_logprobs`` are asked): True computes the whole prompt, reading no prefix-cache
   hits (its blocks are still cached for others). Prompt logprobs read none either way.
 * ``truncate_prompt_tokens`` is ``None``, ``-1`` (``max_model_len``) or ``>= 1``: only the
-  prompt's last that many tokens are used (left truncation, as vLLM).
+  prompt's last that many tokens are used (left truncation, as vLLM; a text prompt keeps the
+  special tokens its tokenizer adds, such as a BOS, as the tokenizer truncates).
 * ``output_kind`` is a ``RequestOutputKind`` (an int 0-2 is accepted and converted): what each
   output of the request carries (``ferrokv.outputs``). ``LLM.generate`` sets ``FINAL_ONLY``.
 * A temperature in (0, ``MIN_TEMPERATURE``) is raised to it, with a warning, as vLLM does (dividing
