@@ -79,13 +79,15 @@ def test_max_model_len_beyond_the_models_positions_is_refused_unless_allowed(mon
 
     for name in ("FERROKV_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
         monkeypatch.delenv(name, raising=False)
-    assert checked_max_model_len(None, 512) == 512 and checked_max_model_len(100, 512) == 100
-    with pytest.raises(ValueError, match="max_model_len=100000 is more than the model's 512 positions"):
-        checked_max_model_len(100_000, 512)
+    rule = "config.json's max_position_embeddings"
+    assert checked_max_model_len(None, 512, rule) == 512 and checked_max_model_len(100, 512, rule) == 100
+    with pytest.raises(ValueError, match=r"max_model_len=100000 is more than the model's 512 positions "
+                                         r"\(config.json's max_position_embeddings\); set FERROKV_ALLOW"):
+        checked_max_model_len(100_000, 512, rule)
     for name in ("FERROKV_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"):  # vLLM's name works too
         with monkeypatch.context() as m:
             m.setenv(name, "1")
-            assert checked_max_model_len(100_000, 512) == 100_000
+            assert checked_max_model_len(100_000, 512, rule) == 100_000
 
 
 def test_a_kv_cache_the_machine_cannot_hold_is_a_value_error_naming_its_setting():

@@ -270,12 +270,28 @@ def test_window_config_resolution():
     assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rope.factor) == ("linear", 5e5, 2.0)
     with pytest.raises(ValueError, match="longrope"):
         llama.parse_config({**base, "rope_parameters": {"rope_type": "longrope", "factor": 2.0}})
-    # vLLM's default max_model_len: the positions times a linear/dynamic/yarn factor.
-    for rope, want in (({"rope_type": "linear", "factor": 4.0}, 64), ({"rope_type": "dynamic", "factor": 2.0}, 32),
-                       ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}, 32),
-                       (LLAMA3, 16), ({}, 16)):
+    # vLLM's default max_model_len: the positions times a linear/dynamic/yarn factor, and the rule
+    # its refusal names.
+    for rope, want, rule in (
+            ({"rope_type": "linear", "factor": 4.0}, 64, "config.json's max_position_embeddings times its RoPE factor 4"),
+            ({"rope_type": "dynamic", "factor": 2.0}, 32, "max_position_embeddings times its RoPE factor 2"),
+            ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}, 32,
+             "the RoPE's original_max_position_embeddings times its factor 4"),
+            (LLAMA3, 16, "config.json's max_position_embeddings"), ({}, 16, "config.json's max_position_embeddings")):
         cfg = llama.parse_config({**base, "max_position_embeddings": 16, "rope_scaling": rope})
-        assert cfg.rope.default_max_model_len == want, rope
+        assert cfg.default_max_model_len == want and cfg.rope.max_position_embeddings == 16, rope
+        assert rule in cfg.default_max_model_len_rule and (rule.endswith("embeddings") or "factor" in rule), rope
+    # vLLM's other context keys: the smallest one wins (the RoPE keeps max_position_embeddings), a
+    # model_max_length overrides them; bad values are named.
+    for extra, want, key in (({"max_sequence_length": 12, "seq_length": 14}, 12, "max_sequence_length"),
+                             ({"n_positions": 40}, 16, "max_position_embeddings"),
+                             ({"seq_len": 12, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, 24, "seq_len"),
+                             ({"max_seq_len": 8, "model_max_length": 20}, 20, "model_max_length")):
+        cfg = llama.parse_config({**base, "max_position_embeddings": 16, **extra})
+        assert (cfg.default_max_model_len, cfg.rope.max_position_embeddings) == (want, 16), extra
+        assert f"config.json's {key}" in cfg.default_max_model_len_rule, extra
+    with pytest.raises(ValueError, match="config.json: seq_length must be a positive integer, got 0"):
+        llama.parse_config({**base, "seq_length": 0})
     for rope, kind in (({"rope_type": "yarn", "original_max_position_embeddings": 8}, "yarn"),
                        ({"type": "dynamic"}, "dynamic")):
         # transformers refuses these too (and would fail loading the tokenizer, which reads config.json)
@@ -294,6 +310,27 @@ def test_window_config_resolution():
     no_orig = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
     cfg = llama.parse_config({**base, "max_position_embeddings": 16, "rope_scaling": no_orig})
     assert cfg.rope.original_max_position_embeddings == 16
+
+
+def test_rope_scaling_beside_a_5x_rope_theta_keeps_it_and_warns(caplog):
+    """A 4.x-style rope_scaling added to a config saved by transformers 5 (its rope_theta inside
+    rope_parameters): the theta stays, with a warning that transformers would drop it."""
+    from ferrokv.models import MODEL_REGISTRY
+
+    base = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "vocab_size": 100, "max_position_embeddings": 64}
+    llama = MODEL_REGISTRY["LlamaForCausalLM"]
+    both = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    with caplog.at_level("WARNING", logger="ferrokv"):
+        cfg = llama.parse_config(both)
+    assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rope.factor) == ("linear", 1e6, 2.0)
+    assert "keeps rope_parameters' rope_theta=1000000.0" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ferrokv"):  # the 4.x layout, or a theta in the scaling: no doubt
+        llama.parse_config({**base, "rope_theta": 1e6, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+        llama.parse_config({**both, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5.0}})
+    assert "rope_theta" not in caplog.text
 
 
 def test_malformed_config_fields_are_refused_by_name():

@@ -105,7 +105,8 @@ class EngineArgs:
     max_model_len: int | None = _arg(
         None, "longest prompt + output, in tokens; -1 (auto on the command line): the model's, or less if the "
               "KV cache holds less (vLLM's)",
-        default_doc="the model's max_position_embeddings, times its linear, dynamic or yarn rope factor")
+        default_doc="the model's context (the smallest of config.json's max_position_embeddings and vLLM's other "
+                    "context keys), times its linear, dynamic or yarn rope factor")
     num_gpu_blocks_override: int | None = _arg(
         None, "KV-cache blocks (block 0 is reserved); overrides kv_cache_memory_bytes and gpu_memory_utilization",
         default_doc="derived from kv_cache_memory_bytes or gpu_memory_utilization")

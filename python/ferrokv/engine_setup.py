@@ -240,16 +240,15 @@ class EngineParts:
 _ALLOW_LONG_ENV = ("FERROKV_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
 
 
-def checked_max_model_len(wanted: int | None, derived: int) -> int:
-    """``max_model_len``: the model's (``derived``: its positions times a RoPE scaling factor, as
-    vLLM derives it) unless given; more than that is refused, as vLLM refuses it (positions the
-    model never saw), unless an ``_ALLOW_LONG_ENV`` variable is 1."""
+def checked_max_model_len(wanted: int | None, derived: int, rule: str) -> int:
+    """``max_model_len``: the model's (``derived``, as vLLM derives it by ``rule``) unless given;
+    more than that is refused, as vLLM refuses it (positions the model never saw), unless an
+    ``_ALLOW_LONG_ENV`` variable is 1."""
     if wanted is None:
         return derived
     if wanted > derived and not any(os.environ.get(name) == "1" for name in _ALLOW_LONG_ENV):
-        raise ValueError(f"max_model_len={wanted} is more than the model's {derived} positions (config.json's "
-                         f"max_position_embeddings, times its RoPE scaling factor); set {_ALLOW_LONG_ENV[0]}=1 to "
-                         "run beyond them anyway")
+        raise ValueError(f"max_model_len={wanted} is more than the model's {derived} positions ({rule}); "
+                         f"set {_ALLOW_LONG_ENV[0]}=1 to run beyond them anyway")
     return wanted
 
 
@@ -329,7 +328,8 @@ def load_engine(args: EngineArgs) -> EngineParts:
                     defaults_source(args.generation_config, args.override_generation_config, model_path), defaults,
                     "" if args.generation_config == "vllm" else " (generation_config='vllm' turns the model's off)")
     auto = args.max_model_len == AUTO_MAX_MODEL_LEN
-    max_len = checked_max_model_len(None if auto else args.max_model_len, mc.rope.default_max_model_len)
+    max_len = checked_max_model_len(None if auto else args.max_model_len, mc.default_max_model_len,
+                                    mc.default_max_model_len_rule)
     spec = KVCacheSpec(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                        head_dim=mc.head_dim, block_size=args.block_size, dtype=dtype)
     graphs = uses_decode_graphs(args, device, backend, mc.rope, max_len)

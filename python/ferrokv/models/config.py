@@ -8,11 +8,14 @@ computing something else.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from ferrokv.checks import shown
+
+logger = logging.getLogger("ferrokv")
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # hidden_act names (transformers' ACT2FN names; "swish" is its other name for silu): the one list
@@ -38,16 +41,6 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     truncate: bool = True
 
-    @property
-    def default_max_model_len(self) -> int:
-        """vLLM's default context: the model's positions, times the factor of a linear, dynamic
-        or yarn scaling (yarn: of the original positions); llama3 counts it in its positions."""
-        if self.rope_type in ("linear", "dynamic"):
-            return int(self.max_position_embeddings * self.factor)
-        if self.rope_type == "yarn":
-            return int((self.original_max_position_embeddings or self.max_position_embeddings) * self.factor)
-        return self.max_position_embeddings
-
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
@@ -69,6 +62,9 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_windows: tuple[int | None, ...]  # per layer
     rope: RopeConfig
+    # vLLM's default context, and how config.json gives it (for messages): ``default_context``
+    default_max_model_len: int
+    default_max_model_len_rule: str
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
@@ -99,6 +95,11 @@ def parse_rope(d: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:
     for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(value, dict):
             raise ValueError(f"config.json: {name} must be a dict, got {value!r}")
+    if scaling and "rope_theta" in params and "rope_theta" not in scaling and d.get("rope_theta") is None:
+        # transformers drops rope_parameters for rope_scaling here, and its rope_theta with it.
+        logger.warning("config.json has rope_scaling beside rope_parameters: ferrokv keeps rope_parameters' "
+                       "rope_theta=%s under rope_scaling's keys; transformers (and vLLM through it) would take the "
+                       "default rope_theta instead", params["rope_theta"])
     if scaling:
         params = {k: v for k, v in params.items() if not ("type" in scaling and k == "rope_type")} | scaling
     if params and all(isinstance(v, dict) for v in params.values()):
@@ -198,6 +199,8 @@ def parse_common(
     if sliding_windows is None:
         sliding_windows = (None,) * layers
     max_pos = _count(d, "max_position_embeddings", default_max_positions)
+    rope = parse_rope(d, head_dim, max_pos)
+    context, rule = default_context(d, rope)
     return ModelConfig(
         architecture=architecture,
         vocab_size=_count(d, "vocab_size"),
@@ -216,10 +219,35 @@ def parse_common(
         mlp_bias=mlp_bias,
         qk_norm=qk_norm,
         sliding_windows=tuple(sliding_windows),
-        rope=parse_rope(d, head_dim, max_pos),
+        rope=rope,
+        default_max_model_len=context,
+        default_max_model_len_rule=rule,
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
     )
+
+
+# The keys vLLM reads a model's context from: the smallest one given wins (a Command-R style
+# ``model_max_length`` overrides them), before a RoPE scaling factor counts.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions",
+                "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def default_context(d: dict[str, Any], rope: RopeConfig) -> tuple[int, str]:
+    """vLLM's default ``max_model_len`` and the rule that gives it: the context keys' smallest
+    (``max_position_embeddings`` resolved with its class default), times a linear or dynamic
+    factor; yarn: the original positions times its factor; llama3 counts it in its positions."""
+    given = {key: _count(d, key) for key in CONTEXT_KEYS[1:] if d.get(key) is not None}
+    given["max_position_embeddings"] = rope.max_position_embeddings
+    key = min(given, key=lambda k: (given[k], k != "max_position_embeddings"))
+    if d.get("model_max_length") is not None:
+        key, given["model_max_length"] = "model_max_length", _count(d, "model_max_length")
+    if rope.rope_type in ("linear", "dynamic"):
+        return int(given[key] * rope.factor), f"config.json's {key} times its RoPE factor {rope.factor:g}"
+    if rope.rope_type == "yarn":
+        orig = rope.original_max_position_embeddings or rope.max_position_embeddings
+        return int(orig * rope.factor), f"the RoPE's original_max_position_embeddings times its factor {rope.factor:g}"
+    return given[key], f"config.json's {key}"
 
 
 def qwen_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
