@@ -815,6 +815,7 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--chat-template", "/no/such/template.jinja"], ["--chat-template", "/no/such/template.jinja"]),
     (["--chat-template-content-format", "parts"], ["--chat-template-content-format", "'parts'"]),
     (["--tool-call-parser", "granite"], ["--tool-call-parser", "'granite'"]),
+    (["--reasoning-parser", "granite"], ["--reasoning-parser", "'granite'"]),
     (["--model", "/some/other/model"], ["model", "/some/other/model"]),
     (["--block-size", "24"], ["block_size", "24"]),
     (["--max-num-seqs", "0"], ["max_num_seqs", "0"]),

@@ -63,7 +63,8 @@ _UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "functions": (None, 
 _INSTEAD = {"functions": "; give them in tools (type 'function')", "function_call": "; use tool_choice",
             "truncation_side": " (only 'left': truncate_prompt_tokens keeps the prompt's last tokens)"}
 # vLLM's request fields that change nothing here (ferrokv has one structured-output backend, no
-# reasoning parser, no multimodal or disaggregated inputs, no beam length penalty on this path):
+# multimodal or disaggregated inputs, no beam length penalty on this path; include_reasoning acts
+# only on a chat under a reasoning parser):
 # accepted, and refused like vLLM's pydantic models refuse them when their type is wrong.
 _NUMBER, _BOOLEAN = ((int, float), "a number"), ((bool,), "a boolean")
 _STRING, _OBJECT = ((str,), "a string"), ((dict,), "an object")
@@ -398,6 +399,7 @@ class ChatRequest(_Common):
     tool_choice: ToolChoice | None = None  # its tool calling: forced (named, "required") or "auto"
     echo: bool = False  # vLLM's: the last message's content leads each choice, when it has the answer's role
     max_tokens_field: str = "max_tokens"  # what the request called its max_tokens (errors use its name)
+    include_reasoning: bool = True  # vLLM's: with a reasoning parser, false drops the answer's reasoning
 
 
 def _template(body: Mapping[str, Any], tools: list[Any] | None) -> dict[str, Any]:
@@ -489,5 +491,6 @@ def parse_chat_request(body: Any, stream_kind: RequestOutputKind = RequestOutput
                        logprobs=want_logprobs,
                        top_logprobs=top or 0, add_generation_prompt=generation_prompt, template=template,
                        tool_choice=tool_choice, echo=_bool(body, "echo", False),
+                       include_reasoning=_bool(body, "include_reasoning", True),
                        max_tokens_field="max_completion_tokens" if body.get("max_completion_tokens") is not None
                        else "max_tokens")

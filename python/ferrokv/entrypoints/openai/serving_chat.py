@@ -9,7 +9,9 @@ follow OpenAI's chat shape (``content: [{token, logprob, bytes, top_logprobs}]``
 top-level field of the non-streamed response, in vLLM's shape (``serving_completion``).
 With tools, the calls come as ``tool_calls`` (``tool_parsers``): a forced call's replace the
 content, and a reply of ``tool_choice: "auto"`` that called tools ends with ``finish_reason``
-"tool_calls".
+"tool_calls". With ``--reasoning-parser`` (``reasoning_parsers``), the answer's reasoning is its
+``reasoning`` (and ``reasoning_content``, the older name) and only the rest is read for calls; a
+structured output constrains the whole answer, which then has no reasoning.
 Costs: as completions, plus one chat-template render per request.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, OpenAIError, parse_chat_request
+from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplitter
 from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Acceptance, Generation, JSONBody, ServerState,
                                                SSEResponse, engine_request_id, generate_checked, response_id,
                                                run_generation, stream_events, to_openai_error, watched)
@@ -64,14 +67,15 @@ def _calls_kept(parser: ToolCallParser) -> int | None:
 
 # vLLM's chat message fields that ferrokv never sets (sent as null, as vLLM dumps its message model).
 _MESSAGE_NULLS = MappingProxyType({"refusal": None, "annotations": None, "audio": None, "function_call": None,
-                                   "reasoning_content": None})
+                                   "reasoning": None, "reasoning_content": None})
 
 
 class ChatAnswer:
     """One chat call's answer as it is made: its message or stream deltas per choice (tool calls
     read out of the text), logprobs, finish reasons and usage (also the Responses API's)."""
 
-    def __init__(self, req: ChatRequest, model: str, created: int, response_role: str, rid: str) -> None:
+    def __init__(self, req: ChatRequest, model: str, created: int, response_role: str, rid: str,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.req = req
         # vLLM's: the answer's role is --response-role, or the last message's when the request
         # continues it (add_generation_prompt false).
@@ -89,8 +93,13 @@ class ChatAnswer:
         self.choice_tokens: dict[int, int] = {}  # generated tokens per choice index
         self.started = False  # the stream's role (and echo) chunks were sent
         self.parsers: dict[int, ToolCallParser] = {}  # per choice, when the request uses tools
+        self.reasoning = reasoning if req.params.structured_outputs is None else None
+        self.reasoning_closed: bool | None = None  # the prompt closed the reasoning (known once outputs come)
+        self.splitters: dict[int, ReasoningSplitter] = {}  # per streamed choice, with a reasoning parser
 
     def count(self, out: RequestOutput) -> None:
+        if self.reasoning is not None and self.reasoning_closed is None:
+            self.reasoning_closed = self.reasoning.ended_in(out.prompt_token_ids)
         self.prompt_tokens = len(out.prompt_token_ids)
         self.cached = max(self.cached, out.num_cached_tokens)
         for c in out.outputs:
@@ -105,32 +114,60 @@ class ChatAnswer:
         return _logprobs(c, self.req.top_logprobs, self.req.tokens_as_ids) if self.req.logprobs else None
 
     def message(self, c: CompletionOutput) -> dict[str, Any]:
-        """A whole choice's message: its text, and the tool calls it made (``tool_calls``)."""
-        if self.req.tool_choice is None:
-            return {"role": self.role, "content": self.echo + c.text, **_MESSAGE_NULLS}  # no tool_calls: OpenAI's
+        """A whole choice's message: its reasoning, its text, and the tool calls it made (``tool_calls``)."""
+        parse = self.reasoning
+        reasoning, text = (None, c.text) if parse is None else parse.split(c.text, bool(self.reasoning_closed))
+        thought = self._reasoning_fields(reasoning)
+        if self.req.tool_choice is None:  # no tool_calls: OpenAI's
+            content = self.echo + text if text is not None else (self.echo or None)
+            return {"role": self.role, "content": content, **_MESSAGE_NULLS, **thought}
         parser = self._parser(c.index)
-        content = parser.feed(c.text)[0] + parser.close()[0]
-        if not parser.choice.forced and parser.calls and not content:
-            content = None  # vLLM's: a reply that only called tools has no content
+        content = parser.feed(text or "")[0] + parser.close()[0]
+        if (not parser.choice.forced and parser.calls and not content) or (text is None and not content):
+            content = None  # vLLM's: a reply that only called tools (or only reasoned) has no content
         if self.echo:
             content = self.echo + (content or "")
-        return {"role": self.role, "content": content, **_MESSAGE_NULLS, "tool_calls": self.answered_calls(c.index)}
+        return {"role": self.role, "content": content, **_MESSAGE_NULLS, **thought,
+                "tool_calls": self.answered_calls(c.index)}
 
     def delta(self, c: CompletionOutput) -> dict[str, Any]:
-        """A streamed choice's next delta (empty: nothing to send yet)."""
+        """A streamed choice's next delta (empty: nothing to send yet): its reasoning, content and calls."""
+        reasoning, text = self._split_delta(c)
         if self.req.tool_choice is None:
-            return {"content": c.text} if c.text or c.finish_reason is None else {}
+            content_due = text or (c.finish_reason is None and not reasoning)
+            return {**({"content": text} if content_due else {}), **self._reasoning_fields(reasoning or None)}
         parser = self._parser(c.index)
-        content, deltas = parser.feed(c.text)
+        content, deltas = parser.feed(text)
         if c.finish_reason is not None:
             rest, more = parser.close()
             content, deltas = content + rest, deltas + more
         delta: dict[str, Any] = {"content": content} if content else {}
+        delta.update(self._reasoning_fields(reasoning or None))
         kept = _calls_kept(parser)
         deltas = [d for d in deltas if kept is None or d["index"] < kept]
         if deltas:
             delta["tool_calls"] = deltas
         return delta
+
+    def _split_delta(self, c: CompletionOutput) -> tuple[str, str]:
+        """A streamed choice's next reasoning and content text (``reasoning_parsers``)."""
+        if self.reasoning is None:
+            return "", c.text
+        splitter = self.splitters.get(c.index)
+        if splitter is None:
+            splitter = self.splitters[c.index] = ReasoningSplitter(bool(self.reasoning_closed))
+        reasoning, text = splitter.feed(c.text)
+        if c.finish_reason is not None:
+            more, rest = splitter.close()
+            reasoning, text = reasoning + more, text + rest
+        return reasoning, text
+
+    def _reasoning_fields(self, reasoning: str | None) -> dict[str, Any]:
+        """A message's (or delta's) reasoning, under vLLM's name and its older one, unless the
+        request said ``include_reasoning: false``."""
+        if reasoning is None or not self.req.include_reasoning:
+            return {}
+        return {"reasoning": reasoning, "reasoning_content": reasoning}
 
     def answered_calls(self, index: int) -> list[dict[str, Any]]:
         """The calls choice ``index`` made so far that are answered (``_calls_kept``)."""
@@ -159,8 +196,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     model = state.check_model(req.model)
     template = state.template_for(req.template)
     state.admit(1, req.params.n)
-    call = ChatAnswer(req, model, int(time.time()), state.config.response_role,  # created: when this completion was made
-                 response_id("chatcmpl", request, req.request_id))
+    call = ChatAnswer(req, model, int(time.time()),  # created: when this completion was made
+                      state.config.response_role, response_id("chatcmpl", request, req.request_id), state.reasoning)
     rid = engine_request_id(call.head["id"])
     if state.config.log_prompts:
         logger.info("%s: messages %s, params %r", rid, state.loggable(req.messages), req.params)
@@ -234,7 +271,8 @@ def _stream(gen: Generation, call: ChatAnswer) -> Any:
                                   "finish_reason": None}, generated=False) for index in range(call.req.params.n)]
         for c in out.outputs:
             delta = call.delta(c)
-            if not delta.get("content") and "tool_calls" not in delta and c.finish_reason is None \
+            if not delta.get("content") and not delta.get("reasoning") and "tool_calls" not in delta \
+                    and c.finish_reason is None \
                     and c.logprobs is None and not (with_ids and c.token_ids):
                 continue  # a token that completes no character (or call) yet: nothing to send
             events.append(chunk({"index": c.index, "delta": delta, "logprobs": call.logprobs(c),

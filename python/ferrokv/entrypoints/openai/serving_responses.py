@@ -6,8 +6,10 @@ as a structured output, or vLLM's ``structured_outputs``; the sampling fields vL
 ResponsesRequest takes pass on as they are; as vLLM's: ``truncation: "auto"`` keeps the prompt's
 last tokens that fit, a last assistant message ``in_progress`` or ``incomplete`` is continued,
 ``tool_choice: "none"`` shows the template no tools, ``reasoning.effort`` is the template's
-``reasoning_effort``); one sample is generated. Its answer is the response's ``output``: a
-``message`` item with one ``output_text`` part (when there is text, or nothing else), then one
+``reasoning_effort``); one sample is generated. Its answer is the response's ``output``: with
+``--reasoning-parser``, a ``reasoning`` item holding the answer's reasoning as one ``reasoning_text``
+part (when it has some); a ``message`` item with one ``output_text`` part (when there is text, or
+nothing else), then one
 ``function_call`` item per tool call (its ``call_id`` is ``call_…``, as vLLM's). A finish by length
 makes the response ``incomplete`` (reason ``max_output_tokens``).
 
@@ -15,7 +17,8 @@ As vLLM without ``VLLM_ENABLE_RESPONSES_API_STORE``, nothing is stored: ``store`
 ``background`` (which needs the store) is a 400, a ``previous_response_id`` and a
 ``GET /v1/responses/{id}`` are 404s.
 Streaming sends named events (``event: <type>``, each with its ``sequence_number``):
-``response.created``, ``response.in_progress``; the message's ``output_item.added``,
+``response.created``, ``response.in_progress``; the reasoning's ``output_item.added``,
+``reasoning_text.delta``s, ``reasoning_text.done`` and ``output_item.done``; the message's ``output_item.added``,
 ``content_part.added``, ``output_text.delta``s, ``output_text.done``, ``content_part.done`` and
 ``output_item.done``; each call's ``output_item.added``, ``function_call_arguments.delta`` and
 ``.done``, ``output_item.done``; then ``response.completed`` (its status ``incomplete`` if cut short: vLLM's). An
@@ -312,8 +315,20 @@ class _Response:
         self.cache_block = cache_block  # the KV block size with prefix caching on, else None
         self.id = rid
         self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.rs_id = f"rs_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.seq = -1
+        self.thought: list[str] | None = None  # the streamed reasoning, once some came
+        self.thought_done = False  # its item was closed (content came after it, or the answer ended)
+
+    @property
+    def msg_index(self) -> int:
+        """The message item's place in ``output``: after the reasoning item, when there is one."""
+        return 0 if self.thought is None else 1
+
+    def reasoning(self, text: str, status: str | None) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.rs_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None, "status": status}
 
     def body(self, status: str, output: list[Any]) -> dict[str, Any]:
         incomplete = status == "incomplete"
@@ -356,8 +371,9 @@ class _Response:
         status = _status(c)
         calls = [self.function_call(tc, status) for tc in m.get("tool_calls") or ()]
         text = m["content"] or ""
+        thought = [self.reasoning(m["reasoning"], status)] if m.get("reasoning") is not None else []
         items = [self.message(status, [self.text_part(text, c)])] if text or not calls else []
-        return items + calls
+        return thought + items + calls
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -377,7 +393,7 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     template = state.template_for(chat.template)
     state.admit(1, chat.params.n)
     rid = f"resp_{request.headers.get('x-request-id') or chat.request_id or uuid.uuid4().hex}"
-    call = ChatAnswer(chat, model, int(time.time()), "assistant", rid)
+    call = ChatAnswer(chat, model, int(time.time()), "assistant", rid, state.reasoning)
     args = state.llm.engine.args
     resp = _Response(req, call, rid, args.block_size if args.enable_prefix_caching else None)
     engine_id = engine_request_id(rid)
@@ -418,11 +434,14 @@ async def _stream(gen: Generation, resp: _Response) -> Any:
         async for _, out in gen.outputs():
             call.count(out)
             c = last = out.outputs[0]
-            delta = call.delta(c).get("content") or ""
+            answer = call.delta(c)
+            delta = answer.get("content") or ""
             lps += (call.logprobs(c) or {}).get("content") or []
+            if answer.get("reasoning"):
+                yield _reasoning_delta(resp, answer["reasoning"])
             if delta:
                 if not text:
-                    yield _open_message(resp)
+                    yield _close_reasoning(resp, _status(c)) + _open_message(resp)
                 text.append(delta)
                 yield _delta(resp, delta, lps[sent:])
                 sent = len(lps)
@@ -435,14 +454,36 @@ async def _stream(gen: Generation, resp: _Response) -> Any:
         await gen.close()
 
 
+def _reasoning_delta(resp: _Response, delta: str) -> str:
+    """The reasoning item's next text (its item opened first)."""
+    opened = ""
+    if resp.thought is None:
+        resp.thought = []
+        opened = resp.event("response.output_item.added", output_index=0, item=resp.reasoning("", "in_progress"))
+    resp.thought.append(delta)
+    return opened + resp.event("response.reasoning_text.delta", item_id=resp.rs_id, output_index=0, content_index=0,
+                               delta=delta)
+
+
+def _close_reasoning(resp: _Response, status: str) -> str:
+    """The reasoning item's last events, once (none when there was no reasoning)."""
+    if resp.thought is None or resp.thought_done:
+        return ""
+    resp.thought_done = True
+    text = "".join(resp.thought)
+    return (resp.event("response.reasoning_text.done", item_id=resp.rs_id, output_index=0, content_index=0, text=text)
+            + resp.event("response.output_item.done", output_index=0, item=resp.reasoning(text, status)))
+
+
 def _open_message(resp: _Response) -> str:
-    return (resp.event("response.output_item.added", output_index=0, item=resp.message("in_progress", []))
-            + resp.event("response.content_part.added", item_id=resp.msg_id, output_index=0, content_index=0,
+    i = resp.msg_index
+    return (resp.event("response.output_item.added", output_index=i, item=resp.message("in_progress", []))
+            + resp.event("response.content_part.added", item_id=resp.msg_id, output_index=i, content_index=0,
                          part={"type": "output_text", "text": "", "annotations": []}))
 
 
 def _delta(resp: _Response, delta: str, logprobs: list[Any]) -> str:
-    return resp.event("response.output_text.delta", item_id=resp.msg_id, output_index=0, content_index=0,
+    return resp.event("response.output_text.delta", item_id=resp.msg_id, output_index=resp.msg_index, content_index=0,
                       delta=delta, logprobs=logprobs)
 
 
@@ -451,7 +492,9 @@ def _close(resp: _Response, c: CompletionOutput, text: str, lps: list[Any], sent
     (also for an incomplete response, as vLLM ends every stream and the openai client expects)."""
     status = _status(c)
     calls = [resp.function_call(tc, status) for tc in resp.call.answered_calls(0)]
-    events, output = [], []
+    events = [_close_reasoning(resp, status)]
+    output = [] if resp.thought is None else [resp.reasoning("".join(resp.thought), status)]
+    i = resp.msg_index
     if text or not calls:
         if not text:
             events.append(_open_message(resp))
@@ -461,11 +504,11 @@ def _close(resp: _Response, c: CompletionOutput, text: str, lps: list[Any], sent
         if resp.call.req.logprobs:
             part["logprobs"] = lps
         item = resp.message(status, [part])
-        events += [resp.event("response.output_text.done", item_id=resp.msg_id, output_index=0, content_index=0,
+        events += [resp.event("response.output_text.done", item_id=resp.msg_id, output_index=i, content_index=0,
                               text=text, logprobs=lps),
-                   resp.event("response.content_part.done", item_id=resp.msg_id, output_index=0, content_index=0,
+                   resp.event("response.content_part.done", item_id=resp.msg_id, output_index=i, content_index=0,
                               part=part),
-                   resp.event("response.output_item.done", output_index=0, item=item)]
+                   resp.event("response.output_item.done", output_index=i, item=item)]
         output.append(item)
     for fc in calls:
         i = len(output)

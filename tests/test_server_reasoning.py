@@ -1,0 +1,207 @@
+"""Reasoning parsers (``ferrokv.entrypoints.openai.reasoning_parsers``): the splitter on its own,
+then ``--reasoning-parser`` end to end, on a tiny model steered to write a chosen chain of tokens
+(``helpers.chain_model``) through chat completions and the Responses API, streamed and not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplitter
+
+MODEL = "chain"
+THINK, END = "<think>", "</think>"
+
+
+def _whole(parser: str, text: str) -> tuple[str | None, str | None]:
+    return ReasoningParser(parser, 0, 1).split(text)
+
+
+@pytest.mark.parametrize("text,deepseek,qwen3", [
+    ("<think>abc</think>def", ("abc", "def"), ("abc", "def")),
+    ("abc</think>def", ("abc", "def"), ("abc", "def")),  # the template opened it
+    ("abc</think>", ("abc", None), ("abc", None)),
+    ("<think>abc", ("abc", None), (None, "<think>abc")),  # no end: qwen3's whole answer is content
+    ("plain answer", ("plain answer", None), (None, "plain answer")),
+    ("a</think>b</think>c", ("a", "b</think>c"), ("a", "b</think>c")),  # the first end tag ends it
+    ("x<think>y</think>z", ("xy", "z"), ("xy", "z")),
+    ("a</think>b<think>c", ("a", "b<think>c"), ("a", "b<think>c")),  # a <think> after the end is content
+    ("", ("", None), (None, "")),
+])
+def test_a_whole_answer_splits_as_vllms_parsers_read_it(text, deepseek, qwen3):
+    assert _whole("deepseek_r1", text) == deepseek
+    assert _whole("qwen3", text) == qwen3
+    # A prompt that closed the reasoning (Qwen3's enable_thinking false): all content.
+    assert ReasoningParser("deepseek_r1", 0, 1).split(text, ended=True) == (None, text)
+
+
+def test_a_stream_splits_as_the_whole_text_under_any_chunking():
+    """Deltas cut anywhere, tags included, give the whole text's split (deepseek_r1's, and
+    qwen3's whenever the end tag comes): nothing is lost, doubled or sent early as the wrong kind."""
+    rng = random.Random(7)
+    pieces = ["<think>", "</think>", "<", "/", "think", ">", "a", "b c", "<thin", "k>", "</thi", "nk"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
+        chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        splitter = ReasoningSplitter()
+        got = [splitter.feed(c) for c in chunks] + [splitter.close()]
+        reasoning, content = "".join(r for r, _ in got), "".join(c for _, c in got)
+        want = _whole("deepseek_r1", text)
+        assert (reasoning, content or None) == want, (text, chunks)
+        if END in text:
+            assert _whole("qwen3", text) == want
+    assert ReasoningSplitter(ended=True).feed("<think>x") == ("", "<think>x")
+
+
+def test_a_partial_tag_waits_for_the_next_delta():
+    s = ReasoningSplitter()
+    assert s.feed("<thi") == ("", "")
+    assert s.feed("nk>idea</th") == ("idea", "")
+    assert s.feed("ink>answer <") == ("", "answer <")
+    assert s.feed("x") == ("", "x")
+    s = ReasoningSplitter()
+    assert s.feed("so 3 <") == ("so 3 ", "") and s.close() == ("<", "")
+
+
+def test_the_prompt_closing_the_reasoning_is_read_from_its_last_tags():
+    p = ReasoningParser("qwen3", 10, 11)
+    assert p.ended_in([5, 10, 6, 11, 7]) and p.ended_in([11])
+    assert not p.ended_in([5, 10, 6]) and not p.ended_in([10, 11, 10]) and not p.ended_in([])
+
+
+def test_a_parser_is_refused_when_the_tokenizer_lacks_its_tags():
+    with pytest.raises(ValueError, match=r"--reasoning-parser qwen3: the tokenizer has no '</think>' token"):
+        ReasoningParser.for_vocab("qwen3", {"<think>": 5})
+    with pytest.raises(ValueError, match=r"--reasoning-parser 'granite' is not supported \(supported: deepseek_r1"):
+        ReasoningParser.for_vocab("granite", {THINK: 5, END: 6})
+    assert ReasoningParser.for_vocab("deepseek_r1", {THINK: 5, END: 6}) == ReasoningParser("deepseek_r1", 5, 6)
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end. The template ends the prompt on <|assistant|> (the model then writes its own
+# <think>), on <think> (open_think: as Qwen3 thinking templates open it), or on <think></think>
+# (enable_thinking false); the chain model answers "<think> the cat</think> srd" from there.
+TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}<|assistant|>"
+            "{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+            "{% elif open_think is defined %}<think>{% endif %}")
+CHAIN = ["<|assistant|>", THINK, 279, 309, END, 260, 350, 0]  # " the", " cat", " s", "rd", then EOS
+
+
+@pytest.fixture(scope="module")
+def chain_llm(tmp_path_factory):
+    from helpers.chain_model import save_chain_model
+
+    from ferrokv import AsyncLLM
+
+    path = tmp_path_factory.mktemp("chain") / "model"
+    save_chain_model(path, [THINK, END, "<|assistant|>"], CHAIN)
+    llm = AsyncLLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    yield llm
+    llm.shutdown()
+
+
+def _post_all(llm, parser, requests):
+    """Each (path, body) posted to an app with ``parser``; JSON bodies, or a stream's events."""
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    app = build_app(llm, ServerConfig(served_model_name=MODEL, chat_template=TEMPLATE, reasoning_parser=parser))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            out = []
+            for path, body in requests:
+                r = await c.post(path, json=body)
+                assert r.status_code == 200, r.text
+                if not body.get("stream"):
+                    out.append(r.json())
+                    continue
+                data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+                out.append([json.loads(d) for d in data if d != "[DONE]"])
+            return out
+
+    return asyncio.run(main())
+
+
+def _chat(stream=False, **kw):
+    return ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+                                     "temperature": 0, "stream": stream, **kw})
+
+
+def _streamed(events):
+    deltas = [ch["delta"] for e in events for ch in e["choices"]]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    return "".join(d.get("reasoning") or "" for d in deltas), "".join(d.get("content") or "" for d in deltas)
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_chat_answers_carry_their_reasoning_apart_from_their_content(chain_llm, parser):
+    kwargs = [{}, {"chat_template_kwargs": {"open_think": True}}, {"chat_template_kwargs": {"enable_thinking": False}}]
+    plain = _post_all(chain_llm, None, [_chat(**kw) for kw in kwargs])
+    texts = [p["choices"][0]["message"]["content"] for p in plain]
+    assert texts == ["<think> the cat</think> srd", " the cat</think> srd", " srd"]
+    assert all(p["choices"][0]["message"]["reasoning"] is None for p in plain)  # no parser: vLLM's null
+    got = _post_all(chain_llm, parser, [_chat(stream=s, **kw) for kw in kwargs for s in (False, True)])
+    for (whole, events), want in zip(zip(got[::2], got[1::2]), [(" the cat", " srd")] * 2 + [(None, " srd")]):
+        m = whole["choices"][0]["message"]
+        assert (m["reasoning"], m["content"]) == want and m["reasoning_content"] == m["reasoning"]
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        assert _streamed(events) == (want[0] or "", want[1])
+
+
+def test_an_answer_cut_before_its_end_tag_is_reasoning_or_content_as_the_parser_says(chain_llm):
+    cut = _chat(max_tokens=2)  # "<think> the"
+    (deepseek, deepseek_stream) = _post_all(chain_llm, "deepseek_r1", [cut, _chat(stream=True, max_tokens=2)])
+    (qwen3, qwen3_stream) = _post_all(chain_llm, "qwen3", [cut, _chat(stream=True, max_tokens=2)])
+    m = deepseek["choices"][0]["message"]
+    assert (m["reasoning"], m["content"]) == (" the", None) and _streamed(deepseek_stream) == (" the", "")
+    m = qwen3["choices"][0]["message"]
+    assert (m["reasoning"], m["content"]) == (None, "<think> the")
+    assert _streamed(qwen3_stream) == (" the", "")  # a stream cannot wait for the end: vLLM's reasoning
+
+
+def test_include_reasoning_false_drops_the_reasoning_and_structured_outputs_have_none(chain_llm):
+    whole, events, structured = _post_all(chain_llm, "deepseek_r1", [
+        _chat(include_reasoning=False), _chat(stream=True, include_reasoning="false"),
+        _chat(structured_outputs={"regex": " the cat"})])
+    m = whole["choices"][0]["message"]
+    assert (m["reasoning"], m["content"]) == (None, " srd")
+    assert _streamed(events) == ("", " srd")
+    m = structured["choices"][0]["message"]  # the constraint covers the whole answer: all of it content
+    assert (m["reasoning"], m["content"]) == (None, " the cat")
+    with pytest.raises(AssertionError, match="include_reasoning must be a boolean"):
+        _post_all(chain_llm, "qwen3", [_chat(include_reasoning=[1])])
+
+
+def test_responses_put_the_reasoning_in_its_own_item(chain_llm):
+    body = {"input": "hi", "max_output_tokens": 12, "temperature": 0}
+    whole, events = _post_all(chain_llm, "deepseek_r1", [("/v1/responses", body),
+                                                         ("/v1/responses", {**body, "stream": True})])
+    reasoning, message = whole["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": " the cat"}]
+    assert message["type"] == "message" and message["content"][0]["text"] == " srd"
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == " the cat"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == " srd"
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [(e["output_index"], e["item"]["type"]) for e in done] == [(0, "reasoning"), (1, "message")]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
+def test_a_server_whose_tokenizer_lacks_the_tags_is_refused_at_start(tiny_model_dir):
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(tiny_model_dir("llama")), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+    try:
+        with pytest.raises(ValueError, match="--reasoning-parser deepseek_r1: the tokenizer has no '<think>' or "
+                                             "'</think>' token"):
+            build_app(llm, ServerConfig(reasoning_parser="deepseek_r1"))
+    finally:
+        llm.shutdown()
