@@ -370,6 +370,32 @@ def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys, command,
     assert capsys.readouterr().err.strip() == told
 
 
+def test_sigterm_while_serve_loads_the_model_ends_it_as_an_interrupt(monkeypatch, capsys, tiny_model_dir):
+    """vLLM's: SIGTERM before the server listens interrupts the start (a line, 128 + SIGTERM, no
+    traceback), instead of killing the process mid-load without a word."""
+    import os
+    import signal
+    import time
+
+    from ferrokv import cli
+    from ferrokv.async_llm import AsyncLLM
+
+    def loading(engine_args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises here; a test that hangs 30 s has failed
+        raise AssertionError("SIGTERM did not interrupt the load")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(loading))
+    model = str(tiny_model_dir("llama"))
+    capsys.readouterr()  # (building the model may write to stderr)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli.main(["serve", model, "--port", "0"]) == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err.strip() == "ferrokv: terminated"
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_help_tells_the_conventions_read_before_the_flags(command, capsys):
     """--config and the short flags are read before argparse (vLLM's), so --help tells them."""

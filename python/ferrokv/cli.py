@@ -391,12 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ferrokv: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: ends chat as vLLM's does (status 0), else 128 + SIGINT, no traceback
+    except KeyboardInterrupt as e:  # Ctrl-C: ends chat as vLLM's does (status 0), else 128 + SIGINT, no traceback
         if args.command == "chat":
             print(file=sys.stderr)
             return 0
-        print("\nferrokv: interrupted", file=sys.stderr)
-        return 130
+        status = getattr(e, "exit_status", 130)  # a serve start's SIGTERM (cli_serve.Terminated): 128 + SIGTERM
+        print(f"\nferrokv: {'interrupted' if status == 130 else 'terminated'}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import threading
 from typing import Any
 
 from ferrokv.chat_content_format import CONTENT_FORMATS
@@ -314,4 +316,24 @@ def serve(args: argparse.Namespace) -> int:
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
                           chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
+    _sigterm_interrupts_startup()
     return run_server(AsyncLLM.from_engine_args(engine_args), config, exits_after=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while the server starts: the start is abandoned as after a Ctrl-C (vLLM's), with
+    the status of a process that SIGTERM ended."""
+
+    exit_status = 128 + int(signal.SIGTERM)
+
+
+def _sigterm_interrupts_startup() -> None:
+    """Until uvicorn takes the signals over (its drain then handles them), SIGTERM interrupts the
+    model load as Ctrl-C does, instead of killing the process without a word."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
