@@ -396,6 +396,33 @@ def test_sigterm_while_serve_loads_the_model_ends_it_as_an_interrupt(monkeypatch
     assert capsys.readouterr().err.strip() == "ferrokv: terminated"
 
 
+def test_serve_holds_its_port_while_the_model_loads(monkeypatch, tiny_model_dir):
+    """As vLLM's: the port is taken before the model loads, so no other server takes it meanwhile
+    (not even one that reuses addresses, as uvicorn's do), and it is freed when the start fails."""
+    import socket
+
+    from helpers.server import free_port
+
+    from ferrokv import cli
+    from ferrokv.async_llm import AsyncLLM
+
+    port, seen = free_port(), {}
+
+    def loading(engine_args):
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError, match="Address already in use"):
+                other.bind(("127.0.0.1", port))
+        seen["checked"] = True
+        raise ValueError("model: this one does not load")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(loading))
+    assert cli.main(["serve", str(tiny_model_dir("llama")), "--port", str(port)]) == 2 and seen["checked"]
+    with socket.socket() as again:  # given back
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_help_tells_the_conventions_read_before_the_flags(command, capsys):
     """--config and the short flags are read before argparse (vLLM's), so --help tells them."""

@@ -1193,6 +1193,37 @@ def test_completions_honour_add_special_tokens(bos_model_dir):
         llm.shutdown()
 
 
+def test_truncation_keeps_the_bos_a_text_prompt_gets_on_every_path(bos_model_dir):
+    """vLLM truncates a text through the tokenizer (on the left): the BOS it adds stays, before the
+    text's last tokens, on the server and through AsyncLLM as through LLM (review26)."""
+    import asyncio
+
+    from ferrokv import AsyncLLM, SamplingParams
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    text = "The cat runs fast and the dog sat"
+    llm = AsyncLLM(str(bos_model_dir), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    try:
+        plain = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        async def main():
+            params = SamplingParams(max_tokens=1, truncate_prompt_tokens=3)
+            async for out in llm.generate(text, params, "a"):
+                direct = out.prompt_token_ids
+            transport = httpx.ASGITransport(app=build_app(llm, ServerConfig(served_model_name=MODEL)))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                body = {"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 3, "return_token_ids": True}
+                served = (await c.post("/v1/completions", json=body)).json()
+                ids = (await c.post("/v1/completions", json={**body, "prompt": plain})).json()
+            return direct, served["choices"][0]["prompt_token_ids"], ids["choices"][0]["prompt_token_ids"]
+
+        direct, served, ids = asyncio.run(main())
+        assert direct == served == [1, *plain[-2:]]
+        assert ids == plain[-3:]  # ids given are only cut
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("as_file", [True, False], ids=["file", "inline"])
 def test_a_server_chat_template_replaces_the_tokenizers(tiny_model_dir, tmp_path, as_file):
     """vLLM's --chat-template (a file or the template itself) renders every chat; the content
@@ -1318,7 +1349,8 @@ def test_the_startup_heap_is_frozen_out_of_the_garbage_collector_before_serving(
     from ferrokv.entrypoints.openai import api_server
 
     seen = {}
-    monkeypatch.setattr(api_server._Server, "run", lambda self: seen.setdefault("frozen", gc.get_freeze_count()))
+    monkeypatch.setattr(api_server._Server, "run",
+                        lambda self, sockets=None: seen.setdefault("frozen", gc.get_freeze_count()))
     llm = AsyncLLM(str(llama_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:

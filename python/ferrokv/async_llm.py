@@ -51,8 +51,8 @@ from ferrokv.checks import PoolingUnsupportedError, check_text, shown
 from ferrokv.engine import LLMEngine
 from ferrokv.engine_args import EngineArgs, vllm_only_method, without_vllm_only_args
 from ferrokv.engine_loop import EngineDeadError, EngineGenerateError, EngineLoop, StreamItem, caller_error
-from ferrokv.inputs import (check_no_lora, is_text_prompt, request_id_str, tokenization_options, tokenized_prompt,
-                            with_truncation)
+from ferrokv.inputs import (check_no_lora, is_text_prompt, prompt_keep, request_id_str, tokenization_options,
+                            tokenized_prompt, with_truncation)
 from ferrokv.llm import chat_token_ids
 from ferrokv.metrics_reader import engine_stats
 from ferrokv.outputs import RequestOutput, RequestOutputKind
@@ -470,12 +470,13 @@ class AsyncLLM:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_pool(self.engine.tokenizer.decode, token_ids)
 
-    async def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True) -> Any:
-        """A text prompt as ``{"prompt", "prompt_token_ids"}`` (``inputs.tokenized_prompt``),
-        tokenized on the pool; other forms are passed on (the engine checks them)."""
+    async def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True, keep: int | None = None) -> Any:
+        """A text prompt as ``{"prompt", "prompt_token_ids"}`` (``inputs.tokenized_prompt``: at
+        most ``keep`` of them, cut as a ``truncate_prompt_tokens`` asks), tokenized on the pool;
+        other forms are passed on (the engine checks them)."""
         if not is_text_prompt(prompt):  # nothing to tokenize: not worth a trip to the pool
             return prompt
-        return await self._in_pool(tokenized_prompt, self.engine.tokenizer, prompt, add_special_tokens)
+        return await self._in_pool(tokenized_prompt, self.engine.tokenizer, prompt, add_special_tokens, keep)
 
     # ------------------------------------------------------------------------------------------
     # Requests
@@ -541,7 +542,7 @@ class AsyncLLM:
         # An id of our own never matches one a caller chose (vLLM makes callers give one).
         rid = f"ferrokv-{uuid.uuid4().hex}" if request_id is None else request_id_str(request_id)
         kind = params.output_kind if isinstance(params, SamplingParams) else None
-        prompt = await self.tokenize_prompt(prompt, add_special_tokens)
+        prompt = await self.tokenize_prompt(prompt, add_special_tokens, prompt_keep(params, self.max_model_len))
         # Held until the request ends, so that the engine's add finds the grammar (GrammarCompiler).
         grammar = None
         if getattr(params, "structured_outputs", None) is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -221,25 +222,32 @@ def _chat_template(value: str | None) -> str | None:
                          "the template itself") from None
 
 
-def _check_listen(host: str, port: int, uds: str | None) -> None:
-    """Binds (and frees) ``host:port`` once, so that a host that does not resolve or is not this
-    machine's, or a port in use, is reported naming the flags before the model loads; with
-    ``--uds``, checks that its folder exists (uvicorn replaces a socket file left there)."""
-    import socket
-
+def _listener(host: str, port: int, uds: str | None) -> socket.socket | None:
+    """The socket the server listens on, bound before the model loads (as vLLM's): a host that
+    does not resolve or is not this machine's, or a port in use, is reported naming the flags, and
+    no other process takes the port during the load. It listens at once, since a socket only bound
+    can be bound again by one that reuses addresses, as uvicorn's do; a client that connects during
+    the load waits for the server. With ``--uds``, checks that its folder exists (uvicorn binds it,
+    replacing a socket file left there) and returns None."""
     if uds is not None:
         folder = os.path.dirname(os.path.abspath(uds))
         if not uds or not os.path.isdir(folder):
             raise ValueError(f"--uds {uds!r}: no such folder {folder!r}")
-        return
+        return None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-            s.bind(address)
+        sock = socket.socket(family, kind, proto)
     except OSError as e:  # socket.gaierror included
         raise ValueError(f"--host {host!r} --port {port}: cannot listen there ({e})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        sock.bind(address)
+        sock.listen(2048)  # uvicorn's backlog
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host!r} --port {port}: cannot listen there ({e})") from None
+    return sock
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -276,7 +284,6 @@ def serve(args: argparse.Namespace) -> int:
     if args.api_server_count != 1:
         raise ValueError(f"--api-server-count={args.api_server_count} is not supported: ferrokv serves from one "
                          "process (1)")
-    _check_listen(args.host, args.port, args.uds)
     api_keys = _api_keys(args.api_key)
     _check_files(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                  log_config_file=args.log_config_file)
@@ -316,8 +323,13 @@ def serve(args: argparse.Namespace) -> int:
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
                           chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
-    _sigterm_interrupts_startup()
-    return run_server(AsyncLLM.from_engine_args(engine_args), config, exits_after=True)
+    listener = _listener(args.host, args.port, args.uds)  # the last check: held from here on
+    try:
+        _sigterm_interrupts_startup()
+        return run_server(AsyncLLM.from_engine_args(engine_args), config, exits_after=True, listener=listener)
+    finally:
+        if listener is not None:
+            listener.close()
 
 
 class Terminated(KeyboardInterrupt):

@@ -26,10 +26,10 @@ from ferrokv.checks import check_int, check_text, is_text, shown
 
 logger = logging.getLogger("ferrokv")
 
-__all__ = ["PromptType", "TextPrompt", "TokensPrompt", "batch_prompts", "check_logprobs_cap",
-           "check_no_lora", "check_priority", "check_tools", "checked_prompt_ids", "is_text_prompt", "message_text",
-           "message_tool_fields", "prompt_cache_salt", "prompt_ids", "request_id_str", "request_ids", "template_kwargs",
-           "tokenization_options", "tokenized_prompt", "truncation_length", "validate_prompt_ids",
+__all__ = ["PromptType", "TextPrompt", "TokensPrompt", "batch_prompts", "check_logprobs_cap", "check_no_lora",
+           "check_priority", "check_tools", "checked_prompt_ids", "is_text_prompt", "message_text",
+           "message_tool_fields", "prompt_cache_salt", "prompt_ids", "prompt_keep", "request_id_str", "request_ids",
+           "template_kwargs", "tokenization_options", "tokenized_prompt", "truncation_length", "validate_prompt_ids",
            "with_truncation"]
 
 
@@ -93,24 +93,36 @@ def _token_list(ids: Any, name: str = "prompt_token_ids") -> list[int]:
     return out
 
 
-def prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+def prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool = True,
+               keep: int | None = None) -> tuple[str | None, list[int]]:
     """The prompt's text (None when only ids were given) and its token ids (a text tokenized with
-    the tokenizer's own special tokens, such as a BOS, unless ``add_special_tokens`` is False)."""
+    the tokenizer's own special tokens, such as a BOS, unless ``add_special_tokens`` is False);
+    ``keep`` (``truncation_length``): at most that many, a text cut as the tokenizer cuts it on the
+    left (vLLM's: the special tokens it adds stay, before the text's last tokens), ids given cut to
+    their last ones."""
     if isinstance(prompt, str):
-        return prompt, list(tokenizer.encode(check_text("prompt", prompt), add_special_tokens=add_special_tokens))
+        return prompt, _encoded(tokenizer, check_text("prompt", prompt), add_special_tokens, keep)
     if isinstance(prompt, Mapping):
         _check_keys(prompt)
         text = prompt.get("prompt")
         if text is not None:
             check_text("prompt['prompt']", text)
         if "prompt_token_ids" in prompt:
-            return text, _token_list(prompt["prompt_token_ids"])
+            ids = _token_list(prompt["prompt_token_ids"])
+            return text, ids if keep is None or len(ids) <= keep else ids[-keep:]
         if text is not None:
-            return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            return text, _encoded(tokenizer, text, add_special_tokens, keep)
         raise ValueError(f"prompt: a dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(map(str, prompt))}")
     raise ValueError(
         f"prompt must be a str or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}"
     )
+
+
+def _encoded(tokenizer: Any, text: str, add: bool, keep: int | None) -> list[int]:
+    ids = list(tokenizer.encode(text, add_special_tokens=add))
+    if keep is not None and len(ids) > keep:  # the loaded tokenizer truncates on the left (engine_setup)
+        ids = list(tokenizer(text, add_special_tokens=add, truncation=True, max_length=keep)["input_ids"])
+    return ids
 
 
 def tokenization_options(tokenization_kwargs: Mapping[str, Any] | None) -> tuple[bool, int | None]:
@@ -142,12 +154,13 @@ def is_text_prompt(prompt: Any) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt)
 
 
-def tokenized_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = True) -> Any:
-    """A text prompt (``is_text_prompt``) as ``{"prompt", "prompt_token_ids"}``, its
-    ``cache_salt`` kept; other forms as they are (the engine checks them)."""
+def tokenized_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = True, keep: int | None = None) -> Any:
+    """A text prompt (``is_text_prompt``) as ``{"prompt", "prompt_token_ids"}`` (at most ``keep``
+    of them, ``prompt_ids``), its ``cache_salt`` kept; other forms as they are (the engine checks
+    them)."""
     if not is_text_prompt(prompt):
         return prompt
-    text, ids = prompt_ids(tokenizer, prompt, add_special_tokens)
+    text, ids = prompt_ids(tokenizer, prompt, add_special_tokens, keep)
     out = {"prompt": text, "prompt_token_ids": ids}
     if isinstance(prompt, Mapping) and "cache_salt" in prompt:
         out["cache_salt"] = prompt["cache_salt"]  # the engine combines it with the keyword's
@@ -201,16 +214,11 @@ def batch_prompts(prompts: Any) -> list[Any]:
 def checked_prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool, params: Any, vocab_size: int,
                        max_model_len: int) -> tuple[str | None, list[int]]:
     """``prompt_ids``, truncated as ``params.truncate_prompt_tokens`` asks (``params`` may be
-    None; the tokenizer truncates on the left), then validated (``validate_prompt_ids``)."""
-    text, ids = prompt_ids(tokenizer, prompt, add_special_tokens)
+    None), then validated (``validate_prompt_ids``)."""
+    keep = None if params is None else truncation_length(params.truncate_prompt_tokens, max_model_len,
+                                                         params.max_tokens)
+    text, ids = prompt_ids(tokenizer, prompt, add_special_tokens, keep)
     tokenized = not (isinstance(prompt, Mapping) and "prompt_token_ids" in prompt)
-    if params is not None:
-        keep = truncation_length(params.truncate_prompt_tokens, max_model_len, params.max_tokens)
-        if keep is not None and len(ids) > keep:
-            # A text is cut as the tokenizer cuts it (vLLM's): its added special tokens, such as a
-            # BOS, stay, before the text's last tokens; ids given are only cut.
-            ids = list(tokenizer(text, add_special_tokens=add_special_tokens, truncation=True,
-                                 max_length=keep)["input_ids"]) if tokenized else ids[-keep:]
     validate_prompt_ids(ids, vocab_size, max_model_len, tokenized)
     return text, ids
 
@@ -249,6 +257,15 @@ def request_ids(value: Any) -> list[str]:
     used)."""
     many = isinstance(value, Iterable) and not isinstance(value, (str, bytes, bytearray))
     return [request_id_str(r) for r in list(value)] if many else [request_id_str(value)]
+
+
+def prompt_keep(params: Any, max_model_len: int) -> int | None:
+    """``truncation_length`` of ``params`` when they hold what it reads, else None: params changed
+    since they were made are refused by the engine's own check, which names the field."""
+    try:
+        return truncation_length(params.truncate_prompt_tokens, max_model_len, params.max_tokens)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def truncation_length(truncate: int | None, max_model_len: int, max_tokens: int | None) -> int | None:

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import threading
 import uuid
 from typing import Any
@@ -403,6 +404,11 @@ class _Server(uvicorn.Server):
             for task in tasks:
                 task.cancel()
 
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if sockets is not None and self.started:  # uvicorn logs its line only for sockets it bound itself
+            self._log_started_message(sockets)
+
     async def _keep_stats_fresh(self) -> None:
         # LLMEngine.stats() serves, while a step runs, the snapshot taken at the end of the step
         # after the previous call: asking twice a second keeps /metrics' gauges that fresh.
@@ -475,10 +481,12 @@ def _with_request_id(scope: Any, send: Any) -> Any:
     return tagged
 
 
-def run_server(llm: Any, config: ServerConfig, exits_after: bool = False) -> int:
+def run_server(llm: Any, config: ServerConfig, exits_after: bool = False, listener: socket.socket | None = None) -> int:
     """Serves ``llm`` until a signal drains and stops the server; returns the exit status.
     ``exits_after``: the process ends once this returns (``ferrokv serve``), so signals that come
-    during the teardown are handled for good (``_signals_during_teardown``)."""
+    during the teardown are handled for good (``_signals_during_teardown``). ``listener``: a socket
+    bound to ``config``'s host and port (``ferrokv serve`` binds it before the model loads), else
+    uvicorn binds them."""
     try:
         app = build_app(llm, config)
     except BaseException:
@@ -494,14 +502,14 @@ def run_server(llm: Any, config: ServerConfig, exits_after: bool = False) -> int
                                **({"log_config": config.log_config_file} if config.log_config_file else {}))
     server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)
     host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address, as a URL writes it
-    port = config.port or "<a free port, see uvicorn's line>"
+    port = listener.getsockname()[1] if listener is not None else config.port or "<a free port, see uvicorn's line>"
     where = f"{host}:{port}" if config.uds is None else f"unix:{config.uds}"
     scheme = "https" if config.ssl_certfile else "http"
     logger.info("serving %r on %s://%s%s (API key %s)", config.served_model_name, scheme, where, config.root_path,
                 "required" if config.api_keys() else "off")
     try:
         _freeze_startup_heap()
-        server.run()
+        server.run(sockets=None if listener is None else [listener])
     finally:
         if exits_after:
             _signals_during_teardown()

@@ -283,12 +283,12 @@ async def generate_checked(llm: Any, prompt: Any, params: Any, request_id: str, 
     closed as soon as this one is (which aborts its request). The engine's prompt errors
     ("prompt_token_ids[3]=...") are told as errors of ``field``, the request's own name for this
     prompt (``prompt[2]`` of a batch)."""
+    keep = truncation_length(params.truncate_prompt_tokens, llm.max_model_len, params.max_tokens)
     try:
-        prompt = await llm.tokenize_prompt(prompt, add_special_tokens)
+        prompt = await llm.tokenize_prompt(prompt, add_special_tokens, keep)
     except ValueError as e:
         raise _prompt_error(e, field)
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
-        keep = truncation_length(params.truncate_prompt_tokens, llm.max_model_len, params.max_tokens)
         check_room(len(prompt["prompt_token_ids"]), asked_max_tokens, llm.max_model_len, field, keep)
     stream = llm.generate(prompt, params, request_id, **kw)
     async with contextlib.aclosing(stream):
