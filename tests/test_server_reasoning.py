@@ -11,51 +11,56 @@ import random
 import httpx
 import pytest
 
-from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplitter
+from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplitter, split_whole
 
 MODEL = "chain"
 THINK, END = "<think>", "</think>"
 
 
-def _whole(parser: str, text: str) -> tuple[str | None, str | None]:
-    return ReasoningParser(parser, 0, 1).split(text)
+def _whole(parser: str, text: str, kwargs: dict | None = None) -> tuple[str | None, str | None]:
+    return split_whole(ReasoningParser(parser).splitter(kwargs), text)
 
 
 @pytest.mark.parametrize("text,deepseek,qwen3", [
     ("<think>abc</think>def", ("abc", "def"), ("abc", "def")),
     ("abc</think>def", ("abc", "def"), ("abc", "def")),  # the template opened it
     ("abc</think>", ("abc", None), ("abc", None)),
-    ("<think>abc", ("abc", None), (None, "<think>abc")),  # no end: qwen3's whole answer is content
-    ("plain answer", ("plain answer", None), (None, "plain answer")),
+    ("<think>abc", ("abc", None), ("abc", None)),  # cut short: all reasoning (vLLM's current qwen3 too)
+    ("plain answer", ("plain answer", None), ("plain answer", None)),
     ("a</think>b</think>c", ("a", "b</think>c"), ("a", "b</think>c")),  # the first end tag ends it
     ("x<think>y</think>z", ("xy", "z"), ("xy", "z")),
     ("a</think>b<think>c", ("a", "b<think>c"), ("a", "b<think>c")),  # a <think> after the end is content
-    ("", ("", None), (None, "")),
+    ("<think></think>x", (None, "x"), (None, "x")),  # an empty reasoning is none
+    ("", (None, None), (None, None)),
+    # qwen3: a tool call ends the reasoning, and is content (for the tool parser)
+    ("why<tool_call>{}</tool_call>", ("why<tool_call>{}</tool_call>", None), ("why", "<tool_call>{}</tool_call>")),
+    ("<think>a</think>b<tool_call>c", ("a", "b<tool_call>c"), ("a", "b<tool_call>c")),
 ])
 def test_a_whole_answer_splits_as_vllms_parsers_read_it(text, deepseek, qwen3):
     assert _whole("deepseek_r1", text) == deepseek
     assert _whole("qwen3", text) == qwen3
-    # A prompt that closed the reasoning (Qwen3's enable_thinking false): all content.
-    assert ReasoningParser("deepseek_r1", 0, 1).split(text, ended=True) == (None, text)
+    # Qwen3 with enable_thinking false: all content (deepseek_r1 has no such switch).
+    assert _whole("qwen3", text, {"enable_thinking": False}) == (None, text or None)
+    assert _whole("deepseek_r1", text, {"enable_thinking": False}) == deepseek
+    assert _whole("qwen3", text, {"enable_thinking": True}) == qwen3
 
 
-def test_a_stream_splits_as_the_whole_text_under_any_chunking():
-    """Deltas cut anywhere, tags included, give the whole text's split (deepseek_r1's, and
-    qwen3's whenever the end tag comes): nothing is lost, doubled or sent early as the wrong kind."""
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_a_stream_splits_as_the_whole_text_under_any_chunking(parser):
+    """Deltas cut anywhere, tags included, give the whole text's split: nothing is lost, doubled or
+    sent early as the wrong kind."""
     rng = random.Random(7)
-    pieces = ["<think>", "</think>", "<", "/", "think", ">", "a", "b c", "<thin", "k>", "</thi", "nk"]
+    pieces = ["<think>", "</think>", "<tool_call>", "<", "/", "think", ">", "a", "b c", "<thin", "k>", "</thi", "nk",
+              "<tool_"]
+    p = ReasoningParser(parser)
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
         chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
-        splitter = ReasoningSplitter()
+        splitter = p.splitter(None)
         got = [splitter.feed(c) for c in chunks] + [splitter.close()]
         reasoning, content = "".join(r for r, _ in got), "".join(c for _, c in got)
-        want = _whole("deepseek_r1", text)
-        assert (reasoning, content or None) == want, (text, chunks)
-        if END in text:
-            assert _whole("qwen3", text) == want
-    assert ReasoningSplitter(ended=True).feed("<think>x") == ("", "<think>x")
+        assert (reasoning or None, content or None) == _whole(parser, text), (text, chunks)
 
 
 def test_a_partial_tag_waits_for_the_next_delta():
@@ -66,12 +71,8 @@ def test_a_partial_tag_waits_for_the_next_delta():
     assert s.feed("x") == ("", "x")
     s = ReasoningSplitter()
     assert s.feed("so 3 <") == ("so 3 ", "") and s.close() == ("<", "")
-
-
-def test_the_prompt_closing_the_reasoning_is_read_from_its_last_tags():
-    p = ReasoningParser("qwen3", 10, 11)
-    assert p.ended_in([5, 10, 6, 11, 7]) and p.ended_in([11])
-    assert not p.ended_in([5, 10, 6]) and not p.ended_in([10, 11, 10]) and not p.ended_in([])
+    s = ReasoningParser("qwen3").splitter(None)
+    assert s.feed("hm <tool") == ("hm ", "") and s.feed("_call>{") == ("", "<tool_call>{")
 
 
 def test_a_parser_is_refused_when_the_tokenizer_lacks_its_tags():
@@ -79,7 +80,7 @@ def test_a_parser_is_refused_when_the_tokenizer_lacks_its_tags():
         ReasoningParser.for_vocab("qwen3", {"<think>": 5})
     with pytest.raises(ValueError, match=r"--reasoning-parser 'granite' is not supported \(supported: deepseek_r1"):
         ReasoningParser.for_vocab("granite", {THINK: 5, END: 6})
-    assert ReasoningParser.for_vocab("deepseek_r1", {THINK: 5, END: 6}) == ReasoningParser("deepseek_r1", 5, 6)
+    assert ReasoningParser.for_vocab("deepseek_r1", {THINK: 5, END: 6}) == ReasoningParser("deepseek_r1")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -140,28 +141,32 @@ def _streamed(events):
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 def test_chat_answers_carry_their_reasoning_apart_from_their_content(chain_llm, parser):
-    kwargs = [{}, {"chat_template_kwargs": {"open_think": True}}, {"chat_template_kwargs": {"enable_thinking": False}}]
+    """Whether the model or the template opens the reasoning, and whatever an earlier turn held;
+    Qwen3's enable_thinking false makes the answer content (deepseek_r1 has no such switch: an
+    answer without the end tag is reasoning cut short)."""
+    history = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "<think>x</think>y"},
+               {"role": "user", "content": "q2"}]
+    kwargs = [{}, {"chat_template_kwargs": {"open_think": True}}, {"messages": history},
+              {"chat_template_kwargs": {"enable_thinking": False}}]
     plain = _post_all(chain_llm, None, [_chat(**kw) for kw in kwargs])
     texts = [p["choices"][0]["message"]["content"] for p in plain]
-    assert texts == ["<think> the cat</think> srd", " the cat</think> srd", " srd"]
+    assert texts == ["<think> the cat</think> srd", " the cat</think> srd", "<think> the cat</think> srd", " srd"]
     assert all(p["choices"][0]["message"]["reasoning"] is None for p in plain)  # no parser: vLLM's null
     got = _post_all(chain_llm, parser, [_chat(stream=s, **kw) for kw in kwargs for s in (False, True)])
-    for (whole, events), want in zip(zip(got[::2], got[1::2]), [(" the cat", " srd")] * 2 + [(None, " srd")]):
+    wants = [(" the cat", " srd")] * 3 + [(None, " srd") if parser == "qwen3" else (" srd", None)]
+    for (whole, events), want in zip(zip(got[::2], got[1::2]), wants):
         m = whole["choices"][0]["message"]
         assert (m["reasoning"], m["content"]) == want and m["reasoning_content"] == m["reasoning"]
         assert whole["choices"][0]["finish_reason"] == "stop"
-        assert _streamed(events) == (want[0] or "", want[1])
+        assert _streamed(events) == (want[0] or "", want[1] or "")
 
 
-def test_an_answer_cut_before_its_end_tag_is_reasoning_or_content_as_the_parser_says(chain_llm):
-    cut = _chat(max_tokens=2)  # "<think> the"
-    (deepseek, deepseek_stream) = _post_all(chain_llm, "deepseek_r1", [cut, _chat(stream=True, max_tokens=2)])
-    (qwen3, qwen3_stream) = _post_all(chain_llm, "qwen3", [cut, _chat(stream=True, max_tokens=2)])
-    m = deepseek["choices"][0]["message"]
-    assert (m["reasoning"], m["content"]) == (" the", None) and _streamed(deepseek_stream) == (" the", "")
-    m = qwen3["choices"][0]["message"]
-    assert (m["reasoning"], m["content"]) == (None, "<think> the")
-    assert _streamed(qwen3_stream) == (" the", "")  # a stream cannot wait for the end: vLLM's reasoning
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_an_answer_cut_before_its_end_tag_is_reasoning(chain_llm, parser):
+    whole, events = _post_all(chain_llm, parser, [_chat(max_tokens=2), _chat(stream=True, max_tokens=2)])
+    m = whole["choices"][0]["message"]  # "<think> the"
+    assert (m["reasoning"], m["content"]) == (" the", None) and _streamed(events) == (" the", "")
+    assert whole["choices"][0]["finish_reason"] == "length"
 
 
 def test_include_reasoning_false_drops_the_reasoning_and_structured_outputs_have_none(chain_llm):
@@ -191,7 +196,16 @@ def test_responses_put_the_reasoning_in_its_own_item(chain_llm):
     done = [e for e in events if e["type"] == "response.output_item.done"]
     assert [(e["output_index"], e["item"]["type"]) for e in done] == [(0, "reasoning"), (1, "message")]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
-    assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+    assert [(i["type"], i["status"]) for i in events[-1]["response"]["output"]] == [("reasoning", "completed"),
+                                                                                   ("message", "completed")]
+    # An answer of reasoning alone (cut short) has no message item (vLLM's), streamed or not.
+    short = {**body, "max_output_tokens": 3}
+    whole, events = _post_all(chain_llm, "qwen3", [("/v1/responses", short),
+                                                   ("/v1/responses", {**short, "stream": True})])
+    for output in (whole["output"], events[-1]["response"]["output"]):
+        assert [(i["type"], i["status"]) for i in output] == [("reasoning", "incomplete")]
+        assert output[0]["content"][0]["text"] == " the cat"
+    assert not [e for e in events if "output_text" in e["type"] or "content_part" in e["type"]]
 
 
 def test_a_server_whose_tokenizer_lacks_the_tags_is_refused_at_start(tiny_model_dir):

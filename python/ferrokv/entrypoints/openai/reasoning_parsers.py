@@ -1,62 +1,62 @@
 """Reasoning parsers (vLLM's ``--reasoning-parser``): a chat answer's text split into the model's
-reasoning, written between ``<think>`` and ``</think>``, and its content.
+reasoning, written between ``<think>`` and ``</think>``, and its content, as vLLM's parsers split it.
 
 Parsers:
 - ``deepseek_r1`` (DeepSeek-R1 and its distills, whose template opens the reasoning): the text up
-  to ``</think>`` is reasoning, all of it while the tag has not come.
-- ``qwen3`` (Qwen3, thinking or not): the same, except that a whole answer without ``</think>``
-  is content (an ``enable_thinking: false`` template leaves no tags to find), as vLLM's; a stream
-  cannot wait for the end, so it calls the text reasoning until the tag comes, as vLLM's does.
+  to ``</think>`` is reasoning, all of it while the tag has not come (an answer cut short).
+- ``qwen3`` (Qwen3 and later, thinking or not): the same, and a ``<tool_call>`` also ends the
+  reasoning (the call, tag included, is content: these models may call a tool without closing
+  their thinking); with ``enable_thinking: false`` in the chat's template keywords the answer is
+  all content.
 
-A prompt whose template already closed the reasoning (its last ``<think>`` token followed by a
-``</think>``, as Qwen3's ``enable_thinking: false`` writes it) gets an answer that is all content.
-Either way a ``<think>`` the model writes itself, before ``</think>``, is dropped. A stream is split
-as its text comes: a piece that may be the start of a tag waits for the next delta. Only the
-content reaches a tool-call parser. Both tags are tokens of the models these parsers are for; the
-server refuses a parser whose tags its tokenizer lacks (vLLM's check), so the text never holds a
-tag spelled in pieces that the model never meant as one.
+Either way a ``<think>`` the model writes itself, before the reasoning ends, is dropped, and an
+empty reasoning or content is none. Streamed and whole answers split alike: a piece of a stream
+that may be the start of a tag waits for the next delta. Only the content reaches a tool-call
+parser. Both think tags are tokens of the models these parsers are for; the server refuses a
+parser whose tags its tokenizer lacks (vLLM's check).
 
-Invariants: a finished choice's reasoning + content is its text without the first ``<think>``
-(when it comes before the first ``</think>``) and that ``</think>``, except for ``qwen3``'s whole
-answer without the end tag. Costs: O(delta + tag length) per delta.
+Invariants: a finished choice's reasoning + content is its text without the dropped ``<think>``
+and the ``</think>`` that ended the reasoning. Costs: O(delta + tag length) per delta.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplitter"]
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplitter", "split_whole"]
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
+TOOL_CALL = "<tool_call>"  # qwen3's implicit end of the reasoning (kept, in the content)
 
 
 class ReasoningSplitter:
-    """One streamed choice's text, split into reasoning and content delta by delta."""
+    """One choice's text, split into reasoning and content delta by delta."""
 
-    __slots__ = ("_held", "_started", "_ended")
+    __slots__ = ("_held", "_started", "_ended", "_implicit_end")
 
-    def __init__(self, ended: bool = False) -> None:
+    def __init__(self, thinking: bool = True, implicit_end: str | None = None) -> None:
         self._held = ""  # the end of the text so far that may be the start of a tag
-        self._started = False  # the model's own <think> was dropped (or can no longer come)
-        self._ended = ended  # </think> came (or the prompt closed the reasoning): the rest is content
+        self._started = False  # the model's own <think> was dropped (a second one is text)
+        self._ended = not thinking  # the reasoning ended (or there is none): the rest is content
+        self._implicit_end = implicit_end  # a tag that ends the reasoning and starts the content
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and content of ``text`` (the next delta) that can be told apart now."""
         if self._ended:
             return "", text
         text, self._held = self._held + text, ""
-        end = text.find(END)
         if not self._started:
-            start = text.find(START)
+            start, end = text.find(START), self._end_in(text)[0]
             if start >= 0 and (end < 0 or start < end):
                 text, self._started = text[:start] + text[start + len(START):], True
-                end = text.find(END)
+        end, skip = self._end_in(text)
         if end >= 0:
             self._ended = True
-            return text[:end], text[end + len(END):]
-        cut = len(text) - _partial_tag(text, (END,) if self._started else (END, START))
+            return text[:end], text[end + skip:]
+        tags = [END, *([] if self._started else [START]), *([self._implicit_end] if self._implicit_end else [])]
+        cut = len(text) - _partial_tag(text, tags)
         self._held = text[cut:]
         return text[:cut], ""
 
@@ -65,8 +65,18 @@ class ReasoningSplitter:
         held, self._held = self._held, ""
         return ("", held) if self._ended else (held, "")
 
+    def _end_in(self, text: str) -> tuple[int, int]:
+        """Where the reasoning ends in ``text`` (-1: not in it), and how much of the text there
+        is the tag to drop (an implicit end's tag stays, as content)."""
+        end = text.find(END)
+        if self._implicit_end:
+            implicit = text.find(self._implicit_end)
+            if implicit >= 0 and (end < 0 or implicit < end):
+                return implicit, 0
+        return end, len(END)
 
-def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
+
+def _partial_tag(text: str, tags: list[str]) -> int:
     """The length of the longest end of ``text`` that begins one of ``tags`` (without being it)."""
     longest = 0
     for tag in tags:
@@ -79,11 +89,9 @@ def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ReasoningParser:
-    """The server's ``--reasoning-parser``: its name and the ids of its two tags."""
+    """The server's ``--reasoning-parser``, checked against the tokenizer."""
 
     name: str
-    start_id: int
-    end_id: int
 
     @classmethod
     def for_vocab(cls, name: str, vocab: Mapping[str, int]) -> ReasoningParser:
@@ -96,23 +104,19 @@ class ReasoningParser:
         if missing:
             raise ValueError(f"--reasoning-parser {name}: the tokenizer has no {' or '.join(map(repr, missing))} "
                              "token; this parser is for models that write their reasoning between them")
-        return cls(name, vocab[START], vocab[END])
+        return cls(name)
 
-    def ended_in(self, prompt_ids: Sequence[int]) -> bool:
-        """The prompt closed the reasoning: its last ``<think>`` is followed by a ``</think>``."""
-        for t in reversed(prompt_ids):
-            if t == self.end_id:
-                return True
-            if t == self.start_id:
-                return False
-        return False
+    def splitter(self, template_kwargs: Mapping[str, object] | None) -> ReasoningSplitter:
+        """A choice's splitter; ``template_kwargs``: the chat's (qwen3 reads ``enable_thinking``)."""
+        if self.name != "qwen3":
+            return ReasoningSplitter()
+        thinking = (template_kwargs or {}).get("enable_thinking", True) is not False
+        return ReasoningSplitter(thinking, TOOL_CALL)
 
-    def split(self, text: str, ended: bool = False) -> tuple[str | None, str | None]:
-        """A whole answer's reasoning and content (None where there is none), as vLLM reads
-        them; ``ended``: the prompt closed the reasoning (``ended_in``)."""
-        if ended or (self.name == "qwen3" and END not in text):
-            return None, text
-        splitter = ReasoningSplitter()
-        reasoning, content = splitter.feed(text)
-        rest = splitter.close()
-        return reasoning + rest[0], (content + rest[1]) or None
+
+
+def split_whole(splitter: ReasoningSplitter, text: str) -> tuple[str | None, str | None]:
+    """A whole answer's reasoning and content (None where there is none), by a fresh splitter."""
+    reasoning, content = splitter.feed(text)
+    rest = splitter.close()
+    return (reasoning + rest[0]) or None, (content + rest[1]) or None

@@ -22,12 +22,13 @@ import logging
 import re
 import time
 from types import MappingProxyType
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, OpenAIError, parse_chat_request
-from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplitter
+from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningSplitter, split_whole
 from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Acceptance, Generation, JSONBody, ServerState,
                                                SSEResponse, engine_request_id, generate_checked, response_id,
                                                run_generation, stream_events, to_openai_error, watched)
@@ -75,7 +76,7 @@ class ChatAnswer:
     read out of the text), logprobs, finish reasons and usage (also the Responses API's)."""
 
     def __init__(self, req: ChatRequest, model: str, created: int, response_role: str, rid: str,
-                 reasoning: ReasoningParser | None = None) -> None:
+                 new_splitter: Callable[[], ReasoningSplitter] | None = None) -> None:
         self.req = req
         # vLLM's: the answer's role is --response-role, or the last message's when the request
         # continues it (add_generation_prompt false).
@@ -93,13 +94,12 @@ class ChatAnswer:
         self.choice_tokens: dict[int, int] = {}  # generated tokens per choice index
         self.started = False  # the stream's role (and echo) chunks were sent
         self.parsers: dict[int, ToolCallParser] = {}  # per choice, when the request uses tools
-        self.reasoning = reasoning if req.params.structured_outputs is None else None
-        self.reasoning_closed: bool | None = None  # the prompt closed the reasoning (known once outputs come)
+        # With a reasoning parser (ServerState.new_splitter), unless a structured output constrains
+        # the whole answer.
+        self.new_splitter = new_splitter if req.params.structured_outputs is None else None
         self.splitters: dict[int, ReasoningSplitter] = {}  # per streamed choice, with a reasoning parser
 
     def count(self, out: RequestOutput) -> None:
-        if self.reasoning is not None and self.reasoning_closed is None:
-            self.reasoning_closed = self.reasoning.ended_in(out.prompt_token_ids)
         self.prompt_tokens = len(out.prompt_token_ids)
         self.cached = max(self.cached, out.num_cached_tokens)
         for c in out.outputs:
@@ -115,8 +115,8 @@ class ChatAnswer:
 
     def message(self, c: CompletionOutput) -> dict[str, Any]:
         """A whole choice's message: its reasoning, its text, and the tool calls it made (``tool_calls``)."""
-        parse = self.reasoning
-        reasoning, text = (None, c.text) if parse is None else parse.split(c.text, bool(self.reasoning_closed))
+        new = self.new_splitter
+        reasoning, text = (None, c.text) if new is None else split_whole(new(), c.text)
         thought = self._reasoning_fields(reasoning)
         if self.req.tool_choice is None:  # no tool_calls: OpenAI's
             content = self.echo + text if text is not None else (self.echo or None)
@@ -151,11 +151,11 @@ class ChatAnswer:
 
     def _split_delta(self, c: CompletionOutput) -> tuple[str, str]:
         """A streamed choice's next reasoning and content text (``reasoning_parsers``)."""
-        if self.reasoning is None:
+        if self.new_splitter is None:
             return "", c.text
         splitter = self.splitters.get(c.index)
         if splitter is None:
-            splitter = self.splitters[c.index] = ReasoningSplitter(bool(self.reasoning_closed))
+            splitter = self.splitters[c.index] = self.new_splitter()
         reasoning, text = splitter.feed(c.text)
         if c.finish_reason is not None:
             more, rest = splitter.close()
@@ -197,7 +197,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     template = state.template_for(req.template)
     state.admit(1, req.params.n)
     call = ChatAnswer(req, model, int(time.time()),  # created: when this completion was made
-                      state.config.response_role, response_id("chatcmpl", request, req.request_id), state.reasoning)
+                      state.config.response_role, response_id("chatcmpl", request, req.request_id),
+                      state.new_splitter(template))
     rid = engine_request_id(call.head["id"])
     if state.config.log_prompts:
         logger.info("%s: messages %s, params %r", rid, state.loggable(req.messages), req.params)

@@ -9,9 +9,8 @@ last tokens that fit, a last assistant message ``in_progress`` or ``incomplete``
 ``reasoning_effort``); one sample is generated. Its answer is the response's ``output``: with
 ``--reasoning-parser``, a ``reasoning`` item holding the answer's reasoning as one ``reasoning_text``
 part (when it has some); a ``message`` item with one ``output_text`` part (when there is text, or
-nothing else), then one
-``function_call`` item per tool call (its ``call_id`` is ``call_…``, as vLLM's). A finish by length
-makes the response ``incomplete`` (reason ``max_output_tokens``).
+nothing else), then one ``function_call`` item per tool call (its ``call_id`` is ``call_…``, as
+vLLM's). A finish by length makes the response ``incomplete`` (reason ``max_output_tokens``).
 
 As vLLM without ``VLLM_ENABLE_RESPONSES_API_STORE``, nothing is stored: ``store`` is ignored,
 ``background`` (which needs the store) is a 400, a ``previous_response_id`` and a
@@ -318,15 +317,15 @@ class _Response:
         self.rs_id = f"rs_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.seq = -1
-        self.thought: list[str] | None = None  # the streamed reasoning, once some came
-        self.thought_done = False  # its item was closed (content came after it, or the answer ended)
+        self.reasoning_parts: list[str] | None = None  # the streamed reasoning, once some came
+        self.reasoning_status: str | None = None  # its item's, once closed (by content or calls after it, or the end)
 
     @property
     def msg_index(self) -> int:
         """The message item's place in ``output``: after the reasoning item, when there is one."""
-        return 0 if self.thought is None else 1
+        return 0 if self.reasoning_parts is None else 1
 
-    def reasoning(self, text: str, status: str | None) -> dict[str, Any]:
+    def reasoning_item(self, text: str, status: str | None) -> dict[str, Any]:
         return {"type": "reasoning", "id": self.rs_id, "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None, "status": status}
 
@@ -371,8 +370,11 @@ class _Response:
         status = _status(c)
         calls = [self.function_call(tc, status) for tc in m.get("tool_calls") or ()]
         text = m["content"] or ""
-        thought = [self.reasoning(m["reasoning"], status)] if m.get("reasoning") is not None else []
-        items = [self.message(status, [self.text_part(text, c)])] if text or not calls else []
+        # Reasoning followed by anything is complete; an answer of reasoning alone has no message (vLLM's).
+        reasoning = m.get("reasoning")
+        done = "completed" if text or calls else status
+        thought = [] if reasoning is None else [self.reasoning_item(reasoning, done)]
+        items = [self.message(status, [self.text_part(text, c)])] if text or not (calls or thought) else []
         return thought + items + calls
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -393,7 +395,7 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     template = state.template_for(chat.template)
     state.admit(1, chat.params.n)
     rid = f"resp_{request.headers.get('x-request-id') or chat.request_id or uuid.uuid4().hex}"
-    call = ChatAnswer(chat, model, int(time.time()), "assistant", rid, state.reasoning)
+    call = ChatAnswer(chat, model, int(time.time()), "assistant", rid, state.new_splitter(template))
     args = state.llm.engine.args
     resp = _Response(req, call, rid, args.block_size if args.enable_prefix_caching else None)
     engine_id = engine_request_id(rid)
@@ -439,9 +441,11 @@ async def _stream(gen: Generation, resp: _Response) -> Any:
             lps += (call.logprobs(c) or {}).get("content") or []
             if answer.get("reasoning"):
                 yield _reasoning_delta(resp, answer["reasoning"])
+                if not delta:
+                    sent = len(lps)  # the reasoning's tokens: listed in the message's done event, as vLLM's
             if delta:
                 if not text:
-                    yield _close_reasoning(resp, _status(c)) + _open_message(resp)
+                    yield _close_reasoning(resp, "completed") + _open_message(resp)
                 text.append(delta)
                 yield _delta(resp, delta, lps[sent:])
                 sent = len(lps)
@@ -457,22 +461,22 @@ async def _stream(gen: Generation, resp: _Response) -> Any:
 def _reasoning_delta(resp: _Response, delta: str) -> str:
     """The reasoning item's next text (its item opened first)."""
     opened = ""
-    if resp.thought is None:
-        resp.thought = []
-        opened = resp.event("response.output_item.added", output_index=0, item=resp.reasoning("", "in_progress"))
-    resp.thought.append(delta)
+    if resp.reasoning_parts is None:
+        resp.reasoning_parts = []
+        opened = resp.event("response.output_item.added", output_index=0, item=resp.reasoning_item("", "in_progress"))
+    resp.reasoning_parts.append(delta)
     return opened + resp.event("response.reasoning_text.delta", item_id=resp.rs_id, output_index=0, content_index=0,
                                delta=delta)
 
 
 def _close_reasoning(resp: _Response, status: str) -> str:
     """The reasoning item's last events, once (none when there was no reasoning)."""
-    if resp.thought is None or resp.thought_done:
+    if resp.reasoning_parts is None or resp.reasoning_status is not None:
         return ""
-    resp.thought_done = True
-    text = "".join(resp.thought)
+    resp.reasoning_status = status
+    text = "".join(resp.reasoning_parts)
     return (resp.event("response.reasoning_text.done", item_id=resp.rs_id, output_index=0, content_index=0, text=text)
-            + resp.event("response.output_item.done", output_index=0, item=resp.reasoning(text, status)))
+            + resp.event("response.output_item.done", output_index=0, item=resp.reasoning_item(text, status)))
 
 
 def _open_message(resp: _Response) -> str:
@@ -492,10 +496,11 @@ def _close(resp: _Response, c: CompletionOutput, text: str, lps: list[Any], sent
     (also for an incomplete response, as vLLM ends every stream and the openai client expects)."""
     status = _status(c)
     calls = [resp.function_call(tc, status) for tc in resp.call.answered_calls(0)]
-    events = [_close_reasoning(resp, status)]
-    output = [] if resp.thought is None else [resp.reasoning("".join(resp.thought), status)]
+    events = [_close_reasoning(resp, "completed" if calls else status)]
+    parts = resp.reasoning_parts
+    output = [] if parts is None else [resp.reasoning_item("".join(parts), resp.reasoning_status)]
     i = resp.msg_index
-    if text or not calls:
+    if text or not (calls or output):
         if not text:
             events.append(_open_message(resp))
         if sent < len(lps):
