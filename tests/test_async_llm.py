@@ -928,7 +928,8 @@ def test_more_of_vllms_engine_client_surface(bos_model_dir):
     try:
         outs = asyncio.run(main())
         plain = allm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        assert outs == {True: [1, *plain], False: plain, "cut": [1, *plain][-2:]}
+        # a truncated text keeps its BOS, as the tokenizer truncates (vLLM's)
+        assert outs == {True: [1, *plain], False: plain, "cut": [1, plain[-1]]}
         assert_engine_idle(allm)
     finally:
         allm.shutdown()

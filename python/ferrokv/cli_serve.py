@@ -222,32 +222,35 @@ def _chat_template(value: str | None) -> str | None:
                          "the template itself") from None
 
 
-def _listener(host: str, port: int, uds: str | None) -> socket.socket | None:
-    """The socket the server listens on, bound before the model loads (as vLLM's): a host that
+def _listeners(host: str, port: int, uds: str | None) -> list[socket.socket]:
+    """The sockets the server listens on, bound before the model loads (as vLLM's): a host that
     does not resolve or is not this machine's, or a port in use, is reported naming the flags, and
-    no other process takes the port during the load. It listens at once, since a socket only bound
-    can be bound again by one that reuses addresses, as uvicorn's do; a client that connects during
-    the load waits for the server. With ``--uds``, checks that its folder exists (uvicorn binds it,
-    replacing a socket file left there) and returns None."""
+    no other process takes the port during the load. One per address the host resolves to, as
+    asyncio's (and so uvicorn's) server binds them (IPv6 ones IPv6-only). They listen at once,
+    since a socket only bound can be bound again by one that reuses addresses, as uvicorn's do; a
+    client that connects during the load waits for the server. With ``--uds``, checks that its
+    folder exists (uvicorn binds it, replacing a socket file left there) and returns none."""
     if uds is not None:
         folder = os.path.dirname(os.path.abspath(uds))
         if not uds or not os.path.isdir(folder):
             raise ValueError(f"--uds {uds!r}: no such folder {folder!r}")
-        return None
+        return []
+    sockets: list[socket.socket] = []
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(2048)  # uvicorn's backlog
     except OSError as e:  # socket.gaierror included
+        for sock in sockets:
+            sock.close()
         raise ValueError(f"--host {host!r} --port {port}: cannot listen there ({e})") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-        sock.bind(address)
-        sock.listen(2048)  # uvicorn's backlog
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"--host {host!r} --port {port}: cannot listen there ({e})") from None
-    return sock
+    return sockets
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -323,13 +326,13 @@ def serve(args: argparse.Namespace) -> int:
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
                           chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
-    listener = _listener(args.host, args.port, args.uds)  # the last check: held from here on
+    listeners = _listeners(args.host, args.port, args.uds)  # the last check: held from here on
     try:
         _sigterm_interrupts_startup()
-        return run_server(AsyncLLM.from_engine_args(engine_args), config, exits_after=True, listener=listener)
+        return run_server(AsyncLLM.from_engine_args(engine_args), config, exits_after=True, listeners=listeners)
     finally:
-        if listener is not None:
-            listener.close()
+        for sock in listeners:
+            sock.close()
 
 
 class Terminated(KeyboardInterrupt):

@@ -33,6 +33,7 @@ import signal
 import socket
 import threading
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -481,11 +482,12 @@ def _with_request_id(scope: Any, send: Any) -> Any:
     return tagged
 
 
-def run_server(llm: Any, config: ServerConfig, exits_after: bool = False, listener: socket.socket | None = None) -> int:
+def run_server(llm: Any, config: ServerConfig, exits_after: bool = False,
+               listeners: Sequence[socket.socket] = ()) -> int:
     """Serves ``llm`` until a signal drains and stops the server; returns the exit status.
     ``exits_after``: the process ends once this returns (``ferrokv serve``), so signals that come
-    during the teardown are handled for good (``_signals_during_teardown``). ``listener``: a socket
-    bound to ``config``'s host and port (``ferrokv serve`` binds it before the model loads), else
+    during the teardown are handled for good (``_signals_during_teardown``). ``listeners``: sockets
+    bound to ``config``'s host and port (``ferrokv serve`` binds them before the model loads); none:
     uvicorn binds them."""
     try:
         app = build_app(llm, config)
@@ -502,14 +504,14 @@ def run_server(llm: Any, config: ServerConfig, exits_after: bool = False, listen
                                **({"log_config": config.log_config_file} if config.log_config_file else {}))
     server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)
     host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address, as a URL writes it
-    port = listener.getsockname()[1] if listener is not None else config.port or "<a free port, see uvicorn's line>"
+    port = listeners[0].getsockname()[1] if listeners else config.port or "<a free port, see uvicorn's line>"
     where = f"{host}:{port}" if config.uds is None else f"unix:{config.uds}"
     scheme = "https" if config.ssl_certfile else "http"
     logger.info("serving %r on %s://%s%s (API key %s)", config.served_model_name, scheme, where, config.root_path,
                 "required" if config.api_keys() else "off")
     try:
         _freeze_startup_heap()
-        server.run(sockets=None if listener is None else [listener])
+        server.run(sockets=list(listeners) or None)
     finally:
         if exits_after:
             _signals_during_teardown()
