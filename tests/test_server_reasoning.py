@@ -28,12 +28,17 @@ def _whole(parser: str, text: str, kwargs: dict | None = None) -> tuple[str | No
     ("<think>abc", ("abc", None), ("abc", None)),  # cut short: all reasoning (vLLM's current qwen3 too)
     ("plain answer", ("plain answer", None), ("plain answer", None)),
     ("a</think>b</think>c", ("a", "b</think>c"), ("a", "b</think>c")),  # the first end tag ends it
-    ("x<think>y</think>z", ("xy", "z"), ("xy", "z")),
+    ("x<think>y</think>z", ("x<think>y", "z"), ("x<think>y", "z")),  # only a leading <think> is the model's
+    (" \n<think>y</think>z", (" \ny", "z"), (" \ny", "z")),
     ("a</think>b<think>c", ("a", "b<think>c"), ("a", "b<think>c")),  # a <think> after the end is content
     ("<think></think>x", (None, "x"), (None, "x")),  # an empty reasoning is none
     ("", (None, None), (None, None)),
-    # qwen3: a tool call ends the reasoning, and is content (for the tool parser)
+    # qwen3: a tool call ends the reasoning, and is content (for the tool parser); a tag only
+    # named in the reasoning does not (review27)
     ("why<tool_call>{}</tool_call>", ("why<tool_call>{}</tool_call>", None), ("why", "<tool_call>{}</tool_call>")),
+    ("a<tool_call>\n<function=f>", ("a<tool_call>\n<function=f>", None), ("a", "<tool_call>\n<function=f>")),
+    ("I emit <tool_call> now.</think>4", ("I emit <tool_call> now.", "4"), ("I emit <tool_call> now.", "4")),
+    ("a<tool_call>", ("a<tool_call>", None), ("a<tool_call>", None)),
     ("<think>a</think>b<tool_call>c", ("a", "b<tool_call>c"), ("a", "b<tool_call>c")),
 ])
 def test_a_whole_answer_splits_as_vllms_parsers_read_it(text, deepseek, qwen3):
@@ -51,7 +56,7 @@ def test_a_stream_splits_as_the_whole_text_under_any_chunking(parser):
     sent early as the wrong kind."""
     rng = random.Random(7)
     pieces = ["<think>", "</think>", "<tool_call>", "<", "/", "think", ">", "a", "b c", "<thin", "k>", "</thi", "nk",
-              "<tool_"]
+              "<tool_", "{", " ", "<function", "<func"]
     p = ReasoningParser(parser)
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
@@ -72,7 +77,10 @@ def test_a_partial_tag_waits_for_the_next_delta():
     s = ReasoningSplitter()
     assert s.feed("so 3 <") == ("so 3 ", "") and s.close() == ("<", "")
     s = ReasoningParser("qwen3").splitter(None)
-    assert s.feed("hm <tool") == ("hm ", "") and s.feed("_call>{") == ("", "<tool_call>{")
+    assert s.feed("hm <tool") == ("hm ", "") and s.feed("_call> ") == ("", "") and s.feed("{") == ("", "<tool_call> {")
+    s = ReasoningParser("qwen3").splitter(None)  # a call tag waits for what follows it
+    assert s.feed("say <tool_call>") == ("say ", "") and s.feed(" <fu") == ("", "")
+    assert s.feed("nny>") == ("<tool_call> <funny>", "")
 
 
 def test_a_parser_is_refused_when_the_tokenizer_lacks_its_tags():

@@ -4,19 +4,20 @@ reasoning, written between ``<think>`` and ``</think>``, and its content, as vLL
 Parsers:
 - ``deepseek_r1`` (DeepSeek-R1 and its distills, whose template opens the reasoning): the text up
   to ``</think>`` is reasoning, all of it while the tag has not come (an answer cut short).
-- ``qwen3`` (Qwen3 and later, thinking or not): the same, and a ``<tool_call>`` also ends the
-  reasoning (the call, tag included, is content: these models may call a tool without closing
-  their thinking); with ``enable_thinking: false`` in the chat's template keywords the answer is
-  all content.
+- ``qwen3`` (Qwen3 and later, thinking or not): the same, and a ``<tool_call>`` that opens a call
+  (``{`` or ``<function`` follows it) also ends the reasoning: the call, tag included, is content
+  (these models may call a tool without closing their thinking; one that only names the tag goes
+  on reasoning); with ``enable_thinking: false`` in the chat's template keywords the answer is all
+  content.
 
-Either way a ``<think>`` the model writes itself, before the reasoning ends, is dropped, and an
-empty reasoning or content is none. Streamed and whole answers split alike: a piece of a stream
+Either way a ``<think>`` the model writes first is dropped (one after other text is text: vLLM
+drops the text before it), and an empty reasoning or content is none. Streamed and whole answers split alike: a piece of a stream
 that may be the start of a tag waits for the next delta. Only the content reaches a tool-call
 parser. Both think tags are tokens of the models these parsers are for; the server refuses a
 parser whose tags its tokenizer lacks (vLLM's check).
 
 Invariants: a finished choice's reasoning + content is its text without the dropped ``<think>``
-and the ``</think>`` that ended the reasoning. Costs: O(delta + tag length) per delta.
+and the ``</think>`` that ended the reasoning; a stream splits as the whole text, however cut. Costs: O(delta + tag length) per delta.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplitter", "split_w
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 TOOL_CALL = "<tool_call>"  # qwen3's implicit end of the reasoning (kept, in the content)
+CALL_BODIES = ("{", "<function")  # what follows a tool call's tag (hermes JSON, Qwen3-Coder XML)
 
 
 class ReasoningSplitter:
@@ -38,7 +40,7 @@ class ReasoningSplitter:
 
     def __init__(self, thinking: bool = True, implicit_end: str | None = None) -> None:
         self._held = ""  # the end of the text so far that may be the start of a tag
-        self._started = False  # the model's own <think> was dropped (a second one is text)
+        self._started = False  # past where the model's own <think> may come (a later one is text)
         self._ended = not thinking  # the reasoning ended (or there is none): the rest is content
         self._implicit_end = implicit_end  # a tag that ends the reasoning and starts the content
 
@@ -47,16 +49,17 @@ class ReasoningSplitter:
         if self._ended:
             return "", text
         text, self._held = self._held + text, ""
-        if not self._started:
-            start, end = text.find(START), self._end_in(text)[0]
-            if start >= 0 and (end < 0 or start < end):
-                text, self._started = text[:start] + text[start + len(START):], True
-        end, skip = self._end_in(text)
+        if not self._started:  # a <think> the model writes first (only space before it) is dropped
+            rest = text.lstrip()
+            if rest.startswith(START):
+                text = text[:len(text) - len(rest)] + rest[len(START):]
+            self._started = rest.startswith(START) or not START.startswith(rest)
+        end, skip, undecided = self._end_in(text)
         if end >= 0:
             self._ended = True
             return text[:end], text[end + skip:]
         tags = [END, *([] if self._started else [START]), *([self._implicit_end] if self._implicit_end else [])]
-        cut = len(text) - _partial_tag(text, tags)
+        cut = min(len(text) - _partial_tag(text, tags), len(text) if undecided < 0 else undecided)
         self._held = text[cut:]
         return text[:cut], ""
 
@@ -65,15 +68,21 @@ class ReasoningSplitter:
         held, self._held = self._held, ""
         return ("", held) if self._ended else (held, "")
 
-    def _end_in(self, text: str) -> tuple[int, int]:
-        """Where the reasoning ends in ``text`` (-1: not in it), and how much of the text there
-        is the tag to drop (an implicit end's tag stays, as content)."""
+    def _end_in(self, text: str) -> tuple[int, int, int]:
+        """Where the reasoning ends in ``text`` (-1: not in it), how much of the text there is the
+        tag to drop (an implicit end's tag stays, as content), and where a call tag starts that
+        ends it or not by what comes next (-1: none)."""
         end = text.find(END)
-        if self._implicit_end:
-            implicit = text.find(self._implicit_end)
-            if implicit >= 0 and (end < 0 or implicit < end):
-                return implicit, 0
-        return end, len(END)
+        tag = self._implicit_end
+        at = text.find(tag) if tag else -1
+        while at >= 0 and (end < 0 or at < end):
+            after = text[at + len(tag):].lstrip()
+            if any(after.startswith(body) for body in CALL_BODIES):
+                return at, 0, -1
+            if any(body.startswith(after) for body in CALL_BODIES):  # "" or a piece of "<function"
+                return -1, 0, at
+            at = text.find(tag, at + 1)
+        return end, len(END), -1
 
 
 def _partial_tag(text: str, tags: list[str]) -> int:
