@@ -423,6 +423,32 @@ def test_serve_holds_its_port_while_the_model_loads(monkeypatch, tiny_model_dir)
         again.bind(("127.0.0.1", port))
 
 
+def test_serve_binds_one_socket_as_vllm_and_refuses_a_uds_path_in_use(tmp_path):
+    """As vLLM's (and uvicorn's own) bind: IPv6 only for an IPv6 host, ``localhost`` and ``''``
+    as IPv4. ``--uds``: a live server's socket file or a regular file is refused (it would be
+    replaced), a stale socket file is replaced (serve9)."""
+    import socket
+
+    from ferrokv.cli_serve import _listener
+
+    for host, family in (("localhost", socket.AF_INET), ("", socket.AF_INET), ("127.0.0.1", socket.AF_INET)):
+        with _listener(host, 0, None) as sock:
+            assert sock.family == family and sock.getsockname()[1] > 0
+    path = str(tmp_path / "s.sock")
+    live = _listener("unused", 0, path)
+    with pytest.raises(ValueError, match="another server listens there"):
+        _listener("unused", 0, path)
+    live.close()  # gone, its file left behind: replaced
+    with _listener("unused", 0, path) as again:
+        assert again.getsockname() == path
+    (tmp_path / "file.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="the path exists and is not a socket"):
+        _listener("unused", 0, str(tmp_path / "file.txt"))
+    assert (tmp_path / "file.txt").read_text() == "keep me"
+    with pytest.raises(ValueError, match=r"--uds .*: cannot listen there \(AF_UNIX path too long"):
+        _listener("unused", 0, str(tmp_path / ("x" * 200)))
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_help_tells_the_conventions_read_before_the_flags(command, capsys):
     """--config and the short flags are read before argparse (vLLM's), so --help tells them."""

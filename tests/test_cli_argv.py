@@ -65,12 +65,12 @@ def test_a_bad_config_file_is_a_usage_error_naming_it(tmp_path, capsys, content,
 
 def test_an_unknown_flag_is_reported_with_the_commands_usage(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("reasoning_parser: qwen3\n")
-    for argv in (["serve", "m", "--reasoning_parser", "qwen3"], ["serve", "--config", str(cfg)]):
+    cfg.write_text("tool_parser_plugin: parsers.py\n")
+    for argv in (["serve", "m", "--tool_parser_plugin", "parsers.py"], ["serve", "--config", str(cfg)]):
         with pytest.raises(SystemExit) as e:
             _parse(argv)
         err = capsys.readouterr().err
-        assert e.value.code == 2 and "ferrokv serve: error: unrecognized arguments: --reasoning-parser" in err
+        assert e.value.code == 2 and "ferrokv serve: error: unrecognized arguments: --tool-parser-plugin" in err
         assert "usage: ferrokv serve" in err
     with pytest.raises(SystemExit):
         _parse(["serve", "--config"])

@@ -804,7 +804,7 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--return-tokens-as-token-ids=1"], ["--return-tokens-as-token-ids"]),
     (["--enable-force-include-usage=1"], ["--enable-force-include-usage"]),
     (["--enable-server-load-tracking=1"], ["--enable-server-load-tracking"]),
-    (["--uds", "/no/such/folder/ferrokv.sock"], ["--uds", "no such folder"]),
+    (["--uds", "/no/such/folder/ferrokv.sock"], ["--uds", "No such file or directory"]),
     (["--ssl-cert-reqs", "5"], ["--ssl-cert-reqs must be 0, 1 or 2, got 5"]),
     (["--h11-max-incomplete-event-size", "0"], ["--h11-max-incomplete-event-size must be >= 1"]),
     (["--log-config-file", "/no/such/logging.json"], ["--log-config-file", "/no/such/logging.json"]),
@@ -1058,6 +1058,9 @@ def test_serve_listens_on_a_unix_socket_with_uds(long_model, tmp_path):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
         with pytest.raises(httpx.ConnectError), httpx.Client(timeout=5) as tcp:
             tcp.get(f"http://127.0.0.1:{s.port}/health")
+        s.send_signal(signal.SIGTERM)
+        assert s.wait(timeout=120) == 0
+        assert not os.path.exists(sock)  # no stale socket file is left behind (lifecycle9)
 
 
 def test_request_id_headers_as_vllms_flag(llama_path):
@@ -1394,16 +1397,21 @@ def test_the_default_model_is_served_when_none_is_given():
         llm.shutdown()
 
 
-def test_a_ctrl_c_during_the_startup_collection_is_not_lost():
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_ctrl_c_during_the_startup_collection_is_not_lost(sig):
     """Python drops a KeyboardInterrupt raised in a finalizer or weakref callback, which a full
-    collection runs: the server's startup collection holds a Ctrl-C until it is done. A gc
-    callback stands in for the finalizers (it runs inside the collection likewise)."""
-    script = """if True:
+    collection runs: the server's startup collection holds a Ctrl-C (or a SIGTERM, which serve
+    turns into one while it starts) until it is done. A gc callback stands in for the finalizers
+    (it runs inside the collection likewise)."""
+    script = f"""if True:
         import gc, os, signal
         from ferrokv.entrypoints.openai.api_server import _freeze_startup_heap
+        def interrupt(*args):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, interrupt)
         def ctrl_c(phase, info):
             if phase == "start":
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.{sig})
         gc.callbacks.append(ctrl_c)
         gc.collect()  # a plain collection: Python drops the interrupt
         print("plain collection: lost", flush=True)

@@ -222,35 +222,51 @@ def _chat_template(value: str | None) -> str | None:
                          "the template itself") from None
 
 
-def _listeners(host: str, port: int, uds: str | None) -> list[socket.socket]:
-    """The sockets the server listens on, bound before the model loads (as vLLM's): a host that
-    does not resolve or is not this machine's, or a port in use, is reported naming the flags, and
-    no other process takes the port during the load. One per address the host resolves to, as
-    asyncio's (and so uvicorn's) server binds them (IPv6 ones IPv6-only). They listen at once,
-    since a socket only bound can be bound again by one that reuses addresses, as uvicorn's do; a
-    client that connects during the load waits for the server. With ``--uds``, checks that its
-    folder exists (uvicorn binds it, replacing a socket file left there) and returns none."""
+def _listener(host: str, port: int, uds: str | None) -> socket.socket:
+    """The socket the server listens on, bound before the model loads (as vLLM's), so that a bad
+    host, a port in use or a bad ``--uds`` path is reported naming the flag, and no other server
+    takes the address during the load. As vLLM's (and uvicorn's own): one socket, IPv6 when the
+    host is an IPv6 address (``::`` then takes IPv4 too), else IPv4 (``localhost`` is 127.0.0.1,
+    ``''`` every IPv4 address). It listens at once, since a socket only bound can be bound again
+    by one that reuses addresses, as uvicorn's do; a client that connects during the load waits
+    for the server."""
     if uds is not None:
-        folder = os.path.dirname(os.path.abspath(uds))
-        if not uds or not os.path.isdir(folder):
-            raise ValueError(f"--uds {uds!r}: no such folder {folder!r}")
-        return []
-    sockets: list[socket.socket] = []
+        return _unix_listener(uds)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-            sock.listen(2048)  # uvicorn's backlog
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's backlog
     except OSError as e:  # socket.gaierror included
-        for sock in sockets:
-            sock.close()
+        sock.close()
         raise ValueError(f"--host {host!r} --port {port}: cannot listen there ({e})") from None
-    return sockets
+    return sock
+
+
+def _unix_listener(path: str) -> socket.socket:
+    """``--uds``: a socket file left by a server that is gone is replaced (as uvicorn does); one a
+    live server listens on, or a file that is not a socket, is refused."""
+    import stat
+
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ValueError(f"--uds {path!r}: the path exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except OSError:  # nobody listens: a stale file
+                os.unlink(path)
+            else:
+                raise ValueError(f"--uds {path!r}: another server listens there")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o666)  # as uvicorn makes it
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--uds {path!r}: cannot listen there ({e})") from None
+    return sock
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -326,13 +342,14 @@ def serve(args: argparse.Namespace) -> int:
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
                           chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
-    listeners = _listeners(args.host, args.port, args.uds)  # the last check: held from here on
+    listener = _listener(args.host, args.port, args.uds)  # the last check: held from here on
     try:
         _sigterm_interrupts_startup()
-        return run_server(AsyncLLM.from_engine_args(engine_args), config, exits_after=True, listeners=listeners)
+        return run_server(AsyncLLM.from_engine_args(engine_args), config, exits_after=True, listener=listener)
     finally:
-        for sock in listeners:
-            sock.close()
+        listener.close()
+        if args.uds is not None and os.path.exists(args.uds):
+            os.unlink(args.uds)  # our socket file: no stale one is left behind
 
 
 class Terminated(KeyboardInterrupt):

@@ -33,7 +33,6 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -483,12 +482,12 @@ def _with_request_id(scope: Any, send: Any) -> Any:
 
 
 def run_server(llm: Any, config: ServerConfig, exits_after: bool = False,
-               listeners: Sequence[socket.socket] = ()) -> int:
+               listener: socket.socket | None = None) -> int:
     """Serves ``llm`` until a signal drains and stops the server; returns the exit status.
     ``exits_after``: the process ends once this returns (``ferrokv serve``), so signals that come
-    during the teardown are handled for good (``_signals_during_teardown``). ``listeners``: sockets
-    bound to ``config``'s host and port (``ferrokv serve`` binds them before the model loads); none:
-    uvicorn binds them."""
+    during the teardown are handled for good (``_signals_during_teardown``). ``listener``: a socket
+    bound to ``config``'s address (``ferrokv serve`` binds it before the model loads); None:
+    uvicorn binds it."""
     try:
         app = build_app(llm, config)
     except BaseException:
@@ -504,14 +503,16 @@ def run_server(llm: Any, config: ServerConfig, exits_after: bool = False,
                                **({"log_config": config.log_config_file} if config.log_config_file else {}))
     server = _Server(uv_config, app.state.ferrokv, config.drain_timeout)
     host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address, as a URL writes it
-    port = listeners[0].getsockname()[1] if listeners else config.port or "<a free port, see uvicorn's line>"
+    port = config.port or "<a free port, see uvicorn's line>"
+    if listener is not None and config.uds is None:
+        port = listener.getsockname()[1]
     where = f"{host}:{port}" if config.uds is None else f"unix:{config.uds}"
     scheme = "https" if config.ssl_certfile else "http"
     logger.info("serving %r on %s://%s%s (API key %s)", config.served_model_name, scheme, where, config.root_path,
                 "required" if config.api_keys() else "off")
     try:
         _freeze_startup_heap()
-        server.run(sockets=list(listeners) or None)
+        server.run(sockets=None if listener is None else [listener])
     finally:
         if exits_after:
             _signals_during_teardown()
@@ -542,19 +543,20 @@ def _signals_during_teardown() -> None:
 def _freeze_startup_heap() -> None:
     """The model, the tokenizer and the app live as long as the process. A full collection walks
     every tracked object (the tokenizer's alone are hundreds of thousands), stalling every
-    stream: as vLLM does, what startup made leaves the collector's view. A Ctrl-C during the
-    collection would land in a finalizer or weakref callback, where Python drops it: it is held
-    until the collection is done, then raised."""
+    stream: as vLLM does, what startup made leaves the collector's view. A Ctrl-C or SIGTERM during
+    the collection would land in a finalizer or weakref callback, where Python drops what its
+    handler raises: it is held until the collection is done, then sent again to the handler."""
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         gc.collect()
         gc.freeze()
         return
-    interrupted: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda sig, frame: interrupted.append(sig))
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, frame: held.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         gc.collect()
         gc.freeze()
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if interrupted:
-        raise KeyboardInterrupt
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held:
+        signal.raise_signal(held[0])
