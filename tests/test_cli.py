@@ -423,6 +423,28 @@ def test_serve_holds_its_port_while_the_model_loads(monkeypatch, tiny_model_dir)
         again.bind(("127.0.0.1", port))
 
 
+def _nodelay_of_a_connection(listener) -> int:
+    """TCP_NODELAY of a connection that an asyncio server (uvicorn's) on ``listener`` accepts."""
+    import asyncio
+    import socket
+
+    async def main():
+        seen = asyncio.get_running_loop().create_future()
+
+        async def accepted(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=listener)
+        async with server:
+            _, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+            value = await asyncio.wait_for(seen, 30)
+            writer.close()
+            return value
+
+    return asyncio.run(main())
+
+
 def test_serve_binds_one_socket_as_vllm_and_refuses_a_uds_path_in_use(tmp_path):
     """As vLLM's (and uvicorn's own) bind: IPv6 only for an IPv6 host, ``localhost`` and ``''``
     as IPv4. ``--uds``: a live server's socket file or a regular file is refused (it would be
@@ -434,6 +456,7 @@ def test_serve_binds_one_socket_as_vllm_and_refuses_a_uds_path_in_use(tmp_path):
     for host, family in (("localhost", socket.AF_INET), ("", socket.AF_INET), ("127.0.0.1", socket.AF_INET)):
         with _listener(host, 0, None) as sock:
             assert sock.family == family and sock.getsockname()[1] > 0
+    assert _nodelay_of_a_connection(_listener("127.0.0.1", 0, None)) == 1  # streams' small writes go at once
     path = str(tmp_path / "s.sock")
     live = _listener("unused", 0, path)
     with pytest.raises(ValueError, match="another server listens there"):

@@ -232,7 +232,9 @@ def _listener(host: str, port: int, uds: str | None) -> socket.socket:
     for the server."""
     if uds is not None:
         return _unix_listener(uds)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY on the connections of a TCP socket it knows as
+    # one (proto 6), and streams need it (Nagle would hold small writes back).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
         sock.bind((host, port))
