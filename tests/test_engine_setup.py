@@ -463,3 +463,28 @@ def test_too_many_sequences_is_named_before_max_model_len_is_known():
     with pytest.raises(InvalidArgumentError, match=r"max_num_seqs=300000000: must be <= 2\^28") as e:
         EngineArgs(model="x", max_num_seqs=300_000_000, max_num_batched_tokens=300_000_000).validate()
     assert e.value.field == "max_num_seqs"
+
+
+def test_a_dropped_engine_is_freed_before_the_next_one_loads(tiny_model_dir):
+    """``del llm`` leaves the engine in reference cycles until the collector runs: the next engine
+    collects it before it loads, so the old KV cache is gone (on a GPU: not counted against the
+    new one's share, nor held twice) even with the collector off (lifecycle9)."""
+    import gc
+    import weakref
+
+    from ferrokv import LLM
+
+    path = str(tiny_model_dir("llama"))
+    was_enabled = gc.isenabled()
+    gc.disable()  # only an explicit collection can free the cycles
+    try:
+        first = LLM(path, num_kv_blocks=64)
+        cache = weakref.ref(first.llm_engine.kv_cache)
+        del first
+        assert cache() is not None  # held by the cycles
+        second = LLM(path, num_kv_blocks=64)
+        assert cache() is None
+        assert second.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -320,30 +320,8 @@ def serve(args: argparse.Namespace) -> int:
     engine_args.validate()  # a bad flag fails before torch is imported
     from ferrokv.async_llm import AsyncLLM
     from ferrokv.entrypoints.openai.api_server import run_server
-    from ferrokv.entrypoints.openai.server_config import DEFAULT_MODEL_NAME, ServerConfig
 
-    name, *aliases = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    config = ServerConfig(served_model_name=name, served_model_aliases=tuple(aliases), host=args.host, port=args.port,
-                          api_key=api_keys or None, uvicorn_log_level=args.uvicorn_log_level,
-                          uvicorn_access_log=args.uvicorn_access_log, root_path=args.root_path,
-                          max_log_len=args.max_log_len, response_role=args.response_role,
-                          default_chat_template_kwargs=args.default_chat_template_kwargs,
-                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                          ssl_cert_reqs=args.ssl_cert_reqs, log_config_file=args.log_config_file,
-                          h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
-                          max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
-                          drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
-                          allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                          enable_request_id_headers=args.enable_request_id_headers,
-                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                          enable_force_include_usage=args.enable_force_include_usage,
-                          enable_server_load_tracking=args.enable_server_load_tracking, uds=args.uds,
-                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                          trust_request_chat_template=args.trust_request_chat_template,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                          reasoning_parser=args.reasoning_parser,
-                          chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
+    config = _server_config(args, api_keys, chat_template)
     listener = _listener(args.host, args.port, args.uds)  # the last check: held from here on
     try:
         _sigterm_interrupts_startup()
@@ -352,6 +330,34 @@ def serve(args: argparse.Namespace) -> int:
         listener.close()
         if args.uds is not None and os.path.exists(args.uds):
             os.unlink(args.uds)  # our socket file: no stale one is left behind
+
+
+def _server_config(args: argparse.Namespace, api_keys: tuple[str, ...], chat_template: str | None) -> Any:
+    """The checked flags as the server's ``ServerConfig``."""
+    from ferrokv.entrypoints.openai.server_config import DEFAULT_MODEL_NAME, ServerConfig
+
+    name, *aliases = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    return ServerConfig(served_model_name=name, served_model_aliases=tuple(aliases), host=args.host, port=args.port,
+                        api_key=api_keys or None, uvicorn_log_level=args.uvicorn_log_level,
+                        uvicorn_access_log=args.uvicorn_access_log, root_path=args.root_path,
+                        max_log_len=args.max_log_len, response_role=args.response_role,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs,
+                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                        ssl_cert_reqs=args.ssl_cert_reqs, log_config_file=args.log_config_file,
+                        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                        max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
+                        drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
+                        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                        enable_request_id_headers=args.enable_request_id_headers,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        enable_force_include_usage=args.enable_force_include_usage,
+                        enable_server_load_tracking=args.enable_server_load_tracking, uds=args.uds,
+                        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser,
+                        chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
 
 
 class Terminated(KeyboardInterrupt):

@@ -9,6 +9,7 @@ Costs: once per engine.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import random
@@ -299,6 +300,16 @@ def _check_backend(backend: str, device: torch.device) -> None:
                          f"interpreter), got device={str(device)!r}; use 'torch' or 'auto' on a CPU")
 
 
+def _free_dead_engines() -> None:
+    """An engine the caller dropped (``del llm``) sits in reference cycles until the collector runs,
+    and so do its weights and KV cache: they are freed before this one loads, and the CUDA caching
+    allocator gives their blocks back, so they count neither against this engine's share of the
+    GPU nor twice on it (vLLM collects likewise before it measures memory)."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def load_engine(args: EngineArgs) -> EngineParts:
     """Validates ``args``, resolves the model (a folder or a Hub id) and the tokenizer, loads the
     weights, sizes and allocates the KV cache and builds the scheduler; logs what it made."""
@@ -306,6 +317,7 @@ def load_engine(args: EngineArgs) -> EngineParts:
     from ferrokv.models.rope import dynamic_rope_rescales
 
     args.validate()
+    _free_dead_engines()
     t0 = time.perf_counter()
     hub = dict(revision=args.revision, download_dir=args.download_dir)
     model_path = resolve_model_path(args.model, **hub)
