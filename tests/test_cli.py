@@ -185,6 +185,7 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
     "--load-format": (["--load-format", "npcache"], "--load-format: invalid choice: 'npcache'"),
     "--logprobs-mode": (["--logprobs-mode", "raw_logits"], "--logprobs-mode: invalid choice: 'raw_logits'"),
     "--tokenizer-mode": (["--tokenizer-mode", "slow"], "--tokenizer-mode: invalid choice: 'slow'"),
+    "--reasoning-parser": (["--reasoning-parser", "granite"], "--reasoning-parser: invalid choice: 'granite'"),
     "--max-logprobs": (["--max-logprobs", "-2"], "max_logprobs must be"),
     "--generation-config": (["--generation-config", "/nonexistent/gen"], "no folder with a generation_config.json"),
     "--override-generation-config": (["--override-generation-config", "[1]"],

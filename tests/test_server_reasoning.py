@@ -1,4 +1,4 @@
-"""Reasoning parsers (``ferrokv.entrypoints.openai.reasoning_parsers``): the splitter on its own,
+"""Reasoning parsers (``ferrokv.reasoning_parsers``): the splitter on its own,
 then ``--reasoning-parser`` end to end, on a tiny model steered to write a chosen chain of tokens
 (``helpers.chain_model``) through chat completions and the Responses API, streamed and not."""
 
@@ -11,7 +11,9 @@ import random
 import httpx
 import pytest
 
-from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplitter, split_whole
+from ferrokv.engine_args import EngineArgs
+from ferrokv.reasoning_parsers import (ReasoningParser, ReasoningSplitter, reasoning_ended_in, reasoning_tag_ids,
+                                       split_whole)
 
 MODEL = "chain"
 THINK, END = "<think>", "</think>"
@@ -84,11 +86,17 @@ def test_a_partial_tag_waits_for_the_next_delta():
 
 
 def test_a_parser_is_refused_when_the_tokenizer_lacks_its_tags():
-    with pytest.raises(ValueError, match=r"--reasoning-parser qwen3: the tokenizer has no '</think>' token"):
-        ReasoningParser.for_vocab("qwen3", {"<think>": 5})
-    with pytest.raises(ValueError, match=r"--reasoning-parser 'granite' is not supported \(supported: deepseek_r1"):
-        ReasoningParser.for_vocab("granite", {THINK: 5, END: 6})
-    assert ReasoningParser.for_vocab("deepseek_r1", {THINK: 5, END: 6}) == ReasoningParser("deepseek_r1")
+    with pytest.raises(ValueError, match=r"reasoning_parser='qwen3': the tokenizer has no '</think>' token"):
+        reasoning_tag_ids("qwen3", {"<think>": 5})
+    assert reasoning_tag_ids("deepseek_r1", {THINK: 5, END: 6}) == (5, 6) and reasoning_tag_ids(None, {}) is None
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3; got 'granite'"):
+        EngineArgs(model="m", reasoning_parser="granite").validate()
+
+
+def test_the_prompt_closing_the_reasoning_is_read_from_its_last_tags():
+    assert reasoning_ended_in([5, 10, 6, 11, 7], (10, 11)) and reasoning_ended_in([11], (10, 11))
+    assert not reasoning_ended_in([5, 10, 6], (10, 11)) and not reasoning_ended_in([10, 11, 10], (10, 11))
+    assert not reasoning_ended_in([], (10, 11))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,22 +111,32 @@ CHAIN = ["<|assistant|>", THINK, 279, 309, END, 260, 350, 0]  # " the", " cat", 
 
 @pytest.fixture(scope="module")
 def chain_llm(tmp_path_factory):
+    """``chain_llm(parser)``: an engine on the chain model with that ``reasoning_parser``."""
     from helpers.chain_model import save_chain_model
 
     from ferrokv import AsyncLLM
 
     path = tmp_path_factory.mktemp("chain") / "model"
     save_chain_model(path, [THINK, END, "<|assistant|>"], CHAIN)
-    llm = AsyncLLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32)
+    made = {}
+
+    def llm(parser):
+        if parser not in made:
+            made[parser] = AsyncLLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32,
+                                    reasoning_parser=parser)
+        return made[parser]
+
     yield llm
-    llm.shutdown()
+    for engine in made.values():
+        engine.shutdown()
 
 
-def _post_all(llm, parser, requests):
-    """Each (path, body) posted to an app with ``parser``; JSON bodies, or a stream's events."""
+def _post_all(chain_llm, parser, requests):
+    """Each (path, body) posted to a server of an engine with ``parser``; JSON bodies, or a
+    stream's events."""
     from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
 
-    app = build_app(llm, ServerConfig(served_model_name=MODEL, chat_template=TEMPLATE, reasoning_parser=parser))
+    app = build_app(chain_llm(parser), ServerConfig(served_model_name=MODEL, chat_template=TEMPLATE))
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -177,15 +195,12 @@ def test_an_answer_cut_before_its_end_tag_is_reasoning(chain_llm, parser):
     assert whole["choices"][0]["finish_reason"] == "length"
 
 
-def test_include_reasoning_false_drops_the_reasoning_and_structured_outputs_have_none(chain_llm):
-    whole, events, structured = _post_all(chain_llm, "deepseek_r1", [
-        _chat(include_reasoning=False), _chat(stream=True, include_reasoning="false"),
-        _chat(structured_outputs={"regex": " the cat"})])
+def test_include_reasoning_false_drops_the_reasoning(chain_llm):
+    whole, events = _post_all(chain_llm, "deepseek_r1", [
+        _chat(include_reasoning=False), _chat(stream=True, include_reasoning="false")])
     m = whole["choices"][0]["message"]
     assert (m["reasoning"], m["content"]) == (None, " srd")
     assert _streamed(events) == ("", " srd")
-    m = structured["choices"][0]["message"]  # the constraint covers the whole answer: all of it content
-    assert (m["reasoning"], m["content"]) == (None, " the cat")
     with pytest.raises(AssertionError, match="include_reasoning must be a boolean"):
         _post_all(chain_llm, "qwen3", [_chat(include_reasoning=[1])])
 
@@ -216,14 +231,39 @@ def test_responses_put_the_reasoning_in_its_own_item(chain_llm):
     assert not [e for e in events if "output_text" in e["type"] or "content_part" in e["type"]]
 
 
-def test_a_server_whose_tokenizer_lacks_the_tags_is_refused_at_start(tiny_model_dir):
-    from ferrokv import AsyncLLM
-    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+def test_a_structured_output_constrains_what_follows_the_reasoning(chain_llm):
+    """vLLM's reasoning-aware structured outputs: the grammar starts after the </think> token, so
+    the model reasons freely first; without a parser, or when the prompt closed the reasoning
+    (Qwen3's enable_thinking false), it constrains the whole answer."""
+    regex = {"structured_outputs": {"regex": " cat"}}  # the chain would answer " srd"
+    (plain,) = _post_all(chain_llm, None, [_chat(**regex)])
+    assert plain["choices"][0]["message"]["content"] == " cat"
+    for parser in ("deepseek_r1", "qwen3"):
+        whole, events = _post_all(chain_llm, parser, [_chat(**regex), _chat(stream=True, **regex)])
+        m = whole["choices"][0]["message"]
+        assert (m["reasoning"], m["content"]) == (" the cat", " cat") and _streamed(events) == (" the cat", " cat")
+    off = {**regex, "chat_template_kwargs": {"enable_thinking": False}}
+    (closed,) = _post_all(chain_llm, "qwen3", [_chat(**off)])
+    assert (closed["choices"][0]["message"]["reasoning"], closed["choices"][0]["message"]["content"]) == (None, " cat")
+    # The offline engine too: the reasoning, then the constrained answer.
+    from ferrokv import SamplingParams
+    from ferrokv.structured_outputs import StructuredOutputsParams
 
-    llm = AsyncLLM(str(tiny_model_dir("llama")), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
-    try:
-        with pytest.raises(ValueError, match="--reasoning-parser deepseek_r1: the tokenizer has no '<think>' or "
-                                             "'</think>' token"):
-            build_app(llm, ServerConfig(reasoning_parser="deepseek_r1"))
-    finally:
-        llm.shutdown()
+    async def offline():
+        llm = chain_llm("deepseek_r1")
+        params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(regex=" cat"))
+        ids = llm.tokenizer("hi<|assistant|>")["input_ids"]
+        async for out in llm.generate({"prompt_token_ids": ids}, params, "offline"):
+            last = out
+        return last.outputs[0].text
+
+    assert asyncio.run(offline()) == "<think> the cat</think> cat"
+
+
+def test_an_engine_whose_tokenizer_lacks_the_tags_is_refused(tiny_model_dir):
+    from ferrokv import AsyncLLM
+
+    with pytest.raises(ValueError, match="reasoning_parser='deepseek_r1': the tokenizer has no '<think>' or "
+                                         "'</think>' token"):
+        AsyncLLM(str(tiny_model_dir("llama")), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16,
+                 reasoning_parser="deepseek_r1")

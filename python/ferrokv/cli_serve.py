@@ -19,7 +19,6 @@ from typing import Any
 from ferrokv.chat_content_format import CONTENT_FORMATS
 from ferrokv.cli import _json_object, _json_strings, add_engine_flags, human_readable_int
 from ferrokv.engine_args import EngineArgs, help_with_default
-from ferrokv.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from ferrokv.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from ferrokv.inputs import template_kwargs
 
@@ -134,10 +133,6 @@ def serve_flags(p: argparse.ArgumentParser) -> None:
                         'of {"name", "parameters"} objects, as Llama 3.1+ models; mistral: [TOOL_CALLS] then a '
                         'JSON array of {"name", "arguments"}, as Mistral models; pythonic: a reply '
                         "[name(key=value, ...), ...], as Llama 3.2 and 4 models) (default: none)")
-    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="read chat answers' reasoning, written between <think> and </think>, into their "
-                        "reasoning field (deepseek_r1: DeepSeek-R1 models, all reasoning until </think>; qwen3: "
-                        "Qwen3 models, an answer without </think> is content) (default: none)")
     add_engine_flags(p)
 
 
@@ -356,7 +351,6 @@ def _server_config(args: argparse.Namespace, api_keys: tuple[str, ...], chat_tem
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                         trust_request_chat_template=args.trust_request_chat_template,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser,
                         chat_template=chat_template, chat_template_content_format=args.chat_template_content_format)
 
 

@@ -77,6 +77,7 @@ from ferrokv.output_processor import (RequestState, aborted_output, append_logpr
                                       new_stats, prompt_of_row, request_times, seq_of_row, stream_rows)
 from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from ferrokv.prompt_logprobs import PromptLogprobRequests, PromptLogprobsPlan
+from ferrokv.reasoning_parsers import reasoning_tag_ids
 from ferrokv.step_profile import StepProfile
 from ferrokv.structured_outputs import (CompiledGrammar, GrammarRows, GrammarStep, LazyGrammarCompiler,
                                         StructuredOutputsParams)
@@ -137,8 +138,9 @@ class LLMEngine:
         self._plp_wanted = PromptLogprobRequests()
         self.grammars = LazyGrammarCompiler(self.tokenizer, self.vocab_size,
                                             self.eos_token_ids[0] if self.eos_token_ids else None)
-        self.grammar_rows = GrammarRows(self.grammars.vocab_width,
-                                        pin_memory=self.device.type == "cuda", on_failed_grammar=self.grammars.forget)
+        tags = reasoning_tag_ids(args.reasoning_parser, self.tokenizer.get_vocab())  # grammars start after reasoning
+        self.grammar_rows = GrammarRows(self.grammars.vocab_width, pin_memory=self.device.type == "cuda",
+                                        on_failed_grammar=self.grammars.forget, reasoning_tags=tags)
         self.profile: StepProfile | None = None
         """Set to a ``StepProfile`` to time each step's stages (benches/engine_overhead.py)."""
         self._requests: dict[int, RequestState] = {}
@@ -260,7 +262,7 @@ class LLMEngine:
             if has_logit_bias(params):
                 self.step_sampler.bias.register(core_id, params)
             if grammar is not None:
-                self.grammar_rows.register(core_id, grammar)
+                self.grammar_rows.register(core_id, grammar, ids)
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
                 if len(ids) > 1:

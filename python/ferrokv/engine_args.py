@@ -29,6 +29,7 @@ from typing import Any
 from ferrokv._core import SCHEDULER_CHOICES, SCHEDULER_DEFAULTS, InvalidArgumentError, validate_scheduler_config
 from ferrokv.checks import check_int, rename_field
 from ferrokv.generation_defaults import check_generation_args
+from ferrokv.reasoning_parsers import REASONING_PARSERS
 
 __all__ = ["ALIASES", "DTYPE_ALIASES", "AsyncEngineArgs", "EngineArgs", "VLLM_ONLY_ARGS", "engine_arg_help",
            "help_with_default", "VLLM_ONLY_METHODS", "vllm_only_method", "without_vllm_only_args"]
@@ -152,6 +153,11 @@ class EngineArgs:
         "or masks (vLLM's default and ferrokv's only mode)", choices=("raw_logprobs",))
     tokenizer_mode: str = _arg("auto", "the model's fast tokenizer (tokenizer.json), as vLLM's 'auto' (or "
                                "'hf', its newer name)", choices=("auto", "hf"))
+    reasoning_parser: str | None = _arg(
+        None, "the model's reasoning, written between <think> and </think>: a structured output constrains "
+        "only what follows it, and the server answers it apart (deepseek_r1: all reasoning until </think>; "
+        "qwen3: also until a tool call, none with enable_thinking false)", choices=REASONING_PARSERS,
+        default_doc="none")
     max_logprobs: int = _arg(
         20, "most logprobs or prompt_logprobs a request may ask for (-1: no limit; a request's -1 asks for "
         "the whole vocabulary)")
@@ -196,7 +202,8 @@ class EngineArgs:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             # The core checks its own settings' names (a string it does not know is its error).
             core_checked = f.name in _CORE_NAMED and isinstance(value, str)
-            if choices is not None and value not in choices and not core_checked:
+            unset = value is None and f.default is None
+            if choices is not None and value not in choices and not core_checked and not unset:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
         for name in ("block_size", "max_num_seqs"):
             self._check_positive(name, allow_none=False)

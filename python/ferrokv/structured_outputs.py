@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ferrokv.grammar_compiler import _MAX_ERROR, CompiledGrammar, GrammarCompiler, LazyGrammarCompiler
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     import llguidance
     import numpy as np
@@ -221,20 +221,26 @@ def grammar_key(req_ids: np.ndarray, sample_idx: np.ndarray) -> np.ndarray:
 class _Request:
     compiled: CompiledGrammar
     matchers: dict[int, Any] = field(default_factory=dict)  # sample index -> LLMatcher
+    thinks: bool = False  # reasons first (GrammarRows' reasoning tags): the grammar starts after </think>
+    done_thinking: set[int] = field(default_factory=set)  # the samples whose </think> came
 
 
 class GrammarRows:
     """The matchers of the requests decoding under a grammar, by generation key (module docs)."""
 
-    __slots__ = ("vocab_size", "words", "pin_memory", "num_threads", "on_failed_grammar", "_requests", "_ids",
-                 "_lock", "_executor")
+    __slots__ = ("vocab_size", "words", "pin_memory", "num_threads", "on_failed_grammar", "reasoning_tags",
+                 "_requests", "_ids", "_lock", "_executor")
 
     def __init__(self, vocab_size: int, *, num_threads: int | None = None, pin_memory: bool = False,
-                 on_failed_grammar: Callable[[CompiledGrammar], None] | None = None) -> None:
+                 on_failed_grammar: Callable[[CompiledGrammar], None] | None = None,
+                 reasoning_tags: tuple[int, int] | None = None) -> None:
         """``vocab_size``: the compiler's ``vocab_size`` (n_vocab); ``num_threads``: llguidance's
         mask threads (None: its default, 80% of the CPUs up to 32); ``pin_memory``: pinned masks,
         for an asynchronous copy to the GPU; ``on_failed_grammar``: told the grammar of a matcher
-        that fell into error (the engine drops it from the compiler's cache)."""
+        that fell into error (the engine drops it from the compiler's cache); ``reasoning_tags``:
+        the ``<think>``/``</think>`` ids of the engine's reasoning parser, whose models reason
+        before they answer: a generation's grammar then starts after its ``</think>`` token
+        (``ferrokv.reasoning_parsers``; vLLM's reasoning-aware structured outputs)."""
         from ferrokv.id_index import IdIndex
 
         self.vocab_size = int(vocab_size)
@@ -242,19 +248,25 @@ class GrammarRows:
         self.pin_memory = pin_memory
         self.num_threads = num_threads
         self.on_failed_grammar = on_failed_grammar
+        self.reasoning_tags = reasoning_tags
         self._requests: dict[int, _Request] = {}
         self._ids = IdIndex()  # the registered request ids, for rows_of
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
 
-    def register(self, request_core_id: int, compiled: CompiledGrammar) -> None:
-        """Request ``request_core_id`` decodes under ``compiled`` (each sample its own matcher)."""
+    def register(self, request_core_id: int, compiled: CompiledGrammar, prompt_ids: Sequence[int] = ()) -> None:
+        """Request ``request_core_id`` decodes under ``compiled`` (each sample its own matcher),
+        after its reasoning unless its prompt (``prompt_ids``) closed it (``reasoning_tags``)."""
+        from ferrokv.reasoning_parsers import reasoning_ended_in
+
         if compiled.vocab_size != self.vocab_size:
             raise ValueError(f"grammar compiled for vocab {compiled.vocab_size}, rows have {self.vocab_size}")
+        tags = self.reasoning_tags
+        thinks = tags is not None and not reasoning_ended_in(prompt_ids, tags)
         with self._lock:
             if request_core_id in self._requests:
                 raise ValueError(f"request {request_core_id} already decodes under a grammar")
-            self._requests[int(request_core_id)] = _Request(compiled)
+            self._requests[int(request_core_id)] = _Request(compiled, thinks=thinks)
             self._ids.add(int(request_core_id), 0)
 
     def release(self, request_core_id: int) -> None:
@@ -298,7 +310,28 @@ class GrammarRows:
         if not len(rows):
             return None
         keys = grammar_key(out.row_req_ids[rows], out.row_sample_index[rows])
+        thinking = self._thinking(keys)
+        if thinking.any():  # their grammar has not started: no mask, their tokens watched for </think>
+            step = GrammarStep(rows[~thinking], self.matchers_of(keys[~thinking]), self)
+            step.thinking_rows, step.thinking_keys = rows[thinking], keys[thinking]
+            return step
         return GrammarStep(rows, self.matchers_of(keys), self)
+
+    def _thinking(self, keys: np.ndarray) -> np.ndarray:
+        """Which of the generations ``keys`` still reason (their grammar starts after it)."""
+        import numpy as np
+
+        with self._lock:
+            return np.array([(r := self._requests[k // KEY_STRIDE]).thinks and k % KEY_STRIDE not in r.done_thinking
+                             for k in keys.tolist()], dtype=bool)
+
+    def thought(self, keys: np.ndarray) -> None:
+        """The generations ``keys`` wrote their ``</think>``: their grammar starts at the next token."""
+        with self._lock:
+            for k in keys.tolist():
+                req = self._requests.get(k // KEY_STRIDE)
+                if req is not None:
+                    req.done_thinking.add(k % KEY_STRIDE)
 
     def matchers_of(self, keys: np.ndarray | list[int]) -> list[Any]:
         """The matchers of ``keys`` (``grammar_key``), each made on its first use; KeyError for a
@@ -372,6 +405,8 @@ class GrammarStep:
     rows: np.ndarray  # int64 [G]: logits rows
     matchers: list[Any]  # their matchers, one per row
     owner: GrammarRows
+    thinking_rows: np.ndarray | None = None  # int64 [T]: rows whose generation still reasons (no mask)
+    thinking_keys: np.ndarray | None = None  # int64 [T]: their generation keys
 
     def mask(self, logits: torch.Tensor) -> None:
         """Masks the rows' disallowed tokens to -inf, in place (the step job, before sampling)."""
@@ -390,3 +425,8 @@ class GrammarStep:
             m.consume_token(int(token))
             if m.is_error():
                 self.owner.failed(m, int(token))
+        if self.thinking_rows is not None:
+            assert self.owner.reasoning_tags is not None and self.thinking_keys is not None
+            ended = sampled[self.thinking_rows] == self.owner.reasoning_tags[1]
+            if ended.any():
+                self.owner.thought(self.thinking_keys[ended])

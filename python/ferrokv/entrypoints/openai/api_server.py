@@ -49,7 +49,7 @@ from ferrokv.entrypoints.openai.connections import HeadTimeoutH11, raise_fd_limi
 from ferrokv.entrypoints.openai.metrics import ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
 from ferrokv.entrypoints.openai.protocol_tokenize import parse_detokenize_request, parse_tokenize_request
-from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningParser
+from ferrokv.reasoning_parsers import ReasoningParser
 from ferrokv.entrypoints.openai.serving import ServerState, error_response, to_openai_error
 from ferrokv.entrypoints.openai.serving_chat import create_chat_completion
 from ferrokv.entrypoints.openai.serving_completion import create_completion
@@ -234,9 +234,10 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     state_box: dict[str, ServerState] = {}
     metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight,
                             async_llm.engine.cache_config.metrics_info())
-    reasoning = None if config.reasoning_parser is None else \
-        ReasoningParser.for_vocab(config.reasoning_parser, async_llm.tokenizer.get_vocab())
-    state = ServerState(async_llm, metrics, config, reasoning=reasoning)
+    # The engine's reasoning parser (checked against the tokenizer when the engine was made): chat
+    # answers' reasoning is told apart.
+    name = async_llm.engine.args.reasoning_parser
+    state = ServerState(async_llm, metrics, config, reasoning=None if name is None else ReasoningParser(name))
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.root_path = config.root_path  # as vLLM sets it (the constructor's argument is deprecated)

@@ -39,8 +39,7 @@ class ServerConfig:
     ``trust_request_chat_template``: whether a request's own ``chat_template`` is rendered (vLLM's
     flag; off, such a request is a 400: a Jinja template is code, one could loop or fill memory).
     ``enable_auto_tool_choice`` and ``tool_call_parser``: ``tool_choice: "auto"`` is served, the
-    model's calls read in that format (vLLM's flags; one needs the other). ``reasoning_parser``: chat
-    answers' reasoning is their ``reasoning`` (``reasoning_parsers``). ``chat_template``: the
+    model's calls read in that format (vLLM's flags; one needs the other). ``chat_template``: the
     Jinja template chats use instead of the tokenizer's (vLLM's ``--chat-template``, its text);
     ``chat_template_content_format``: how it reads a message's content (``ferrokv.chat_content_format``).
     ``uvicorn_*`` and ``ssl_*``: uvicorn's settings; ``root_path``: the app's (a request is served with
@@ -63,7 +62,6 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    reasoning_parser: str | None = None  # vLLM's: chat answers' <think> reasoning read out of their text
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
     default_chat_template_kwargs: dict[str, Any] | None = None  # under each chat's own chat_template_kwargs

@@ -41,7 +41,7 @@ from ferrokv._core import CacheCapacityError
 from ferrokv.engine_loop import EngineDeadError, EngineGenerateError
 from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
-from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplitter
+from ferrokv.reasoning_parsers import ReasoningParser, ReasoningSplitter
 from ferrokv.entrypoints.openai.server_config import ServerConfig
 from ferrokv.inputs import truncation_length
 from ferrokv.outputs import RequestOutput
@@ -63,7 +63,7 @@ class ServerState:
     http_in_flight: int = 0  # generation requests being served (the drain waits for 0)
     admitted: int = 0  # engine requests of the calls being served (admit reserves, Generation.close frees)
     created: int = field(default_factory=lambda: int(time.time()))
-    reasoning: ReasoningParser | None = None  # config.reasoning_parser's, checked against the tokenizer
+    reasoning: ReasoningParser | None = None  # the engine's reasoning_parser
 
     @property
     def model_names(self) -> tuple[str, ...]:

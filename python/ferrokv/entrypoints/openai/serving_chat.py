@@ -10,8 +10,9 @@ top-level field of the non-streamed response, in vLLM's shape (``serving_complet
 With tools, the calls come as ``tool_calls`` (``tool_parsers``): a forced call's replace the
 content, and a reply of ``tool_choice: "auto"`` that called tools ends with ``finish_reason``
 "tool_calls". With ``--reasoning-parser`` (``reasoning_parsers``), the answer's reasoning is its
-``reasoning`` (and ``reasoning_content``, the older name) and only the rest is read for calls; a
-structured output constrains the whole answer, which then has no reasoning.
+``reasoning`` (and ``reasoning_content``, the older name) and only the rest is read for calls (a
+structured output, a forced call's too, constrains that rest: the engine's grammar starts after the
+reasoning).
 Costs: as completions, plus one chat-template render per request.
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, OpenAIError, parse_chat_request
-from ferrokv.entrypoints.openai.reasoning_parsers import ReasoningSplitter, split_whole
+from ferrokv.reasoning_parsers import ReasoningSplitter, split_whole
 from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Acceptance, Generation, JSONBody, ServerState,
                                                SSEResponse, engine_request_id, generate_checked, response_id,
                                                run_generation, stream_events, to_openai_error, watched)
@@ -94,9 +95,7 @@ class ChatAnswer:
         self.choice_tokens: dict[int, int] = {}  # generated tokens per choice index
         self.started = False  # the stream's role (and echo) chunks were sent
         self.parsers: dict[int, ToolCallParser] = {}  # per choice, when the request uses tools
-        # With a reasoning parser (ServerState.new_splitter), unless a structured output constrains
-        # the whole answer.
-        self.new_splitter = new_splitter if req.params.structured_outputs is None else None
+        self.new_splitter = new_splitter  # with a reasoning parser (ServerState.new_splitter)
         self.splitters: dict[int, ReasoningSplitter] = {}  # per streamed choice, with a reasoning parser
 
     def count(self, out: RequestOutput) -> None:

@@ -11,21 +11,25 @@ Parsers:
   content.
 
 Either way a ``<think>`` the model writes first is dropped (one after other text is text: vLLM
-drops the text before it), and an empty reasoning or content is none. Streamed and whole answers split alike: a piece of a stream
-that may be the start of a tag waits for the next delta. Only the content reaches a tool-call
-parser. Both think tags are tokens of the models these parsers are for; the server refuses a
-parser whose tags its tokenizer lacks (vLLM's check).
+drops the text before it), and an empty reasoning or content is none. Streamed and whole answers
+split alike: a piece of a stream that may be the start of a tag waits for the next delta. Only the
+content reaches a tool-call parser. Both think tags are tokens of the models these parsers are
+for; the engine refuses a parser whose tags its tokenizer lacks (vLLM's check), and its
+structured outputs constrain only what follows the reasoning (``structured_outputs``: a grammar
+starts once the ``</think>`` token came, or at once when the prompt closed the reasoning).
 
 Invariants: a finished choice's reasoning + content is its text without the dropped ``<think>``
-and the ``</think>`` that ended the reasoning; a stream splits as the whole text, however cut. Costs: O(delta + tag length) per delta.
+and the ``</think>`` that ended the reasoning; a stream splits as the whole text, however cut.
+Costs: O(delta + tag length) per delta.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplitter", "split_whole"]
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplitter", "reasoning_ended_in", "reasoning_tag_ids",
+           "split_whole"]
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
@@ -96,24 +100,36 @@ def _partial_tag(text: str, tags: list[str]) -> int:
     return longest
 
 
+def reasoning_tag_ids(name: str | None, vocab: Mapping[str, int]) -> tuple[int, int] | None:
+    """The ids of ``<think>`` and ``</think>`` for the engine's ``reasoning_parser`` (None: none).
+    vLLM's check when the parser is made: a tokenizer without both tags as tokens is not one of
+    the parser's models, a ValueError naming the argument."""
+    if name is None:
+        return None
+    missing = [tag for tag in (START, END) if tag not in vocab]
+    if missing:
+        raise ValueError(f"reasoning_parser={name!r}: the tokenizer has no {' or '.join(map(repr, missing))} token; "
+                         "this parser is for models that write their reasoning between them")
+    return vocab[START], vocab[END]
+
+
+def reasoning_ended_in(prompt_ids: Sequence[int], tags: tuple[int, int]) -> bool:
+    """The prompt closed the reasoning: its last think tag is ``</think>`` (as Qwen3's
+    ``enable_thinking: false`` template writes it); vLLM's ``is_reasoning_end`` on the prompt."""
+    start, end = tags
+    for t in reversed(prompt_ids):
+        if t == end:
+            return True
+        if t == start:
+            return False
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class ReasoningParser:
-    """The server's ``--reasoning-parser``, checked against the tokenizer."""
+    """The engine's ``reasoning_parser``, as the server splits answers with it."""
 
     name: str
-
-    @classmethod
-    def for_vocab(cls, name: str, vocab: Mapping[str, int]) -> ReasoningParser:
-        """vLLM's startup check: the tokenizer has both tags as tokens (else the parser is not
-        the model's), a ValueError naming the flag."""
-        if name not in REASONING_PARSERS:
-            raise ValueError(f"--reasoning-parser {name!r} is not supported "
-                             f"(supported: {', '.join(REASONING_PARSERS)})")
-        missing = [tag for tag in (START, END) if tag not in vocab]
-        if missing:
-            raise ValueError(f"--reasoning-parser {name}: the tokenizer has no {' or '.join(map(repr, missing))} "
-                             "token; this parser is for models that write their reasoning between them")
-        return cls(name)
 
     def splitter(self, template_kwargs: Mapping[str, object] | None) -> ReasoningSplitter:
         """A choice's splitter; ``template_kwargs``: the chat's (qwen3 reads ``enable_thinking``)."""
