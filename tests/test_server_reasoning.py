@@ -17,10 +17,11 @@ from ferrokv.reasoning_parsers import (ReasoningParser, ReasoningSplitter, reaso
 
 MODEL = "chain"
 THINK, END = "<think>", "</think>"
+TAGS = (1000, 1001)  # their ids, where a test needs some
 
 
 def _whole(parser: str, text: str, kwargs: dict | None = None) -> tuple[str | None, str | None]:
-    return split_whole(ReasoningParser(parser).splitter(kwargs), text)
+    return split_whole(ReasoningParser(parser, TAGS).splitter(kwargs), text)
 
 
 @pytest.mark.parametrize("text,deepseek,qwen3", [
@@ -59,7 +60,7 @@ def test_a_stream_splits_as_the_whole_text_under_any_chunking(parser):
     rng = random.Random(7)
     pieces = ["<think>", "</think>", "<tool_call>", "<", "/", "think", ">", "a", "b c", "<thin", "k>", "</thi", "nk",
               "<tool_", "{", " ", "<function", "<func"]
-    p = ReasoningParser(parser)
+    p = ReasoningParser(parser, TAGS)
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
@@ -78,9 +79,9 @@ def test_a_partial_tag_waits_for_the_next_delta():
     assert s.feed("x") == ("", "x")
     s = ReasoningSplitter()
     assert s.feed("so 3 <") == ("so 3 ", "") and s.close() == ("<", "")
-    s = ReasoningParser("qwen3").splitter(None)
+    s = ReasoningParser("qwen3", TAGS).splitter(None)
     assert s.feed("hm <tool") == ("hm ", "") and s.feed("_call> ") == ("", "") and s.feed("{") == ("", "<tool_call> {")
-    s = ReasoningParser("qwen3").splitter(None)  # a call tag waits for what follows it
+    s = ReasoningParser("qwen3", TAGS).splitter(None)  # a call tag waits for what follows it
     assert s.feed("say <tool_call>") == ("say ", "") and s.feed(" <fu") == ("", "")
     assert s.feed("nny>") == ("<tool_call> <funny>", "")
 
@@ -91,6 +92,16 @@ def test_a_parser_is_refused_when_the_tokenizer_lacks_its_tags():
     assert reasoning_tag_ids("deepseek_r1", {THINK: 5, END: 6}) == (5, 6) and reasoning_tag_ids(None, {}) is None
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3; got 'granite'"):
         EngineArgs(model="m", reasoning_parser="granite").validate()
+
+
+def test_a_constrained_answer_after_a_prompt_that_closed_the_reasoning_is_content():
+    """The engine starts a structured output's grammar at once when the prompt closed the
+    reasoning: the answer is content, whatever the parser would make of it (review28)."""
+    for parser in ("deepseek_r1", "qwen3"):
+        p = ReasoningParser(parser, TAGS)
+        assert split_whole(p.splitter(None, [5, 1000, 1001, 7], constrained=True), '{"a": 1}') == (None, '{"a": 1}')
+        assert split_whole(p.splitter(None, [5, 1000, 7], constrained=True), "x</think>y") == ("x", "y")
+        assert split_whole(p.splitter(None, [5, 1000, 1001], constrained=False), "x</think>y") == ("x", "y")
 
 
 def test_the_prompt_closing_the_reasoning_is_read_from_its_last_tags():
@@ -243,8 +254,10 @@ def test_a_structured_output_constrains_what_follows_the_reasoning(chain_llm):
         m = whole["choices"][0]["message"]
         assert (m["reasoning"], m["content"]) == (" the cat", " cat") and _streamed(events) == (" the cat", " cat")
     off = {**regex, "chat_template_kwargs": {"enable_thinking": False}}
-    (closed,) = _post_all(chain_llm, "qwen3", [_chat(**off)])
-    assert (closed["choices"][0]["message"]["reasoning"], closed["choices"][0]["message"]["content"]) == (None, " cat")
+    for parser in ("deepseek_r1", "qwen3"):  # (deepseek_r1 reads no enable_thinking: the prompt tells)
+        whole, events = _post_all(chain_llm, parser, [_chat(**off), _chat(stream=True, **off)])
+        m = whole["choices"][0]["message"]
+        assert (m["reasoning"], m["content"]) == (None, " cat") and _streamed(events) == ("", " cat")
     # The offline engine too: the reasoning, then the constrained answer.
     from ferrokv import SamplingParams
     from ferrokv.structured_outputs import StructuredOutputsParams

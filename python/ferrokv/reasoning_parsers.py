@@ -127,12 +127,19 @@ def reasoning_ended_in(prompt_ids: Sequence[int], tags: tuple[int, int]) -> bool
 
 @dataclass(frozen=True, slots=True)
 class ReasoningParser:
-    """The engine's ``reasoning_parser``, as the server splits answers with it."""
+    """The engine's ``reasoning_parser`` (``tags``: its ``reasoning_tag_ids``), as the server
+    splits answers with it."""
 
     name: str
+    tags: tuple[int, int]
 
-    def splitter(self, template_kwargs: Mapping[str, object] | None) -> ReasoningSplitter:
-        """A choice's splitter; ``template_kwargs``: the chat's (qwen3 reads ``enable_thinking``)."""
+    def splitter(self, template_kwargs: Mapping[str, object] | None, prompt_ids: Sequence[int] = (),
+                 constrained: bool = False) -> ReasoningSplitter:
+        """A choice's splitter; ``template_kwargs``: the chat's (qwen3 reads ``enable_thinking``).
+        A ``constrained`` answer (a structured output) whose prompt closed the reasoning is all
+        content: the engine started its grammar at once, by the same check."""
+        if constrained and reasoning_ended_in(prompt_ids, self.tags):
+            return ReasoningSplitter(thinking=False)
         if self.name != "qwen3":
             return ReasoningSplitter()
         thinking = (template_kwargs or {}).get("enable_thinking", True) is not False

@@ -236,8 +236,8 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
                             async_llm.engine.cache_config.metrics_info())
     # The engine's reasoning parser (checked against the tokenizer when the engine was made): chat
     # answers' reasoning is told apart.
-    name = async_llm.engine.args.reasoning_parser
-    state = ServerState(async_llm, metrics, config, reasoning=None if name is None else ReasoningParser(name))
+    name, tags = async_llm.engine.args.reasoning_parser, async_llm.engine.grammar_rows.reasoning_tags
+    state = ServerState(async_llm, metrics, config, reasoning=None if name is None else ReasoningParser(name, tags))
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.root_path = config.root_path  # as vLLM sets it (the constructor's argument is deprecated)

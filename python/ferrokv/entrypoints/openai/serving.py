@@ -83,7 +83,7 @@ class ServerState:
                                    f"{', '.join(map(repr, self.model_names))}", "model", "NotFoundError")
         return self.model_names[0]
 
-    def new_splitter(self, template: Mapping[str, Any]) -> Callable[[], ReasoningSplitter] | None:
+    def new_splitter(self, template: Mapping[str, Any]) -> Callable[..., ReasoningSplitter] | None:
         """How a chat's answers are split into reasoning and content (``--reasoning-parser``; the
         chat's ``template`` keywords, as ``template_for`` gives them, may turn the reasoning off)."""
         if self.reasoning is None:

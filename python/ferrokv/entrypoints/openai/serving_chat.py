@@ -77,7 +77,7 @@ class ChatAnswer:
     read out of the text), logprobs, finish reasons and usage (also the Responses API's)."""
 
     def __init__(self, req: ChatRequest, model: str, created: int, response_role: str, rid: str,
-                 new_splitter: Callable[[], ReasoningSplitter] | None = None) -> None:
+                 new_splitter: Callable[..., ReasoningSplitter] | None = None) -> None:
         self.req = req
         # vLLM's: the answer's role is --response-role, or the last message's when the request
         # continues it (add_generation_prompt false).
@@ -97,8 +97,10 @@ class ChatAnswer:
         self.parsers: dict[int, ToolCallParser] = {}  # per choice, when the request uses tools
         self.new_splitter = new_splitter  # with a reasoning parser (ServerState.new_splitter)
         self.splitters: dict[int, ReasoningSplitter] = {}  # per streamed choice, with a reasoning parser
+        self.prompt_ids: list[int] = []  # (known once outputs come: the splitters read them)
 
     def count(self, out: RequestOutput) -> None:
+        self.prompt_ids = out.prompt_token_ids
         self.prompt_tokens = len(out.prompt_token_ids)
         self.cached = max(self.cached, out.num_cached_tokens)
         for c in out.outputs:
@@ -114,8 +116,7 @@ class ChatAnswer:
 
     def message(self, c: CompletionOutput) -> dict[str, Any]:
         """A whole choice's message: its reasoning, its text, and the tool calls it made (``tool_calls``)."""
-        new = self.new_splitter
-        reasoning, text = (None, c.text) if new is None else split_whole(new(), c.text)
+        reasoning, text = (None, c.text) if self.new_splitter is None else split_whole(self._splitter(), c.text)
         thought = self._reasoning_fields(reasoning)
         if self.req.tool_choice is None:  # no tool_calls: OpenAI's
             content = self.echo + text if text is not None else (self.echo or None)
@@ -154,12 +155,18 @@ class ChatAnswer:
             return "", c.text
         splitter = self.splitters.get(c.index)
         if splitter is None:
-            splitter = self.splitters[c.index] = self.new_splitter()
+            splitter = self.splitters[c.index] = self._splitter()
         reasoning, text = splitter.feed(c.text)
         if c.finish_reason is not None:
             more, rest = splitter.close()
             reasoning, text = reasoning + more, text + rest
         return reasoning, text
+
+    def _splitter(self) -> ReasoningSplitter:
+        """A choice's reasoning splitter (``ReasoningParser.splitter``: a structured output's answer
+        is all content when the prompt closed the reasoning, as its grammar then started at once)."""
+        assert self.new_splitter is not None
+        return self.new_splitter(self.prompt_ids, self.req.params.structured_outputs is not None)
 
     def _reasoning_fields(self, reasoning: str | None) -> dict[str, Any]:
         """A message's (or delta's) reasoning, under vLLM's name and its older one, unless the
