@@ -42,5 +42,8 @@ def check(arch: str) -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for arch in ("llama", "qwen3"):
         print(json.dumps(check(arch), default=str), flush=True)

@@ -41,7 +41,8 @@ def _http_flags(g: Any, d: Any) -> None:
                    help="whether clients must show a certificate --ssl-ca-certs verifies: 0 no, 1 optional, 2 "
                         "required (Python's ssl.CERT_*) (default: 0)")
     g.add_argument("--h11-max-incomplete-event-size", type=human_readable_int, default=None, metavar="BYTES",
-                   help="the largest request head accepted; a larger one gets 400 (default: h11's 16 KiB)")
+                   help="the largest request head still being received that is accepted; a larger one gets 400 "
+                        "(default: h11's 16 KiB)")
     g.add_argument("--log-config-file", default=None, metavar="FILE",
                    help="a logging configuration (JSON, YAML or INI, as uvicorn reads it) for the server's and "
                         "uvicorn's loggers (default: none)")
