@@ -956,6 +956,49 @@ def test_response_role_default_template_kwargs_and_max_log_len_as_vllms_flags(ti
                                     for m in logged), logged
 
 
+def test_enable_log_outputs_logs_each_choice_once_it_finishes(tiny_model_dir):
+    """vLLM's --enable-log-outputs: each choice's whole text (a stream's deltas gathered), cut to
+    --max-log-len, and its finish reason; off, nothing."""
+    import asyncio
+    import logging
+
+    from ferrokv import AsyncLLM
+    from ferrokv.entrypoints.openai.api_server import ServerConfig, build_app
+
+    llm = AsyncLLM(str(tiny_model_dir("llama", "llama")), device="cpu", dtype="float32", max_model_len=128,
+                   num_kv_blocks=64)
+    body = {"model": MODEL, "prompt": "A dog runs", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2}
+
+    async def ask(config):
+        transport = httpx.ASGITransport(app=build_app(llm, config))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+            whole = (await c.post("/v1/completions", json=body)).json()
+            await c.post("/v1/completions", json={**body, "stream": True})
+        return [ch["text"] for ch in sorted(whole["choices"], key=lambda ch: ch["index"])]
+
+    logged: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    serve_log = logging.getLogger("ferrokv.serve")
+    serve_log.addHandler(handler)
+    try:
+        texts = asyncio.run(ask(ServerConfig(served_model_name=MODEL, log_outputs=True)))
+        outputs = [m for m in logged if ": output " in m]
+        asyncio.run(ask(ServerConfig(served_model_name=MODEL, log_outputs=True, max_log_len=3)))
+        cut = [m for m in logged if ": output " in m][len(outputs):]
+        logged.clear()
+        asyncio.run(ask(ServerConfig(served_model_name=MODEL)))
+    finally:
+        serve_log.removeHandler(handler)
+        llm.shutdown()
+    assert len(outputs) == 4  # two choices, streamed and not
+    for i, text in enumerate(texts):
+        assert sum(f": output {i}: {text!r}, finish_reason: length" in m for m in outputs) == 2, (text, outputs)
+    assert len(cut) == 4 and all(f"... ({len(texts[0])} characters)" in m or f"({len(texts[1])} characters)" in m
+                                 for m in cut), cut
+    assert not [m for m in logged if ": output " in m]
+
+
 def test_a_completion_of_several_prompts_streams_each_as_it_comes_and_refuses_before_any_byte(tiny_model_dir):
     """The response starts once the engine took every prompt, not once each has a token: with one
     running slot, prompt 0 streams to its end before prompt 1 starts (vLLM's merge). A prompt the

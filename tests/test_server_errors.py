@@ -792,6 +792,7 @@ SERVE_BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["--max-model-len", "1.5K"], ["--max-model-len", "1.5k"]),
     (["--max-model-len", "lots"], ["--max-model-len", "lots"]),
     (["--log-prompts=1"], ["--log-prompts"]),
+    (["--enable-log-outputs=1"], ["--enable-log-outputs"]),
     (["--allowed-origins", "*"], ["--allowed-origins", "not JSON"]),
     (["--allowed-methods", "[1]"], ["--allowed-methods", "a JSON list of strings"]),
     (["--allowed-headers", "{}"], ["--allowed-headers", "a JSON list of strings"]),

@@ -98,8 +98,12 @@ def serve_flags(p: argparse.ArgumentParser) -> None:
                                           "they are aborted", d.drain_timeout))
     g.add_argument("--log-prompts", "--enable-log-requests", action="store_true",
                    help="log each request's prompt and sampling parameters (default: off)")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="log each request's outputs (each choice's text and finish reason) as they finish "
+                        "(default: off)")
     g.add_argument("--max-log-len", type=human_readable_int, default=d.max_log_len, metavar="N",
-                   help="characters of a prompt --log-prompts logs (default: all)")
+                   help="characters of a prompt --log-prompts logs, or of an output --enable-log-outputs logs "
+                        "(default: all)")
     g.add_argument("--response-role", default=d.response_role, metavar="ROLE",
                    help=help_with_default("the role of chat answers (a chat that continues its last message: that "
                                           "message's)", d.response_role))
@@ -343,6 +347,7 @@ def _server_config(args: argparse.Namespace, api_keys: tuple[str, ...], chat_tem
                         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
                         drain_timeout=args.drain_timeout, log_prompts=args.log_prompts,
+                        log_outputs=args.enable_log_outputs,
                         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                         enable_request_id_headers=args.enable_request_id_headers,

@@ -55,6 +55,7 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     drain_timeout: float = 30.0
     log_prompts: bool = False
+    log_outputs: bool = False  # vLLM's --enable-log-outputs: each choice's text when it finishes
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])

@@ -44,7 +44,7 @@ from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
 from ferrokv.reasoning_parsers import ReasoningParser, ReasoningSplitter
 from ferrokv.entrypoints.openai.server_config import ServerConfig
 from ferrokv.inputs import truncation_length
-from ferrokv.outputs import RequestOutput
+from ferrokv.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger("ferrokv.serve")
 
@@ -393,6 +393,8 @@ class Generation:
         self._firsts: list[asyncio.Future[None]] = []  # fetching them; outputs() awaits those not done
         self._accepted = accepted
         self.timers = [RequestTimer(params.n, params.max_tokens) for _ in gens]
+        self.deltas = params.output_kind == RequestOutputKind.DELTA  # a stream's outputs hold new text only
+        self._texts: dict[tuple[str, int], str] = {}  # (--enable-log-outputs) a streamed choice's text so far
 
     async def start(self) -> None:
         """Waits until every request has its first output, or (``accepted``) the engine took every
@@ -446,7 +448,22 @@ class Generation:
 
     def _seen(self, i: int, out: RequestOutput) -> RequestOutput:
         self.state.metrics.on_output(out, self.timers[i])
+        if self.state.config.log_outputs:
+            self._log_outputs(out)
         return out
+
+    def _log_outputs(self, out: RequestOutput) -> None:
+        """``--enable-log-outputs``: each choice's text (cut to ``--max-log-len``) once it finishes;
+        a stream's deltas are gathered until then."""
+        for c in out.outputs:
+            key = (out.request_id, c.index)
+            text = self._texts.pop(key, "") + c.text if self.deltas else c.text
+            if c.finish_reason is None:
+                self._texts[key] = text
+                continue
+            n = self.state.config.max_log_len
+            logger.info("%s: output %d: %r, finish_reason: %s", out.request_id, c.index,
+                        text if n is None else _cut(text, n), c.finish_reason)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every output of every request, as each arrives (the first ones already there first)."""
