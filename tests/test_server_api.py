@@ -1125,12 +1125,14 @@ def test_a_first_output_that_failed_after_start_returned_is_the_calls_error():
     import asyncio
     import types
 
+    from ferrokv import SamplingParams
+    from ferrokv.entrypoints.openai.server_config import ServerConfig
     from ferrokv.entrypoints.openai.serving import Acceptance, Generation
 
     closed: list[bool] = []
-    state = types.SimpleNamespace(admitted=2, metrics=types.SimpleNamespace(
+    state = types.SimpleNamespace(admitted=2, config=ServerConfig(), metrics=types.SimpleNamespace(
         on_output=lambda out, timer: None, on_close=lambda timer, failed=False: closed.append(failed)))
-    params = types.SimpleNamespace(n=1, max_tokens=4)
+    params = SamplingParams(n=1, max_tokens=4)
 
     async def ends_at_once():
         yield types.SimpleNamespace(finished=True)

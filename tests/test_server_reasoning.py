@@ -104,6 +104,13 @@ def test_a_constrained_answer_after_a_prompt_that_closed_the_reasoning_is_conten
         assert split_whole(p.splitter(None, [5, 1000, 1001], constrained=False), "x</think>y") == ("x", "y")
 
 
+def test_reasoning_tokens_are_counted_as_vllm_counts_them():
+    p = ReasoningParser("deepseek_r1", TAGS)
+    assert p.count_reasoning_tokens([1000, 5, 6, 1001, 7]) == 2  # the leading <think> is not counted
+    assert p.count_reasoning_tokens([5, 6, 1001, 7, 1001]) == 2 and p.count_reasoning_tokens([5, 6, 7]) == 3
+    assert p.count_reasoning_tokens([]) == 0 and p.count_reasoning_tokens([1001, 4]) == 0
+
+
 def test_the_prompt_closing_the_reasoning_is_read_from_its_last_tags():
     assert reasoning_ended_in([5, 10, 6, 11, 7], (10, 11)) and reasoning_ended_in([11], (10, 11))
     assert not reasoning_ended_in([5, 10, 6], (10, 11)) and not reasoning_ended_in([10, 11, 10], (10, 11))
@@ -232,6 +239,9 @@ def test_responses_put_the_reasoning_in_its_own_item(chain_llm):
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
     assert [(i["type"], i["status"]) for i in events[-1]["response"]["output"]] == [("reasoning", "completed"),
                                                                                    ("message", "completed")]
+    # usage counts the reasoning's tokens (" the", " cat"), streamed or not (vLLM's)
+    for usage in (whole["usage"], events[-1]["response"]["usage"]):
+        assert usage["output_tokens_details"] == {"reasoning_tokens": 2} and usage["output_tokens"] == 7
     # An answer of reasoning alone (cut short) has no message item (vLLM's), streamed or not.
     short = {**body, "max_output_tokens": 3}
     whole, events = _post_all(chain_llm, "qwen3", [("/v1/responses", short),

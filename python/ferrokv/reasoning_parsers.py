@@ -40,9 +40,10 @@ CALL_BODIES = ("{", "<function")  # what follows a tool call's tag (hermes JSON,
 class ReasoningSplitter:
     """One choice's text, split into reasoning and content delta by delta."""
 
-    __slots__ = ("_held", "_started", "_ended", "_implicit_end")
+    __slots__ = ("thinking", "_held", "_started", "_ended", "_implicit_end")
 
     def __init__(self, thinking: bool = True, implicit_end: str | None = None) -> None:
+        self.thinking = thinking  # the answer may hold reasoning (else it is all content)
         self._held = ""  # the end of the text so far that may be the start of a tag
         self._started = False  # past where the model's own <think> may come (a later one is text)
         self._ended = not thinking  # the reasoning ended (or there is none): the rest is content
@@ -132,6 +133,14 @@ class ReasoningParser:
 
     name: str
     tags: tuple[int, int]
+
+    def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of an answer's tokens are its reasoning: those before its first ``</think>``
+        (a leading ``<think>`` not counted), all of them while none came (vLLM's count)."""
+        ids = list(token_ids)
+        start = 1 if ids[:1] == [self.tags[0]] else 0
+        end = ids.index(self.tags[1], start) if self.tags[1] in ids[start:] else len(ids)
+        return end - start
 
     def splitter(self, template_kwargs: Mapping[str, object] | None, prompt_ids: Sequence[int] = (),
                  constrained: bool = False) -> ReasoningSplitter:

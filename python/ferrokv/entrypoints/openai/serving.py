@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import re
@@ -41,7 +40,7 @@ from ferrokv._core import CacheCapacityError
 from ferrokv.engine_loop import EngineDeadError, EngineGenerateError
 from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
-from ferrokv.reasoning_parsers import ReasoningParser, ReasoningSplitter
+from ferrokv.reasoning_parsers import ReasoningParser
 from ferrokv.entrypoints.openai.server_config import ServerConfig
 from ferrokv.inputs import truncation_length
 from ferrokv.outputs import RequestOutput, RequestOutputKind
@@ -82,13 +81,6 @@ class ServerState:
             raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
                                    f"{', '.join(map(repr, self.model_names))}", "model", "NotFoundError")
         return self.model_names[0]
-
-    def new_splitter(self, template: Mapping[str, Any]) -> Callable[..., ReasoningSplitter] | None:
-        """How a chat's answers are split into reasoning and content (``--reasoning-parser``; the
-        chat's ``template`` keywords, as ``template_for`` gives them, may turn the reasoning off)."""
-        if self.reasoning is None:
-            return None
-        return functools.partial(self.reasoning.splitter, template.get("chat_template_kwargs"))
 
     def check_chat_template(self, template: Mapping[str, Any]) -> None:
         """A request's own chat template (``template``: ``protocol._template``'s keywords) is

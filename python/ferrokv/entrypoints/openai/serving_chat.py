@@ -23,13 +23,13 @@ import logging
 import re
 import time
 from types import MappingProxyType
-from collections.abc import Callable
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, OpenAIError, parse_chat_request
-from ferrokv.reasoning_parsers import ReasoningSplitter, split_whole
+from ferrokv.reasoning_parsers import ReasoningParser, ReasoningSplitter, split_whole
 from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Acceptance, Generation, JSONBody, ServerState,
                                                SSEResponse, engine_request_id, generate_checked, response_id,
                                                run_generation, stream_events, to_openai_error, watched)
@@ -77,7 +77,7 @@ class ChatAnswer:
     read out of the text), logprobs, finish reasons and usage (also the Responses API's)."""
 
     def __init__(self, req: ChatRequest, model: str, created: int, response_role: str, rid: str,
-                 new_splitter: Callable[..., ReasoningSplitter] | None = None) -> None:
+                 reasoning: ReasoningParser | None = None, template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.req = req
         # vLLM's: the answer's role is --response-role, or the last message's when the request
         # continues it (add_generation_prompt false).
@@ -95,7 +95,8 @@ class ChatAnswer:
         self.choice_tokens: dict[int, int] = {}  # generated tokens per choice index
         self.started = False  # the stream's role (and echo) chunks were sent
         self.parsers: dict[int, ToolCallParser] = {}  # per choice, when the request uses tools
-        self.new_splitter = new_splitter  # with a reasoning parser (ServerState.new_splitter)
+        self.reasoning = reasoning  # the engine's reasoning parser, if any
+        self.template_kwargs = template_kwargs  # the chat's (qwen3's enable_thinking)
         self.splitters: dict[int, ReasoningSplitter] = {}  # per streamed choice, with a reasoning parser
         self.prompt_ids: list[int] = []  # (known once outputs come: the splitters read them)
 
@@ -116,7 +117,7 @@ class ChatAnswer:
 
     def message(self, c: CompletionOutput) -> dict[str, Any]:
         """A whole choice's message: its reasoning, its text, and the tool calls it made (``tool_calls``)."""
-        reasoning, text = (None, c.text) if self.new_splitter is None else split_whole(self._splitter(), c.text)
+        reasoning, text = (None, c.text) if self.reasoning is None else split_whole(self._splitter(), c.text)
         thought = self._reasoning_fields(reasoning)
         if self.req.tool_choice is None:  # no tool_calls: OpenAI's
             content = self.echo + text if text is not None else (self.echo or None)
@@ -151,7 +152,7 @@ class ChatAnswer:
 
     def _split_delta(self, c: CompletionOutput) -> tuple[str, str]:
         """A streamed choice's next reasoning and content text (``reasoning_parsers``)."""
-        if self.new_splitter is None:
+        if self.reasoning is None:
             return "", c.text
         splitter = self.splitters.get(c.index)
         if splitter is None:
@@ -165,8 +166,15 @@ class ChatAnswer:
     def _splitter(self) -> ReasoningSplitter:
         """A choice's reasoning splitter (``ReasoningParser.splitter``: a structured output's answer
         is all content when the prompt closed the reasoning, as its grammar then started at once)."""
-        assert self.new_splitter is not None
-        return self.new_splitter(self.prompt_ids, self.req.params.structured_outputs is not None)
+        assert self.reasoning is not None
+        constrained = self.req.params.structured_outputs is not None
+        return self.reasoning.splitter(self.template_kwargs, self.prompt_ids, constrained)
+
+    def reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of a choice's ``token_ids`` are its reasoning (vLLM's count, for usage)."""
+        if self.reasoning is None or not self._splitter().thinking:
+            return 0
+        return self.reasoning.count_reasoning_tokens(token_ids)
 
     def _reasoning_fields(self, reasoning: str | None) -> dict[str, Any]:
         """A message's (or delta's) reasoning, under vLLM's name and its older one, unless the
@@ -204,7 +212,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Any
     state.admit(1, req.params.n)
     call = ChatAnswer(req, model, int(time.time()),  # created: when this completion was made
                       state.config.response_role, response_id("chatcmpl", request, req.request_id),
-                      state.new_splitter(template))
+                      state.reasoning, template.get("chat_template_kwargs"))
     rid = engine_request_id(call.head["id"])
     if state.config.log_prompts:
         logger.info("%s: messages %s, params %r", rid, state.loggable(req.messages), req.params)

@@ -317,6 +317,7 @@ class _Response:
         self.rs_id = f"rs_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.seq = -1
+        self.token_ids: list[int] = []  # the answer's tokens so far (its usage counts the reasoning's)
         self.reasoning_parts: list[str] | None = None  # the streamed reasoning, once some came
         self.reasoning_status: str | None = None  # its item's, once closed (by content or calls after it, or the end)
 
@@ -345,7 +346,7 @@ class _Response:
         return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                 "total_tokens": u["total_tokens"],
                 "input_tokens_details": {"cached_tokens": self.call.cached, "cache_write_tokens": written},
-                "output_tokens_details": {"reasoning_tokens": 0}}
+                "output_tokens_details": {"reasoning_tokens": self.call.reasoning_tokens(self.token_ids)}}
 
     def text_part(self, text: str, c: CompletionOutput) -> dict[str, Any]:
         lp = self.call.logprobs(c)
@@ -395,7 +396,8 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
     template = state.template_for(chat.template)
     state.admit(1, chat.params.n)
     rid = f"resp_{request.headers.get('x-request-id') or chat.request_id or uuid.uuid4().hex}"
-    call = ChatAnswer(chat, model, int(time.time()), "assistant", rid, state.new_splitter(template))
+    call = ChatAnswer(chat, model, int(time.time()), "assistant", rid, state.reasoning,
+                      template.get("chat_template_kwargs"))
     args = state.llm.engine.args
     resp = _Response(req, call, rid, args.block_size if args.enable_prefix_caching else None)
     engine_id = engine_request_id(rid)
@@ -414,6 +416,7 @@ async def create_response(request: Request, state: ServerState, body: Any) -> An
         (out,) = await watched(request, gen.finals())
         call.count(out)
         c = out.outputs[0]
+        resp.token_ids = list(c.token_ids)
         output = resp.output(c)
         return JSONBody(resp.body(_status(c), output))
 
@@ -436,6 +439,7 @@ async def _stream(gen: Generation, resp: _Response) -> Any:
         async for _, out in gen.outputs():
             call.count(out)
             c = last = out.outputs[0]
+            resp.token_ids += c.token_ids
             answer = call.delta(c)
             delta = answer.get("content") or ""
             lps += (call.logprobs(c) or {}).get("content") or []
