@@ -47,8 +47,10 @@ def _whole(parser: str, text: str, kwargs: dict | None = None) -> tuple[str | No
 def test_a_whole_answer_splits_as_vllms_parsers_read_it(text, deepseek, qwen3):
     assert _whole("deepseek_r1", text) == deepseek
     assert _whole("qwen3", text) == qwen3
-    # Qwen3 with enable_thinking false: all content (deepseek_r1 has no such switch).
-    assert _whole("qwen3", text, {"enable_thinking": False}) == (None, text or None)
+    # Qwen3 with enable_thinking false (any false value, as vLLM reads it): all content
+    # (deepseek_r1 has no such switch).
+    for off in (False, 0, None, ""):
+        assert _whole("qwen3", text, {"enable_thinking": off}) == (None, text or None)
     assert _whole("deepseek_r1", text, {"enable_thinking": False}) == deepseek
     assert _whole("qwen3", text, {"enable_thinking": True}) == qwen3
 

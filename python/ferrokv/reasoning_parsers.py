@@ -151,7 +151,7 @@ class ReasoningParser:
             return ReasoningSplitter(thinking=False)
         if self.name != "qwen3":
             return ReasoningSplitter()
-        thinking = (template_kwargs or {}).get("enable_thinking", True) is not False
+        thinking = bool((template_kwargs or {}).get("enable_thinking", True))  # vLLM's: any false value
         return ReasoningSplitter(thinking, TOOL_CALL)
 
 
