@@ -49,13 +49,13 @@ from ferrokv.entrypoints.openai.connections import HeadTimeoutH11, raise_fd_limi
 from ferrokv.entrypoints.openai.metrics import ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
 from ferrokv.entrypoints.openai.protocol_tokenize import parse_detokenize_request, parse_tokenize_request
-from ferrokv.reasoning_parsers import ReasoningParser
 from ferrokv.entrypoints.openai.serving import ServerState, error_response, to_openai_error
 from ferrokv.entrypoints.openai.serving_chat import create_chat_completion
 from ferrokv.entrypoints.openai.serving_completion import create_completion
 from ferrokv.entrypoints.openai.serving_responses import create_response, not_found
 from ferrokv.entrypoints.openai.server_config import ServerConfig, body_limit
 from ferrokv.entrypoints.openai.tool_parsers import check_tool_call_parser
+from ferrokv.reasoning_parsers import ReasoningParser
 from ferrokv.stats_log import LOG_STATS_INTERVAL_S
 
 logger = logging.getLogger("ferrokv.serve")

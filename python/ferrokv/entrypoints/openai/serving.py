@@ -40,10 +40,10 @@ from ferrokv._core import CacheCapacityError
 from ferrokv.engine_loop import EngineDeadError, EngineGenerateError
 from ferrokv.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from ferrokv.entrypoints.openai.protocol import OpenAIError, error_body
-from ferrokv.reasoning_parsers import ReasoningParser
 from ferrokv.entrypoints.openai.server_config import ServerConfig
 from ferrokv.inputs import truncation_length
 from ferrokv.outputs import RequestOutput, RequestOutputKind
+from ferrokv.reasoning_parsers import ReasoningParser
 
 logger = logging.getLogger("ferrokv.serve")
 

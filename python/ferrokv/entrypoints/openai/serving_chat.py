@@ -22,20 +22,20 @@ import contextlib
 import logging
 import re
 import time
-from types import MappingProxyType
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import Request
 
 from ferrokv.entrypoints.openai.protocol import ChatRequest, OpenAIError, parse_chat_request
-from ferrokv.reasoning_parsers import ReasoningParser, ReasoningSplitter, split_whole
 from ferrokv.entrypoints.openai.serving import (RESPONSE_NULLS, Acceptance, Generation, JSONBody, ServerState,
                                                SSEResponse, engine_request_id, generate_checked, response_id,
                                                run_generation, stream_events, to_openai_error, watched)
 from ferrokv.entrypoints.openai.serving_completion import finite_logprob, prompt_logprobs_json, token_text, usage
 from ferrokv.entrypoints.openai.tool_parsers import ToolCallParser, tool_call_parser
 from ferrokv.outputs import CompletionOutput, RequestOutput
+from ferrokv.reasoning_parsers import ReasoningParser, ReasoningSplitter, split_whole
 
 logger = logging.getLogger("ferrokv.serve")
 
