@@ -371,9 +371,9 @@ class _Response:
         status = _status(c)
         calls = [self.function_call(tc, status) for tc in m.get("tool_calls") or ()]
         text = m["content"] or ""
-        # Reasoning followed by anything is complete; an answer of reasoning alone has no message (vLLM's).
+        # An answer of reasoning alone has no message (vLLM's).
         reasoning = m.get("reasoning")
-        done = "completed" if text or calls else status
+        done = _reasoning_status(bool(text or calls), status)
         thought = [] if reasoning is None else [self.reasoning_item(reasoning, done)]
         items = [self.message(status, [self.text_part(text, c)])] if text or not (calls or thought) else []
         return thought + items + calls
@@ -449,7 +449,7 @@ async def _stream(gen: Generation, resp: _Response) -> Any:
                     sent = len(lps)  # the reasoning's tokens: listed in the message's done event, as vLLM's
             if delta:
                 if not text:
-                    yield _close_reasoning(resp, "completed") + _open_message(resp)
+                    yield _close_reasoning(resp, _reasoning_status(True, _status(c))) + _open_message(resp)
                 text.append(delta)
                 yield _delta(resp, delta, lps[sent:])
                 sent = len(lps)
@@ -460,6 +460,11 @@ async def _stream(gen: Generation, resp: _Response) -> Any:
         yield resp.event("error", code=str(err.status), message=err.message, param=err.param)
     finally:
         await gen.close()
+
+
+def _reasoning_status(followed: bool, status: str) -> str:
+    """The reasoning item's status: complete once text or calls follow it, else the answer's."""
+    return "completed" if followed else status
 
 
 def _reasoning_delta(resp: _Response, delta: str) -> str:
@@ -500,7 +505,7 @@ def _close(resp: _Response, c: CompletionOutput, text: str, lps: list[Any], sent
     (also for an incomplete response, as vLLM ends every stream and the openai client expects)."""
     status = _status(c)
     calls = [resp.function_call(tc, status) for tc in resp.call.answered_calls(0)]
-    events = [_close_reasoning(resp, "completed" if calls else status)]
+    events = [_close_reasoning(resp, _reasoning_status(bool(calls), status))]  # (text after it closed it already)
     parts = resp.reasoning_parts
     output = [] if parts is None else [resp.reasoning_item("".join(parts), resp.reasoning_status)]
     i = resp.msg_index
