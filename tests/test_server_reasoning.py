@@ -12,8 +12,7 @@ import httpx
 import pytest
 
 from ferrokv.engine_args import EngineArgs
-from ferrokv.reasoning_parsers import (ReasoningParser, ReasoningSplitter, reasoning_ended_in, reasoning_tag_ids,
-                                       split_whole)
+from ferrokv.reasoning_parsers import ReasoningParser, ReasoningSplitter, reasoning_ended_in, split_whole
 
 MODEL = "chain"
 THINK, END = "<think>", "</think>"
@@ -90,8 +89,9 @@ def test_a_partial_tag_waits_for_the_next_delta():
 
 def test_a_parser_is_refused_when_the_tokenizer_lacks_its_tags():
     with pytest.raises(ValueError, match=r"reasoning_parser='qwen3': the tokenizer has no '</think>' token"):
-        reasoning_tag_ids("qwen3", {"<think>": 5})
-    assert reasoning_tag_ids("deepseek_r1", {THINK: 5, END: 6}) == (5, 6) and reasoning_tag_ids(None, {}) is None
+        ReasoningParser.of("qwen3", {"<think>": 5})
+    assert ReasoningParser.of("deepseek_r1", {THINK: 5, END: 6}) == ReasoningParser("deepseek_r1", (5, 6))
+    assert ReasoningParser.of(None, {}) is None
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3; got 'granite'"):
         EngineArgs(model="m", reasoning_parser="granite").validate()
 

@@ -77,10 +77,8 @@ from ferrokv.output_processor import (RequestState, aborted_output, append_logpr
                                       new_stats, prompt_of_row, request_times, seq_of_row, stream_rows)
 from ferrokv.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from ferrokv.prompt_logprobs import PromptLogprobRequests, PromptLogprobsPlan
-from ferrokv.reasoning_parsers import reasoning_tag_ids
 from ferrokv.step_profile import StepProfile
-from ferrokv.structured_outputs import (CompiledGrammar, GrammarRows, GrammarStep, LazyGrammarCompiler,
-                                        StructuredOutputsParams)
+from ferrokv.structured_outputs import CompiledGrammar, GrammarStep, StructuredOutputsParams
 from ferrokv.step_sampling import StepSampler, core_sampling_kwargs
 from ferrokv.step_worker import StepWorker
 from ferrokv.sampling_params import SamplingParams
@@ -136,11 +134,7 @@ class LLMEngine:
         self._held = HeldOutputs()  # outputs made and not handed out yet (ferrokv.held_outputs)
         self._beam_ids: set[int] = set()
         self._plp_wanted = PromptLogprobRequests()
-        self.grammars = LazyGrammarCompiler(self.tokenizer, self.vocab_size,
-                                            self.eos_token_ids[0] if self.eos_token_ids else None)
-        tags = reasoning_tag_ids(args.reasoning_parser, self.tokenizer.get_vocab())  # grammars start after reasoning
-        self.grammar_rows = GrammarRows(self.grammars.vocab_width, pin_memory=self.device.type == "cuda",
-                                        on_failed_grammar=self.grammars.forget, reasoning_tags=tags)
+        self.grammars, self.grammar_rows, self.reasoning = parts.grammars, parts.grammar_rows, parts.reasoning
         self.profile: StepProfile | None = None
         """Set to a ``StepProfile`` to time each step's stages (benches/engine_overhead.py)."""
         self._requests: dict[int, RequestState] = {}

@@ -28,6 +28,8 @@ from ferrokv.cuda_graphs import DecodeGraphs, capture_sizes
 from ferrokv.engine_args import AUTO_MAX_MODEL_LEN, DTYPE_ALIASES, EngineArgs
 from ferrokv.generation_defaults import defaults_source, generation_config_file, load_generation_defaults
 from ferrokv.kv_cache import KVCacheSpec, PagedKVCache
+from ferrokv.reasoning_parsers import ReasoningParser
+from ferrokv.structured_outputs import GrammarRows, LazyGrammarCompiler
 
 logger = logging.getLogger("ferrokv")
 
@@ -235,6 +237,9 @@ class EngineParts:
     kv_cache: PagedKVCache
     scheduler: Scheduler
     decode_graphs: DecodeGraphs | None  # CUDA graphs of decode steps (ferrokv.cuda_graphs)
+    grammars: LazyGrammarCompiler  # structured outputs' compiler and per-generation rows (ferrokv.structured_outputs)
+    grammar_rows: GrammarRows
+    reasoning: ReasoningParser | None  # the reasoning_parser: grammars start after the reasoning
 
 
 # As vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN (either name): a max_model_len beyond the model's positions.
@@ -385,8 +390,20 @@ def load_engine(args: EngineArgs) -> EngineParts:
     # Decided once, before the KV cache was sized around the graphs' memory (an auto max_model_len
     # lowered since may no longer rescale a dynamic RoPE; the estimate did not count them).
     decode_graphs = capture_decode_graphs(args, model, kv_cache, device, max_len) if graphs else None
+    grammar_parts = _structured_outputs(args, tokenizer, vocab_size, eos, device)
     return EngineParts(model_path, device, dtype, model, tokenizer, vocab_size, eos, defaults, max_len, num_blocks,
-                       kv_cache, scheduler, decode_graphs)
+                       kv_cache, scheduler, decode_graphs, *grammar_parts)
+
+
+def _structured_outputs(args: EngineArgs, tokenizer: Any, vocab_size: int, eos: tuple[int, ...],
+                        device: torch.device) -> tuple[LazyGrammarCompiler, GrammarRows, ReasoningParser | None]:
+    """The grammar compiler, the rows that mask the logits of generations under a grammar, and the
+    reasoning parser (checked against the tokenizer) after whose ``</think>`` those grammars start."""
+    reasoning = ReasoningParser.of(args.reasoning_parser, tokenizer.get_vocab())
+    grammars = LazyGrammarCompiler(tokenizer, vocab_size, eos[0] if eos else None)
+    rows = GrammarRows(grammars.vocab_width, pin_memory=device.type == "cuda", on_failed_grammar=grammars.forget,
+                       reasoning_tags=None if reasoning is None else reasoning.tags)
+    return grammars, rows, reasoning
 
 
 def uses_decode_graphs(args: EngineArgs, device: torch.device, backend: str, rope: Any, max_model_len: int) -> bool:

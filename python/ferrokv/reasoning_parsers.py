@@ -28,8 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplitter", "reasoning_ended_in", "reasoning_tag_ids",
-           "split_whole"]
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplitter", "reasoning_ended_in", "split_whole"]
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
@@ -101,19 +100,6 @@ def _partial_tag(text: str, tags: list[str]) -> int:
     return longest
 
 
-def reasoning_tag_ids(name: str | None, vocab: Mapping[str, int]) -> tuple[int, int] | None:
-    """The ids of ``<think>`` and ``</think>`` for the engine's ``reasoning_parser`` (None: none).
-    vLLM's check when the parser is made: a tokenizer without both tags as tokens is not one of
-    the parser's models, a ValueError naming the argument."""
-    if name is None:
-        return None
-    missing = [tag for tag in (START, END) if tag not in vocab]
-    if missing:
-        raise ValueError(f"reasoning_parser={name!r}: the tokenizer has no {' or '.join(map(repr, missing))} token; "
-                         "this parser is for models that write their reasoning between them")
-    return vocab[START], vocab[END]
-
-
 def reasoning_ended_in(prompt_ids: Sequence[int], tags: tuple[int, int]) -> bool:
     """The prompt closed the reasoning: its last think tag is ``</think>`` (as Qwen3's
     ``enable_thinking: false`` template writes it); vLLM's ``is_reasoning_end`` on the prompt."""
@@ -128,11 +114,24 @@ def reasoning_ended_in(prompt_ids: Sequence[int], tags: tuple[int, int]) -> bool
 
 @dataclass(frozen=True, slots=True)
 class ReasoningParser:
-    """The engine's ``reasoning_parser`` (``tags``: its ``reasoning_tag_ids``), as the server
-    splits answers with it."""
+    """The engine's ``reasoning_parser``: where its grammars start, and how the server splits
+    answers."""
 
     name: str
-    tags: tuple[int, int]
+    tags: tuple[int, int]  # the ids of <think> and </think>
+
+    @classmethod
+    def of(cls, name: str | None, vocab: Mapping[str, int]) -> ReasoningParser | None:
+        """The engine's ``reasoning_parser`` (None: none). vLLM's check when the parser is made: a
+        tokenizer without both tags as tokens is not one of the parser's models, a ValueError
+        naming the argument."""
+        if name is None:
+            return None
+        missing = [tag for tag in (START, END) if tag not in vocab]
+        if missing:
+            raise ValueError(f"reasoning_parser={name!r}: the tokenizer has no {' or '.join(map(repr, missing))} "
+                             "token; this parser is for models that write their reasoning between them")
+        return cls(name, (vocab[START], vocab[END]))
 
     def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
         """How many of an answer's tokens are its reasoning: those before its first ``</think>``

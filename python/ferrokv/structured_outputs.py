@@ -310,12 +310,11 @@ class GrammarRows:
         if not len(rows):
             return None
         keys = grammar_key(out.row_req_ids[rows], out.row_sample_index[rows])
-        thinking = self._thinking(keys)
-        if thinking.any():  # their grammar has not started: no mask, their tokens watched for </think>
-            step = GrammarStep(rows[~thinking], self.matchers_of(keys[~thinking]), self)
-            step.thinking_rows, step.thinking_keys = rows[thinking], keys[thinking]
-            return step
-        return GrammarStep(rows, self.matchers_of(keys), self)
+        thinking = None if self.reasoning_tags is None else self._thinking(keys)
+        if thinking is None or not thinking.any():
+            return GrammarStep(rows, self.matchers_of(keys), self)
+        # Their grammar has not started: no mask, their tokens watched for </think>.
+        return GrammarStep(rows[~thinking], self.matchers_of(keys[~thinking]), self, rows[thinking], keys[thinking])
 
     def _thinking(self, keys: np.ndarray) -> np.ndarray:
         """Which of the generations ``keys`` still reason (their grammar starts after it)."""

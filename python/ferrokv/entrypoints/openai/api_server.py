@@ -55,7 +55,6 @@ from ferrokv.entrypoints.openai.serving_completion import create_completion
 from ferrokv.entrypoints.openai.serving_responses import create_response, not_found
 from ferrokv.entrypoints.openai.server_config import ServerConfig, body_limit
 from ferrokv.entrypoints.openai.tool_parsers import check_tool_call_parser
-from ferrokv.reasoning_parsers import ReasoningParser
 from ferrokv.stats_log import LOG_STATS_INTERVAL_S
 
 logger = logging.getLogger("ferrokv.serve")
@@ -234,10 +233,8 @@ def build_app(async_llm: Any, config: ServerConfig) -> FastAPI:
     state_box: dict[str, ServerState] = {}
     metrics = ServerMetrics(async_llm, config.served_model_name, lambda: state_box["s"].http_in_flight,
                             async_llm.engine.cache_config.metrics_info())
-    # The engine's reasoning parser (checked against the tokenizer when the engine was made): chat
-    # answers' reasoning is told apart.
-    name, tags = async_llm.engine.args.reasoning_parser, async_llm.engine.grammar_rows.reasoning_tags
-    state = ServerState(async_llm, metrics, config, reasoning=None if name is None else ReasoningParser(name, tags))
+    # The engine's reasoning parser: chat answers' reasoning is told apart.
+    state = ServerState(async_llm, metrics, config, reasoning=async_llm.engine.reasoning)
     state_box["s"] = state
     app = FastAPI(title="ferrokv", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.root_path = config.root_path  # as vLLM sets it (the constructor's argument is deprecated)
